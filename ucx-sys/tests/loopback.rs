@@ -20,7 +20,7 @@ struct Context(ffi::ucp_context_h);
 
 impl Context {
     fn new() -> Self {
-        let mut params = ffi::ucp_params_t {
+        let params = ffi::ucp_params_t {
             field_mask: ffi::ucp_params_field::UCP_PARAM_FIELD_FEATURES.0 as u64,
             features: (ffi::ucp_feature::UCP_FEATURE_RMA | ffi::ucp_feature::UCP_FEATURE_AM).0
                 as u64,
@@ -28,7 +28,7 @@ impl Context {
         };
         let mut ctx = ptr::null_mut();
         check(
-            unsafe { ffi::kvx_ucp_init(&mut params, ptr::null(), &mut ctx) },
+            unsafe { ffi::kvx_ucp_init(&params, ptr::null(), &mut ctx) },
             "ucp_init",
         );
         Context(ctx)
@@ -264,7 +264,9 @@ unsafe extern "C" fn on_am(
 fn active_message_between_two_workers() {
     let ctx = Context::new();
     let (a, b) = (Worker::new(&ctx), Worker::new(&ctx));
-    let mut got = Received::default();
+    // UCX writes through this pointer from inside ucp_worker_progress; we read it only through the
+    // same pointer, so no Rust reference is alive across those writes.
+    let got_ptr = Box::into_raw(Box::new(Received::default()));
     let handler = ffi::ucp_am_handler_param_t {
         field_mask: (ffi::ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_ID
             | ffi::ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_CB
@@ -272,7 +274,7 @@ fn active_message_between_two_workers() {
             .0 as u64,
         id: 7,
         cb: Some(on_am),
-        arg: &mut got as *mut Received as *mut c_void,
+        arg: got_ptr as *mut c_void,
         ..Default::default()
     };
     check(
@@ -301,7 +303,7 @@ fn active_message_between_two_workers() {
     };
     wait(req, &[&a, &b], "ucp_am_send_nbx");
     let deadline = Instant::now() + BOUND;
-    while got.count == 0 {
+    while unsafe { (*got_ptr).count } == 0 {
         unsafe { ffi::ucp_worker_progress(a.0) };
         unsafe { ffi::ucp_worker_progress(b.0) };
         assert!(
@@ -309,6 +311,7 @@ fn active_message_between_two_workers() {
             "active message not received within {BOUND:?}"
         );
     }
+    let got = unsafe { Box::from_raw(got_ptr) };
     assert_eq!(got.count, 1);
     assert_eq!(got.header, header);
     assert_eq!(got.data, payload);

@@ -1,0 +1,1 @@
+//! The NIXL backend (being written).

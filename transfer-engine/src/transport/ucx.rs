@@ -1,0 +1,1025 @@
+//! The direct UCX backend: `ucp_put` for the pages, an active message for the notification.
+//!
+//! One progress thread owns the UCX context and its single-threaded worker; every other thread talks
+//! to it through a command queue. Callers that need an answer (register, connect) block on a reply for
+//! microseconds; posts are fire-and-forget with a [`Done`] callback.
+//!
+//! A chunk goes out as: every put (their requests freed at once: UCX completes them on its own), then
+//! `ucp_ep_flush_nbx`, whose completion means the puts are remotely complete, then the notification as
+//! an active message. So the receiver never sees a notification before its bytes.
+//!
+//! Idle, the thread spins for [`UcxConfig::spin`] and then sleeps in `poll(2)` on the worker's event
+//! fd (armed with `ucp_worker_arm`) and on an eventfd that command senders ring only when the thread
+//! is asleep: a busy engine pays no system call per command.
+//!
+//! This is the only module of the crate that calls UCX.
+
+use super::{
+    BackendKind, Done, Incoming, PeerId, RegionId, RemoteRegion, Sender, Sink, Transport, TransportError,
+    TransportStats, WriteOp,
+};
+use crate::mem::{MemDesc, MemKind};
+use crossbeam_channel as chan;
+use std::collections::{HashMap, VecDeque};
+use std::ffi::{CStr, c_void};
+use std::os::fd::RawFd;
+use std::ptr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+use ucx_sys as ffi;
+
+/// Active message id of chunk notifications.
+const NOTIFY_AM_ID: u32 = 0x4b56;
+/// How long a blocking call waits for the progress thread before calling it dead.
+const CALL_BOUND: Duration = Duration::from_secs(10);
+/// How long shutdown waits for posted chunks before closing endpoints under them.
+const SHUTDOWN_BOUND: Duration = Duration::from_secs(5);
+
+/// Settings of a [`UcxTransport`].
+#[derive(Clone, Debug)]
+pub struct UcxConfig {
+    /// How long the progress thread keeps polling after its last event before it sleeps.
+    pub spin: Duration,
+    /// Name of the worker, for UCX's logs.
+    pub name: String,
+}
+
+impl Default for UcxConfig {
+    fn default() -> Self {
+        UcxConfig { spin: Duration::from_micros(200), name: "kvx".into() }
+    }
+}
+
+fn status_error(op: &'static str, status: ffi::ucs_status_t) -> TransportError {
+    // SAFETY: ucs_status_string accepts any status value and returns a static NUL-terminated string.
+    let msg = unsafe { CStr::from_ptr(ffi::ucs_status_string(status)) };
+    TransportError::Library { op, code: i64::from(status.0), message: msg.to_string_lossy().into_owned() }
+}
+
+/// A UCX status as a `Result`, the one place where that conversion happens.
+trait StatusExt {
+    fn result(self, op: &'static str) -> Result<(), TransportError>;
+}
+
+impl StatusExt for ffi::ucs_status_t {
+    fn result(self, op: &'static str) -> Result<(), TransportError> {
+        if self.is_ok() { Ok(()) } else { Err(status_error(op, self)) }
+    }
+}
+
+/// The libucp files mapped into this process, one entry per distinct file.
+///
+/// Two different UCX libraries in one process share nothing and fight over signal handlers and memory
+/// hooks; the symptom is a hang, so the engine checks before it starts UCX and after NIXL loads its
+/// plugin.
+pub fn loaded_ucp_libraries() -> Vec<String> {
+    struct Found {
+        names: Vec<String>,
+    }
+    unsafe extern "C" fn visit(info: *mut libc::dl_phdr_info, _size: usize, data: *mut c_void) -> libc::c_int {
+        // SAFETY: dl_iterate_phdr passes a valid info pointer for the duration of the callback, and
+        // `data` is the `Found` we passed, alive for the whole iteration.
+        let (info, found) = unsafe { (&*info, &mut *(data as *mut Found)) };
+        if !info.dlpi_name.is_null() {
+            // SAFETY: dlpi_name is a NUL-terminated string owned by the loader, valid during the callback.
+            let name = unsafe { CStr::from_ptr(info.dlpi_name) }.to_string_lossy().into_owned();
+            let file = name.rsplit('/').next().unwrap_or("");
+            if file.starts_with("libucp.so") || file.starts_with("libucp-") {
+                found.names.push(name);
+            }
+        }
+        0
+    }
+    let mut found = Found { names: Vec::new() };
+    // SAFETY: the callback only reads the loader's data and writes into `found`, which outlives the call.
+    unsafe { libc::dl_iterate_phdr(Some(visit), &mut found as *mut Found as *mut c_void) };
+    let mut seen: Vec<(u64, u64)> = Vec::new();
+    let mut out = Vec::new();
+    for name in found.names {
+        let id = std::fs::metadata(&name).map(|m| {
+            use std::os::unix::fs::MetadataExt;
+            (m.dev(), m.ino())
+        });
+        match id {
+            Ok(id) if seen.contains(&id) => {}
+            Ok(id) => {
+                seen.push(id);
+                out.push(name);
+            }
+            Err(_) => out.push(name),
+        }
+    }
+    out
+}
+
+/// Fails when more than one distinct libucp is loaded in this process.
+///
+/// # Errors
+/// [`TransportError::TwoUcxLibraries`] with the paths found.
+pub fn check_single_ucx() -> Result<(), TransportError> {
+    let libs = loaded_ucp_libraries();
+    if libs.len() > 1 { Err(TransportError::TwoUcxLibraries(libs)) } else { Ok(()) }
+}
+
+/// The library version this process runs (not the headers' version).
+pub fn library_version() -> (u32, u32, u32) {
+    let (mut major, mut minor, mut release) = (0, 0, 0);
+    // SAFETY: the three pointers are valid for writes during the call.
+    unsafe { ffi::ucp_get_version(&mut major, &mut minor, &mut release) };
+    (major, minor, release)
+}
+
+enum Cmd {
+    Register(MemDesc, chan::Sender<Result<(RegionId, RemoteRegion), TransportError>>),
+    Deregister(RegionId, chan::Sender<Result<(), TransportError>>),
+    Connect(Vec<u8>, Vec<RemoteRegion>, u64, chan::Sender<Result<PeerId, TransportError>>),
+    Disconnect(PeerId),
+    Post(PeerId, Vec<WriteOp>, Vec<u8>, Done),
+    Stop,
+}
+
+#[derive(Default)]
+struct Counters {
+    regions: AtomicU64,
+    registered_bytes: AtomicU64,
+    peers: AtomicU64,
+    in_flight: AtomicU64,
+    deferred: AtomicU64,
+    notifications: AtomicU64,
+    bytes_posted: AtomicU64,
+}
+
+struct Shared {
+    wake_fd: RawFd,
+    sleeping: AtomicBool,
+    counters: Counters,
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // SAFETY: wake_fd is an eventfd this struct created and nothing else closes.
+        unsafe { libc::close(self.wake_fd) };
+    }
+}
+
+/// The direct UCX transport. Cheap to share behind an `Arc`; every method may be called from any thread.
+pub struct UcxTransport {
+    tx: chan::Sender<Cmd>,
+    shared: Arc<Shared>,
+    address: Vec<u8>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for UcxTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UcxTransport").field("stats", &self.stats()).finish()
+    }
+}
+
+impl UcxTransport {
+    /// Starts a UCX context and worker on a new progress thread. Received notifications and peer
+    /// failures go to `sink`, called on that thread.
+    ///
+    /// # Errors
+    /// Two UCX libraries in the process, or UCX failing to start.
+    pub fn new(config: UcxConfig, sink: Sink) -> Result<Self, TransportError> {
+        check_single_ucx()?;
+        // SAFETY: eventfd has no memory-safety preconditions; the result is checked below.
+        let wake_fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if wake_fd < 0 {
+            return Err(TransportError::Library {
+                op: "eventfd",
+                code: i64::from(std::io::Error::last_os_error().raw_os_error().unwrap_or(0)),
+                message: std::io::Error::last_os_error().to_string(),
+            });
+        }
+        let shared = Arc::new(Shared { wake_fd, sleeping: AtomicBool::new(false), counters: Counters::default() });
+        let (tx, rx) = chan::unbounded();
+        let (ready_tx, ready_rx) = chan::bounded(1);
+        let thread_shared = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("ucx-{}", config.name))
+            .spawn(move || match Worker::start(&config, sink, thread_shared) {
+                Ok(mut w) => {
+                    let addr = w.address();
+                    let ok = addr.is_ok();
+                    let _ = ready_tx.send(addr);
+                    if ok {
+                        w.run(&rx);
+                    }
+                    w.close();
+                }
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                }
+            })
+            .map_err(|e| TransportError::Library { op: "spawn", code: 0, message: e.to_string() })?;
+        let address = match ready_rx.recv_timeout(CALL_BOUND) {
+            Ok(Ok(a)) => a,
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                return Err(e);
+            }
+            Err(_) => return Err(TransportError::Shutdown),
+        };
+        Ok(UcxTransport { tx, shared, address, thread: Mutex::new(Some(thread)) })
+    }
+
+    fn send(&self, cmd: Cmd) -> Result<(), TransportError> {
+        self.tx.send(cmd).map_err(|_| TransportError::Shutdown)?;
+        // Pairs with the fence in Worker::sleep: either the thread sees our command before it sleeps,
+        // or we see it asleep and ring.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.shared.sleeping.load(Ordering::SeqCst) {
+            let one: u64 = 1;
+            // SAFETY: writes 8 bytes from a live u64 to an eventfd we own; a failed write (counter
+            // full) still leaves the fd readable, which is all we need.
+            unsafe { libc::write(self.shared.wake_fd, &one as *const u64 as *const c_void, 8) };
+        }
+        Ok(())
+    }
+
+    fn call<T>(&self, make: impl FnOnce(chan::Sender<Result<T, TransportError>>) -> Cmd) -> Result<T, TransportError> {
+        let (tx, rx) = chan::bounded(1);
+        self.send(make(tx))?;
+        rx.recv_timeout(CALL_BOUND).map_err(|_| TransportError::Shutdown)?
+    }
+
+    /// Stops the progress thread: waits (bounded) for posted chunks, then closes endpoints and frees
+    /// every UCX resource. Also done on drop.
+    pub fn shutdown(&self) {
+        let handle = self.thread.lock().ok().and_then(|mut t| t.take());
+        if let Some(handle) = handle {
+            let _ = self.send(Cmd::Stop);
+            let _ = handle.join();
+        }
+    }
+}
+
+impl Drop for UcxTransport {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+impl Transport for UcxTransport {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Ucx
+    }
+
+    fn metadata(&self) -> Result<Vec<u8>, TransportError> {
+        Ok(self.address.clone())
+    }
+
+    fn name(&self) -> String {
+        String::new()
+    }
+
+    fn register(&self, mem: MemDesc) -> Result<(RegionId, RemoteRegion), TransportError> {
+        self.call(|tx| Cmd::Register(mem, tx))
+    }
+
+    fn deregister(&self, id: RegionId) -> Result<(), TransportError> {
+        self.call(|tx| Cmd::Deregister(id, tx))
+    }
+
+    fn connect(&self, metadata: &[u8], regions: &[RemoteRegion], key: u64) -> Result<PeerId, TransportError> {
+        self.call(|tx| Cmd::Connect(metadata.to_vec(), regions.to_vec(), key, tx))
+    }
+
+    fn disconnect(&self, peer: PeerId) {
+        let _ = self.send(Cmd::Disconnect(peer));
+    }
+
+    fn post(&self, peer: PeerId, writes: Vec<WriteOp>, notification: Vec<u8>, done: Done) {
+        if let Err(Cmd::Post(_, _, _, done)) = self.tx.send(Cmd::Post(peer, writes, notification, done)).map_err(|e| e.0) {
+            done(Err(TransportError::Shutdown));
+            return;
+        }
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.shared.sleeping.load(Ordering::SeqCst) {
+            let one: u64 = 1;
+            // SAFETY: as in `send`.
+            unsafe { libc::write(self.shared.wake_fd, &one as *const u64 as *const c_void, 8) };
+        }
+    }
+
+    fn stats(&self) -> TransportStats {
+        let c = &self.shared.counters;
+        TransportStats {
+            regions: c.regions.load(Ordering::Relaxed),
+            registered_bytes: c.registered_bytes.load(Ordering::Relaxed),
+            peers: c.peers.load(Ordering::Relaxed),
+            in_flight: c.in_flight.load(Ordering::Relaxed),
+            deferred_deregistrations: c.deferred.load(Ordering::Relaxed),
+            notifications: c.notifications.load(Ordering::Relaxed),
+            bytes_posted: c.bytes_posted.load(Ordering::Relaxed),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The progress thread's side. Nothing below leaves that thread: raw handles are not Send.
+
+struct Region {
+    memh: ffi::ucp_mem_h,
+    addr: u64,
+    len: u64,
+    in_flight: u64,
+    deregister: Option<chan::Sender<Result<(), TransportError>>>,
+}
+
+struct RemoteKey {
+    addr: u64,
+    len: u64,
+    rkey: ffi::ucp_rkey_h,
+}
+
+struct Peer {
+    ep: ffi::ucp_ep_h,
+    key: u64,
+    remote: Vec<RemoteKey>,
+    failed: Option<String>,
+    in_flight: u64,
+    closing: bool,
+    /// Whether the peers counter includes it (it was fully connected).
+    counted: bool,
+    /// Error-handler argument; freed after the endpoint is closed.
+    err_arg: *mut ErrArg,
+}
+
+/// What UCX hands back to our callbacks: where to queue the event.
+type EventQueue = std::cell::RefCell<VecDeque<Event>>;
+
+enum Event {
+    OpDone(Box<Op>, ffi::ucs_status_t),
+    PeerError(u64, ffi::ucs_status_t),
+}
+
+#[derive(PartialEq, Eq)]
+enum Stage {
+    Flush,
+    Notify,
+}
+
+/// A posted chunk, owned by UCX (through `user_data`) while a request runs, by the thread otherwise.
+struct Op {
+    stage: Stage,
+    peer: u64,
+    regions: Vec<u64>,
+    /// Our sender key followed by the notification record; sent as the active message's data, so it
+    /// must stay put until the send completes: it lives in this box.
+    message: Vec<u8>,
+    done: Option<Done>,
+    error: Option<TransportError>,
+    queue: *const EventQueue,
+}
+
+struct ErrArg {
+    peer: u64,
+    queue: *const EventQueue,
+}
+
+struct AmArg {
+    sink: Sink,
+    shared: Arc<Shared>,
+}
+
+struct Worker {
+    ctx: ffi::ucp_context_h,
+    worker: ffi::ucp_worker_h,
+    efd: RawFd,
+    spin: Duration,
+    regions: HashMap<u64, Region>,
+    peers: HashMap<u64, Peer>,
+    next_id: u64,
+    closes: Vec<ffi::ucs_status_ptr_t>,
+    /// Boxed so the pointer UCX holds for callbacks stays put.
+    queue: Box<EventQueue>,
+    am_arg: *mut AmArg,
+    sink: Sink,
+    shared: Arc<Shared>,
+}
+
+unsafe extern "C" fn op_callback(request: *mut c_void, status: ffi::ucs_status_t, user_data: *mut c_void) {
+    // Never unwind into C: a panic here would be a bug, and aborting beats undefined behaviour.
+    let r = std::panic::catch_unwind(|| {
+        // SAFETY: user_data is the Box<Op> we leaked when posting this request; UCX calls this callback
+        // exactly once, so we take ownership back exactly once. The queue outlives every request
+        // (the worker is destroyed, and all requests finished, before the queue is dropped).
+        let op = unsafe { Box::from_raw(user_data as *mut Op) };
+        let queue = unsafe { &*op.queue };
+        queue.borrow_mut().push_back(Event::OpDone(op, status));
+        // SAFETY: `request` is the live request this callback reports on; we no longer use it.
+        unsafe { ffi::ucp_request_free(request) };
+    });
+    if r.is_err() {
+        std::process::abort();
+    }
+}
+
+unsafe extern "C" fn ep_error(arg: *mut c_void, _ep: ffi::ucp_ep_h, status: ffi::ucs_status_t) {
+    let r = std::panic::catch_unwind(|| {
+        // SAFETY: arg is the ErrArg box owned by the peer, freed only after its endpoint is closed, so
+        // it is alive whenever UCX can call this handler.
+        let arg = unsafe { &*(arg as *const ErrArg) };
+        // SAFETY: the queue outlives every endpoint (see op_callback).
+        let queue = unsafe { &*arg.queue };
+        queue.borrow_mut().push_back(Event::PeerError(arg.peer, status));
+    });
+    if r.is_err() {
+        std::process::abort();
+    }
+}
+
+unsafe extern "C" fn am_receive(
+    arg: *mut c_void,
+    _header: *const c_void,
+    _header_length: usize,
+    data: *mut c_void,
+    length: usize,
+    param: *const ffi::ucp_am_recv_param_t,
+) -> ffi::ucs_status_t {
+    let r = std::panic::catch_unwind(|| {
+        // SAFETY: arg is the AmArg box the worker owns; it is freed only after the worker is destroyed.
+        let arg = unsafe { &*(arg as *const AmArg) };
+        // SAFETY: param is valid during the callback.
+        let attr = unsafe { (*param).recv_attr };
+        if attr & u64::from(ffi::ucp_am_recv_attr_t::UCP_AM_RECV_ATTR_FLAG_RNDV.0) != 0 || data.is_null() {
+            // A notification is a few dozen bytes; a rendezvous one is not ours. Dropping it is safe:
+            // nothing completes without a valid notification.
+            return;
+        }
+        // SAFETY: for an eager message UCX gives `length` readable bytes at `data` for the callback.
+        let bytes = unsafe { std::slice::from_raw_parts(data as *const u8, length) };
+        arg.shared.counters.notifications.fetch_add(1, Ordering::Relaxed);
+        if let Some((key, record)) = bytes.split_first_chunk::<8>() {
+            (arg.sink)(Incoming::Notification { sender: Sender::Key(u64::from_le_bytes(*key)), bytes: record });
+        } else {
+            (arg.sink)(Incoming::Notification { sender: Sender::Key(0), bytes });
+        }
+    });
+    if r.is_err() {
+        std::process::abort();
+    }
+    ffi::ucs_status_t::UCS_OK
+}
+
+impl Worker {
+    fn start(config: &UcxConfig, sink: Sink, shared: Arc<Shared>) -> Result<Box<Worker>, TransportError> {
+        let params = ffi::ucp_params_t {
+            field_mask: (ffi::ucp_params_field::UCP_PARAM_FIELD_FEATURES
+                | ffi::ucp_params_field::UCP_PARAM_FIELD_MT_WORKERS_SHARED)
+                .0 as u64,
+            features: (ffi::ucp_feature::UCP_FEATURE_RMA
+                | ffi::ucp_feature::UCP_FEATURE_AM
+                | ffi::ucp_feature::UCP_FEATURE_WAKEUP)
+                .0 as u64,
+            mt_workers_shared: 0,
+            ..Default::default()
+        };
+        let mut ctx = ptr::null_mut();
+        // SAFETY: params is a valid, initialised struct; a NULL config means UCX's defaults and
+        // environment; ctx is a valid out pointer.
+        unsafe { ffi::kvx_ucp_init(&params, ptr::null(), &mut ctx) }.result("ucp_init")?;
+        let wparams = ffi::ucp_worker_params_t {
+            field_mask: ffi::ucp_worker_params_field::UCP_WORKER_PARAM_FIELD_THREAD_MODE.0 as u64,
+            thread_mode: ffi::ucs_thread_mode_t::UCS_THREAD_MODE_SINGLE,
+            ..Default::default()
+        };
+        let _ = &config.name;
+        let mut worker = ptr::null_mut();
+        // SAFETY: ctx is the live context created above; wparams is initialised; worker is an out pointer.
+        if let Err(e) = unsafe { ffi::ucp_worker_create(ctx, &wparams, &mut worker) }.result("ucp_worker_create") {
+            // SAFETY: ctx is live and owns nothing else yet.
+            unsafe { ffi::ucp_cleanup(ctx) };
+            return Err(e);
+        }
+        let mut efd = -1;
+        // SAFETY: worker is live; efd is an out pointer.
+        let st = unsafe { ffi::ucp_worker_get_efd(worker, &mut efd) };
+        let am_arg = Box::into_raw(Box::new(AmArg { sink: sink.clone(), shared: shared.clone() }));
+        let w = Box::new(Worker {
+            ctx,
+            worker,
+            efd,
+            spin: config.spin,
+            regions: HashMap::new(),
+            peers: HashMap::new(),
+            next_id: 1,
+            closes: Vec::new(),
+            queue: Box::new(std::cell::RefCell::new(VecDeque::new())),
+            am_arg,
+            sink,
+            shared,
+        });
+        st.result("ucp_worker_get_efd")?;
+        let handler = ffi::ucp_am_handler_param_t {
+            field_mask: (ffi::ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_ID
+                | ffi::ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_CB
+                | ffi::ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_ARG)
+                .0 as u64,
+            id: NOTIFY_AM_ID,
+            cb: Some(am_receive),
+            arg: am_arg as *mut c_void,
+            ..Default::default()
+        };
+        // SAFETY: worker is live; am_arg stays alive until after the worker is destroyed (Worker::close).
+        unsafe { ffi::ucp_worker_set_am_recv_handler(w.worker, &handler) }.result("ucp_worker_set_am_recv_handler")?;
+        Ok(w)
+    }
+
+    fn address(&mut self) -> Result<Vec<u8>, TransportError> {
+        let mut addr = ptr::null_mut();
+        let mut len = 0usize;
+        // SAFETY: worker is live; both out pointers are valid.
+        unsafe { ffi::ucp_worker_get_address(self.worker, &mut addr, &mut len) }.result("ucp_worker_get_address")?;
+        // SAFETY: UCX returned `len` readable bytes at `addr`, valid until released just below.
+        let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) }.to_vec();
+        // SAFETY: addr came from ucp_worker_get_address on this worker and is released once.
+        unsafe { ffi::ucp_worker_release_address(self.worker, addr) };
+        Ok(bytes)
+    }
+
+    fn run(&mut self, rx: &chan::Receiver<Cmd>) {
+        let mut last_busy = Instant::now();
+        loop {
+            let mut busy = false;
+            while let Ok(cmd) = rx.try_recv() {
+                busy = true;
+                if matches!(cmd, Cmd::Stop) {
+                    return;
+                }
+                self.handle(cmd);
+            }
+            // SAFETY: the worker is live and used only by this thread.
+            while unsafe { ffi::ucp_worker_progress(self.worker) } != 0 {
+                busy = true;
+            }
+            busy |= self.drain_events();
+            if busy {
+                last_busy = Instant::now();
+                continue;
+            }
+            if last_busy.elapsed() >= self.spin {
+                self.sleep(rx);
+                last_busy = Instant::now();
+            }
+        }
+    }
+
+    /// Sleeps until UCX has an event or a command arrives (bounded, to re-check on its own).
+    fn sleep(&mut self, rx: &chan::Receiver<Cmd>) {
+        self.shared.sleeping.store(true, Ordering::SeqCst);
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if !rx.is_empty() || !self.closes.is_empty() {
+            self.shared.sleeping.store(false, Ordering::SeqCst);
+            return;
+        }
+        // SAFETY: the worker is live and owned by this thread.
+        let st = unsafe { ffi::ucp_worker_arm(self.worker) };
+        if st == ffi::ucs_status_t::UCS_OK {
+            let mut fds = [
+                libc::pollfd { fd: self.efd, events: libc::POLLIN, revents: 0 },
+                libc::pollfd { fd: self.shared.wake_fd, events: libc::POLLIN, revents: 0 },
+            ];
+            // SAFETY: fds is a valid array of two pollfd for the duration of the call.
+            unsafe { libc::poll(fds.as_mut_ptr(), 2, 100) };
+            let mut v: u64 = 0;
+            // SAFETY: reads at most 8 bytes into a live u64 from our non-blocking eventfd.
+            unsafe { libc::read(self.shared.wake_fd, &mut v as *mut u64 as *mut c_void, 8) };
+        }
+        self.shared.sleeping.store(false, Ordering::SeqCst);
+    }
+
+    fn drain_events(&mut self) -> bool {
+        let mut any = false;
+        loop {
+            let ev = self.queue.borrow_mut().pop_front();
+            let Some(ev) = ev else { break };
+            any = true;
+            match ev {
+                Event::OpDone(op, status) => self.op_done(op, status),
+                Event::PeerError(peer, status) => self.peer_error(peer, status),
+            }
+        }
+        let before = self.closes.len();
+        self.closes.retain(|&req| {
+            // SAFETY: req is a live close request we keep until it completes.
+            let st = unsafe { ffi::ucp_request_check_status(req) };
+            if st == ffi::ucs_status_t::UCS_INPROGRESS {
+                true
+            } else {
+                // SAFETY: completed, and we never touch it again.
+                unsafe { ffi::ucp_request_free(req) };
+                false
+            }
+        });
+        any || before != self.closes.len()
+    }
+
+    fn handle(&mut self, cmd: Cmd) {
+        match cmd {
+            Cmd::Register(mem, reply) => {
+                let _ = reply.send(self.register(mem));
+            }
+            Cmd::Deregister(id, reply) => self.deregister(id, reply),
+            Cmd::Connect(meta, regions, key, reply) => {
+                let _ = reply.send(self.connect(&meta, &regions, key));
+            }
+            Cmd::Disconnect(peer) => {
+                if let Some(p) = self.peers.get_mut(&peer.0) {
+                    p.closing = true;
+                }
+                self.maybe_close_peer(peer.0);
+            }
+            Cmd::Post(peer, writes, notification, done) => self.post(peer, writes, notification, done),
+            Cmd::Stop => {}
+        }
+    }
+
+    fn register(&mut self, mem: MemDesc) -> Result<(RegionId, RemoteRegion), TransportError> {
+        let mem_type = match mem.kind() {
+            MemKind::Host => ffi::ucs_memory_type::UCS_MEMORY_TYPE_HOST,
+            MemKind::Cuda { .. } => ffi::ucs_memory_type::UCS_MEMORY_TYPE_CUDA,
+        };
+        let params = ffi::ucp_mem_map_params_t {
+            field_mask: (ffi::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+                | ffi::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_LENGTH
+                | ffi::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE)
+                .0 as u64,
+            address: mem.addr() as *mut c_void,
+            length: mem.len() as usize,
+            memory_type: mem_type,
+            ..Default::default()
+        };
+        let mut memh = ptr::null_mut();
+        // SAFETY: MemDesc's constructors make the caller promise the range is live memory of that kind
+        // for the registration's life; ctx is live; memh is an out pointer.
+        unsafe { ffi::ucp_mem_map(self.ctx, &params, &mut memh) }.result("ucp_mem_map")?;
+        let mut buf = ptr::null_mut();
+        let mut len = 0usize;
+        // SAFETY: memh was just mapped on this context; out pointers are valid.
+        let st = unsafe { ffi::ucp_rkey_pack(self.ctx, memh, &mut buf, &mut len) };
+        if let Err(e) = st.result("ucp_rkey_pack") {
+            // SAFETY: memh is mapped and unused.
+            unsafe { ffi::ucp_mem_unmap(self.ctx, memh) };
+            return Err(e);
+        }
+        // SAFETY: UCX returned `len` bytes at `buf`, released right after the copy.
+        let rkey = unsafe { std::slice::from_raw_parts(buf as *const u8, len) }.to_vec();
+        // SAFETY: buf came from ucp_rkey_pack and is released once.
+        unsafe { ffi::ucp_rkey_buffer_release(buf) };
+        let id = self.next_id;
+        self.next_id += 1;
+        self.regions.insert(id, Region { memh, addr: mem.addr(), len: mem.len(), in_flight: 0, deregister: None });
+        let c = &self.shared.counters;
+        c.regions.fetch_add(1, Ordering::Relaxed);
+        c.registered_bytes.fetch_add(mem.len(), Ordering::Relaxed);
+        Ok((RegionId(id), RemoteRegion { addr: mem.addr(), len: mem.len(), rkey }))
+    }
+
+    fn deregister(&mut self, id: RegionId, reply: chan::Sender<Result<(), TransportError>>) {
+        let Some(region) = self.regions.get_mut(&id.0) else {
+            let _ = reply.send(Err(TransportError::UnknownRegion(id)));
+            return;
+        };
+        if region.in_flight > 0 {
+            // Writes from or to it are still running: unmap when the last one is over.
+            region.deregister = Some(reply);
+            self.shared.counters.deferred.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let _ = reply.send(self.unmap(id.0));
+    }
+
+    fn unmap(&mut self, id: u64) -> Result<(), TransportError> {
+        let Some(region) = self.regions.remove(&id) else { return Err(TransportError::UnknownRegion(RegionId(id))) };
+        let c = &self.shared.counters;
+        c.regions.fetch_sub(1, Ordering::Relaxed);
+        c.registered_bytes.fetch_sub(region.len, Ordering::Relaxed);
+        // SAFETY: memh was mapped on this context and no posted write references it (in_flight == 0).
+        unsafe { ffi::ucp_mem_unmap(self.ctx, region.memh) }.result("ucp_mem_unmap")
+    }
+
+    fn connect(&mut self, meta: &[u8], regions: &[RemoteRegion], key: u64) -> Result<PeerId, TransportError> {
+        if meta.is_empty() {
+            return Err(TransportError::BadMetadata("empty UCX worker address".into()));
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        let err_arg = Box::into_raw(Box::new(ErrArg { peer: id, queue: &*self.queue }));
+        let params = ffi::ucp_ep_params_t {
+            field_mask: (ffi::ucp_ep_params_field::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
+                | ffi::ucp_ep_params_field::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+                | ffi::ucp_ep_params_field::UCP_EP_PARAM_FIELD_ERR_HANDLER)
+                .0 as u64,
+            address: meta.as_ptr() as *const ffi::ucp_address_t,
+            err_mode: ffi::ucp_err_handling_mode_t::UCP_ERR_HANDLING_MODE_PEER,
+            err_handler: ffi::ucp_err_handler { cb: Some(ep_error), arg: err_arg as *mut c_void },
+            ..Default::default()
+        };
+        let mut ep = ptr::null_mut();
+        // SAFETY: the worker is live; `meta` is the peer's worker address bytes, which UCX parses and
+        // validates (a malformed one yields an error status); err_arg lives until the ep is closed.
+        let st = unsafe { ffi::ucp_ep_create(self.worker, &params, &mut ep) };
+        if let Err(e) = st.result("ucp_ep_create") {
+            // SAFETY: the endpoint was not created, so nothing else holds err_arg.
+            drop(unsafe { Box::from_raw(err_arg) });
+            return Err(e);
+        }
+        let mut peer = Peer { ep, key, remote: Vec::new(), failed: None, in_flight: 0, closing: true, counted: false, err_arg };
+        for r in regions {
+            if r.rkey.is_empty() {
+                self.peers.insert(id, peer);
+                self.maybe_close_peer(id);
+                return Err(TransportError::BadMetadata("empty rkey".into()));
+            }
+            let mut rkey = ptr::null_mut();
+            // SAFETY: ep is live; the packed key bytes are read by UCX within the length it encoded,
+            // and `r.rkey` is a live buffer for the call.
+            let st = unsafe { ffi::ucp_ep_rkey_unpack(ep, r.rkey.as_ptr() as *const c_void, &mut rkey) };
+            if let Err(e) = st.result("ucp_ep_rkey_unpack") {
+                self.peers.insert(id, peer);
+                self.maybe_close_peer(id);
+                return Err(e);
+            }
+            peer.remote.push(RemoteKey { addr: r.addr, len: r.len, rkey });
+        }
+        peer.closing = false;
+        peer.counted = true;
+        self.peers.insert(id, peer);
+        self.shared.counters.peers.fetch_add(1, Ordering::Relaxed);
+        Ok(PeerId(id))
+    }
+
+    /// Closes a peer marked closing once nothing posted to it is running.
+    fn maybe_close_peer(&mut self, id: u64) {
+        let Some(p) = self.peers.get(&id) else { return };
+        if !p.closing || p.in_flight > 0 {
+            return;
+        }
+        let Some(p) = self.peers.remove(&id) else { return };
+        for r in &p.remote {
+            // SAFETY: rkey was unpacked on this ep and no posted write uses it any more (in_flight == 0).
+            unsafe { ffi::ucp_rkey_destroy(r.rkey) };
+        }
+        let param = ffi::ucp_request_param_t {
+            op_attr_mask: ffi::ucp_op_attr_t::UCP_OP_ATTR_FIELD_FLAGS.0,
+            flags: ffi::ucp_ep_close_flags_t::UCP_EP_CLOSE_FLAG_FORCE.0,
+            ..Default::default()
+        };
+        // SAFETY: ep is live and closed once; FORCE is valid because it was created with peer error
+        // handling.
+        let req = unsafe { ffi::ucp_ep_close_nbx(p.ep, &param) };
+        // SAFETY: plain pointer classification.
+        if unsafe { ffi::kvx_ucs_ptr_is_ptr(req) } != 0 {
+            self.closes.push(req);
+        }
+        // The error handler cannot fire for a closed endpoint; events it queued earlier name the peer
+        // id only, so freeing its argument now is sound.
+        // SAFETY: err_arg was leaked for this ep in connect and is freed once, here.
+        drop(unsafe { Box::from_raw(p.err_arg) });
+        if p.counted {
+            self.shared.counters.peers.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    fn post(&mut self, peer: PeerId, writes: Vec<WriteOp>, notification: Vec<u8>, done: Done) {
+        let Some(p) = self.peers.get(&peer.0) else {
+            done(Err(TransportError::UnknownPeer(peer)));
+            return;
+        };
+        if p.closing {
+            done(Err(TransportError::UnknownPeer(peer)));
+            return;
+        }
+        if let Some(reason) = &p.failed {
+            done(Err(TransportError::PeerFailed { peer, reason: reason.clone() }));
+            return;
+        }
+        // Validate everything before the first put, so a bad write list posts nothing.
+        let mut regions: Vec<u64> = Vec::new();
+        let mut bytes = 0u64;
+        for w in &writes {
+            let Some(r) = self.regions.get(&w.local.0) else {
+                done(Err(TransportError::UnknownRegion(w.local)));
+                return;
+            };
+            let local_ok = w.local_offset.checked_add(w.len).is_some_and(|end| end <= r.len);
+            let remote_ok = p
+                .remote
+                .get(w.remote as usize)
+                .is_some_and(|rr| w.remote_offset.checked_add(w.len).is_some_and(|end| end <= rr.len));
+            if !local_ok || !remote_ok || r.deregister.is_some() {
+                done(Err(TransportError::OutOfBounds(format!("{w:?}"))));
+                return;
+            }
+            if !regions.contains(&w.local.0) {
+                regions.push(w.local.0);
+            }
+            bytes += w.len;
+        }
+        let mut message = Vec::with_capacity(8 + notification.len());
+        message.extend_from_slice(&p.key.to_le_bytes());
+        message.extend_from_slice(&notification);
+        let ep = p.ep;
+        let mut error = None;
+        for w in &writes {
+            let (Some(r), Some(rr)) = (self.regions.get(&w.local.0), p.remote.get(w.remote as usize)) else { break };
+            let param = ffi::ucp_request_param_t {
+                op_attr_mask: ffi::ucp_op_attr_t::UCP_OP_ATTR_FIELD_MEMH.0,
+                memh: r.memh,
+                ..Default::default()
+            };
+            // SAFETY: source and destination ranges were bounds-checked against the registration and
+            // the peer's region above; the registration stays mapped until this op is over (in_flight
+            // is raised below before the worker can progress); rkey belongs to this ep.
+            let req = unsafe {
+                ffi::ucp_put_nbx(
+                    ep,
+                    (r.addr + w.local_offset) as *const c_void,
+                    w.len as usize,
+                    rr.addr + w.remote_offset,
+                    rr.rkey,
+                    &param,
+                )
+            };
+            // SAFETY: plain pointer classification of UCX's return value.
+            if unsafe { ffi::kvx_ucs_ptr_is_err(req) } != 0 {
+                // SAFETY: as above.
+                error = Some(status_error("ucp_put_nbx", unsafe { ffi::kvx_ucs_ptr_raw_status(req) }));
+                break;
+            }
+            // SAFETY: as above.
+            if unsafe { ffi::kvx_ucs_ptr_is_ptr(req) } != 0 {
+                // The put finishes on its own; the flush below waits for it.
+                // SAFETY: req is a live request we do not use again.
+                unsafe { ffi::ucp_request_free(req) };
+            }
+        }
+        for id in &regions {
+            if let Some(r) = self.regions.get_mut(id) {
+                r.in_flight += 1;
+            }
+        }
+        if let Some(p) = self.peers.get_mut(&peer.0) {
+            p.in_flight += 1;
+        }
+        let c = &self.shared.counters;
+        c.in_flight.fetch_add(1, Ordering::Relaxed);
+        c.bytes_posted.fetch_add(bytes, Ordering::Relaxed);
+        let op = Box::new(Op {
+            stage: Stage::Flush,
+            peer: peer.0,
+            regions,
+            message,
+            done: Some(done),
+            error,
+            queue: &*self.queue,
+        });
+        // Even after a failed put we flush, so no write still lands when `done` reports the failure.
+        self.start_flush(ep, op);
+    }
+
+    fn request_param(op: &mut Op) -> ffi::ucp_request_param_t {
+        let mut param = ffi::ucp_request_param_t {
+            op_attr_mask: (ffi::ucp_op_attr_t::UCP_OP_ATTR_FIELD_CALLBACK | ffi::ucp_op_attr_t::UCP_OP_ATTR_FIELD_USER_DATA).0,
+            user_data: op as *mut Op as *mut c_void,
+            ..Default::default()
+        };
+        param.cb.send = Some(op_callback);
+        param
+    }
+
+    fn start_flush(&mut self, ep: ffi::ucp_ep_h, mut op: Box<Op>) {
+        let param = Self::request_param(&mut op);
+        let raw = Box::into_raw(op);
+        // SAFETY: ep is live; the callback takes the Box<Op> back exactly once if a request is returned.
+        let req = unsafe { ffi::ucp_ep_flush_nbx(ep, &param) };
+        self.after_submit(req, raw, "ucp_ep_flush_nbx");
+    }
+
+    /// Handles what a submit call returned: a request (the callback will run), or immediate completion.
+    fn after_submit(&mut self, req: ffi::ucs_status_ptr_t, raw: *mut Op, op_name: &'static str) {
+        // SAFETY: plain pointer classification.
+        if unsafe { ffi::kvx_ucs_ptr_is_ptr(req) } != 0 {
+            return;
+        }
+        // No request: UCX will not call the callback, so the op is ours again.
+        // SAFETY: raw came from Box::into_raw just before the call, and no callback will take it.
+        let op = unsafe { Box::from_raw(raw) };
+        // SAFETY: plain pointer classification.
+        let status = unsafe { ffi::kvx_ucs_ptr_raw_status(req) };
+        let _ = op_name;
+        self.op_done(op, status);
+    }
+
+    fn op_done(&mut self, mut op: Box<Op>, status: ffi::ucs_status_t) {
+        if !status.is_ok() && op.error.is_none() {
+            let what = if op.stage == Stage::Flush { "ucp_ep_flush_nbx" } else { "ucp_am_send_nbx" };
+            op.error = Some(match self.peers.get(&op.peer).and_then(|p| p.failed.clone()) {
+                Some(reason) => TransportError::PeerFailed { peer: PeerId(op.peer), reason },
+                None => status_error(what, status),
+            });
+        }
+        if op.stage == Stage::Flush && op.error.is_none() {
+            let Some(ep) = self.peers.get(&op.peer).map(|p| p.ep) else {
+                op.error = Some(TransportError::UnknownPeer(PeerId(op.peer)));
+                return self.finish(op);
+            };
+            op.stage = Stage::Notify;
+            let mut param = Self::request_param(&mut op);
+            param.op_attr_mask |= ffi::ucp_op_attr_t::UCP_OP_ATTR_FIELD_FLAGS.0;
+            param.flags = ffi::ucp_send_am_flags::UCP_AM_SEND_FLAG_EAGER.0;
+            let (data, len) = (op.message.as_ptr(), op.message.len());
+            let raw = Box::into_raw(op);
+            // SAFETY: ep is live; the message bytes live in the boxed op, which stays allocated until
+            // the callback (or the immediate completion below) hands it back.
+            let req = unsafe { ffi::ucp_am_send_nbx(ep, NOTIFY_AM_ID, ptr::null(), 0, data as *const c_void, len, &param) };
+            return self.after_submit(req, raw, "ucp_am_send_nbx");
+        }
+        self.finish(op);
+    }
+
+    fn finish(&mut self, mut op: Box<Op>) {
+        let mut unmaps = Vec::new();
+        for id in &op.regions {
+            if let Some(r) = self.regions.get_mut(id) {
+                r.in_flight -= 1;
+                if r.in_flight == 0 && r.deregister.is_some() {
+                    unmaps.push(*id);
+                }
+            }
+        }
+        for id in unmaps {
+            let reply = self.regions.get_mut(&id).and_then(|r| r.deregister.take());
+            let res = self.unmap(id);
+            self.shared.counters.deferred.fetch_sub(1, Ordering::Relaxed);
+            if let Some(reply) = reply {
+                let _ = reply.send(res);
+            }
+        }
+        if let Some(p) = self.peers.get_mut(&op.peer) {
+            p.in_flight -= 1;
+        }
+        self.maybe_close_peer(op.peer);
+        self.shared.counters.in_flight.fetch_sub(1, Ordering::Relaxed);
+        if let Some(done) = op.done.take() {
+            done(match op.error.take() {
+                Some(e) => Err(e),
+                None => Ok(()),
+            });
+        }
+    }
+
+    fn peer_error(&mut self, peer: u64, status: ffi::ucs_status_t) {
+        let reason = status_error("endpoint", status).to_string();
+        if let Some(p) = self.peers.get_mut(&peer) {
+            if p.failed.is_none() {
+                p.failed = Some(reason.clone());
+                (self.sink)(Incoming::PeerFailed { peer: PeerId(peer), reason });
+            }
+        }
+    }
+
+    fn close(mut self: Box<Self>) {
+        // Let posted chunks finish (bounded), so their Done callbacks run and their memory is released.
+        let deadline = Instant::now() + SHUTDOWN_BOUND;
+        while self.shared.counters.in_flight.load(Ordering::Relaxed) > 0 && Instant::now() < deadline {
+            // SAFETY: the worker is live and owned by this thread.
+            unsafe { ffi::ucp_worker_progress(self.worker) };
+            self.drain_events();
+        }
+        let ids: Vec<u64> = self.peers.keys().copied().collect();
+        for id in ids {
+            if let Some(p) = self.peers.get_mut(&id) {
+                p.closing = true;
+                p.in_flight = 0;
+            }
+            self.maybe_close_peer(id);
+        }
+        let deadline = Instant::now() + SHUTDOWN_BOUND;
+        while !self.closes.is_empty() && Instant::now() < deadline {
+            // SAFETY: as above.
+            unsafe { ffi::ucp_worker_progress(self.worker) };
+            self.drain_events();
+        }
+        let ids: Vec<u64> = self.regions.keys().copied().collect();
+        for id in ids {
+            if let Some(reply) = self.regions.get_mut(&id).and_then(|r| r.deregister.take()) {
+                let _ = reply.send(Err(TransportError::Shutdown));
+            }
+            let _ = self.unmap(id);
+        }
+        // Ops still owned by UCX after the bound are leaked with the worker rather than freed under it.
+        // SAFETY: every endpoint is closed and every region unmapped; the worker is destroyed once.
+        unsafe { ffi::ucp_worker_destroy(self.worker) };
+        // SAFETY: the worker was the last user of the AM argument.
+        drop(unsafe { Box::from_raw(self.am_arg) });
+        // SAFETY: the context's only worker is destroyed.
+        unsafe { ffi::ucp_cleanup(self.ctx) };
+    }
+}

@@ -1,0 +1,671 @@
+//! Control connections over tokio TCP: connect with retry, listen, send, receive, handshake.
+
+use std::fmt;
+use std::io;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
+use tokio::time::Instant;
+
+use super::frame::{
+    DEFAULT_MAX_FRAME_LEN, FrameDecoder, FrameError, MsgKind, PROTOCOL_VERSION, encode_frame,
+};
+use super::msg::{Hello, HelloAck, Msg, Reject, RejectReason, check_hello};
+
+/// What went wrong on a control connection.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ControlError {
+    /// Connecting failed with an error that retrying would not fix.
+    #[error("connecting to {addr} failed")]
+    Connect {
+        /// Address as given.
+        addr: String,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// The deadline passed before any connection attempt succeeded.
+    #[error("no connection to {addr} before the deadline after {attempts} attempts")]
+    ConnectTimeout {
+        /// Address as given.
+        addr: String,
+        /// Attempts made.
+        attempts: u32,
+        /// The last attempt's error, if an attempt finished.
+        #[source]
+        last: Option<io::Error>,
+    },
+    /// Binding the listener failed.
+    #[error("binding {addr} failed")]
+    Bind {
+        /// Address as given.
+        addr: String,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// Accepting a connection failed.
+    #[error("accepting on {local} failed")]
+    Accept {
+        /// The listener's address.
+        local: SocketAddr,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// Reading from or writing to the peer failed.
+    #[error("{op} with {peer} failed")]
+    Io {
+        /// "read", "write", "flush", "shutdown".
+        op: &'static str,
+        /// The peer.
+        peer: SocketAddr,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// The peer sent bytes that are not a valid frame, or a message could not be framed.
+    #[error("bad frame from or for {peer}")]
+    Frame {
+        /// The peer.
+        peer: SocketAddr,
+        /// What was wrong.
+        #[source]
+        source: FrameError,
+    },
+    /// An earlier fatal frame error left the stream out of step; nothing more can be read.
+    #[error("connection to {peer} is unusable after an earlier framing error")]
+    Broken {
+        /// The peer.
+        peer: SocketAddr,
+    },
+    /// The peer closed the connection during the handshake.
+    #[error("{peer} closed the connection during the handshake, waiting for {waiting_for}")]
+    PeerClosed {
+        /// The peer.
+        peer: SocketAddr,
+        /// What the handshake was waiting for.
+        waiting_for: &'static str,
+    },
+    /// The peer sent a message the handshake did not expect.
+    #[error("{peer} sent {got} during the handshake, expected {expected}")]
+    Unexpected {
+        /// The peer.
+        peer: SocketAddr,
+        /// What was expected.
+        expected: &'static str,
+        /// What came.
+        got: MsgKind,
+    },
+    /// The peer refused our Hello.
+    #[error("{peer} rejected our hello: {reason}")]
+    PeerRejected {
+        /// The peer.
+        peer: SocketAddr,
+        /// The peer's reason.
+        reason: RejectReason,
+    },
+    /// We refused the peer's Hello (and told it why).
+    #[error("rejected the hello of {peer}: {reason}")]
+    RejectedPeer {
+        /// The peer.
+        peer: SocketAddr,
+        /// Our reason.
+        reason: RejectReason,
+    },
+    /// The handshake did not finish before its deadline.
+    #[error("handshake with {peer} did not finish before the deadline")]
+    HandshakeTimeout {
+        /// The peer.
+        peer: SocketAddr,
+    },
+}
+
+/// Connection errors worth retrying until the deadline: the peer may not be listening yet, or
+/// its network may still be coming up.
+fn retryable(kind: io::ErrorKind) -> bool {
+    use io::ErrorKind as K;
+    matches!(
+        kind,
+        K::ConnectionRefused
+            | K::ConnectionReset
+            | K::ConnectionAborted
+            | K::TimedOut
+            | K::Interrupted
+            | K::HostUnreachable
+            | K::NetworkUnreachable
+    )
+}
+
+const FIRST_BACKOFF: Duration = Duration::from_millis(10);
+const MAX_BACKOFF: Duration = Duration::from_millis(500);
+
+/// The receiving half of a control connection.
+#[derive(Debug)]
+pub struct ControlReader {
+    io: OwnedReadHalf,
+    decoder: FrameDecoder,
+    peer: SocketAddr,
+    eof: bool,
+}
+
+impl ControlReader {
+    /// The next message, or `None` once the peer closed the stream at a frame boundary.
+    ///
+    /// # Errors
+    /// [`ControlError::Io`] on a socket error; [`ControlError::Frame`] on a bad frame (a
+    /// truncated stream is [`FrameError::Truncated`]). After a fatal frame error (see
+    /// [`FrameError::is_fatal`]) every later call returns [`ControlError::Broken`]; after a
+    /// payload error the next call reads the next frame.
+    ///
+    /// # Cancel safety
+    /// Cancel-safe. Bytes read so far, partial frames included, stay in the reader's buffer, so
+    /// dropping this future (in `select!` or on a timeout) loses nothing and the next call
+    /// resumes where this one stopped.
+    pub async fn recv(&mut self) -> Result<Option<Msg>, ControlError> {
+        let peer = self.peer;
+        if self.decoder.is_poisoned() {
+            return Err(ControlError::Broken { peer });
+        }
+        loop {
+            match self.decoder.decode_next() {
+                Ok(Some(msg)) => return Ok(Some(msg)),
+                Ok(None) => {}
+                Err(source) => return Err(ControlError::Frame { peer, source }),
+            }
+            if self.eof {
+                return match self.decoder.finish() {
+                    None => Ok(None),
+                    Some(source) => Err(ControlError::Frame { peer, source }),
+                };
+            }
+            // Reserve only what the current frame still needs, capped, so a peer's declared
+            // length never turns into an allocation before its bytes arrive.
+            let hint = self.decoder.read_hint();
+            let buf = self.decoder.buf_mut();
+            buf.reserve(hint);
+            // read_buf is cancel-safe: if this future is dropped here, no byte was consumed.
+            let n = self
+                .io
+                .read_buf(buf)
+                .await
+                .map_err(|source| ControlError::Io {
+                    op: "read",
+                    peer,
+                    source,
+                })?;
+            if n == 0 {
+                self.eof = true;
+            }
+        }
+    }
+
+    /// The peer's address.
+    pub fn peer_addr(&self) -> SocketAddr {
+        self.peer
+    }
+}
+
+/// The sending half of a control connection.
+#[derive(Debug)]
+pub struct ControlWriter {
+    io: OwnedWriteHalf,
+    /// Encoded bytes not yet handed to the socket, starting at `written`.
+    pending: Vec<u8>,
+    written: usize,
+    max_len: u32,
+    peer: SocketAddr,
+}
+
+impl ControlWriter {
+    /// Sends one message.
+    ///
+    /// # Errors
+    /// [`ControlError::Frame`] if the message would exceed the frame cap (nothing is sent);
+    /// [`ControlError::Io`] on a socket error.
+    ///
+    /// # Cancel safety
+    /// Not cancel-safe in the sense that a cancelled message may still be delivered: the stream
+    /// never carries a torn frame, because whatever part of a frame was not yet written stays
+    /// queued and is written first by the next `send` or [`flush`](Self::flush). So after a
+    /// cancel, a message was sent whole, or will be by the next call, or (if the writer is
+    /// dropped) not at all.
+    pub async fn send(&mut self, msg: &Msg) -> Result<(), ControlError> {
+        let peer = self.peer;
+        self.flush_pending().await?;
+        encode_frame(msg, self.max_len, &mut self.pending)
+            .map_err(|source| ControlError::Frame { peer, source })?;
+        self.flush_pending().await
+    }
+
+    /// Writes whatever a cancelled `send` left queued.
+    ///
+    /// # Errors
+    /// [`ControlError::Io`] on a socket error.
+    ///
+    /// # Cancel safety
+    /// Cancel-safe: progress is recorded after every write, and the rest stays queued.
+    pub async fn flush(&mut self) -> Result<(), ControlError> {
+        self.flush_pending().await
+    }
+
+    /// Sends [`Msg::Close`] and shuts down the sending direction (the peer's `recv` then ends
+    /// with `None`).
+    ///
+    /// # Errors
+    /// As [`send`](Self::send), and [`ControlError::Io`] if the shutdown fails.
+    ///
+    /// # Cancel safety
+    /// As [`send`](Self::send): a cancelled close may leave Close queued but unsent.
+    pub async fn close(mut self) -> Result<(), ControlError> {
+        self.send(&Msg::Close).await?;
+        let peer = self.peer;
+        self.io.shutdown().await.map_err(|source| ControlError::Io {
+            op: "shutdown",
+            peer,
+            source,
+        })
+    }
+
+    /// The peer's address.
+    pub fn peer_addr(&self) -> SocketAddr {
+        self.peer
+    }
+
+    async fn flush_pending(&mut self) -> Result<(), ControlError> {
+        let peer = self.peer;
+        while self.written < self.pending.len() {
+            // Each `write` either completes with a count or does nothing, so updating `written`
+            // right after it keeps the queue exact across cancellation.
+            let n = self
+                .io
+                .write(&self.pending[self.written..])
+                .await
+                .map_err(|source| ControlError::Io {
+                    op: "write",
+                    peer,
+                    source,
+                })?;
+            if n == 0 {
+                return Err(ControlError::Io {
+                    op: "write",
+                    peer,
+                    source: io::ErrorKind::WriteZero.into(),
+                });
+            }
+            self.written += n;
+        }
+        self.pending.clear();
+        self.written = 0;
+        // Don't keep a large Hello's buffer for the connection's life.
+        if self.pending.capacity() > 1 << 20 {
+            self.pending = Vec::new();
+        }
+        Ok(())
+    }
+}
+
+/// A control connection: a framed, message-level view of one TCP stream.
+#[derive(Debug)]
+pub struct Connection {
+    reader: ControlReader,
+    writer: ControlWriter,
+}
+
+impl Connection {
+    /// Connects to `addr`, retrying refused or unreachable attempts with a growing backoff until
+    /// `deadline`, since the peer may start later than we do.
+    ///
+    /// # Errors
+    /// [`ControlError::ConnectTimeout`] when the deadline passes (with the last attempt's
+    /// error), [`ControlError::Connect`] at once for errors that retrying would not fix (an
+    /// unresolvable name, an invalid address).
+    ///
+    /// # Cancel safety
+    /// Cancel-safe: nothing is held between attempts; a dropped future leaves no connection.
+    pub async fn connect<A>(addr: A, deadline: Instant) -> Result<Self, ControlError>
+    where
+        A: ToSocketAddrs + fmt::Display,
+    {
+        let mut attempts = 0u32;
+        let mut last = None;
+        let mut backoff = FIRST_BACKOFF;
+        loop {
+            attempts += 1;
+            match tokio::time::timeout_at(deadline, TcpStream::connect(&addr)).await {
+                Ok(Ok(stream)) => {
+                    tracing::debug!(%addr, attempts, "control connection established");
+                    return Self::from_stream(stream).map_err(|source| ControlError::Connect {
+                        addr: addr.to_string(),
+                        source,
+                    });
+                }
+                Ok(Err(e)) if retryable(e.kind()) => {
+                    tracing::trace!(%addr, attempts, error = %e, "control connect failed, retrying");
+                    last = Some(e);
+                }
+                Ok(Err(source)) => {
+                    return Err(ControlError::Connect {
+                        addr: addr.to_string(),
+                        source,
+                    });
+                }
+                Err(_) => break,
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                break;
+            }
+            tokio::time::sleep_until((now + backoff).min(deadline)).await;
+            backoff = (backoff * 2).min(MAX_BACKOFF);
+        }
+        Err(ControlError::ConnectTimeout {
+            addr: addr.to_string(),
+            attempts,
+            last,
+        })
+    }
+
+    /// Wraps an established stream, with the default frame cap.
+    ///
+    /// # Errors
+    /// The OS error if the peer address cannot be read (the socket is not connected).
+    pub fn from_stream(stream: TcpStream) -> io::Result<Self> {
+        let peer = stream.peer_addr()?;
+        // Control messages are small and latency-bound; do not let Nagle hold them back.
+        stream.set_nodelay(true)?;
+        let (r, w) = stream.into_split();
+        Ok(Self {
+            reader: ControlReader {
+                io: r,
+                decoder: FrameDecoder::new(DEFAULT_MAX_FRAME_LEN),
+                peer,
+                eof: false,
+            },
+            writer: ControlWriter {
+                io: w,
+                pending: Vec::new(),
+                written: 0,
+                max_len: DEFAULT_MAX_FRAME_LEN,
+                peer,
+            },
+        })
+    }
+
+    /// Sets the payload cap for both directions (a frame above it is refused unread, and we
+    /// refuse to send one).
+    #[must_use]
+    pub fn with_max_frame_len(mut self, max_len: u32) -> Self {
+        self.writer.max_len = max_len;
+        self.reader.decoder.set_max_len(max_len);
+        self
+    }
+
+    /// The peer's address.
+    pub fn peer_addr(&self) -> SocketAddr {
+        self.reader.peer
+    }
+
+    /// Sends one message; see [`ControlWriter::send`].
+    ///
+    /// # Errors
+    /// As [`ControlWriter::send`].
+    ///
+    /// # Cancel safety
+    /// As [`ControlWriter::send`]: no torn frame, but a cancelled message may still go out.
+    pub async fn send(&mut self, msg: &Msg) -> Result<(), ControlError> {
+        self.writer.send(msg).await
+    }
+
+    /// Receives one message; see [`ControlReader::recv`].
+    ///
+    /// # Errors
+    /// As [`ControlReader::recv`].
+    ///
+    /// # Cancel safety
+    /// Cancel-safe, as [`ControlReader::recv`].
+    pub async fn recv(&mut self) -> Result<Option<Msg>, ControlError> {
+        self.reader.recv().await
+    }
+
+    /// Sends Close and shuts down our sending direction; see [`ControlWriter::close`].
+    ///
+    /// # Errors
+    /// As [`ControlWriter::close`].
+    ///
+    /// # Cancel safety
+    /// As [`ControlWriter::close`].
+    pub async fn close(self) -> Result<(), ControlError> {
+        self.writer.close().await
+    }
+
+    /// Splits into halves that two tasks can own, one receiving, one sending.
+    pub fn into_split(self) -> (ControlReader, ControlWriter) {
+        (self.reader, self.writer)
+    }
+}
+
+/// Accepts control connections.
+#[derive(Debug)]
+pub struct Listener {
+    inner: TcpListener,
+    local: SocketAddr,
+}
+
+impl Listener {
+    /// Binds to `addr` (port 0 picks a free port; see [`local_addr`](Self::local_addr)).
+    ///
+    /// # Errors
+    /// [`ControlError::Bind`].
+    ///
+    /// # Cancel safety
+    /// Cancel-safe: a dropped future binds nothing that outlives it.
+    pub async fn bind<A>(addr: A) -> Result<Self, ControlError>
+    where
+        A: ToSocketAddrs + fmt::Display,
+    {
+        let bind_err = |source| ControlError::Bind {
+            addr: addr.to_string(),
+            source,
+        };
+        let inner = TcpListener::bind(&addr).await.map_err(bind_err)?;
+        let local = inner.local_addr().map_err(|source| ControlError::Bind {
+            addr: addr.to_string(),
+            source,
+        })?;
+        Ok(Self { inner, local })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+
+    /// Waits for the next peer.
+    ///
+    /// # Errors
+    /// [`ControlError::Accept`].
+    ///
+    /// # Cancel safety
+    /// Cancel-safe, as tokio's `TcpListener::accept`: no connection is lost if the future is
+    /// dropped.
+    pub async fn accept(&self) -> Result<Connection, ControlError> {
+        let local = self.local;
+        let (stream, _) = self
+            .inner
+            .accept()
+            .await
+            .map_err(|source| ControlError::Accept { local, source })?;
+        Connection::from_stream(stream).map_err(|source| ControlError::Accept { local, source })
+    }
+}
+
+/// Runs the symmetric handshake with [`check_hello`] as the only acceptance rule.
+///
+/// See [`handshake_with`].
+///
+/// # Errors
+/// As [`handshake_with`].
+///
+/// # Cancel safety
+/// Not cancel-safe: a dropped handshake leaves the connection mid-protocol; drop the connection
+/// too. Pass a deadline instead of wrapping it in a timeout.
+pub async fn handshake(
+    conn: &mut Connection,
+    local: &Hello,
+    deadline: Instant,
+) -> Result<Hello, ControlError> {
+    handshake_with(conn, local, deadline, |_| Ok(())).await
+}
+
+/// Runs the symmetric handshake and returns the peer's Hello once both sides accepted.
+///
+/// Both sides: send Hello; read the peer's Hello; check it with [`check_hello`] and then with
+/// `accept` (for what only the application knows, such as a rank already connected); send
+/// HelloAck or Reject; read the peer's verdict. A side that rejects still reads the peer's
+/// verdict before returning, so its Reject is not lost to a reset when the caller drops the
+/// connection. A frame with another protocol version is answered with
+/// [`RejectReason::VersionMismatch`], since the header layout and the Reject kind are the same
+/// in every version.
+///
+/// # Errors
+/// [`ControlError::RejectedPeer`] if we refused the peer (our reason is sent to it);
+/// [`ControlError::PeerRejected`] if it refused us (its reason); [`ControlError::HandshakeTimeout`]
+/// at the deadline; [`ControlError::PeerClosed`], [`ControlError::Unexpected`],
+/// [`ControlError::Frame`] or [`ControlError::Io`] when the peer misbehaves or goes away.
+///
+/// # Cancel safety
+/// Not cancel-safe: a dropped handshake leaves the connection mid-protocol; drop the connection
+/// too. Pass a deadline instead of wrapping it in a timeout.
+pub async fn handshake_with<F>(
+    conn: &mut Connection,
+    local: &Hello,
+    deadline: Instant,
+    accept: F,
+) -> Result<Hello, ControlError>
+where
+    F: FnOnce(&Hello) -> Result<(), RejectReason>,
+{
+    let peer = conn.peer_addr();
+    match tokio::time::timeout_at(deadline, handshake_inner(conn, local, accept)).await {
+        Ok(Ok(remote)) => {
+            tracing::debug!(%peer, remote_engine = %remote.engine_id, role = %remote.role, pp_rank = remote.pp_rank, "control handshake accepted");
+            Ok(remote)
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(%peer, error = %e, "control handshake failed");
+            Err(e)
+        }
+        Err(_) => Err(ControlError::HandshakeTimeout { peer }),
+    }
+}
+
+async fn handshake_inner<F>(
+    conn: &mut Connection,
+    local: &Hello,
+    accept: F,
+) -> Result<Hello, ControlError>
+where
+    F: FnOnce(&Hello) -> Result<(), RejectReason>,
+{
+    let peer = conn.peer_addr();
+    conn.send(&Msg::Hello(local.clone())).await?;
+    let remote = match conn.recv().await {
+        Ok(Some(Msg::Hello(h))) => h,
+        Ok(Some(Msg::Reject(r))) => {
+            return Err(ControlError::PeerRejected {
+                peer,
+                reason: r.reason,
+            });
+        }
+        Ok(Some(other)) => {
+            let reason = RejectReason::Protocol(format!("expected Hello, got {}", other.kind()));
+            return refuse(conn, reason, true).await;
+        }
+        Ok(None) => {
+            return Err(ControlError::PeerClosed {
+                peer,
+                waiting_for: "Hello",
+            });
+        }
+        Err(ControlError::Frame {
+            source: FrameError::UnsupportedVersion { got, .. },
+            ..
+        }) => {
+            let reason = RejectReason::VersionMismatch {
+                local: PROTOCOL_VERSION,
+                remote: got,
+            };
+            // The stream is out of step, so do not wait for a verdict we could not read.
+            return refuse(conn, reason, false).await;
+        }
+        Err(e) => return Err(e),
+    };
+    let verdict = check_hello(local, &remote).and_then(|()| accept(&remote));
+    match verdict {
+        Ok(()) => {
+            conn.send(&Msg::HelloAck(HelloAck {
+                engine_id: local.engine_id.clone(),
+            }))
+            .await?;
+            match conn.recv().await? {
+                Some(Msg::HelloAck(_)) => Ok(remote),
+                Some(Msg::Reject(r)) => Err(ControlError::PeerRejected {
+                    peer,
+                    reason: r.reason,
+                }),
+                Some(other) => Err(ControlError::Unexpected {
+                    peer,
+                    expected: "HelloAck or Reject",
+                    got: other.kind(),
+                }),
+                None => Err(ControlError::PeerClosed {
+                    peer,
+                    waiting_for: "HelloAck or Reject",
+                }),
+            }
+        }
+        Err(reason) => refuse(conn, reason, true).await,
+    }
+}
+
+/// How long a side that refused waits for the peer's last bytes before giving up on them.
+const LINGER: Duration = Duration::from_millis(250);
+
+/// Sends Reject, lingers briefly for the peer's last bytes, and returns
+/// [`ControlError::RejectedPeer`] unless sending failed.
+///
+/// The linger exists because closing a socket with unread data makes the OS send a reset, which
+/// can destroy our Reject before the peer reads it. `in_step` says whether the stream can still
+/// be read as frames (to take the peer's verdict) or must be drained as raw bytes.
+async fn refuse<T>(
+    conn: &mut Connection,
+    reason: RejectReason,
+    in_step: bool,
+) -> Result<T, ControlError> {
+    let peer = conn.peer_addr();
+    conn.send(&Msg::Reject(Reject {
+        reason: reason.clone(),
+    }))
+    .await?;
+    // Errors and timeouts here are ignored on purpose: our own reason is what gets reported.
+    if in_step {
+        let _ = tokio::time::timeout(LINGER, conn.recv()).await;
+    } else {
+        let _ = conn.writer.io.shutdown().await;
+        let drain = async {
+            let mut scratch = [0u8; 4096];
+            while let Ok(n) = conn.reader.io.read(&mut scratch).await {
+                if n == 0 {
+                    break;
+                }
+            }
+        };
+        let _ = tokio::time::timeout(LINGER, drain).await;
+    }
+    Err(ControlError::RejectedPeer { peer, reason })
+}

@@ -1,0 +1,685 @@
+//! Control messages and the checks a receiver applies to them.
+//!
+//! These are the control plane's own wire structs; the engine converts them to and from the
+//! core's types, so this module depends on nothing else in the crate.
+
+use serde::{Deserialize, Serialize};
+
+use super::frame::{MsgKind, PROTOCOL_VERSION};
+
+/// Which side of disaggregated serving an engine is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Role {
+    /// Runs prompts and writes KV pages out.
+    Prefill,
+    /// Allocates pages, receives KV pages, generates tokens.
+    Decode,
+}
+
+impl std::fmt::Display for Role {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Prefill => "prefill",
+            Self::Decode => "decode",
+        })
+    }
+}
+
+/// How KV heads are spread over TP ranks; both sides must agree.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum TpMode {
+    /// Same TP size on both sides; rank i writes to rank i, byte for byte.
+    Identical,
+    /// Every TP rank holds the whole KV (MLA latent): any TP sizes, same bytes per token.
+    Replicated,
+    /// Heads are sliced over TP ranks: TP sizes may differ, but the model's total bytes per token
+    /// per layer (`bytes_per_token_per_layer * tp_size`) must agree.
+    HeadSliced,
+}
+
+/// The KV cache layout one side registered, as far as the peer needs it to plan writes.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct LayoutInfo {
+    /// Layers in the whole model.
+    pub num_layers: u32,
+    /// First layer this side holds.
+    pub first_layer: u32,
+    /// Number of layers this side holds, from `first_layer`.
+    pub layers: u32,
+    /// KV regions per layer: 1 for fused KV (or MLA latent), 2 for split K and V.
+    pub kv_regions: u8,
+    /// Tokens per page.
+    pub page_tokens: u32,
+    /// Bytes of one token in one layer held by this TP rank (all regions together).
+    pub bytes_per_token_per_layer: u64,
+    /// Pages this side registered per layer and region; valid page indices are `0..pages`.
+    pub pages: u32,
+    /// KV heads held by this TP rank, 0 where heads do not apply (MLA).
+    pub kv_heads: u32,
+    /// How heads map across TP ranks.
+    pub tp_mode: TpMode,
+}
+
+/// Which transfer library a side uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum BackendKind {
+    /// Direct UCP.
+    Ucx,
+    /// A NIXL agent.
+    Nixl,
+}
+
+impl std::fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Ucx => "UCX",
+            Self::Nixl => "NIXL",
+        })
+    }
+}
+
+/// One registered region as the peer must name it to write into it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RemoteRegion {
+    /// Remote virtual (or device) address of the region's start.
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// Packed remote key (UCX `ucp_rkey_pack` output); empty for NIXL, whose metadata carries it.
+    pub rkey: Vec<u8>,
+}
+
+/// What the peer needs to reach this side's memory.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct BackendInfo {
+    /// The library.
+    pub kind: BackendKind,
+    /// UCX worker address, or NIXL agent metadata.
+    pub worker_or_agent: Vec<u8>,
+    /// NIXL agent name; empty for UCX.
+    pub agent_name: String,
+    /// Registered regions, in the order the layout numbers them.
+    pub regions: Vec<RemoteRegion>,
+}
+
+/// A shared secret proving that a peer belongs to the same deployment.
+///
+/// Its `Debug` never shows the bytes, so a `Hello` can be traced safely. It is sent in clear
+/// over the control connection: it keeps misconfigured or stray peers out, and does not stand
+/// against an attacker who can read the network (use a private network or a tunnel for that).
+#[derive(Clone, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Token(Vec<u8>);
+
+impl Token {
+    /// Wraps secret bytes.
+    pub fn new(secret: impl Into<Vec<u8>>) -> Self {
+        Self(secret.into())
+    }
+
+    /// Compares in time that depends only on the lengths, not on where the bytes differ.
+    pub fn ct_eq(&self, other: &Token) -> bool {
+        constant_time_eq(&self.0, &other.0)
+    }
+
+    /// The secret bytes; do not log them.
+    pub fn expose(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+/// Constant-time, like [`Token::ct_eq`], so comparing Hellos never leaks the secret by timing.
+impl PartialEq for Token {
+    fn eq(&self, other: &Self) -> bool {
+        self.ct_eq(other)
+    }
+}
+
+impl Eq for Token {}
+
+impl std::fmt::Debug for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Token(<redacted>)")
+    }
+}
+
+/// Equality whose running time does not reveal the position of the first difference.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    // The length is not secret enough to hide (the peer chose its own); the contents are.
+    if a.len() != b.len() {
+        return false;
+    }
+    let diff = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
+    // black_box keeps the optimiser from turning the fold into an early-exit compare.
+    std::hint::black_box(diff) == 0
+}
+
+/// The first message on every connection, sent by both sides.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    /// Protocol version the sender speaks ([`PROTOCOL_VERSION`]).
+    pub protocol_version: u16,
+    /// The sender's engine name, for logs and for telling peers apart.
+    pub engine_id: String,
+    /// Prefill or decode.
+    pub role: Role,
+    /// Pipeline-parallel rank.
+    pub pp_rank: u16,
+    /// Pipeline-parallel size.
+    pub pp_size: u16,
+    /// Tensor-parallel rank.
+    pub tp_rank: u16,
+    /// Tensor-parallel size.
+    pub tp_size: u16,
+    /// The sender's KV layout.
+    pub layout: LayoutInfo,
+    /// The sender's transfer library and its metadata.
+    pub backend: BackendInfo,
+    /// The shared secret, if the deployment uses one. A side that holds a token requires the
+    /// peer to present the same one.
+    pub token: Option<Token>,
+    /// A random 64-bit key the prefill side carries with every UCX notification it sends, so the
+    /// decode side can tell which connection (and so which PP rank) sent it. Zero when unused.
+    pub notify_key: u64,
+}
+
+impl Hello {
+    /// A Hello at this build's protocol version, rank 0 of 1 in PP and TP, without a token.
+    pub fn new(
+        engine_id: impl Into<String>,
+        role: Role,
+        layout: LayoutInfo,
+        backend: BackendInfo,
+    ) -> Self {
+        Self {
+            protocol_version: PROTOCOL_VERSION,
+            engine_id: engine_id.into(),
+            role,
+            pp_rank: 0,
+            pp_size: 1,
+            tp_rank: 0,
+            tp_size: 1,
+            layout,
+            backend,
+            token: None,
+            notify_key: 0,
+        }
+    }
+
+    /// Sets the PP rank and size.
+    #[must_use]
+    pub fn with_pp(mut self, rank: u16, size: u16) -> Self {
+        self.pp_rank = rank;
+        self.pp_size = size;
+        self
+    }
+
+    /// Sets the TP rank and size.
+    #[must_use]
+    pub fn with_tp(mut self, rank: u16, size: u16) -> Self {
+        self.tp_rank = rank;
+        self.tp_size = size;
+        self
+    }
+
+    /// Sets the shared secret.
+    #[must_use]
+    pub fn with_token(mut self, token: Token) -> Self {
+        self.token = Some(token);
+        self
+    }
+}
+
+/// Acceptance of the peer's Hello.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HelloAck {
+    /// The accepting side's engine id.
+    pub engine_id: String,
+}
+
+/// Why a Hello was refused, explained for the operator who reads the log.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[non_exhaustive]
+pub enum RejectReason {
+    /// The sides speak different protocol versions.
+    #[error("protocol version mismatch: this side speaks {local}, the peer {remote}")]
+    VersionMismatch {
+        /// Version of the side that rejects.
+        local: u16,
+        /// Version the peer announced.
+        remote: u16,
+    },
+    /// The roles cannot talk to each other (two decode servers).
+    #[error("role mismatch: {0}")]
+    RoleMismatch(String),
+    /// The KV layouts cannot be mapped onto each other.
+    #[error("KV layout mismatch: {0}")]
+    LayoutMismatch(String),
+    /// The pipeline-parallel configuration is inconsistent.
+    #[error("pipeline-parallel mismatch: {0}")]
+    PpMismatch(String),
+    /// The tensor-parallel configuration is inconsistent.
+    #[error("tensor-parallel mismatch: {0}")]
+    TpMismatch(String),
+    /// The sides use different transfer libraries.
+    #[error("backend mismatch: this side uses {local}, the peer {remote}")]
+    BackendMismatch {
+        /// Backend of the side that rejects.
+        local: BackendKind,
+        /// Backend the peer announced.
+        remote: BackendKind,
+    },
+    /// Another connection already holds this rank.
+    #[error("duplicate rank: pp_rank {pp_rank} tp_rank {tp_rank} is already connected")]
+    DuplicateRank {
+        /// PP rank announced.
+        pp_rank: u16,
+        /// TP rank announced.
+        tp_rank: u16,
+    },
+    /// The peer's token is missing or wrong.
+    #[error("missing or wrong token")]
+    BadToken,
+    /// The Hello contradicts itself (a rank not below its size, layers past the model's end).
+    #[error("invalid hello: {0}")]
+    InvalidHello(String),
+    /// The peer sent something other than the handshake expects.
+    #[error("protocol violation: {0}")]
+    Protocol(String),
+    /// Refused by the application for its own reason.
+    #[error("refused: {0}")]
+    Refused(String),
+}
+
+/// Refusal of the peer's Hello.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Reject {
+    /// Why.
+    pub reason: RejectReason,
+}
+
+/// Decode asks one prefill rank to write a request's KV into these pages.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransferRequest {
+    /// Request id (SGLang's bootstrap room).
+    pub request: u64,
+    /// Prompt length in tokens.
+    pub prompt_tokens: u32,
+    /// Prefill chunk size in tokens.
+    pub chunk_tokens: u32,
+    /// Destination page indices on the decode side, in token order.
+    pub dst_pages: Vec<u32>,
+    /// Milliseconds, from receipt, within which the transfer must finish.
+    pub deadline_ms: u32,
+}
+
+/// Why a transfer request was refused. Only that request is affected.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransferRejectReason {
+    /// A destination page index is not below the number of registered pages.
+    #[error("page {page} at position {position} is outside the {registered} registered pages")]
+    PageOutOfRange {
+        /// Position in `dst_pages`.
+        position: u32,
+        /// The page index.
+        page: u32,
+        /// Pages registered.
+        registered: u32,
+    },
+    /// The request lists a different number of pages than its prompt needs.
+    #[error("request lists {got} pages, its prompt needs {expected}")]
+    PageCountMismatch {
+        /// Pages the prompt needs.
+        expected: u64,
+        /// Pages listed.
+        got: u64,
+    },
+    /// The same destination page appears twice.
+    #[error("page {page} is listed twice")]
+    DuplicatePage {
+        /// The page index.
+        page: u32,
+    },
+    /// The request id is not known to the receiver.
+    #[error("unknown request {request}")]
+    UnknownRequest {
+        /// Request id.
+        request: u64,
+    },
+    /// The request id is already in flight.
+    #[error("request {request} is already in flight")]
+    DuplicateRequest {
+        /// Request id.
+        request: u64,
+    },
+    /// A field holds a value that cannot be right.
+    #[error("invalid request: {0}")]
+    Invalid(String),
+}
+
+/// Refusal of one transfer request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransferReject {
+    /// Request id.
+    pub request: u64,
+    /// Why.
+    pub reason: TransferRejectReason,
+}
+
+/// Abandon one request on every side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Abort {
+    /// Request id.
+    pub request: u64,
+    /// Why, as a failure code the core interprets (unknown codes are kept, not refused).
+    pub reason: u16,
+}
+
+/// One PP rank's vote record, opaque here: the core encodes and checks it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Vote {
+    /// The encoded vote.
+    pub bytes: Vec<u8>,
+}
+
+/// Any control message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Msg {
+    /// Opening of the handshake.
+    Hello(Hello),
+    /// The peer's Hello was accepted.
+    HelloAck(HelloAck),
+    /// The peer's Hello was refused.
+    Reject(Reject),
+    /// Decode asks a prefill rank for a request's KV.
+    TransferRequest(TransferRequest),
+    /// A transfer request was refused.
+    TransferReject(TransferReject),
+    /// A request is abandoned.
+    Abort(Abort),
+    /// A PP vote record.
+    Vote(Vote),
+    /// The sender will send nothing more.
+    Close,
+}
+
+impl Msg {
+    /// The frame kind that carries this message.
+    pub fn kind(&self) -> MsgKind {
+        match self {
+            Self::Hello(_) => MsgKind::Hello,
+            Self::HelloAck(_) => MsgKind::HelloAck,
+            Self::Reject(_) => MsgKind::Reject,
+            Self::TransferRequest(_) => MsgKind::TransferRequest,
+            Self::TransferReject(_) => MsgKind::TransferReject,
+            Self::Abort(_) => MsgKind::Abort,
+            Self::Vote(_) => MsgKind::Vote,
+            Self::Close => MsgKind::Close,
+        }
+    }
+}
+
+fn layer_range(l: &LayoutInfo) -> std::ops::Range<u64> {
+    let first = u64::from(l.first_layer);
+    first..first + u64::from(l.layers)
+}
+
+/// Checks that a Hello does not contradict itself.
+fn check_self_consistent(h: &Hello) -> Result<(), RejectReason> {
+    let bad = |s: String| Err(RejectReason::InvalidHello(s));
+    if h.pp_size == 0 || h.pp_rank >= h.pp_size {
+        return bad(format!(
+            "pp_rank {} is not below pp_size {}",
+            h.pp_rank, h.pp_size
+        ));
+    }
+    if h.tp_size == 0 || h.tp_rank >= h.tp_size {
+        return bad(format!(
+            "tp_rank {} is not below tp_size {}",
+            h.tp_rank, h.tp_size
+        ));
+    }
+    let l = &h.layout;
+    if l.layers == 0 || layer_range(l).end > u64::from(l.num_layers) {
+        return bad(format!(
+            "holds layers {}..{} of a {}-layer model",
+            l.first_layer,
+            layer_range(l).end,
+            l.num_layers
+        ));
+    }
+    if !(1..=2).contains(&l.kv_regions) {
+        return bad(format!(
+            "kv_regions is {}, must be 1 (fused) or 2 (split K, V)",
+            l.kv_regions
+        ));
+    }
+    if l.page_tokens == 0 || l.bytes_per_token_per_layer == 0 {
+        return bad(format!(
+            "page_tokens {} and bytes_per_token_per_layer {} must both be positive",
+            l.page_tokens, l.bytes_per_token_per_layer
+        ));
+    }
+    Ok(())
+}
+
+/// Checks that the TP layouts of a prefill and a decode side map onto each other.
+fn check_tp(local: &Hello, remote: &Hello) -> Result<(), RejectReason> {
+    let (l, r) = (&local.layout, &remote.layout);
+    if l.tp_mode != r.tp_mode {
+        return Err(RejectReason::TpMismatch(format!(
+            "this side maps TP as {:?}, the peer as {:?}",
+            l.tp_mode, r.tp_mode
+        )));
+    }
+    match l.tp_mode {
+        TpMode::Identical | TpMode::Replicated => {
+            if l.tp_mode == TpMode::Identical && local.tp_size != remote.tp_size {
+                return Err(RejectReason::TpMismatch(format!(
+                    "identical TP mapping needs equal TP sizes, this side has {}, the peer {}",
+                    local.tp_size, remote.tp_size
+                )));
+            }
+            if l.bytes_per_token_per_layer != r.bytes_per_token_per_layer {
+                return Err(RejectReason::LayoutMismatch(format!(
+                    "this side stores {} bytes per token per layer, the peer {}",
+                    l.bytes_per_token_per_layer, r.bytes_per_token_per_layer
+                )));
+            }
+        }
+        TpMode::HeadSliced => {
+            // Compare the model-wide totals; each rank holds 1/tp_size of them.
+            let lt = u128::from(l.bytes_per_token_per_layer) * u128::from(local.tp_size);
+            let rt = u128::from(r.bytes_per_token_per_layer) * u128::from(remote.tp_size);
+            if lt != rt {
+                return Err(RejectReason::LayoutMismatch(format!(
+                    "head-sliced KV totals differ: this side {} bytes x TP {} = {lt}, the peer {} bytes x TP {} = {rt} per token per layer",
+                    l.bytes_per_token_per_layer,
+                    local.tp_size,
+                    r.bytes_per_token_per_layer,
+                    remote.tp_size
+                )));
+            }
+            let lh = u64::from(l.kv_heads) * u64::from(local.tp_size);
+            let rh = u64::from(r.kv_heads) * u64::from(remote.tp_size);
+            if l.kv_heads != 0 && r.kv_heads != 0 && lh != rh {
+                return Err(RejectReason::LayoutMismatch(format!(
+                    "model KV head counts differ: this side {} heads x TP {} = {lh}, the peer {} x {} = {rh}",
+                    l.kv_heads, local.tp_size, r.kv_heads, remote.tp_size
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Decides whether this side (`local`) may talk to the peer that sent `remote`.
+///
+/// Rules, in the order checked (the first failure is returned):
+/// 1. same protocol version;
+/// 2. the remote Hello is self-consistent (ranks below sizes, layers inside the model,
+///    1 or 2 KV regions, positive page size);
+/// 3. if this side holds a token, the peer presents the same one (compared in constant time);
+/// 4. roles: prefill with decode, or two prefill ranks of one pipeline (same `pp_size` and
+///    `tp_size`, different ranks, disjoint layers); two decode sides never;
+/// 5. same model layer count, page size and number of KV regions; same backend;
+/// 6. prefill to decode: the prefill rank's layers lie within the decode side's, and the TP
+///    layouts map (see [`TpMode`]).
+///
+/// # Errors
+/// The [`RejectReason`] for the first rule broken, with the numbers in words.
+pub fn check_hello(local: &Hello, remote: &Hello) -> Result<(), RejectReason> {
+    if local.protocol_version != remote.protocol_version {
+        return Err(RejectReason::VersionMismatch {
+            local: local.protocol_version,
+            remote: remote.protocol_version,
+        });
+    }
+    check_self_consistent(remote)?;
+    if let Some(want) = &local.token {
+        match &remote.token {
+            Some(got) if want.ct_eq(got) => {}
+            _ => return Err(RejectReason::BadToken),
+        }
+    }
+    let (l, r) = (&local.layout, &remote.layout);
+    let pp_peers = match (local.role, remote.role) {
+        (Role::Decode, Role::Decode) => {
+            return Err(RejectReason::RoleMismatch(
+                "both sides are decode; decode talks only to prefill".to_owned(),
+            ));
+        }
+        (Role::Prefill, Role::Prefill) => true,
+        _ => false,
+    };
+    if l.num_layers != r.num_layers {
+        return Err(RejectReason::LayoutMismatch(format!(
+            "this side's model has {} layers, the peer's {}",
+            l.num_layers, r.num_layers
+        )));
+    }
+    if l.page_tokens != r.page_tokens {
+        return Err(RejectReason::LayoutMismatch(format!(
+            "this side's pages hold {} tokens, the peer's {}",
+            l.page_tokens, r.page_tokens
+        )));
+    }
+    if l.kv_regions != r.kv_regions {
+        return Err(RejectReason::LayoutMismatch(format!(
+            "this side has {} KV regions per layer, the peer {} (fused vs split K,V)",
+            l.kv_regions, r.kv_regions
+        )));
+    }
+    if local.backend.kind != remote.backend.kind {
+        return Err(RejectReason::BackendMismatch {
+            local: local.backend.kind,
+            remote: remote.backend.kind,
+        });
+    }
+    if pp_peers {
+        if local.pp_size != remote.pp_size {
+            return Err(RejectReason::PpMismatch(format!(
+                "this prefill rank is in a pipeline of {} ranks, the peer in one of {}",
+                local.pp_size, remote.pp_size
+            )));
+        }
+        if local.tp_size != remote.tp_size {
+            return Err(RejectReason::TpMismatch(format!(
+                "prefill ranks of one pipeline disagree on TP size: {} here, {} at the peer",
+                local.tp_size, remote.tp_size
+            )));
+        }
+        if local.pp_rank == remote.pp_rank && local.tp_rank == remote.tp_rank {
+            return Err(RejectReason::DuplicateRank {
+                pp_rank: remote.pp_rank,
+                tp_rank: remote.tp_rank,
+            });
+        }
+        let (lr, rr) = (layer_range(l), layer_range(r));
+        if local.pp_rank != remote.pp_rank && lr.start < rr.end && rr.start < lr.end {
+            return Err(RejectReason::PpMismatch(format!(
+                "PP rank {} holds layers {}..{} and PP rank {} holds {}..{}: they overlap",
+                local.pp_rank, lr.start, lr.end, remote.pp_rank, rr.start, rr.end
+            )));
+        }
+        if local.pp_rank == remote.pp_rank && lr != rr {
+            return Err(RejectReason::PpMismatch(format!(
+                "TP ranks of PP rank {} disagree on its layers: {}..{} here, {}..{} at the peer",
+                local.pp_rank, lr.start, lr.end, rr.start, rr.end
+            )));
+        }
+        if l.bytes_per_token_per_layer != r.bytes_per_token_per_layer {
+            return Err(RejectReason::LayoutMismatch(format!(
+                "prefill ranks disagree on bytes per token per layer: {} here, {} at the peer",
+                l.bytes_per_token_per_layer, r.bytes_per_token_per_layer
+            )));
+        }
+        return Ok(());
+    }
+    let (prefill, decode) = if local.role == Role::Prefill {
+        (local, remote)
+    } else {
+        (remote, local)
+    };
+    let (pr, dr) = (layer_range(&prefill.layout), layer_range(&decode.layout));
+    if pr.start < dr.start || pr.end > dr.end {
+        return Err(RejectReason::LayoutMismatch(format!(
+            "prefill PP rank {} holds layers {}..{}, outside the decode side's {}..{}",
+            prefill.pp_rank, pr.start, pr.end, dr.start, dr.end
+        )));
+    }
+    check_tp(local, remote)
+}
+
+/// Bounds-checks a transfer request against what this side registered.
+///
+/// `registered_pages` is the number of pages this side registered (valid indices are below it);
+/// `expected_pages` is how many pages the request's prompt needs, as the receiver computes it.
+/// Nothing outside the request is read or changed, so a bad request affects only itself.
+///
+/// # Errors
+/// [`TransferRejectReason::Invalid`] for a zero prompt or chunk size,
+/// [`TransferRejectReason::PageCountMismatch`], [`TransferRejectReason::PageOutOfRange`] (the
+/// first offending position) or [`TransferRejectReason::DuplicatePage`].
+pub fn validate_transfer_request(
+    req: &TransferRequest,
+    registered_pages: u32,
+    expected_pages: usize,
+) -> Result<(), TransferRejectReason> {
+    if req.prompt_tokens == 0 || req.chunk_tokens == 0 {
+        return Err(TransferRejectReason::Invalid(format!(
+            "prompt_tokens {} and chunk_tokens {} must both be positive",
+            req.prompt_tokens, req.chunk_tokens
+        )));
+    }
+    if req.dst_pages.len() != expected_pages {
+        return Err(TransferRejectReason::PageCountMismatch {
+            expected: expected_pages as u64,
+            got: req.dst_pages.len() as u64,
+        });
+    }
+    if let Some((position, &page)) = req
+        .dst_pages
+        .iter()
+        .enumerate()
+        .find(|&(_, &p)| p >= registered_pages)
+    {
+        return Err(TransferRejectReason::PageOutOfRange {
+            // The list fits a frame, so its length fits u32; saturate rather than trust that.
+            position: u32::try_from(position).unwrap_or(u32::MAX),
+            page,
+            registered: registered_pages,
+        });
+    }
+    // Sorting a copy costs O(n log n) in the request's own size, never in the registered size.
+    let mut sorted = req.dst_pages.clone();
+    sorted.sort_unstable();
+    if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+        return Err(TransferRejectReason::DuplicatePage { page: w[0] });
+    }
+    Ok(())
+}

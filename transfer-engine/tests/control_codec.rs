@@ -1,0 +1,685 @@
+//! Control plane, without sockets: frame codec, message round trips, Hello compatibility rules and
+//! the transfer-request bounds check.
+#![allow(clippy::unwrap_used)]
+
+use proptest::prelude::*;
+use transfer_engine::control::{
+    Abort, BackendInfo, BackendKind, DEFAULT_MAX_FRAME_LEN, FrameDecoder, FrameError, FrameHeader,
+    HEADER_LEN, Hello, HelloAck, LayoutInfo, MAGIC, Msg, MsgKind, PROTOCOL_VERSION, Reject,
+    RejectReason, RemoteRegion, Role, Token, TpMode, TransferReject, TransferRejectReason,
+    TransferRequest, Vote, check_hello, encode_to_vec, validate_transfer_request,
+};
+
+fn layout(first_layer: u32, layers: u32) -> LayoutInfo {
+    LayoutInfo {
+        num_layers: 61,
+        first_layer,
+        layers,
+        kv_regions: 1,
+        page_tokens: 64,
+        bytes_per_token_per_layer: 576,
+        pages: 4096,
+        kv_heads: 0,
+        tp_mode: TpMode::Replicated,
+    }
+}
+
+fn backend() -> BackendInfo {
+    BackendInfo {
+        kind: BackendKind::Ucx,
+        worker_or_agent: vec![0xAB; 300],
+        agent_name: String::new(),
+        regions: vec![RemoteRegion {
+            addr: 0x7f00_0000_0000,
+            len: 1 << 30,
+            rkey: vec![1, 2, 3, 4],
+        }],
+    }
+}
+
+fn decode_hello() -> Hello {
+    Hello::new("decode-0", Role::Decode, layout(0, 61), backend())
+}
+
+fn prefill_hello(rank: u16, size: u16) -> Hello {
+    // An uneven split, as real PP splits are: 61 layers over `size` ranks.
+    let per = 61 / u32::from(size);
+    let first = per * u32::from(rank);
+    let layers = if rank + 1 == size { 61 - first } else { per };
+    Hello::new(
+        format!("prefill-{rank}"),
+        Role::Prefill,
+        layout(first, layers),
+        backend(),
+    )
+    .with_pp(rank, size)
+}
+
+fn every_message() -> Vec<Msg> {
+    vec![
+        Msg::Hello(
+            prefill_hello(1, 4)
+                .with_tp(1, 2)
+                .with_token(Token::new(b"s3cret".to_vec())),
+        ),
+        Msg::HelloAck(HelloAck {
+            engine_id: "decode-0".into(),
+        }),
+        Msg::Reject(Reject {
+            reason: RejectReason::LayoutMismatch("61 vs 32 layers".into()),
+        }),
+        Msg::Reject(Reject {
+            reason: RejectReason::VersionMismatch {
+                local: 1,
+                remote: 2,
+            },
+        }),
+        Msg::TransferRequest(TransferRequest {
+            request: u64::MAX,
+            prompt_tokens: 8192,
+            chunk_tokens: 1024,
+            dst_pages: (0..128).collect(),
+            deadline_ms: 30_000,
+        }),
+        Msg::TransferReject(TransferReject {
+            request: 9,
+            reason: TransferRejectReason::PageOutOfRange {
+                position: 3,
+                page: 5000,
+                registered: 4096,
+            },
+        }),
+        Msg::Abort(Abort {
+            request: 42,
+            reason: 3,
+        }),
+        Msg::Vote(Vote {
+            bytes: vec![1, 2, 3, 4, 5],
+        }),
+        Msg::Close,
+    ]
+}
+
+fn same(a: &Msg, b: &Msg) -> bool {
+    a == b
+}
+
+#[test]
+fn every_kind_round_trips_whole_and_byte_by_byte() {
+    let msgs = every_message();
+    let mut wire = Vec::new();
+    for m in &msgs {
+        wire.extend(encode_to_vec(m, DEFAULT_MAX_FRAME_LEN).unwrap());
+    }
+    // All at once.
+    let mut d = FrameDecoder::default();
+    d.extend(&wire);
+    for m in &msgs {
+        assert!(same(&d.decode_next().unwrap().unwrap(), m));
+    }
+    assert!(d.decode_next().unwrap().is_none());
+    assert!(d.finish().is_none());
+    // One byte at a time.
+    let mut d = FrameDecoder::default();
+    let mut got = Vec::new();
+    for b in &wire {
+        d.extend(std::slice::from_ref(b));
+        while let Some(m) = d.decode_next().unwrap() {
+            got.push(m);
+        }
+    }
+    assert_eq!(got.len(), msgs.len());
+    assert!(got.iter().zip(&msgs).all(|(a, b)| same(a, b)));
+}
+
+#[test]
+fn token_survives_the_wire_and_is_never_printed() {
+    let h = decode_hello().with_token(Token::new(b"hunter2".to_vec()));
+    let wire = encode_to_vec(&Msg::Hello(h), DEFAULT_MAX_FRAME_LEN).unwrap();
+    let mut d = FrameDecoder::default();
+    d.extend(&wire);
+    let Some(Msg::Hello(back)) = d.decode_next().unwrap() else {
+        panic!("not a hello")
+    };
+    assert_eq!(back.token.as_ref().unwrap().expose(), b"hunter2");
+    assert!(
+        back.token
+            .as_ref()
+            .unwrap()
+            .ct_eq(&Token::new(b"hunter2".to_vec()))
+    );
+    assert!(
+        !back
+            .token
+            .as_ref()
+            .unwrap()
+            .ct_eq(&Token::new(b"hunter3".to_vec()))
+    );
+    assert!(!format!("{back:?}").contains("hunter2"));
+}
+
+#[test]
+fn header_layout_is_as_documented() {
+    let wire = encode_to_vec(&Msg::Close, DEFAULT_MAX_FRAME_LEN).unwrap();
+    assert_eq!(wire.len(), HEADER_LEN);
+    assert_eq!(&wire[0..4], &MAGIC);
+    assert_eq!(&wire[4..8], &0u32.to_le_bytes());
+    assert_eq!(&wire[8..10], &PROTOCOL_VERSION.to_le_bytes());
+    assert_eq!(wire[10], MsgKind::Close.as_u8());
+    assert_eq!(wire[11], 0);
+}
+
+fn header(len: u32, version: u16, kind: u8, reserved: u8) -> Vec<u8> {
+    let mut h = MAGIC.to_vec();
+    h.extend(len.to_le_bytes());
+    h.extend(version.to_le_bytes());
+    h.extend([kind, reserved]);
+    h
+}
+
+fn decode_err(bytes: &[u8], max: u32) -> FrameError {
+    let mut d = FrameDecoder::new(max);
+    d.extend(bytes);
+    let e = d.decode_next().unwrap_err();
+    assert!(d.is_poisoned() == e.is_fatal());
+    e
+}
+
+#[test]
+fn garbage_is_refused_at_the_first_byte() {
+    assert!(matches!(
+        decode_err(b"G", 1024),
+        FrameError::BadMagic { .. }
+    ));
+    assert!(matches!(
+        decode_err(b"GET / HTTP/1.1\r\n\r\n", 1024),
+        FrameError::BadMagic { .. }
+    ));
+}
+
+#[test]
+fn header_errors_are_typed() {
+    assert!(matches!(
+        decode_err(&header(0, 7, 1, 0), 1024),
+        FrameError::UnsupportedVersion {
+            got: 7,
+            supported: PROTOCOL_VERSION
+        }
+    ));
+    assert!(matches!(
+        decode_err(&header(0, PROTOCOL_VERSION, 200, 0), 1024),
+        FrameError::UnknownKind { kind: 200, .. }
+    ));
+    assert!(matches!(
+        decode_err(&header(0, PROTOCOL_VERSION, 8, 1), 1024),
+        FrameError::ReservedByte { got: 1 }
+    ));
+}
+
+#[test]
+fn oversize_header_is_refused_from_the_header_alone() {
+    // Only the 12 header bytes exist: the refusal cannot depend on reading the body.
+    let e = decode_err(
+        &header(1 << 30, PROTOCOL_VERSION, MsgKind::Vote.as_u8(), 0),
+        DEFAULT_MAX_FRAME_LEN,
+    );
+    assert!(
+        matches!(
+            e,
+            FrameError::TooLarge {
+                kind: MsgKind::Vote,
+                len: 0x4000_0000,
+                max: DEFAULT_MAX_FRAME_LEN
+            }
+        ),
+        "{e:?}"
+    );
+    let mut d = FrameDecoder::new(100);
+    let big = encode_to_vec(
+        &Msg::Vote(Vote {
+            bytes: vec![0; 200],
+        }),
+        DEFAULT_MAX_FRAME_LEN,
+    )
+    .unwrap();
+    d.extend(&big[..HEADER_LEN]);
+    assert!(matches!(d.decode_next(), Err(FrameError::TooLarge { .. })));
+    // And it stays refused.
+    assert!(matches!(d.decode_next(), Err(FrameError::TooLarge { .. })));
+}
+
+#[test]
+fn encoder_refuses_what_the_receiver_would() {
+    let mut out = vec![9, 9];
+    let e = transfer_engine::control::encode_frame(
+        &Msg::Vote(Vote {
+            bytes: vec![0; 200],
+        }),
+        100,
+        &mut out,
+    )
+    .unwrap_err();
+    assert!(matches!(
+        e,
+        FrameError::TooLarge {
+            kind: MsgKind::Vote,
+            max: 100,
+            ..
+        }
+    ));
+    assert_eq!(out, [9, 9], "a refused encode leaves the buffer as it was");
+}
+
+#[test]
+fn truncation_is_typed() {
+    let wire = encode_to_vec(
+        &Msg::Abort(Abort {
+            request: 1,
+            reason: 2,
+        }),
+        DEFAULT_MAX_FRAME_LEN,
+    )
+    .unwrap();
+    for cut in 1..wire.len() {
+        let mut d = FrameDecoder::default();
+        d.extend(&wire[..cut]);
+        assert!(d.decode_next().unwrap().is_none());
+        assert!(
+            matches!(d.finish(), Some(FrameError::Truncated { got, .. }) if got == cut),
+            "cut at {cut}"
+        );
+    }
+}
+
+#[test]
+fn payload_errors_consume_the_frame_and_keep_the_stream() {
+    let mut d = FrameDecoder::default();
+    // An Abort payload cut short: valid header, one byte of a varint that never ends.
+    let mut bad = header(1, PROTOCOL_VERSION, MsgKind::Abort.as_u8(), 0);
+    bad.push(0xFF);
+    d.extend(&bad);
+    // Close with a body, and a Vote with bytes after its end.
+    let mut close = header(2, PROTOCOL_VERSION, MsgKind::Close.as_u8(), 0);
+    close.extend([0, 0]);
+    d.extend(&close);
+    let mut vote =
+        encode_to_vec(&Msg::Vote(Vote { bytes: vec![7] }), DEFAULT_MAX_FRAME_LEN).unwrap();
+    vote[4] += 1;
+    vote.push(0);
+    d.extend(&vote);
+    d.extend(&encode_to_vec(&Msg::Close, DEFAULT_MAX_FRAME_LEN).unwrap());
+    assert!(matches!(
+        d.decode_next(),
+        Err(FrameError::Payload {
+            kind: MsgKind::Abort,
+            ..
+        })
+    ));
+    assert!(matches!(
+        d.decode_next(),
+        Err(FrameError::TrailingBytes {
+            kind: MsgKind::Close,
+            extra: 2
+        })
+    ));
+    assert!(matches!(
+        d.decode_next(),
+        Err(FrameError::TrailingBytes {
+            kind: MsgKind::Vote,
+            extra: 1
+        })
+    ));
+    assert!(matches!(d.decode_next(), Ok(Some(Msg::Close))));
+    assert!(!d.is_poisoned());
+}
+
+#[test]
+fn frame_header_encode_decode() {
+    let h = FrameHeader {
+        len: 5,
+        version: PROTOCOL_VERSION,
+        kind: MsgKind::Hello,
+    };
+    assert_eq!(FrameHeader::decode(&h.encode(), 5).unwrap(), h);
+    assert!(FrameHeader::decode(&h.encode(), 4).is_err());
+}
+
+// ---- Hello compatibility ----
+
+fn reject(local: &Hello, remote: &Hello) -> RejectReason {
+    check_hello(local, remote).unwrap_err()
+}
+
+#[test]
+fn prefill_and_decode_accept_each_other() {
+    for r in 0..4 {
+        let p = prefill_hello(r, 4);
+        check_hello(&decode_hello(), &p).unwrap();
+        check_hello(&p, &decode_hello()).unwrap();
+    }
+}
+
+#[test]
+fn pp_peers_accept_each_other() {
+    check_hello(&prefill_hello(0, 4), &prefill_hello(3, 4)).unwrap();
+}
+
+#[test]
+fn version_mismatch() {
+    let mut p = prefill_hello(0, 1);
+    p.protocol_version = 9;
+    assert_eq!(
+        reject(&decode_hello(), &p),
+        RejectReason::VersionMismatch {
+            local: PROTOCOL_VERSION,
+            remote: 9
+        }
+    );
+}
+
+#[test]
+fn layout_mismatch_is_explained() {
+    let mut p = prefill_hello(0, 1);
+    p.layout.num_layers = 32;
+    p.layout.layers = 32;
+    let r = reject(&decode_hello(), &p);
+    assert!(matches!(r, RejectReason::LayoutMismatch(_)));
+    let text = r.to_string();
+    assert!(
+        text.contains("61") && text.contains("32") && text.contains("layers"),
+        "{text}"
+    );
+
+    let mut p = prefill_hello(0, 1);
+    p.layout.page_tokens = 16;
+    let text = reject(&decode_hello(), &p).to_string();
+    assert!(text.contains("64 tokens") && text.contains("16"), "{text}");
+
+    let mut p = prefill_hello(0, 1);
+    p.layout.kv_regions = 2;
+    assert!(matches!(
+        reject(&decode_hello(), &p),
+        RejectReason::LayoutMismatch(_)
+    ));
+
+    let mut p = prefill_hello(0, 1);
+    p.layout.bytes_per_token_per_layer = 512;
+    let text = reject(&decode_hello(), &p).to_string();
+    assert!(text.contains("576") && text.contains("512"), "{text}");
+
+    // A prefill rank holding layers the decode side does not.
+    let mut d = decode_hello();
+    d.layout.first_layer = 10;
+    d.layout.layers = 51;
+    let text = reject(&d, &prefill_hello(0, 4)).to_string();
+    assert!(text.contains("0..15") && text.contains("10..61"), "{text}");
+}
+
+#[test]
+fn role_pp_tp_and_rank_mismatches() {
+    assert!(matches!(
+        reject(&decode_hello(), &decode_hello()),
+        RejectReason::RoleMismatch(_)
+    ));
+    let r = reject(&prefill_hello(0, 4), &prefill_hello(1, 2));
+    assert!(matches!(r, RejectReason::PpMismatch(_)));
+    assert!(r.to_string().contains('4') && r.to_string().contains('2'));
+    assert_eq!(
+        reject(&prefill_hello(1, 4), &prefill_hello(1, 4)),
+        RejectReason::DuplicateRank {
+            pp_rank: 1,
+            tp_rank: 0
+        }
+    );
+    let mut overlapping = prefill_hello(1, 4);
+    overlapping.layout.first_layer = 10;
+    assert!(matches!(
+        reject(&prefill_hello(0, 4), &overlapping),
+        RejectReason::PpMismatch(_)
+    ));
+    assert!(matches!(
+        reject(&prefill_hello(0, 4), &prefill_hello(1, 4).with_tp(0, 2)),
+        RejectReason::TpMismatch(_)
+    ));
+}
+
+#[test]
+fn self_contradictory_hello_is_invalid() {
+    let mut p = prefill_hello(0, 4);
+    p.pp_rank = 4;
+    assert!(matches!(
+        reject(&decode_hello(), &p),
+        RejectReason::InvalidHello(_)
+    ));
+    let p = prefill_hello(0, 1).with_tp(2, 2);
+    assert!(matches!(
+        reject(&decode_hello(), &p),
+        RejectReason::InvalidHello(_)
+    ));
+    let mut p = prefill_hello(0, 1);
+    p.layout.first_layer = 60;
+    assert!(matches!(
+        reject(&decode_hello(), &p),
+        RejectReason::InvalidHello(_)
+    ));
+    let mut p = prefill_hello(0, 1);
+    p.layout.kv_regions = 3;
+    assert!(matches!(
+        reject(&decode_hello(), &p),
+        RejectReason::InvalidHello(_)
+    ));
+}
+
+#[test]
+fn backend_mismatch() {
+    let mut p = prefill_hello(0, 1);
+    p.backend.kind = BackendKind::Nixl;
+    assert_eq!(
+        reject(&decode_hello(), &p),
+        RejectReason::BackendMismatch {
+            local: BackendKind::Ucx,
+            remote: BackendKind::Nixl
+        }
+    );
+}
+
+#[test]
+fn token_rules() {
+    let tok = || Token::new(b"secret".to_vec());
+    let d = decode_hello().with_token(tok());
+    assert_eq!(reject(&d, &prefill_hello(0, 1)), RejectReason::BadToken);
+    assert_eq!(
+        reject(
+            &d,
+            &prefill_hello(0, 1).with_token(Token::new(b"secreT".to_vec()))
+        ),
+        RejectReason::BadToken
+    );
+    assert_eq!(
+        reject(
+            &d,
+            &prefill_hello(0, 1).with_token(Token::new(b"secret!".to_vec()))
+        ),
+        RejectReason::BadToken
+    );
+    check_hello(&d, &prefill_hello(0, 1).with_token(tok())).unwrap();
+    // A side without a token does not require one.
+    check_hello(&decode_hello(), &prefill_hello(0, 1).with_token(tok())).unwrap();
+}
+
+#[test]
+fn tp_mappings() {
+    let gqa = |tp_rank: u16, tp_size: u16, mode: TpMode, role: Role| {
+        let heads = 8 / u32::from(tp_size);
+        let l = LayoutInfo {
+            num_layers: 32,
+            first_layer: 0,
+            layers: 32,
+            kv_regions: 2,
+            page_tokens: 16,
+            bytes_per_token_per_layer: 4096 / u64::from(tp_size),
+            pages: 100,
+            kv_heads: heads,
+            tp_mode: mode,
+        };
+        Hello::new("x", role, l, backend()).with_tp(tp_rank, tp_size)
+    };
+    // Head-sliced: prefill TP 2, decode TP 4.
+    check_hello(
+        &gqa(0, 4, TpMode::HeadSliced, Role::Decode),
+        &gqa(1, 2, TpMode::HeadSliced, Role::Prefill),
+    )
+    .unwrap();
+    // Identical mapping needs equal TP sizes.
+    assert!(matches!(
+        reject(
+            &gqa(0, 4, TpMode::Identical, Role::Decode),
+            &gqa(0, 2, TpMode::Identical, Role::Prefill)
+        ),
+        RejectReason::TpMismatch(_)
+    ));
+    // Modes must agree.
+    assert!(matches!(
+        reject(
+            &gqa(0, 2, TpMode::Identical, Role::Decode),
+            &gqa(0, 2, TpMode::HeadSliced, Role::Prefill)
+        ),
+        RejectReason::TpMismatch(_)
+    ));
+    // Head-sliced totals must agree.
+    let mut p = gqa(0, 2, TpMode::HeadSliced, Role::Prefill);
+    p.layout.bytes_per_token_per_layer = 1024;
+    assert!(matches!(
+        reject(&gqa(0, 4, TpMode::HeadSliced, Role::Decode), &p),
+        RejectReason::LayoutMismatch(_)
+    ));
+}
+
+// ---- transfer request bounds ----
+
+fn req(pages: Vec<u32>) -> TransferRequest {
+    TransferRequest {
+        request: 5,
+        prompt_tokens: 256,
+        chunk_tokens: 128,
+        dst_pages: pages,
+        deadline_ms: 1000,
+    }
+}
+
+#[test]
+fn transfer_request_bounds() {
+    validate_transfer_request(&req(vec![0, 1, 2, 99]), 100, 4).unwrap();
+    assert_eq!(
+        validate_transfer_request(&req(vec![0, 1, 100, 2]), 100, 4),
+        Err(TransferRejectReason::PageOutOfRange {
+            position: 2,
+            page: 100,
+            registered: 100
+        })
+    );
+    assert_eq!(
+        validate_transfer_request(&req(vec![u32::MAX, 0, 1, 2]), 100, 4),
+        Err(TransferRejectReason::PageOutOfRange {
+            position: 0,
+            page: u32::MAX,
+            registered: 100
+        })
+    );
+    assert_eq!(
+        validate_transfer_request(&req(vec![0, 1]), 100, 4),
+        Err(TransferRejectReason::PageCountMismatch {
+            expected: 4,
+            got: 2
+        })
+    );
+    assert_eq!(
+        validate_transfer_request(&req(vec![3, 1, 2, 3]), 100, 4),
+        Err(TransferRejectReason::DuplicatePage { page: 3 })
+    );
+    let mut zero = req(vec![0]);
+    zero.chunk_tokens = 0;
+    assert!(matches!(
+        validate_transfer_request(&zero, 100, 1),
+        Err(TransferRejectReason::Invalid(_))
+    ));
+    assert!(matches!(
+        validate_transfer_request(&req(vec![0]), 0, 1),
+        Err(TransferRejectReason::PageOutOfRange { .. })
+    ));
+}
+
+// ---- never a panic on any bytes ----
+
+fn feed_all(bytes: &[u8], splits: &[usize], max: u32) {
+    let mut d = FrameDecoder::new(max);
+    let mut at = 0;
+    for &s in splits.iter().chain(std::iter::once(&bytes.len())) {
+        let end = s.clamp(at, bytes.len());
+        d.extend(&bytes[at..end]);
+        at = end;
+        // Drain; stop on a fatal error as a reader would.
+        loop {
+            match d.decode_next() {
+                Ok(Some(_)) => {}
+                Ok(None) => break,
+                Err(e) if e.is_fatal() => return,
+                Err(_) => {}
+            }
+        }
+    }
+    let _ = d.finish();
+}
+
+fn arb_kind() -> impl Strategy<Value = u8> {
+    prop_oneof![1u8..=8, any::<u8>()]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    #[test]
+    fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512),
+                                   splits in proptest::collection::vec(0usize..512, 0..8)) {
+        let mut splits = splits;
+        splits.sort_unstable();
+        feed_all(&bytes, &splits, 256);
+    }
+
+    #[test]
+    fn valid_header_with_arbitrary_payload_never_panics(kind in arb_kind(),
+                                                          payload in proptest::collection::vec(any::<u8>(), 0..300),
+                                                          version in prop_oneof![Just(PROTOCOL_VERSION), any::<u16>()]) {
+        let len = u32::try_from(payload.len()).unwrap();
+        let mut bytes = header(len, version, kind, 0);
+        bytes.extend(&payload);
+        feed_all(&bytes, &[], DEFAULT_MAX_FRAME_LEN);
+        feed_all(&bytes, &[5, 13], 64);
+    }
+
+    #[test]
+    fn transfer_requests_round_trip_any_split(request in any::<u64>(), prompt in any::<u32>(), chunk in any::<u32>(),
+                                              pages in proptest::collection::vec(any::<u32>(), 0..200),
+                                              deadline in any::<u32>(), split in 0usize..2000) {
+        let m = Msg::TransferRequest(TransferRequest { request, prompt_tokens: prompt, chunk_tokens: chunk, dst_pages: pages, deadline_ms: deadline });
+        let wire = encode_to_vec(&m, DEFAULT_MAX_FRAME_LEN).unwrap();
+        let split = split.min(wire.len());
+        let mut d = FrameDecoder::default();
+        d.extend(&wire[..split]);
+        let first = d.decode_next().unwrap();
+        d.extend(&wire[split..]);
+        let got = match first { Some(x) => x, None => d.decode_next().unwrap().unwrap() };
+        prop_assert!(same(&got, &m));
+    }
+
+    #[test]
+    fn validate_never_accepts_out_of_range(pages in proptest::collection::vec(0u32..300, 0..50), registered in 0u32..300) {
+        let n = pages.len();
+        let ok = validate_transfer_request(&req(pages.clone()), registered, n).is_ok();
+        let in_range = pages.iter().all(|&p| p < registered);
+        let mut s = pages.clone();
+        s.sort_unstable();
+        s.dedup();
+        prop_assert_eq!(ok, in_range && s.len() == n);
+    }
+}

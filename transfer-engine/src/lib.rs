@@ -6,3 +6,7 @@
 #![warn(missing_docs)]
 
 pub mod core;
+pub mod engine;
+pub mod mem;
+pub mod transport;
+pub mod control;

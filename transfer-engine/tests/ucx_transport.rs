@@ -124,7 +124,7 @@ fn deregistration_waits_for_in_flight_writes_and_counters_return_to_baseline() {
     tx_t.deregister(src_id).unwrap();
     for rx in rxs {
         // Each post finished before (or as) the region went away, never after.
-        rx.recv_timeout(Duration::from_millis(1)).expect("deregister returned before a write from it was over").unwrap();
+        rx.try_recv().expect("deregister returned before a write from it was over").unwrap();
     }
     assert_eq!(tx_t.stats().regions, 0);
     assert_eq!(tx_t.stats().registered_bytes, 0);

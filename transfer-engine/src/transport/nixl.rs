@@ -1,1 +1,1334 @@
-//! The NIXL backend (being written).
+//! The NIXL backend: a NIXL agent with its UCX plugin writes the pages, NIXL's own notification follows.
+//!
+//! One progress thread owns the agent, created there without NIXL's progress thread (which halves
+//! throughput on small machines); every other thread talks to it through a command queue. Callers that
+//! need an answer (register, metadata, connect, deregister) block on a bounded reply; posts are
+//! fire-and-forget with a [`Done`] callback, run on the progress thread.
+//!
+//! A chunk goes out as one NIXL `WRITE` request whose optional arguments carry the notification bytes,
+//! exactly as given (a Python NIXL peer sees them unchanged). NIXL sends the notification once the
+//! request's writes are complete, so the receiver never sees a notification before its bytes. A chunk
+//! with no bytes to move but a notification goes out as `gen_notif`; an empty notification means "no
+//! notification" (NIXL cannot tell an empty message from none to a Python peer either).
+//!
+//! Without its progress thread NIXL moves only when polled, and every agent involved must be polled,
+//! the target as well as the initiator, or not even connection setup completes. So the thread polls
+//! every in-flight request (`get_xfer_status`) and the agent's notifications (`get_notifs`) on each
+//! turn, and keeps polling while idle: it spins for [`NixlConfig::spin`] after the last event, then
+//! sleeps in `ppoll(2)` on an eventfd for a time growing from [`NixlConfig::min_sleep`] to
+//! [`NixlConfig::max_sleep`]. NIXL gives no event fd to wake on, so the sleep is bounded; command
+//! senders ring the eventfd only when the thread is asleep, so a busy engine pays no system call per
+//! command. While requests are in flight the thread never sleeps (it yields instead), because their
+//! completion is only seen by polling.
+//!
+//! NIXL's metadata carries the agent's registrations, so a peer must fetch [`Transport::metadata`]
+//! after registering the regions it will be written into; [`Transport::connect`] checks that the
+//! metadata covers every region it is given and learns each region's memory kind and device from it.
+//!
+//! This is the only module of the crate that calls NIXL.
+
+use super::{
+    BackendKind, Done, Incoming, PeerId, RegionId, RemoteRegion, Sender, Sink, Transport,
+    TransportError, TransportStats, WriteOp,
+};
+use crate::mem::{MemDesc, MemKind};
+use crossbeam_channel as chan;
+use nixl_sys as ffi;
+use std::collections::HashMap;
+use std::ffi::{CStr, CString, c_void};
+use std::os::fd::RawFd;
+use std::ptr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// How long a blocking call waits for the progress thread before calling it dead.
+const CALL_BOUND: Duration = Duration::from_secs(10);
+/// How long shutdown waits for posted chunks before releasing their requests under them.
+const SHUTDOWN_BOUND: Duration = Duration::from_secs(5);
+/// The plugin every agent of this transport uses.
+const UCX_PLUGIN: &CStr = c"UCX";
+/// CUDA device ordinals tried when learning which device a peer's VRAM region lives on.
+const MAX_PROBED_DEVICES: u64 = 64;
+
+/// Settings of a [`NixlTransport`].
+#[derive(Clone, Debug)]
+pub struct NixlConfig {
+    /// The agent's name. Peers see it as the sender of our notifications and it must be unique among
+    /// the agents that load each other's metadata. The default is `kvx-<host>-<pid>-<n>`.
+    pub name: String,
+    /// How long the progress thread keeps polling after its last event before it starts sleeping.
+    pub spin: Duration,
+    /// First sleep of an idle progress thread.
+    pub min_sleep: Duration,
+    /// Longest sleep of an idle progress thread: the worst extra latency an idle transport adds to a
+    /// notification or to a peer's connection setup.
+    pub max_sleep: Duration,
+    /// Parameters of the UCX backend that replace the plugin's defaults (for instance
+    /// `("num_workers", "2")`).
+    pub backend_params: Vec<(String, String)>,
+}
+
+impl Default for NixlConfig {
+    fn default() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let mut host = [0u8; 64];
+        // SAFETY: gethostname writes at most `host.len()` bytes into the live local buffer.
+        let rc = unsafe { libc::gethostname(host.as_mut_ptr() as *mut libc::c_char, host.len()) };
+        let host = if rc == 0 {
+            let end = host.iter().position(|&b| b == 0).unwrap_or(host.len());
+            String::from_utf8_lossy(&host[..end]).into_owned()
+        } else {
+            "host".into()
+        };
+        NixlConfig {
+            name: format!(
+                "kvx-{host}-{}-{}",
+                std::process::id(),
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            ),
+            spin: Duration::from_micros(200),
+            min_sleep: Duration::from_micros(20),
+            max_sleep: Duration::from_millis(1),
+            backend_params: Vec::new(),
+        }
+    }
+}
+
+/// What NIXL's C API means by a status; it has no string function of its own.
+fn status_message(status: ffi::nixl_capi_status_t) -> &'static str {
+    match status {
+        ffi::NIXL_CAPI_SUCCESS => "success",
+        ffi::NIXL_CAPI_IN_PROG => "in progress",
+        ffi::NIXL_CAPI_ERROR_INVALID_PARAM => "invalid parameter",
+        ffi::NIXL_CAPI_ERROR_BACKEND => {
+            "NIXL error (the C API folds backend, remote-disconnect, mismatch and other errors into this code)"
+        }
+        ffi::NIXL_CAPI_ERROR_INVALID_STATE => "invalid state",
+        ffi::NIXL_CAPI_ERROR_EXCEPTION => "exception",
+        ffi::NIXL_CAPI_ERROR_NO_TELEMETRY => "no telemetry",
+        ffi::NIXL_CAPI_ERROR_NOT_FOUND => {
+            "not found (remote metadata not loaded, or no backend serves the request)"
+        }
+        _ => "unknown NIXL status",
+    }
+}
+
+fn status_error(op: &'static str, status: ffi::nixl_capi_status_t) -> TransportError {
+    TransportError::Library {
+        op,
+        code: i64::from(status),
+        message: status_message(status).to_owned(),
+    }
+}
+
+/// A NIXL status as a `Result`, the one place where that conversion happens. `IN_PROG` is not an
+/// error, but no call that can return it goes through here.
+trait StatusExt {
+    fn result(self, op: &'static str) -> Result<(), TransportError>;
+}
+
+impl StatusExt for ffi::nixl_capi_status_t {
+    fn result(self, op: &'static str) -> Result<(), TransportError> {
+        if self == ffi::NIXL_CAPI_SUCCESS {
+            Ok(())
+        } else {
+            Err(status_error(op, self))
+        }
+    }
+}
+
+/// Whether a failed call names a problem of the peer (or of our link to it) rather than our own misuse.
+fn blames_peer(err: &TransportError) -> bool {
+    matches!(err, TransportError::Library { code, .. } if *code != i64::from(ffi::NIXL_CAPI_ERROR_INVALID_PARAM))
+}
+
+enum Cmd {
+    Register(
+        MemDesc,
+        chan::Sender<Result<(RegionId, RemoteRegion), TransportError>>,
+    ),
+    Deregister(RegionId, chan::Sender<Result<(), TransportError>>),
+    Metadata(chan::Sender<Result<Vec<u8>, TransportError>>),
+    Connect(
+        Vec<u8>,
+        Vec<RemoteRegion>,
+        chan::Sender<Result<PeerId, TransportError>>,
+    ),
+    Disconnect(PeerId),
+    Post(PeerId, Vec<WriteOp>, Vec<u8>, Done),
+    Stop,
+}
+
+impl Cmd {
+    /// Answers a command the progress thread will never run.
+    fn refuse(self) {
+        match self {
+            Cmd::Register(_, r) => drop(r.send(Err(TransportError::Shutdown))),
+            Cmd::Deregister(_, r) => drop(r.send(Err(TransportError::Shutdown))),
+            Cmd::Metadata(r) => drop(r.send(Err(TransportError::Shutdown))),
+            Cmd::Connect(_, _, r) => drop(r.send(Err(TransportError::Shutdown))),
+            Cmd::Post(_, _, _, done) => done(Err(TransportError::Shutdown)),
+            Cmd::Disconnect(_) | Cmd::Stop => {}
+        }
+    }
+}
+
+#[derive(Default)]
+struct Counters {
+    regions: AtomicU64,
+    registered_bytes: AtomicU64,
+    peers: AtomicU64,
+    in_flight: AtomicU64,
+    deferred: AtomicU64,
+    notifications: AtomicU64,
+    bytes_posted: AtomicU64,
+}
+
+struct Shared {
+    wake_fd: RawFd,
+    sleeping: AtomicBool,
+    counters: Counters,
+}
+
+impl Shared {
+    /// Wakes the progress thread if it sleeps. Called after queueing a command.
+    fn ring(&self) {
+        // Pairs with the fence in Worker::sleep: either the thread sees our command before it sleeps,
+        // or we see it asleep and ring.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.sleeping.load(Ordering::SeqCst) {
+            let one: u64 = 1;
+            // SAFETY: writes 8 bytes from a live u64 to an eventfd this struct owns; a failed write
+            // (counter full) still leaves the fd readable, which is all we need.
+            unsafe { libc::write(self.wake_fd, &one as *const u64 as *const c_void, 8) };
+        }
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // SAFETY: wake_fd is an eventfd this struct created and nothing else closes.
+        unsafe { libc::close(self.wake_fd) };
+    }
+}
+
+/// The NIXL transport. Cheap to share behind an `Arc`; every method may be called from any thread.
+pub struct NixlTransport {
+    tx: chan::Sender<Cmd>,
+    shared: Arc<Shared>,
+    name: String,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for NixlTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NixlTransport")
+            .field("name", &self.name)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl NixlTransport {
+    /// Starts a NIXL agent named [`NixlConfig::name`] with a UCX backend on a new progress thread.
+    /// Received notifications and peer failures go to `sink`, called on that thread.
+    ///
+    /// # Errors
+    /// The agent or its UCX backend failing to start (with NIXL's status), a name with a NUL byte, or
+    /// two different UCX libraries loaded in the process once NIXL's UCX plugin is in
+    /// ([`TransportError::TwoUcxLibraries`]).
+    pub fn new(config: NixlConfig, sink: Sink) -> Result<Self, TransportError> {
+        // SAFETY: eventfd has no memory-safety preconditions; the result is checked below.
+        let wake_fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if wake_fd < 0 {
+            let err = std::io::Error::last_os_error();
+            return Err(TransportError::Library {
+                op: "eventfd",
+                code: i64::from(err.raw_os_error().unwrap_or(0)),
+                message: err.to_string(),
+            });
+        }
+        let shared = Arc::new(Shared {
+            wake_fd,
+            sleeping: AtomicBool::new(false),
+            counters: Counters::default(),
+        });
+        let (tx, rx) = chan::unbounded();
+        let (ready_tx, ready_rx) = chan::bounded(1);
+        let thread_shared = shared.clone();
+        let name = config.name.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("nixl-{}", config.name))
+            .spawn(move || match Worker::start(&config, sink, thread_shared) {
+                Ok(mut w) => {
+                    let _ = ready_tx.send(Ok(()));
+                    w.run(&rx);
+                    w.close();
+                    // Whatever was queued after Stop is answered, so no caller waits for nothing.
+                    while let Ok(cmd) = rx.try_recv() {
+                        cmd.refuse();
+                    }
+                }
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                }
+            })
+            .map_err(|e| TransportError::Library {
+                op: "spawn",
+                code: 0,
+                message: e.to_string(),
+            })?;
+        match ready_rx.recv_timeout(CALL_BOUND) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                return Err(e);
+            }
+            // The thread is stuck inside NIXL; it is left running rather than joined forever.
+            Err(_) => return Err(TransportError::Shutdown),
+        }
+        Ok(NixlTransport {
+            tx,
+            shared,
+            name,
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    fn send(&self, cmd: Cmd) -> Result<(), TransportError> {
+        self.tx.send(cmd).map_err(|_| TransportError::Shutdown)?;
+        self.shared.ring();
+        Ok(())
+    }
+
+    fn call<T>(
+        &self,
+        make: impl FnOnce(chan::Sender<Result<T, TransportError>>) -> Cmd,
+    ) -> Result<T, TransportError> {
+        let (tx, rx) = chan::bounded(1);
+        self.send(make(tx))?;
+        rx.recv_timeout(CALL_BOUND)
+            .map_err(|_| TransportError::Shutdown)?
+    }
+
+    /// Stops the progress thread: waits (bounded) for posted chunks, then releases every request,
+    /// forgets every peer, deregisters every region and destroys the agent. Also done on drop.
+    pub fn shutdown(&self) {
+        let handle = self.thread.lock().ok().and_then(|mut t| t.take());
+        if let Some(handle) = handle {
+            let _ = self.send(Cmd::Stop);
+            let _ = handle.join();
+        }
+    }
+}
+
+impl Drop for NixlTransport {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+impl Transport for NixlTransport {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Nixl
+    }
+
+    /// The agent's metadata, fetched fresh: it lists the registrations made so far.
+    fn metadata(&self) -> Result<Vec<u8>, TransportError> {
+        self.call(Cmd::Metadata)
+    }
+
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn register(&self, mem: MemDesc) -> Result<(RegionId, RemoteRegion), TransportError> {
+        self.call(|tx| Cmd::Register(mem, tx))
+    }
+
+    fn deregister(&self, id: RegionId) -> Result<(), TransportError> {
+        self.call(|tx| Cmd::Deregister(id, tx))
+    }
+
+    /// `key` is not used: NIXL names the sender of every notification ([`Sender::Agent`]).
+    fn connect(
+        &self,
+        metadata: &[u8],
+        regions: &[RemoteRegion],
+        _key: u64,
+    ) -> Result<PeerId, TransportError> {
+        self.call(|tx| Cmd::Connect(metadata.to_vec(), regions.to_vec(), tx))
+    }
+
+    fn disconnect(&self, peer: PeerId) {
+        let _ = self.send(Cmd::Disconnect(peer));
+    }
+
+    fn post(&self, peer: PeerId, writes: Vec<WriteOp>, notification: Vec<u8>, done: Done) {
+        match self.tx.send(Cmd::Post(peer, writes, notification, done)) {
+            Ok(()) => self.shared.ring(),
+            Err(chan::SendError(cmd)) => cmd.refuse(),
+        }
+    }
+
+    fn stats(&self) -> TransportStats {
+        let c = &self.shared.counters;
+        TransportStats {
+            regions: c.regions.load(Ordering::Relaxed),
+            registered_bytes: c.registered_bytes.load(Ordering::Relaxed),
+            peers: c.peers.load(Ordering::Relaxed),
+            in_flight: c.in_flight.load(Ordering::Relaxed),
+            deferred_deregistrations: c.deferred.load(Ordering::Relaxed),
+            notifications: c.notifications.load(Ordering::Relaxed),
+            bytes_posted: c.bytes_posted.load(Ordering::Relaxed),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The progress thread's side. Nothing below leaves that thread: NIXL handles are raw pointers, so the
+// types holding them are neither Send nor Sync, and the agent runs with THREAD_SYNC_NONE (no locks),
+// which is sound because only this thread ever calls it.
+
+/// Owners of NIXL's small heap objects, each destroyed once on drop.
+macro_rules! owned_handle {
+    ($(#[$doc:meta])* $name:ident: $raw:ty => $destroy:path) => {
+        $(#[$doc])*
+        struct $name($raw);
+
+        impl Drop for $name {
+            fn drop(&mut self) {
+                if !self.0.is_null() {
+                    // SAFETY: the handle was returned by NIXL's matching create call, this value is its
+                    // only owner, and drop runs once; every call that borrowed it has returned.
+                    unsafe { $destroy(self.0) };
+                }
+            }
+        }
+    };
+}
+
+owned_handle!(
+    /// A transfer descriptor list.
+    XferList: ffi::nixl_capi_xfer_dlist_t => ffi::nixl_capi_destroy_xfer_dlist
+);
+owned_handle!(
+    /// A registration descriptor list; kept with its region to deregister the same memory.
+    RegList: ffi::nixl_capi_reg_dlist_t => ffi::nixl_capi_destroy_reg_dlist
+);
+owned_handle!(
+    /// Optional arguments.
+    OptArgs: ffi::nixl_capi_opt_args_t => ffi::nixl_capi_destroy_opt_args
+);
+owned_handle!(
+    /// A notification map.
+    NotifMap: ffi::nixl_capi_notif_map_t => ffi::nixl_capi_destroy_notif_map
+);
+owned_handle!(
+    /// A parameter map.
+    Params: ffi::nixl_capi_params_t => ffi::nixl_capi_destroy_params
+);
+owned_handle!(
+    /// A memory-kind list.
+    MemList: ffi::nixl_capi_mem_list_t => ffi::nixl_capi_destroy_mem_list
+);
+
+impl XferList {
+    fn new(kind: ffi::nixl_capi_mem_type_t) -> Result<XferList, TransportError> {
+        let mut raw = ptr::null_mut();
+        // SAFETY: raw is a valid out pointer; the list is owned by the returned value.
+        unsafe { ffi::nixl_capi_create_xfer_dlist(kind, &mut raw) }
+            .result("nixl_capi_create_xfer_dlist")?;
+        Ok(XferList(raw))
+    }
+
+    fn add(&mut self, addr: u64, len: u64, dev_id: u64) -> Result<(), TransportError> {
+        // SAFETY: the list is live; add_desc records the numbers and touches no memory.
+        unsafe { ffi::nixl_capi_xfer_dlist_add_desc(self.0, addr as usize, len as usize, dev_id) }
+            .result("nixl_capi_xfer_dlist_add_desc")
+    }
+}
+
+impl OptArgs {
+    /// Arguments naming our one backend, so NIXL never has to choose.
+    fn for_backend(backend: ffi::nixl_capi_backend_t) -> Result<OptArgs, TransportError> {
+        let mut raw = ptr::null_mut();
+        // SAFETY: raw is a valid out pointer; the arguments are owned by the returned value.
+        unsafe { ffi::nixl_capi_create_opt_args(&mut raw) }.result("nixl_capi_create_opt_args")?;
+        let args = OptArgs(raw);
+        // SAFETY: both handles are live; the backend handle outlives every use of these arguments (the
+        // worker destroys all of them before the agent's backend handle).
+        unsafe { ffi::nixl_capi_opt_args_add_backend(args.0, backend) }
+            .result("nixl_capi_opt_args_add_backend")?;
+        Ok(args)
+    }
+}
+
+/// The agent and its UCX backend handle; destroyed on drop, backend handle first.
+struct Agent {
+    raw: ffi::nixl_capi_agent_t,
+    backend: ffi::nixl_capi_backend_t,
+}
+
+impl Agent {
+    fn new(name: &CStr, config: &NixlConfig) -> Result<Agent, TransportError> {
+        let cfg = ffi::nixl_capi_agent_config_t {
+            // Off: on a small machine it halves throughput, and this thread polls anyway.
+            enable_prog_thread: false,
+            enable_listen_thread: false,
+            listen_port: 0,
+            // Only the progress thread calls the agent.
+            thread_sync: ffi::NIXL_CAPI_THREAD_SYNC_NONE,
+            num_workers: 1,
+            pthr_delay_us: 0,
+            lthr_delay_us: 100_000,
+            capture_telemetry: false,
+        };
+        let mut raw = ptr::null_mut();
+        // SAFETY: name is NUL-terminated and cfg a live local, both copied by the call; raw is a valid
+        // out pointer.
+        unsafe { ffi::nixl_capi_create_configured_agent(name.as_ptr(), &cfg, &mut raw) }
+            .result("nixl_capi_create_configured_agent")?;
+        let mut agent = Agent {
+            raw,
+            backend: ptr::null_mut(),
+        };
+
+        let (mut mems, mut params) = (ptr::null_mut(), ptr::null_mut());
+        // SAFETY: the agent is live; the plugin name is NUL-terminated; the out pointers are valid and
+        // what they receive is owned by the guards just below.
+        let st = unsafe {
+            ffi::nixl_capi_get_plugin_params(agent.raw, UCX_PLUGIN.as_ptr(), &mut mems, &mut params)
+        };
+        let (_mems, params) = (MemList(mems), Params(params));
+        st.result("nixl_capi_get_plugin_params(UCX)")?;
+        for (k, v) in &config.backend_params {
+            let bad = |_| TransportError::Library {
+                op: "nixl_capi_params_add",
+                code: i64::from(ffi::NIXL_CAPI_ERROR_INVALID_PARAM),
+                message: format!("backend parameter {k:?}={v:?} contains a NUL byte"),
+            };
+            let (k, v) = (
+                CString::new(k.as_str()).map_err(bad)?,
+                CString::new(v.as_str()).map_err(bad)?,
+            );
+            // SAFETY: params is live; key and value are NUL-terminated and copied by the call.
+            unsafe { ffi::nixl_capi_params_add(params.0, k.as_ptr(), v.as_ptr()) }
+                .result("nixl_capi_params_add")?;
+        }
+        let mut backend = ptr::null_mut();
+        // SAFETY: the agent and params are live; params is copied; backend is a valid out pointer.
+        unsafe {
+            ffi::nixl_capi_create_backend(agent.raw, UCX_PLUGIN.as_ptr(), params.0, &mut backend)
+        }
+        .result("nixl_capi_create_backend(UCX)")?;
+        agent.backend = backend;
+        Ok(agent)
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if !self.backend.is_null() {
+            // SAFETY: the handle came from create_backend and is freed once; the backend itself stays
+            // with the agent until the agent goes.
+            let st = unsafe { ffi::nixl_capi_destroy_backend(self.backend) };
+            if let Err(e) = st.result("nixl_capi_destroy_backend") {
+                tracing::warn!("{e}");
+            }
+        }
+        // SAFETY: the agent was created by Agent::new and is destroyed once, after every request,
+        // list and argument naming it was released (Worker drops its other fields first).
+        let st = unsafe { ffi::nixl_capi_destroy_agent(self.raw) };
+        if let Err(e) = st.result("nixl_capi_destroy_agent") {
+            tracing::warn!("{e}");
+        }
+    }
+}
+
+struct Region {
+    kind: ffi::nixl_capi_mem_type_t,
+    dev_id: u64,
+    addr: u64,
+    len: u64,
+    reg: RegList,
+    in_flight: u64,
+    deregister: Option<chan::Sender<Result<(), TransportError>>>,
+}
+
+/// A peer's region, as its metadata describes it.
+struct RemoteDesc {
+    addr: u64,
+    len: u64,
+    kind: ffi::nixl_capi_mem_type_t,
+    dev_id: u64,
+}
+
+struct Peer {
+    name: CString,
+    remote: Vec<RemoteDesc>,
+    failed: Option<String>,
+    in_flight: u64,
+    closing: bool,
+}
+
+/// A posted chunk.
+struct Op {
+    /// The NIXL request; null for a notification-only chunk.
+    req: ffi::nixl_capi_xfer_req_t,
+    peer: u64,
+    regions: Vec<u64>,
+    done: Option<Done>,
+}
+
+struct Worker {
+    // Field order is drop order: everything naming the agent goes before it.
+    regions: HashMap<u64, Region>,
+    peers: HashMap<u64, Peer>,
+    active: Vec<Op>,
+    next_id: u64,
+    /// Optional arguments naming the backend, for registrations.
+    args: OptArgs,
+    notifs: NotifMap,
+    spin: Duration,
+    min_sleep: Duration,
+    max_sleep: Duration,
+    sink: Sink,
+    shared: Arc<Shared>,
+    agent: Agent,
+}
+
+impl Worker {
+    fn start(
+        config: &NixlConfig,
+        sink: Sink,
+        shared: Arc<Shared>,
+    ) -> Result<Box<Worker>, TransportError> {
+        let name = CString::new(config.name.as_str()).map_err(|_| TransportError::Library {
+            op: "nixl_capi_create_configured_agent",
+            code: i64::from(ffi::NIXL_CAPI_ERROR_INVALID_PARAM),
+            message: format!("agent name {:?} contains a NUL byte", config.name),
+        })?;
+        let agent = Agent::new(&name, config)?;
+        // NIXL's UCX plugin is loaded now: if it brought a UCX of its own next to ucx-sys's, stop here.
+        super::ucx::check_single_ucx()?;
+        let args = OptArgs::for_backend(agent.backend)?;
+        let mut map = ptr::null_mut();
+        // SAFETY: map is a valid out pointer; the map is owned by the NotifMap guard.
+        unsafe { ffi::nixl_capi_create_notif_map(&mut map) }
+            .result("nixl_capi_create_notif_map")?;
+        Ok(Box::new(Worker {
+            regions: HashMap::new(),
+            peers: HashMap::new(),
+            active: Vec::new(),
+            next_id: 1,
+            args,
+            notifs: NotifMap(map),
+            spin: config.spin,
+            min_sleep: config.min_sleep.max(Duration::from_micros(1)),
+            max_sleep: config.max_sleep.max(config.min_sleep),
+            sink,
+            shared,
+            agent,
+        }))
+    }
+
+    fn run(&mut self, rx: &chan::Receiver<Cmd>) {
+        let mut last_busy = Instant::now();
+        let mut nap = self.min_sleep;
+        loop {
+            let mut busy = false;
+            while let Ok(cmd) = rx.try_recv() {
+                busy = true;
+                if matches!(cmd, Cmd::Stop) {
+                    return;
+                }
+                self.handle(cmd);
+            }
+            busy |= self.poll_transfers();
+            busy |= self.poll_notifications();
+            if busy {
+                last_busy = Instant::now();
+                nap = self.min_sleep;
+                continue;
+            }
+            if last_busy.elapsed() < self.spin {
+                continue;
+            }
+            if self.active.is_empty() {
+                self.sleep(rx, nap);
+                nap = (nap * 2).min(self.max_sleep);
+            } else {
+                // A completion is only seen by polling: stay on, but let others have the core.
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    /// Sleeps for `nap` or until a command arrives.
+    fn sleep(&mut self, rx: &chan::Receiver<Cmd>, nap: Duration) {
+        self.shared.sleeping.store(true, Ordering::SeqCst);
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if !rx.is_empty() {
+            self.shared.sleeping.store(false, Ordering::SeqCst);
+            return;
+        }
+        let ts = libc::timespec {
+            tv_sec: nap.as_secs() as libc::time_t,
+            tv_nsec: nap.subsec_nanos() as libc::c_long,
+        };
+        let mut fd = libc::pollfd {
+            fd: self.shared.wake_fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: fd and ts are live locals for the duration of the call; a null signal mask keeps the
+        // thread's own.
+        let n = unsafe { libc::ppoll(&mut fd, 1, &ts, ptr::null()) };
+        if n > 0 {
+            let mut v: u64 = 0;
+            // SAFETY: reads at most 8 bytes into a live u64 from our non-blocking eventfd.
+            unsafe { libc::read(self.shared.wake_fd, &mut v as *mut u64 as *mut c_void, 8) };
+        }
+        self.shared.sleeping.store(false, Ordering::SeqCst);
+    }
+
+    fn handle(&mut self, cmd: Cmd) {
+        match cmd {
+            Cmd::Register(mem, reply) => {
+                let _ = reply.send(self.register(mem));
+            }
+            Cmd::Deregister(id, reply) => self.deregister(id, reply),
+            Cmd::Metadata(reply) => {
+                let _ = reply.send(self.metadata());
+            }
+            Cmd::Connect(meta, regions, reply) => {
+                let _ = reply.send(self.connect(&meta, &regions));
+            }
+            Cmd::Disconnect(peer) => {
+                if let Some(p) = self.peers.get_mut(&peer.0) {
+                    p.closing = true;
+                }
+                self.maybe_close_peer(peer.0);
+            }
+            Cmd::Post(peer, writes, notification, done) => {
+                self.post(peer, writes, notification, done)
+            }
+            Cmd::Stop => {}
+        }
+    }
+
+    fn metadata(&mut self) -> Result<Vec<u8>, TransportError> {
+        let (mut data, mut len) = (ptr::null_mut(), 0usize);
+        // SAFETY: the agent is live; both out pointers are valid.
+        unsafe { ffi::nixl_capi_get_local_md(self.agent.raw, &mut data, &mut len) }
+            .result("nixl_capi_get_local_md")?;
+        let bytes = if data.is_null() {
+            Vec::new()
+        } else {
+            // SAFETY: NIXL returned `len` readable bytes at `data`, ours until freed just below.
+            unsafe { std::slice::from_raw_parts(data as *const u8, len) }.to_vec()
+        };
+        // SAFETY: the buffer was malloc'd by get_local_md for us and is freed once (free(NULL) is a no-op).
+        unsafe { libc::free(data) };
+        Ok(bytes)
+    }
+
+    fn register(&mut self, mem: MemDesc) -> Result<(RegionId, RemoteRegion), TransportError> {
+        let (kind, dev_id) = match mem.kind() {
+            MemKind::Host => (ffi::NIXL_CAPI_MEM_DRAM, 0),
+            MemKind::Cuda { device } => (ffi::NIXL_CAPI_MEM_VRAM, u64::from(device)),
+        };
+        let mut raw = ptr::null_mut();
+        // SAFETY: raw is a valid out pointer; the list is owned by the RegList guard.
+        unsafe { ffi::nixl_capi_create_reg_dlist(kind, &mut raw) }
+            .result("nixl_capi_create_reg_dlist")?;
+        let reg = RegList(raw);
+        // SAFETY: the list is live; add_desc records the numbers (no per-descriptor metadata).
+        unsafe {
+            ffi::nixl_capi_reg_dlist_add_desc(
+                reg.0,
+                mem.addr() as usize,
+                mem.len() as usize,
+                dev_id,
+                ptr::null(),
+                0,
+            )
+        }
+        .result("nixl_capi_reg_dlist_add_desc")?;
+        // SAFETY: MemDesc's constructors make the caller promise the range is live memory of that kind
+        // (on that device) for the registration's life; the agent, list and arguments are live.
+        unsafe { ffi::nixl_capi_register_mem(self.agent.raw, reg.0, self.args.0) }
+            .result("nixl_capi_register_mem")?;
+        let id = self.next_id;
+        self.next_id += 1;
+        self.regions.insert(
+            id,
+            Region {
+                kind,
+                dev_id,
+                addr: mem.addr(),
+                len: mem.len(),
+                reg,
+                in_flight: 0,
+                deregister: None,
+            },
+        );
+        let c = &self.shared.counters;
+        c.regions.fetch_add(1, Ordering::Relaxed);
+        c.registered_bytes.fetch_add(mem.len(), Ordering::Relaxed);
+        Ok((
+            RegionId(id),
+            RemoteRegion {
+                addr: mem.addr(),
+                len: mem.len(),
+                rkey: Vec::new(),
+            },
+        ))
+    }
+
+    fn deregister(&mut self, id: RegionId, reply: chan::Sender<Result<(), TransportError>>) {
+        let Some(region) = self.regions.get_mut(&id.0) else {
+            let _ = reply.send(Err(TransportError::UnknownRegion(id)));
+            return;
+        };
+        if region.deregister.is_some() {
+            let _ = reply.send(Err(TransportError::UnknownRegion(id)));
+            return;
+        }
+        if region.in_flight > 0 {
+            // Writes from it are still running: deregister when the last one is over.
+            region.deregister = Some(reply);
+            self.shared
+                .counters
+                .deferred
+                .fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let _ = reply.send(self.unregister(id.0));
+    }
+
+    fn unregister(&mut self, id: u64) -> Result<(), TransportError> {
+        let Some(region) = self.regions.remove(&id) else {
+            return Err(TransportError::UnknownRegion(RegionId(id)));
+        };
+        let c = &self.shared.counters;
+        c.regions.fetch_sub(1, Ordering::Relaxed);
+        c.registered_bytes.fetch_sub(region.len, Ordering::Relaxed);
+        // SAFETY: the list describes exactly the memory registered with it on this agent, and no
+        // request reads from it any more (in_flight == 0).
+        unsafe { ffi::nixl_capi_deregister_mem(self.agent.raw, region.reg.0, self.args.0) }
+            .result("nixl_capi_deregister_mem")
+    }
+
+    fn connect(&mut self, meta: &[u8], regions: &[RemoteRegion]) -> Result<PeerId, TransportError> {
+        if meta.is_empty() {
+            return Err(TransportError::BadMetadata("empty NIXL metadata".into()));
+        }
+        let mut raw_name = ptr::null_mut();
+        // SAFETY: the agent is live; `meta` is readable for its length and copied (NIXL parses it and
+        // reports malformed input as an error status); raw_name is a valid out pointer.
+        let st = unsafe {
+            ffi::nixl_capi_load_remote_md(
+                self.agent.raw,
+                meta.as_ptr() as *const c_void,
+                meta.len(),
+                &mut raw_name,
+            )
+        };
+        if st != ffi::NIXL_CAPI_SUCCESS {
+            return Err(TransportError::BadMetadata(
+                status_error("nixl_capi_load_remote_md", st).to_string(),
+            ));
+        }
+        if raw_name.is_null() {
+            return Err(TransportError::BadMetadata(
+                "NIXL loaded the metadata but returned no agent name".into(),
+            ));
+        }
+        // SAFETY: on success raw_name is a NUL-terminated strdup'd string, ours to copy and free once.
+        let name = unsafe { CStr::from_ptr(raw_name) }.to_owned();
+        // SAFETY: as above; not used after this.
+        unsafe { libc::free(raw_name as *mut c_void) };
+
+        let mut remote = Vec::with_capacity(regions.len());
+        for (i, r) in regions.iter().enumerate() {
+            match self.probe_remote(&name, r) {
+                Ok(Some((kind, dev_id))) => remote.push(RemoteDesc {
+                    addr: r.addr,
+                    len: r.len,
+                    kind,
+                    dev_id,
+                }),
+                Ok(None) => {
+                    self.forget_remote(&name);
+                    return Err(TransportError::BadMetadata(format!(
+                        "the metadata of agent {name:?} does not cover region {i} ({:#x}, {} bytes): it must be \
+                         fetched after the region is registered",
+                        r.addr, r.len
+                    )));
+                }
+                Err(e) => {
+                    self.forget_remote(&name);
+                    return Err(e);
+                }
+            }
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.peers.insert(
+            id,
+            Peer {
+                name,
+                remote,
+                failed: None,
+                in_flight: 0,
+                closing: false,
+            },
+        );
+        self.shared.counters.peers.fetch_add(1, Ordering::Relaxed);
+        Ok(PeerId(id))
+    }
+
+    /// Which memory kind and device a peer's region has, as its loaded metadata says: host memory
+    /// first, then each device in turn. `None` if the metadata covers it under none of them.
+    fn probe_remote(
+        &self,
+        name: &CStr,
+        r: &RemoteRegion,
+    ) -> Result<Option<(ffi::nixl_capi_mem_type_t, u64)>, TransportError> {
+        let candidates = std::iter::once((ffi::NIXL_CAPI_MEM_DRAM, 0))
+            .chain((0..MAX_PROBED_DEVICES).map(|d| (ffi::NIXL_CAPI_MEM_VRAM, d)));
+        for (kind, dev_id) in candidates {
+            let mut list = XferList::new(kind)?;
+            list.add(r.addr, r.len, dev_id)?;
+            // SAFETY: the agent and list are live; name is NUL-terminated; the call only compares
+            // descriptors with the loaded metadata.
+            match unsafe { ffi::nixl_capi_check_remote_md(self.agent.raw, name.as_ptr(), list.0) } {
+                ffi::NIXL_CAPI_SUCCESS => return Ok(Some((kind, dev_id))),
+                ffi::NIXL_CAPI_ERROR_NOT_FOUND => {}
+                st => return Err(status_error("nixl_capi_check_remote_md", st)),
+            }
+        }
+        Ok(None)
+    }
+
+    /// Drops a peer agent's metadata unless another live peer id still uses it.
+    fn forget_remote(&mut self, name: &CStr) {
+        if self.peers.values().any(|p| p.name.as_c_str() == name) {
+            return;
+        }
+        // SAFETY: the agent is live, the name NUL-terminated; no request to that agent is in flight
+        // (no peer id refers to it any more, and each request holds its peer's in_flight count).
+        let st = unsafe { ffi::nixl_capi_invalidate_remote_md(self.agent.raw, name.as_ptr()) };
+        if let Err(e) = st.result("nixl_capi_invalidate_remote_md") {
+            tracing::debug!("{e} for agent {name:?}");
+        }
+    }
+
+    /// Forgets a peer marked closing once nothing posted to it is running.
+    fn maybe_close_peer(&mut self, id: u64) {
+        let Some(p) = self.peers.get(&id) else { return };
+        if !p.closing || p.in_flight > 0 {
+            return;
+        }
+        let Some(p) = self.peers.remove(&id) else {
+            return;
+        };
+        self.forget_remote(&p.name);
+        self.shared.counters.peers.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    fn post(&mut self, peer: PeerId, writes: Vec<WriteOp>, notification: Vec<u8>, done: Done) {
+        let Some(p) = self.peers.get(&peer.0).filter(|p| !p.closing) else {
+            done(Err(TransportError::UnknownPeer(peer)));
+            return;
+        };
+        if let Some(reason) = &p.failed {
+            done(Err(TransportError::PeerFailed {
+                peer,
+                reason: reason.clone(),
+            }));
+            return;
+        }
+        // Validate everything before building anything, so a bad write list posts nothing.
+        let mut regions: Vec<u64> = Vec::new();
+        let mut bytes = 0u64;
+        let (mut local_kind, mut remote_kind) = (None, None);
+        for w in &writes {
+            let Some(r) = self.regions.get(&w.local.0) else {
+                done(Err(TransportError::UnknownRegion(w.local)));
+                return;
+            };
+            let local_ok = w
+                .local_offset
+                .checked_add(w.len)
+                .is_some_and(|end| end <= r.len);
+            let rr = p.remote.get(w.remote as usize).filter(|rr| {
+                w.remote_offset
+                    .checked_add(w.len)
+                    .is_some_and(|end| end <= rr.len)
+            });
+            let (true, Some(rr), false) = (local_ok, rr, r.deregister.is_some()) else {
+                done(Err(TransportError::OutOfBounds(format!("{w:?}"))));
+                return;
+            };
+            if w.len == 0 {
+                continue;
+            }
+            // One request has one memory kind per side; a chunk mixing host and device memory on one
+            // side is refused rather than split (which would lose the notification's ordering).
+            if *local_kind.get_or_insert(r.kind) != r.kind
+                || *remote_kind.get_or_insert(rr.kind) != rr.kind
+            {
+                done(Err(TransportError::Library {
+                    op: "nixl_capi_create_xfer_req",
+                    code: i64::from(ffi::NIXL_CAPI_ERROR_INVALID_PARAM),
+                    message: "a chunk's writes mix host and device memory on one side".into(),
+                }));
+                return;
+            }
+            if !regions.contains(&w.local.0) {
+                regions.push(w.local.0);
+            }
+            bytes += w.len;
+        }
+
+        let req = match (local_kind, remote_kind) {
+            (Some(lk), Some(rk)) => match self.create_request(p, lk, rk, &writes, &notification) {
+                Ok(req) => req,
+                Err(e) => {
+                    self.peer_error(peer.0, &e);
+                    done(Err(e));
+                    return;
+                }
+            },
+            _ => {
+                // No bytes to move: the notification, if any, goes alone.
+                let res = if notification.is_empty() {
+                    Ok(())
+                } else {
+                    // SAFETY: the agent is live, the peer's name NUL-terminated and its metadata loaded;
+                    // the message is readable for its length and copied by the call.
+                    unsafe {
+                        ffi::nixl_capi_gen_notif(
+                            self.agent.raw,
+                            p.name.as_ptr(),
+                            notification.as_ptr() as *const c_void,
+                            notification.len(),
+                            self.args.0,
+                        )
+                    }
+                    .result("nixl_capi_gen_notif")
+                };
+                if let Err(e) = &res {
+                    self.peer_error(peer.0, e);
+                }
+                done(res);
+                return;
+            }
+        };
+
+        for id in &regions {
+            if let Some(r) = self.regions.get_mut(id) {
+                r.in_flight += 1;
+            }
+        }
+        if let Some(p) = self.peers.get_mut(&peer.0) {
+            p.in_flight += 1;
+        }
+        let c = &self.shared.counters;
+        c.in_flight.fetch_add(1, Ordering::Relaxed);
+        c.bytes_posted.fetch_add(bytes, Ordering::Relaxed);
+        let op = Op {
+            req,
+            peer: peer.0,
+            regions,
+            done: Some(done),
+        };
+
+        // SAFETY: the agent and request are live; the request's memory is registered and bounds-checked
+        // above and stays registered until the request is over (its regions' in_flight is raised);
+        // null extra arguments keep the notification set at creation.
+        let st = unsafe { ffi::nixl_capi_post_xfer_req(self.agent.raw, op.req, ptr::null_mut()) };
+        match st {
+            ffi::NIXL_CAPI_IN_PROG => self.active.push(op),
+            ffi::NIXL_CAPI_SUCCESS => self.finish(op, Ok(())),
+            st => self.finish(op, Err(status_error("nixl_capi_post_xfer_req", st))),
+        }
+    }
+
+    /// Builds the descriptor lists of a validated chunk and creates its WRITE request.
+    fn create_request(
+        &self,
+        p: &Peer,
+        local_kind: ffi::nixl_capi_mem_type_t,
+        remote_kind: ffi::nixl_capi_mem_type_t,
+        writes: &[WriteOp],
+        notification: &[u8],
+    ) -> Result<ffi::nixl_capi_xfer_req_t, TransportError> {
+        let mut local = XferList::new(local_kind)?;
+        let mut remote = XferList::new(remote_kind)?;
+        for w in writes.iter().filter(|w| w.len > 0) {
+            let (Some(r), Some(rr)) = (
+                self.regions.get(&w.local.0),
+                p.remote.get(w.remote as usize),
+            ) else {
+                return Err(TransportError::UnknownRegion(w.local));
+            };
+            local.add(r.addr + w.local_offset, w.len, r.dev_id)?;
+            remote.add(rr.addr + w.remote_offset, w.len, rr.dev_id)?;
+        }
+        let args = OptArgs::for_backend(self.agent.backend)?;
+        if !notification.is_empty() {
+            // SAFETY: the arguments are live; the message is readable for its length and copied.
+            unsafe {
+                ffi::nixl_capi_opt_args_set_notif_msg(
+                    args.0,
+                    notification.as_ptr() as *const c_void,
+                    notification.len(),
+                )
+            }
+            .result("nixl_capi_opt_args_set_notif_msg")?;
+            // SAFETY: the arguments are live.
+            unsafe { ffi::nixl_capi_opt_args_set_has_notif(args.0, true) }
+                .result("nixl_capi_opt_args_set_has_notif")?;
+        }
+        let mut req = ptr::null_mut();
+        // SAFETY: the agent, both lists and the arguments are live and copied by the call; the peer's name
+        // is NUL-terminated and its metadata loaded; req is a valid out pointer. The lists and arguments
+        // are destroyed when this function returns, which NIXL allows once the call has returned.
+        unsafe {
+            ffi::nixl_capi_create_xfer_req(
+                self.agent.raw,
+                ffi::NIXL_CAPI_XFER_OP_WRITE,
+                local.0,
+                remote.0,
+                p.name.as_ptr(),
+                &mut req,
+                args.0,
+            )
+        }
+        .result("nixl_capi_create_xfer_req")?;
+        Ok(req)
+    }
+
+    /// Polls every request in flight; finishes those that are over. True if any was.
+    fn poll_transfers(&mut self) -> bool {
+        let mut any = false;
+        let mut i = 0;
+        while i < self.active.len() {
+            // SAFETY: the agent and the request are live; polling also progresses the agent.
+            let st = unsafe { ffi::nixl_capi_get_xfer_status(self.agent.raw, self.active[i].req) };
+            if st == ffi::NIXL_CAPI_IN_PROG {
+                i += 1;
+                continue;
+            }
+            any = true;
+            let op = self.active.remove(i);
+            let res = if st == ffi::NIXL_CAPI_SUCCESS {
+                Ok(())
+            } else {
+                Err(status_error("nixl_capi_get_xfer_status", st))
+            };
+            self.finish(op, res);
+        }
+        any
+    }
+
+    /// Progresses the agent and hands every received notification to the sink. True if any came.
+    fn poll_notifications(&mut self) -> bool {
+        let map = self.notifs.0;
+        // SAFETY: the agent and map are live and only used by this thread; get_notifs appends, so the
+        // map is cleared first.
+        let st = unsafe {
+            ffi::nixl_capi_notif_map_clear(map);
+            ffi::nixl_capi_get_notifs(self.agent.raw, map, ptr::null_mut())
+        };
+        if st != ffi::NIXL_CAPI_SUCCESS {
+            tracing::debug!("{}", status_error("nixl_capi_get_notifs", st));
+            return false;
+        }
+        let mut senders = 0usize;
+        // SAFETY: the map is live; senders is a valid out pointer.
+        if unsafe { ffi::nixl_capi_notif_map_size(map, &mut senders) } != ffi::NIXL_CAPI_SUCCESS
+            || senders == 0
+        {
+            return false;
+        }
+        // Names and messages are borrowed from the map, which nothing changes until the next turn: the
+        // sink sees NIXL's bytes without a copy.
+        for a in 0..senders {
+            let mut name = ptr::null();
+            // SAFETY: the map is live and unchanged; name is a valid out pointer.
+            if unsafe { ffi::nixl_capi_notif_map_get_agent_at(map, a, &mut name) }
+                != ffi::NIXL_CAPI_SUCCESS
+                || name.is_null()
+            {
+                continue;
+            }
+            // SAFETY: a non-null name from the map is NUL-terminated and valid while the map is unchanged.
+            let sender = unsafe { CStr::from_ptr(name) }
+                .to_string_lossy()
+                .into_owned();
+            let mut count = 0usize;
+            // SAFETY: the map is live; name is the map's own key; count is a valid out pointer.
+            if unsafe { ffi::nixl_capi_notif_map_get_notifs_size(map, name, &mut count) }
+                != ffi::NIXL_CAPI_SUCCESS
+            {
+                continue;
+            }
+            for i in 0..count {
+                let (mut data, mut len) = (ptr::null(), 0usize);
+                // SAFETY: as above; data and len are valid out pointers.
+                if unsafe { ffi::nixl_capi_notif_map_get_notif(map, name, i, &mut data, &mut len) }
+                    != ffi::NIXL_CAPI_SUCCESS
+                {
+                    continue;
+                }
+                let bytes: &[u8] = if data.is_null() || len == 0 {
+                    &[]
+                } else {
+                    // SAFETY: NIXL lends `len` readable bytes at `data` until the map next changes, which
+                    // is after the sink returns.
+                    unsafe { std::slice::from_raw_parts(data as *const u8, len) }
+                };
+                self.shared
+                    .counters
+                    .notifications
+                    .fetch_add(1, Ordering::Relaxed);
+                (self.sink)(Incoming::Notification {
+                    sender: Sender::Agent(sender.clone()),
+                    bytes,
+                });
+            }
+        }
+        true
+    }
+
+    /// Ends a posted chunk: frees its request, releases what it held and runs its `Done`.
+    fn finish(&mut self, mut op: Op, mut res: Result<(), TransportError>) {
+        if !op.req.is_null() {
+            // The request is over (complete or failed), so releasing it cancels nothing.
+            // SAFETY: the agent and request are live; the request is released once.
+            let st = unsafe { ffi::nixl_capi_release_xfer_req(self.agent.raw, op.req) };
+            if st == ffi::NIXL_CAPI_SUCCESS {
+                // SAFETY: released just above; destroyed once and never used again.
+                unsafe { ffi::nixl_capi_destroy_xfer_req(op.req) };
+            } else {
+                // An unreleased handle cannot be destroyed: it is leaked, which is safe.
+                tracing::warn!(
+                    "{} (request leaked)",
+                    status_error("nixl_capi_release_xfer_req", st)
+                );
+            }
+            op.req = ptr::null_mut();
+        }
+        // The failure that marks the peer failed keeps the library's status; later ones to a peer
+        // already failed say so.
+        if let Err(e) = &res
+            && !self.peer_error(op.peer, e)
+            && !matches!(e, TransportError::Shutdown)
+            && let Some(reason) = self.peers.get(&op.peer).and_then(|p| p.failed.clone())
+        {
+            res = Err(TransportError::PeerFailed {
+                peer: PeerId(op.peer),
+                reason,
+            });
+        }
+        let mut deregs = Vec::new();
+        for id in &op.regions {
+            if let Some(r) = self.regions.get_mut(id) {
+                r.in_flight -= 1;
+                if r.in_flight == 0 && r.deregister.is_some() {
+                    deregs.push(*id);
+                }
+            }
+        }
+        if let Some(p) = self.peers.get_mut(&op.peer) {
+            p.in_flight -= 1;
+        }
+        self.shared
+            .counters
+            .in_flight
+            .fetch_sub(1, Ordering::Relaxed);
+        // `done` runs before a deferred deregistration returns, so whoever waits on that sees it ran.
+        if let Some(done) = op.done.take() {
+            done(res);
+        }
+        for id in deregs {
+            let reply = self.regions.get_mut(&id).and_then(|r| r.deregister.take());
+            let res = self.unregister(id);
+            self.shared
+                .counters
+                .deferred
+                .fetch_sub(1, Ordering::Relaxed);
+            if let Some(reply) = reply {
+                let _ = reply.send(res);
+            }
+        }
+        self.maybe_close_peer(op.peer);
+    }
+
+    /// Marks a peer failed after a library error on a request to it (once), and tells the sink. True
+    /// if this call marked it.
+    fn peer_error(&mut self, peer: u64, err: &TransportError) -> bool {
+        if !blames_peer(err) {
+            return false;
+        }
+        let Some(p) = self.peers.get_mut(&peer) else {
+            return false;
+        };
+        if p.failed.is_some() {
+            return false;
+        }
+        let reason = format!("agent {:?}: {err}", p.name);
+        p.failed = Some(reason.clone());
+        (self.sink)(Incoming::PeerFailed {
+            peer: PeerId(peer),
+            reason,
+        });
+        true
+    }
+
+    fn close(mut self: Box<Self>) {
+        // Let posted chunks finish (bounded), so their Done callbacks run and their memory is released.
+        let deadline = Instant::now() + SHUTDOWN_BOUND;
+        while !self.active.is_empty() && Instant::now() < deadline {
+            self.poll_transfers();
+            self.poll_notifications();
+        }
+        for op in std::mem::take(&mut self.active) {
+            // finish() releases the request, which cancels it where the backend can.
+            self.finish(op, Err(TransportError::Shutdown));
+        }
+        let ids: Vec<u64> = self.peers.keys().copied().collect();
+        for id in ids {
+            if let Some(p) = self.peers.get_mut(&id) {
+                p.closing = true;
+                p.in_flight = 0;
+            }
+            self.maybe_close_peer(id);
+        }
+        let ids: Vec<u64> = self.regions.keys().copied().collect();
+        for id in ids {
+            let reply = self.regions.get_mut(&id).and_then(|r| r.deregister.take());
+            if reply.is_some() {
+                self.shared
+                    .counters
+                    .deferred
+                    .fetch_sub(1, Ordering::Relaxed);
+            }
+            let res = self.unregister(id);
+            if let Err(e) = &res {
+                tracing::warn!("{e}");
+            }
+            if let Some(reply) = reply {
+                let _ = reply.send(res.and(Err(TransportError::Shutdown)));
+            }
+        }
+        // Dropping the worker destroys the arguments and the map, then the agent.
+    }
+}

@@ -8,9 +8,12 @@
 //! `ucp_ep_flush_nbx`, whose completion means the puts are remotely complete, then the notification as
 //! an active message. So the receiver never sees a notification before its bytes.
 //!
-//! Idle, the thread spins for [`UcxConfig::spin`] and then sleeps in `poll(2)` on the worker's event
-//! fd (armed with `ucp_worker_arm`) and on an eventfd that command senders ring only when the thread
-//! is asleep: a busy engine pays no system call per command.
+//! Idle, the thread spins for [`UcxConfig::spin`] and then sleeps in `poll(2)` on an eventfd that
+//! command senders ring only when the thread is asleep (a busy engine pays no system call per
+//! command), with a timeout that grows from [`UcxConfig::min_sleep`] to [`UcxConfig::max_sleep`] so
+//! that incoming notifications are still polled. The worker's own event fd is not used: asking UCX
+//! for `UCP_FEATURE_WAKEUP` excludes the shared-memory zero-copy transport (cma), which has no event
+//! fd, and puts then fall back to emulation over TCP, five times slower.
 //!
 //! This is the only module of the crate that calls UCX.
 
@@ -44,11 +47,20 @@ pub struct UcxConfig {
     pub spin: Duration,
     /// Name of the worker, for UCX's logs.
     pub name: String,
+    /// First sleep once idle.
+    pub min_sleep: Duration,
+    /// Longest sleep once idle: the worst added latency for a notification reaching an idle engine.
+    pub max_sleep: Duration,
 }
 
 impl Default for UcxConfig {
     fn default() -> Self {
-        UcxConfig { spin: Duration::from_micros(200), name: "kvx".into() }
+        UcxConfig {
+            spin: Duration::from_micros(200),
+            name: "kvx".into(),
+            min_sleep: Duration::from_micros(20),
+            max_sleep: Duration::from_millis(1),
+        }
     }
 }
 
@@ -390,8 +402,9 @@ struct AmArg {
 struct Worker {
     ctx: ffi::ucp_context_h,
     worker: ffi::ucp_worker_h,
-    efd: RawFd,
     spin: Duration,
+    min_sleep: Duration,
+    max_sleep: Duration,
     regions: HashMap<u64, Region>,
     peers: HashMap<u64, Peer>,
     next_id: u64,
@@ -473,10 +486,7 @@ impl Worker {
             field_mask: (ffi::ucp_params_field::UCP_PARAM_FIELD_FEATURES
                 | ffi::ucp_params_field::UCP_PARAM_FIELD_MT_WORKERS_SHARED)
                 .0 as u64,
-            features: (ffi::ucp_feature::UCP_FEATURE_RMA
-                | ffi::ucp_feature::UCP_FEATURE_AM
-                | ffi::ucp_feature::UCP_FEATURE_WAKEUP)
-                .0 as u64,
+            features: (ffi::ucp_feature::UCP_FEATURE_RMA | ffi::ucp_feature::UCP_FEATURE_AM).0 as u64,
             mt_workers_shared: 0,
             ..Default::default()
         };
@@ -497,15 +507,13 @@ impl Worker {
             unsafe { ffi::ucp_cleanup(ctx) };
             return Err(e);
         }
-        let mut efd = -1;
-        // SAFETY: worker is live; efd is an out pointer.
-        let st = unsafe { ffi::ucp_worker_get_efd(worker, &mut efd) };
         let am_arg = Box::into_raw(Box::new(AmArg { sink: sink.clone(), shared: shared.clone() }));
         let w = Box::new(Worker {
             ctx,
             worker,
-            efd,
             spin: config.spin,
+            min_sleep: config.min_sleep,
+            max_sleep: config.max_sleep,
             regions: HashMap::new(),
             peers: HashMap::new(),
             next_id: 1,
@@ -515,7 +523,6 @@ impl Worker {
             sink,
             shared,
         });
-        st.result("ucp_worker_get_efd")?;
         let handler = ffi::ucp_am_handler_param_t {
             field_mask: (ffi::ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_ID
                 | ffi::ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_CB
@@ -545,6 +552,7 @@ impl Worker {
 
     fn run(&mut self, rx: &chan::Receiver<Cmd>) {
         let mut last_busy = Instant::now();
+        let mut nap = self.min_sleep;
         loop {
             let mut busy = false;
             while let Ok(cmd) = rx.try_recv() {
@@ -561,35 +569,31 @@ impl Worker {
             busy |= self.drain_events();
             if busy {
                 last_busy = Instant::now();
+                nap = self.min_sleep;
                 continue;
             }
             if last_busy.elapsed() >= self.spin {
-                self.sleep(rx);
-                last_busy = Instant::now();
+                self.sleep(rx, nap);
+                nap = (nap * 2).min(self.max_sleep);
             }
         }
     }
 
-    /// Sleeps until UCX has an event or a command arrives (bounded, to re-check on its own).
-    fn sleep(&mut self, rx: &chan::Receiver<Cmd>) {
+    /// Sleeps up to `nap`, or until a command arrives.
+    fn sleep(&mut self, rx: &chan::Receiver<Cmd>, nap: Duration) {
         self.shared.sleeping.store(true, Ordering::SeqCst);
         std::sync::atomic::fence(Ordering::SeqCst);
-        if !rx.is_empty() || !self.closes.is_empty() {
-            self.shared.sleeping.store(false, Ordering::SeqCst);
-            return;
-        }
-        // SAFETY: the worker is live and owned by this thread.
-        let st = unsafe { ffi::ucp_worker_arm(self.worker) };
-        if st == ffi::ucs_status_t::UCS_OK {
-            let mut fds = [
-                libc::pollfd { fd: self.efd, events: libc::POLLIN, revents: 0 },
-                libc::pollfd { fd: self.shared.wake_fd, events: libc::POLLIN, revents: 0 },
-            ];
-            // SAFETY: fds is a valid array of two pollfd for the duration of the call.
-            unsafe { libc::poll(fds.as_mut_ptr(), 2, 100) };
-            let mut v: u64 = 0;
-            // SAFETY: reads at most 8 bytes into a live u64 from our non-blocking eventfd.
-            unsafe { libc::read(self.shared.wake_fd, &mut v as *mut u64 as *mut c_void, 8) };
+        if rx.is_empty() {
+            let mut fd = libc::pollfd { fd: self.shared.wake_fd, events: libc::POLLIN, revents: 0 };
+            let timeout = libc::timespec { tv_sec: 0, tv_nsec: nap.as_nanos().min(999_999_999) as libc::c_long };
+            // SAFETY: fd and timeout are valid for the duration of the call; a NULL signal mask keeps
+            // the thread's own.
+            let ready = unsafe { libc::ppoll(&mut fd, 1, &timeout, ptr::null()) };
+            if ready > 0 {
+                let mut v: u64 = 0;
+                // SAFETY: reads at most 8 bytes into a live u64 from our non-blocking eventfd.
+                unsafe { libc::read(self.shared.wake_fd, &mut v as *mut u64 as *mut c_void, 8) };
+            }
         }
         self.shared.sleeping.store(false, Ordering::SeqCst);
     }
@@ -945,6 +949,14 @@ impl Worker {
     }
 
     fn finish(&mut self, mut op: Box<Op>) {
+        self.shared.counters.in_flight.fetch_sub(1, Ordering::Relaxed);
+        // The owner hears first, so a deregistration that waited for this op returns after it.
+        if let Some(done) = op.done.take() {
+            done(match op.error.take() {
+                Some(e) => Err(e),
+                None => Ok(()),
+            });
+        }
         let mut unmaps = Vec::new();
         for id in &op.regions {
             if let Some(r) = self.regions.get_mut(id) {
@@ -966,13 +978,6 @@ impl Worker {
             p.in_flight -= 1;
         }
         self.maybe_close_peer(op.peer);
-        self.shared.counters.in_flight.fetch_sub(1, Ordering::Relaxed);
-        if let Some(done) = op.done.take() {
-            done(match op.error.take() {
-                Some(e) => Err(e),
-                None => Ok(()),
-            });
-        }
     }
 
     fn peer_error(&mut self, peer: u64, status: ffi::ucs_status_t) {

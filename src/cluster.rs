@@ -1,0 +1,217 @@
+//! A loopback cluster in one process: one decode engine and `pp` prefill engines, with source pools
+//! filled with a pattern that names every byte, so a destination can be checked byte for byte.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+use transfer_engine::core::planner::{KvLayout, PpSplit, RegionKind};
+use transfer_engine::core::{FailureCode, RequestId};
+use transfer_engine::engine::{
+    BackendConfig, DecodeConfig, DecodeEngine, EngineError, Outcome, Pool, PrefillConfig, PrefillEngine,
+};
+use transfer_engine::mem::{HostBuffer, HostOptions};
+use transfer_engine::transport::BackendKind;
+
+/// A model's KV geometry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    /// Layers.
+    pub layers: u32,
+    /// Bytes of KV per token per layer (K and V together).
+    pub bytes_per_token: u64,
+    /// Tokens per page.
+    pub page_tokens: u32,
+    /// Fused (MLA latent) or split K and V.
+    pub regions: RegionKind,
+}
+
+impl Shape {
+    /// DeepSeek-R1-like MLA: 61 layers, 576 bytes per token per layer, 64-token pages.
+    pub const MLA: Shape = Shape { layers: 61, bytes_per_token: 576, page_tokens: 64, regions: RegionKind::Fused };
+    /// Llama-3-8B-like GQA: 32 layers, 4 KiB per token per layer (K and V), 16-token pages.
+    pub const GQA: Shape = Shape { layers: 32, bytes_per_token: 4096, page_tokens: 16, regions: RegionKind::SplitKv };
+
+    /// Bytes of one page of one layer in one region.
+    pub fn page_bytes(&self) -> u64 {
+        self.bytes_per_token / u64::from(self.regions.count()) * u64::from(self.page_tokens)
+    }
+
+    /// Pages a prompt fills.
+    pub fn pages_for(&self, tokens: u32) -> u32 {
+        tokens.div_ceil(self.page_tokens)
+    }
+
+    /// KV bytes of a prompt (all layers, whole pages).
+    pub fn request_bytes(&self, tokens: u32) -> u64 {
+        u64::from(self.pages_for(tokens)) * self.page_bytes() * u64::from(self.regions.count()) * u64::from(self.layers)
+    }
+}
+
+/// How to build a cluster.
+#[derive(Debug, Clone)]
+pub struct ClusterSpec {
+    /// The model.
+    pub shape: Shape,
+    /// Prefill PP size.
+    pub pp: u16,
+    /// Pages in the decode pool.
+    pub decode_pages: u32,
+    /// Pages in each prefill pool.
+    pub prefill_pages: u32,
+    /// Backend.
+    pub backend: BackendKind,
+    /// Checksums sent and verified.
+    pub checksums: bool,
+}
+
+/// A running cluster.
+#[derive(Debug)]
+pub struct Cluster {
+    /// The spec it was built from.
+    pub spec: ClusterSpec,
+    /// The decode engine.
+    pub decode: DecodeEngine,
+    /// The prefill engines, by rank.
+    pub prefill: Vec<PrefillEngine>,
+    /// Each rank's global layer range.
+    pub layers: Vec<std::ops::Range<u32>>,
+}
+
+/// The pattern byte of (rank's pool, offset): distinct per rank and position, cheap to compute.
+pub fn pattern(rank: u16, offset: u64) -> u8 {
+    let x = offset.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (u64::from(rank) << 56) ^ (offset >> 13);
+    (x >> 32) as u8 ^ (x as u8)
+}
+
+fn free_addrs(n: usize) -> std::io::Result<Vec<SocketAddr>> {
+    // Bind and release, so each rank gets a port nobody else holds right now.
+    let socks: Vec<std::net::TcpListener> =
+        (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0")).collect::<Result<_, _>>()?;
+    socks.iter().map(|s| s.local_addr()).collect()
+}
+
+impl Cluster {
+    /// Starts the decode engine and every prefill rank, and fills the prefill pools with [`pattern`].
+    ///
+    /// # Errors
+    /// Any engine start failure.
+    pub async fn start(spec: ClusterSpec) -> Result<Cluster, EngineError> {
+        let s = spec.shape;
+        let page_bytes = s.page_bytes();
+        let dst_layout = KvLayout::packed(0, s.layers, s.regions, page_bytes, spec.decode_pages);
+        let mut dcfg = DecodeConfig::new(s.layers, s.page_tokens, dst_layout.clone(), spec.pp);
+        dcfg.backend = BackendConfig::default_for(spec.backend, "decode");
+        dcfg.verify_checksums = spec.checksums;
+        let dpool = HostBuffer::new(dst_layout.buffer_len as usize, HostOptions::default())
+            .map_err(|e| EngineError::Config(format!("decode pool: {e}")))?;
+        let decode = DecodeEngine::start(dcfg, Pool::Owned(dpool)).await?;
+        let split = PpSplit::SglangEven;
+        let peers = if spec.pp > 1 {
+            free_addrs(usize::from(spec.pp)).map_err(|e| EngineError::Config(e.to_string()))?
+        } else {
+            Vec::new()
+        };
+        let mut layers = Vec::new();
+        let mut starts = Vec::new();
+        for rank in 0..spec.pp {
+            let range = split
+                .layer_range(s.layers, spec.pp, rank)
+                .map_err(|source| EngineError::Plan { request: None, source })?;
+            let layout = KvLayout::packed(range.start, range.len() as u32, s.regions, page_bytes, spec.prefill_pages);
+            let mut cfg = PrefillConfig::new(decode.local_addr(), rank, spec.pp, s.layers, s.page_tokens, layout.clone());
+            cfg.backend = BackendConfig::default_for(spec.backend, &format!("prefill-{rank}"));
+            cfg.peers = peers.clone();
+            cfg.checksums = spec.checksums;
+            let mut buf = HostBuffer::new(layout.buffer_len as usize, HostOptions::default())
+                .map_err(|e| EngineError::Config(format!("prefill pool: {e}")))?;
+            for (i, b) in buf.as_mut_slice().iter_mut().enumerate() {
+                *b = pattern(rank, i as u64);
+            }
+            layers.push(range);
+            starts.push(tokio::spawn(PrefillEngine::start(cfg, Pool::Owned(buf))));
+        }
+        let mut prefill = Vec::new();
+        for s in starts {
+            prefill.push(s.await.map_err(|e| EngineError::Config(format!("prefill start task: {e}")))??);
+        }
+        decode.wait_for_ranks(Duration::from_secs(10)).await?;
+        Ok(Cluster { spec, decode, prefill, layers })
+    }
+
+    /// Runs one request: decode expects it, every rank sends every chunk, waits for the outcome and
+    /// every rank's decision.
+    ///
+    /// # Errors
+    /// Engine errors on either side.
+    pub async fn run_request(
+        &self,
+        request: RequestId,
+        prompt_tokens: u32,
+        chunk_tokens: u32,
+        src_pages: &[u32],
+        dst_pages: &[u32],
+    ) -> Result<Outcome, EngineError> {
+        let done = self.decode.expect(request, prompt_tokens, chunk_tokens, dst_pages.to_vec(), Duration::from_secs(30))?;
+        let chunks = prompt_tokens.div_ceil(chunk_tokens);
+        let mut sends = Vec::new();
+        for p in &self.prefill {
+            let p = p.clone();
+            let src = src_pages.to_vec();
+            sends.push(tokio::spawn(async move {
+                for c in 0..chunks {
+                    if let Err(e) = p.send_chunk(request, c, &src, c + 1 == chunks).await {
+                        p.fail(request, FailureCode::WriteFailed);
+                        return Err(e);
+                    }
+                }
+                p.decided(request).await;
+                p.release(request);
+                Ok(())
+            }));
+        }
+        let outcome = done.await;
+        for s in sends {
+            s.await.map_err(|e| EngineError::Config(format!("send task: {e}")))??;
+        }
+        Ok(outcome)
+    }
+
+    /// Checks every byte of a completed request in the decode pool against the prefill pools it came
+    /// from. Returns the number of bytes checked, or where the first difference is.
+    ///
+    /// # Errors
+    /// A description of the first page that differs.
+    pub fn verify(&self, prompt_tokens: u32, src_pages: &[u32], dst_pages: &[u32]) -> Result<u64, String> {
+        let s = self.spec.shape;
+        let pool = self.decode.pool_bytes().ok_or("decode pool not readable")?;
+        let pb = s.page_bytes() as usize;
+        let n = s.pages_for(prompt_tokens) as usize;
+        let (dp, sp) = (self.spec.decode_pages as usize, self.spec.prefill_pages as usize);
+        let mut checked = 0u64;
+        for (rank, range) in self.layers.iter().enumerate() {
+            let src_pool = self.prefill[rank].pool_bytes().ok_or("prefill pool not readable")?;
+            let held = range.len();
+            for layer in range.clone() {
+                let local = (layer - range.start) as usize;
+                for region in 0..s.regions.count() as usize {
+                    for i in 0..n {
+                        let src_off = ((region * held + local) * sp + src_pages[i] as usize) * pb;
+                        let dst_off = ((region * s.layers as usize + layer as usize) * dp + dst_pages[i] as usize) * pb;
+                        let (Some(src), Some(dst)) = (src_pool.get(src_off..src_off + pb), pool.get(dst_off..dst_off + pb))
+                        else {
+                            return Err(format!("page {i} of layer {layer} is outside a pool"));
+                        };
+                        if src != dst {
+                            let j = src.iter().zip(dst).position(|(a, b)| a != b).unwrap_or(0);
+                            return Err(format!(
+                                "rank {rank} layer {layer} region {region} page {i} (src {} dst {}) differs at byte {j}",
+                                src_pages[i], dst_pages[i]
+                            ));
+                        }
+                        checked += pb as u64;
+                    }
+                }
+            }
+        }
+        Ok(checked)
+    }
+}

@@ -1,0 +1,618 @@
+//! The decode side: registers the KV pool, accepts one connection per prefill PP rank, hands each
+//! request's destination pages to every rank, and turns their notifications into one outcome per
+//! request through the [`CompletionTracker`].
+//!
+//! Notifications are handled on the transport's progress thread, straight into the tracker (one short
+//! lock per notification, no hop through another thread), so a request's completion is seen as soon as
+//! its last notification is.
+
+use super::{
+    EngineError, Outcome, Pool, Registered, layout_from_info, layout_info, to_wire_kind, wire_regions,
+};
+use crate::control::{
+    self, BackendInfo, Connection, ControlWriter, Hello, Listener, Msg, RejectReason, Role, TransferRequest,
+};
+use crate::core::notify::{self, Notification};
+use crate::core::planner::{ChunkGeometry, KvLayout, Planner, TpMapping};
+use crate::core::tracker::{CompletionTracker, FailureReason, TrackerConfig, TrackerEvent, ViolationKind};
+use crate::core::{ChunkHasher, PeerId, RequestId};
+use crate::engine::BackendConfig;
+use crate::transport::{Incoming, Sender, Sink, Transport};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, oneshot, watch};
+
+/// Settings of a [`DecodeEngine`].
+#[derive(Debug, Clone)]
+pub struct DecodeConfig {
+    /// Name in handshakes and logs.
+    pub engine_id: String,
+    /// Control-plane address to listen on (port 0 picks one; see [`DecodeEngine::local_addr`]).
+    pub listen: SocketAddr,
+    /// The backend.
+    pub backend: BackendConfig,
+    /// The model's total layer count.
+    pub total_layers: u32,
+    /// Tokens per page.
+    pub page_tokens: u32,
+    /// The pool's layout (all layers).
+    pub layout: KvLayout,
+    /// Prefill PP size: a request is complete when this many ranks delivered.
+    pub pp_size: u16,
+    /// A shared secret every prefill must present.
+    pub token: Option<Vec<u8>>,
+    /// Verify each chunk's checksum against the bytes in the pool before counting it.
+    pub verify_checksums: bool,
+    /// Tracker settings.
+    pub tracker: TrackerConfig,
+    /// Bound on each handshake.
+    pub handshake_timeout: Duration,
+}
+
+impl DecodeConfig {
+    /// Defaults around a layout: UCX, loopback port 0, no token, checksums verified.
+    pub fn new(total_layers: u32, page_tokens: u32, layout: KvLayout, pp_size: u16) -> Self {
+        DecodeConfig {
+            engine_id: "decode".into(),
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            backend: BackendConfig::default_for(crate::transport::BackendKind::Ucx, "decode"),
+            total_layers,
+            page_tokens,
+            layout,
+            pp_size,
+            token: None,
+            verify_checksums: true,
+            tracker: TrackerConfig::default(),
+            handshake_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Counters of a [`DecodeEngine`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DecodeStats {
+    /// Requests that completed.
+    pub completed: u64,
+    /// Requests that failed.
+    pub failed: u64,
+    /// Notifications that did not decode.
+    pub malformed: u64,
+    /// Notifications from a sender no rank is bound to.
+    pub unknown_sender: u64,
+    /// Notifications the tracker refused (wrong peer, unknown request, violation...).
+    pub refused: u64,
+    /// Chunks whose checksum did not match the pool's bytes.
+    pub checksum_mismatch: u64,
+    /// Requests still tracked.
+    pub in_flight: u64,
+    /// Bytes registered by the transport.
+    pub registered_bytes: u64,
+}
+
+struct RankConn {
+    peer: PeerId,
+    writer: mpsc::UnboundedSender<Msg>,
+    planner: Planner,
+}
+
+struct ReqInfo {
+    geometry: ChunkGeometry,
+    dst_pages: Arc<Vec<u32>>,
+}
+
+struct State {
+    tracker: CompletionTracker,
+    waiters: HashMap<RequestId, oneshot::Sender<Outcome>>,
+    requests: HashMap<RequestId, ReqInfo>,
+    ranks: Vec<Option<RankConn>>,
+    senders: HashMap<Sender, (u16, PeerId)>,
+    next_peer: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    completed: AtomicU64,
+    failed: AtomicU64,
+    malformed: AtomicU64,
+    unknown_sender: AtomicU64,
+    refused: AtomicU64,
+    checksum_mismatch: AtomicU64,
+}
+
+struct Inner {
+    cfg: DecodeConfig,
+    state: Mutex<State>,
+    counters: Counters,
+    timer: tokio::sync::Notify,
+    connected: watch::Sender<u16>,
+    /// Set once, after the transport exists (its sink needs a Weak to us first).
+    transport: std::sync::OnceLock<Arc<dyn Transport>>,
+    pool: std::sync::OnceLock<Registered>,
+}
+
+/// The decode side of the engine. Cheap to clone.
+#[derive(Clone)]
+pub struct DecodeEngine {
+    inner: Arc<Inner>,
+    local_addr: SocketAddr,
+    _tasks: Arc<TaskGuard>,
+}
+
+impl std::fmt::Debug for DecodeEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DecodeEngine").field("local_addr", &self.local_addr).finish()
+    }
+}
+
+struct TaskGuard(Vec<tokio::task::JoinHandle<()>>);
+
+impl Drop for TaskGuard {
+    fn drop(&mut self) {
+        for t in &self.0 {
+            t.abort();
+        }
+    }
+}
+
+impl DecodeEngine {
+    /// Registers `pool`, starts the transport and listens for prefill ranks.
+    ///
+    /// # Errors
+    /// Transport or listener failures, or a pool smaller than the layout.
+    pub async fn start(cfg: DecodeConfig, pool: Pool) -> Result<Self, EngineError> {
+        if pool.desc().len() < cfg.layout.buffer_len {
+            return Err(EngineError::Config(format!(
+                "pool of {} bytes is smaller than its layout ({} bytes)",
+                pool.desc().len(),
+                cfg.layout.buffer_len
+            )));
+        }
+        let inner = Arc::new(Inner {
+            state: Mutex::new(State {
+                tracker: CompletionTracker::new(cfg.tracker.clone()),
+                waiters: HashMap::new(),
+                requests: HashMap::new(),
+                ranks: (0..cfg.pp_size).map(|_| None).collect(),
+                senders: HashMap::new(),
+                next_peer: 1,
+            }),
+            cfg,
+            counters: Counters::default(),
+            timer: tokio::sync::Notify::new(),
+            connected: watch::channel(0).0,
+            transport: std::sync::OnceLock::new(),
+            pool: std::sync::OnceLock::new(),
+        });
+        let weak = Arc::downgrade(&inner);
+        let sink: Sink = Arc::new(move |ev| {
+            if let Some(inner) = weak.upgrade() {
+                inner.on_incoming(ev);
+            }
+        });
+        let transport = inner.cfg.backend.build(sink)?;
+        let _ = inner.pool.set(Registered::new(&transport, pool)?);
+        let _ = inner.transport.set(transport);
+        let listener = Listener::bind(inner.cfg.listen).await?;
+        let local_addr = listener.local_addr();
+        let accept = tokio::spawn(accept_loop(Arc::downgrade(&inner), listener));
+        let timer = tokio::spawn(timer_loop(Arc::downgrade(&inner)));
+        Ok(DecodeEngine { inner, local_addr, _tasks: Arc::new(TaskGuard(vec![accept, timer])) })
+    }
+
+    /// The control-plane address prefill ranks connect to.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Waits until every PP rank is connected, or `timeout` passes.
+    ///
+    /// # Errors
+    /// [`EngineError::Timeout`].
+    ///
+    /// # Cancel safety
+    /// Cancel-safe: it only watches.
+    pub async fn wait_for_ranks(&self, timeout: Duration) -> Result<(), EngineError> {
+        let want = self.inner.cfg.pp_size;
+        let mut rx = self.inner.connected.subscribe();
+        tokio::time::timeout(timeout, rx.wait_for(|&n| n >= want))
+            .await
+            .map_err(|_| EngineError::Timeout(format!("{want} prefill ranks did not connect")))?
+            .map_err(|_| EngineError::Shutdown)?;
+        Ok(())
+    }
+
+    /// Asks every prefill rank for `request`'s KV, to be written into `dst_pages` of the pool (one
+    /// page index per page of the prompt), and returns a future that resolves once the request is
+    /// complete or failed. `timeout` bounds the whole transfer.
+    ///
+    /// The pages belong to the transfer until the future resolves. After `Failed`, a prefill rank may
+    /// still have writes in flight into them until it has processed the abort: reuse them only after
+    /// that, or give them a grace period (see the README).
+    ///
+    /// # Errors
+    /// A request id already tracked, a page list that does not fit the prompt or the pool, or a rank
+    /// not connected.
+    ///
+    /// # Cancel safety
+    /// The returned future may be dropped: the request stays tracked until it ends (or
+    /// [`abort`](Self::abort)); its outcome is then counted and dropped.
+    pub fn expect(
+        &self,
+        request: RequestId,
+        prompt_tokens: u32,
+        chunk_tokens: u32,
+        dst_pages: Vec<u32>,
+        timeout: Duration,
+    ) -> Result<impl std::future::Future<Output = Outcome> + Send + 'static, EngineError> {
+        let cfg = &self.inner.cfg;
+        let geometry = ChunkGeometry::new(u64::from(prompt_tokens), u64::from(chunk_tokens), u64::from(cfg.page_tokens))
+            .map_err(|source| EngineError::Plan { request: Some(request), source })?;
+        control::validate_transfer_request(
+            &TransferRequest {
+                request: request.0,
+                prompt_tokens,
+                chunk_tokens,
+                dst_pages: dst_pages.clone(),
+                deadline_ms: 0,
+            },
+            cfg.layout.num_pages,
+            geometry.num_pages() as usize,
+        )
+        .map_err(|e| EngineError::Config(e.to_string()))?;
+        let now = Instant::now();
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut st = self.inner.lock();
+            let mut peers = Vec::with_capacity(st.ranks.len());
+            for (rank, r) in st.ranks.iter().enumerate() {
+                match r {
+                    Some(r) => peers.push(r.peer),
+                    None => return Err(EngineError::Config(format!("prefill rank {rank} is not connected"))),
+                }
+            }
+            st.tracker
+                .expect(now, request, cfg.pp_size, &peers, now + timeout)
+                .map_err(|e| EngineError::Tracker(e.to_string()))?;
+            let msg = Msg::TransferRequest(TransferRequest {
+                request: request.0,
+                prompt_tokens,
+                chunk_tokens,
+                dst_pages: dst_pages.clone(),
+                deadline_ms: timeout.as_millis().min(u128::from(u32::MAX)) as u32,
+            });
+            for r in st.ranks.iter().flatten() {
+                let _ = r.writer.send(msg.clone());
+            }
+            st.requests.insert(request, ReqInfo { geometry, dst_pages: Arc::new(dst_pages) });
+            st.waiters.insert(request, tx);
+            self.inner.drain(&mut st);
+        }
+        self.inner.timer.notify_one();
+        Ok(async move { rx.await.unwrap_or(Outcome::Failed(FailureReason::Aborted)) })
+    }
+
+    /// Aborts `request`: it fails with `Aborted` (if it had not ended) and every prefill rank is told.
+    pub fn abort(&self, request: RequestId) {
+        let mut st = self.inner.lock();
+        if st.tracker.abort(request).is_ok() {
+            let msg = Msg::Abort(control::Abort { request: request.0, reason: crate::core::FailureCode::Aborted.raw() });
+            for r in st.ranks.iter().flatten() {
+                let _ = r.writer.send(msg.clone());
+            }
+        }
+        self.inner.drain(&mut st);
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> DecodeStats {
+        let c = &self.inner.counters;
+        let in_flight = self.inner.lock().tracker.in_flight() as u64;
+        DecodeStats {
+            completed: c.completed.load(Ordering::Relaxed),
+            failed: c.failed.load(Ordering::Relaxed),
+            malformed: c.malformed.load(Ordering::Relaxed),
+            unknown_sender: c.unknown_sender.load(Ordering::Relaxed),
+            refused: c.refused.load(Ordering::Relaxed),
+            checksum_mismatch: c.checksum_mismatch.load(Ordering::Relaxed),
+            in_flight,
+            registered_bytes: self.inner.transport.get().map(|t| t.stats().registered_bytes).unwrap_or(0),
+        }
+    }
+
+    /// The tracker's own counters (duplicates, late, unknown, violations...).
+    pub fn tracker_counters(&self) -> crate::core::tracker::Counters {
+        self.inner.lock().tracker.counters()
+    }
+
+    /// The pool's bytes, for callers that verify what arrived (host pools only).
+    pub fn pool_bytes(&self) -> Option<&[u8]> {
+        self.inner.pool.get().and_then(|r| r.pool.host_bytes())
+    }
+}
+
+impl Inner {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        // A panic while holding the lock is a bug elsewhere; the tracker's state is still whole
+        // (it never panics mid-update), so keep serving.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Hands every terminal event to its waiter.
+    fn drain(&self, st: &mut State) {
+        while let Some(ev) = st.tracker.poll_event() {
+            let (request, outcome) = match ev {
+                TrackerEvent::Complete { request } => {
+                    self.counters.completed.fetch_add(1, Ordering::Relaxed);
+                    (request, Outcome::Complete)
+                }
+                TrackerEvent::Failed { request, reason } => {
+                    self.counters.failed.fetch_add(1, Ordering::Relaxed);
+                    tracing::info!(request = request.0, ?reason, "request failed");
+                    (request, Outcome::Failed(reason))
+                }
+            };
+            st.requests.remove(&request);
+            if let Some(w) = st.waiters.remove(&request) {
+                let _ = w.send(outcome);
+            }
+        }
+    }
+
+    /// Called on the transport's progress thread.
+    fn on_incoming(&self, ev: Incoming<'_>) {
+        match ev {
+            Incoming::Notification { sender, bytes } => self.on_notification(sender, bytes),
+            // Decode connects to no prefill at the transport level; a prefill's death is seen on its
+            // control connection.
+            _ => {}
+        }
+    }
+
+    fn on_notification(&self, sender: Sender, bytes: &[u8]) {
+        let n = match notify::decode(bytes) {
+            Ok(Notification::Chunk(n)) => n,
+            Ok(_) => return, // aux/state text messages carry nothing the tracker needs
+            Err(e) => {
+                self.counters.malformed.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(error = %e, "malformed notification dropped");
+                return;
+            }
+        };
+        let now = Instant::now();
+        let mut st = self.lock();
+        let Some(&(rank, peer)) = st.senders.get(&sender) else {
+            self.counters.unknown_sender.fetch_add(1, Ordering::Relaxed);
+            return;
+        };
+        if let (Some(sum), true) = (n.checksum, self.cfg.verify_checksums) {
+            if rank == n.pp_rank && !self.checksum_matches(&st, rank, &n, sum) {
+                self.counters.checksum_mismatch.fetch_add(1, Ordering::Relaxed);
+                let kind = ViolationKind::ChecksumMismatch { chunk_id: n.chunk_id };
+                let _ = st.tracker.fail(n.request, FailureReason::ProtocolViolation { rank, kind });
+                self.drain(&mut st);
+                return;
+            }
+        }
+        if st.tracker.handle_notification(now, peer, &n).is_err() {
+            self.counters.refused.fetch_add(1, Ordering::Relaxed);
+        }
+        self.drain(&mut st);
+    }
+
+    /// Hashes what `rank` wrote for `n`'s chunk, in the order the prefill hashed it.
+    fn checksum_matches(&self, st: &State, rank: u16, n: &crate::core::notify::ChunkNotification, sum: u64) -> bool {
+        let (Some(info), Some(Some(conn)), Some(pool)) = (
+            st.requests.get(&n.request),
+            st.ranks.get(usize::from(rank)),
+            self.pool.get().and_then(|p| p.pool.host_bytes()),
+        ) else {
+            // Unknown request (the tracker counts it) or a device pool we cannot read: nothing to hash.
+            return true;
+        };
+        let mut writes = Vec::new();
+        // The source side's page numbers only affect merging, not the byte order, so identity pages do.
+        let src: Vec<u32> = (0..info.dst_pages.len() as u32).collect();
+        if conn.planner.plan_chunk(&info.geometry, u64::from(n.chunk_id), &src, &info.dst_pages, &mut writes).is_err() {
+            return false;
+        }
+        let mut h = ChunkHasher::new();
+        for w in &writes {
+            let (a, b) = (w.dst_offset as usize, (w.dst_offset + w.len) as usize);
+            match pool.get(a..b) {
+                Some(bytes) => h.update(bytes),
+                None => return false,
+            }
+        }
+        h.finish() == sum
+    }
+
+    fn peer_lost(&self, rank: u16, peer: PeerId, sender: &Sender) {
+        let mut st = self.lock();
+        if st.ranks.get(usize::from(rank)).and_then(|r| r.as_ref()).is_some_and(|r| r.peer == peer) {
+            st.ranks[usize::from(rank)] = None;
+            st.senders.remove(sender);
+            self.connected.send_modify(|n| *n = n.saturating_sub(1));
+        }
+        let failed = st.tracker.handle_peer_lost(Instant::now(), peer);
+        tracing::warn!(rank, failed, "prefill rank lost");
+        self.drain(&mut st);
+    }
+}
+
+async fn timer_loop(inner: Weak<Inner>) {
+    loop {
+        let (next, notified) = {
+            let Some(inner) = inner.upgrade() else { return };
+            let next = {
+                let mut st = inner.lock();
+                st.tracker.handle_timeout(Instant::now());
+                inner.drain(&mut st);
+                st.tracker.poll_timeout()
+            };
+            // Holding only a Weak while asleep lets the engine drop.
+            let inner2 = inner.clone();
+            (next, async move { inner2.timer.notified().await })
+        };
+        let sleep = async {
+            match next {
+                Some(t) => tokio::time::sleep_until(tokio::time::Instant::from_std(t)).await,
+                None => tokio::time::sleep(Duration::from_secs(1)).await,
+            }
+        };
+        tokio::select! {
+            _ = sleep => {}
+            _ = notified => {}
+        }
+    }
+}
+
+async fn accept_loop(inner: Weak<Inner>, listener: Listener) {
+    loop {
+        let conn = match listener.accept().await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed");
+                continue;
+            }
+        };
+        let Some(i) = inner.upgrade() else { return };
+        tokio::spawn(serve_rank(Arc::downgrade(&i), conn));
+    }
+}
+
+fn local_hello(inner: &Inner) -> Result<Hello, EngineError> {
+    let t = inner.transport.get().ok_or(EngineError::Shutdown)?;
+    let pool = inner.pool.get().ok_or(EngineError::Shutdown)?;
+    let cfg = &inner.cfg;
+    let mut hello = Hello::new(
+        cfg.engine_id.clone(),
+        Role::Decode,
+        layout_info(cfg.total_layers, cfg.page_tokens, &cfg.layout),
+        BackendInfo {
+            kind: to_wire_kind(t.kind()),
+            worker_or_agent: t.metadata()?,
+            agent_name: t.name(),
+            regions: vec![wire_regions(&pool.remote)],
+        },
+    )
+    .with_pp(0, cfg.pp_size);
+    if let Some(tok) = &cfg.token {
+        hello = hello.with_token(control::Token::new(tok.clone()));
+    }
+    Ok(hello)
+}
+
+async fn serve_rank(inner: Weak<Inner>, mut conn: Connection) {
+    let (hello, deadline) = {
+        let Some(i) = inner.upgrade() else { return };
+        match local_hello(&i) {
+            Ok(h) => (h, tokio::time::Instant::now() + i.cfg.handshake_timeout),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot build hello");
+                return;
+            }
+        }
+    };
+    let pp_size = hello.pp_size;
+    let taken = |remote: &Hello| -> Result<(), RejectReason> {
+        let Some(i) = inner.upgrade() else { return Err(RejectReason::Refused("shutting down".into())) };
+        if remote.role != Role::Prefill {
+            return Err(RejectReason::RoleMismatch("decode accepts only prefill ranks".into()));
+        }
+        if remote.pp_size != pp_size {
+            return Err(RejectReason::PpMismatch(format!("decode expects pp_size {pp_size}, peer says {}", remote.pp_size)));
+        }
+        let st = i.lock();
+        if st.ranks.get(usize::from(remote.pp_rank)).is_some_and(|r| r.is_some()) {
+            return Err(RejectReason::DuplicateRank { pp_rank: remote.pp_rank, tp_rank: remote.tp_rank });
+        }
+        Ok(())
+    };
+    let remote = match control::handshake_with(&mut conn, &hello, deadline, taken).await {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::warn!(error = %e, "prefill handshake failed");
+            return;
+        }
+    };
+    let Some(i) = inner.upgrade() else { return };
+    let rank = remote.pp_rank;
+    let planner = match layout_from_info(&remote.layout).and_then(|src| {
+        Planner::new(&src, &i.cfg.layout, TpMapping::Identical)
+            .map_err(|source| EngineError::Plan { request: None, source })
+    }) {
+        Ok(p) => p,
+        Err(e) => {
+            tracing::warn!(rank, error = %e, "prefill layout does not plan against the pool");
+            return;
+        }
+    };
+    let sender = match remote.backend.kind {
+        control::BackendKind::Nixl => Sender::Agent(remote.backend.agent_name.clone()),
+        _ => Sender::Key(remote.notify_key),
+    };
+    let (reader, writer) = conn.into_split();
+    let (tx, rx) = mpsc::unbounded_channel();
+    let peer = {
+        let mut st = i.lock();
+        if st.ranks[usize::from(rank)].is_some() {
+            return; // lost a race with another connection for the same rank
+        }
+        let peer = PeerId(st.next_peer);
+        st.next_peer += 1;
+        st.senders.insert(sender.clone(), (rank, peer));
+        st.ranks[usize::from(rank)] = Some(RankConn { peer, writer: tx, planner });
+        peer
+    };
+    i.connected.send_modify(|n| *n += 1);
+    tracing::info!(rank, peer = peer.0, "prefill rank connected");
+    drop(i);
+    let write_task = tokio::spawn(write_loop(writer, rx));
+    read_loop(&inner, reader, rank).await;
+    write_task.abort();
+    if let Some(i) = inner.upgrade() {
+        i.peer_lost(rank, peer, &sender);
+    }
+}
+
+async fn write_loop(mut writer: ControlWriter, mut rx: mpsc::UnboundedReceiver<Msg>) {
+    while let Some(msg) = rx.recv().await {
+        if writer.send(&msg).await.is_err() {
+            return;
+        }
+    }
+}
+
+async fn read_loop(inner: &Weak<Inner>, mut reader: control::ControlReader, rank: u16) {
+    loop {
+        let msg = match reader.recv().await {
+            Ok(Some(m)) => m,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::warn!(rank, error = %e, "control connection failed");
+                return;
+            }
+        };
+        let Some(i) = inner.upgrade() else { return };
+        match msg {
+            Msg::TransferReject(r) => {
+                tracing::warn!(rank, request = r.request, reason = %r.reason, "prefill rejected a transfer request");
+                let mut st = i.lock();
+                let code = crate::core::FailureCode::OutOfResources;
+                let _ = st.tracker.fail(RequestId(r.request), FailureReason::PeerFailed { rank, code });
+                i.drain(&mut st);
+            }
+            Msg::Abort(a) => {
+                let mut st = i.lock();
+                let code = crate::core::FailureCode::from_raw(a.reason);
+                let _ = st.tracker.fail(RequestId(a.request), FailureReason::PeerFailed { rank, code });
+                i.drain(&mut st);
+            }
+            Msg::Close => return,
+            _ => {}
+        }
+    }
+}

@@ -1,0 +1,223 @@
+//! The engines servers link: [`DecodeEngine`] receives a request's pages from every PP rank and says
+//! when they are all there; [`PrefillEngine`] (one per PP rank) writes its layers' pages chunk by
+//! chunk and agrees with its PP peers on each request's terminal state.
+//!
+//! Both sit on a [`Transport`] (UCX or NIXL) for the bytes and on the tokio control plane for
+//! handshakes, page allocations, aborts and votes. Decisions are made by the sans-IO core
+//! ([`crate::core`]); this module only feeds it and carries out what it says.
+
+mod decode;
+mod prefill;
+
+pub use decode::{DecodeConfig, DecodeEngine, DecodeStats};
+pub use prefill::{PrefillConfig, PrefillEngine, PrefillStats};
+
+use crate::control::{self, ControlError};
+use crate::core::planner::{KvLayout, PlanError, RegionKind};
+use crate::core::tracker::FailureReason;
+use crate::core::vote::VoteError;
+use crate::core::{FailureCode, RequestId};
+use crate::mem::{HostBuffer, MemDesc};
+use crate::transport::nixl::{NixlConfig, NixlTransport};
+use crate::transport::ucx::{UcxConfig, UcxTransport};
+use crate::transport::{BackendKind, RegionId, Sink, Transport, TransportError};
+use std::sync::Arc;
+
+/// How a request ended on the decode side.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Every chunk of every PP rank arrived (and matched its checksum where one was sent).
+    Complete,
+    /// The request failed; it will never complete.
+    Failed(FailureReason),
+}
+
+/// An engine error, with the context of the operation that failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EngineError {
+    /// The transport failed.
+    #[error("transport: {0}")]
+    Transport(#[from] TransportError),
+    /// The control plane failed.
+    #[error("control plane: {0}")]
+    Control(#[from] ControlError),
+    /// The layouts or page lists do not plan.
+    #[error("planning request {request:?}: {source}")]
+    Plan {
+        /// The request.
+        request: Option<RequestId>,
+        /// Why.
+        #[source]
+        source: PlanError,
+    },
+    /// A configuration error.
+    #[error("configuration: {0}")]
+    Config(String),
+    /// The decode side never sent the request's page allocation in time.
+    #[error("request {0:?} unknown: decode sent no TransferRequest for it in time")]
+    UnknownRequest(RequestId),
+    /// The request was aborted or failed before this operation.
+    #[error("request {request:?} failed: {code}")]
+    RequestFailed {
+        /// The request.
+        request: RequestId,
+        /// Why.
+        code: FailureCode,
+    },
+    /// A chunk's writes failed.
+    #[error("request {request:?} chunk {chunk}: {source}")]
+    Write {
+        /// The request.
+        request: RequestId,
+        /// The chunk.
+        chunk: u32,
+        /// The transport's error.
+        #[source]
+        source: TransportError,
+    },
+    /// The vote board refused an input.
+    #[error("vote: {0}")]
+    Vote(#[from] VoteError),
+    /// The request is already being tracked, or the tracker refused it.
+    #[error("tracker: {0}")]
+    Tracker(String),
+    /// A bound passed.
+    #[error("timed out: {0}")]
+    Timeout(String),
+    /// The engine is shutting down.
+    #[error("engine is shut down")]
+    Shutdown,
+}
+
+/// The memory an engine registers as its KV pool.
+#[derive(Debug)]
+pub enum Pool {
+    /// Host memory the engine owns.
+    Owned(HostBuffer),
+    /// Memory the caller owns (host or CUDA), described through `MemDesc`'s `unsafe` constructors,
+    /// whose promises cover the engine's whole life.
+    Borrowed(MemDesc),
+}
+
+impl Pool {
+    /// The description to register.
+    pub fn desc(&self) -> MemDesc {
+        match self {
+            Pool::Owned(b) => b.desc(),
+            Pool::Borrowed(d) => *d,
+        }
+    }
+
+    /// The bytes, when the engine owns the pool (checksums and verification read them). A borrowed
+    /// pool is the caller's memory, which the engine only hands to the transport.
+    fn host_bytes(&self) -> Option<&[u8]> {
+        match self {
+            Pool::Owned(b) => Some(b.as_slice()),
+            Pool::Borrowed(_) => None,
+        }
+    }
+}
+
+/// Which backend to build, and its settings.
+#[derive(Debug, Clone)]
+pub enum BackendConfig {
+    /// Direct UCX.
+    Ucx(UcxConfig),
+    /// NIXL with its UCX plugin.
+    Nixl(NixlConfig),
+}
+
+impl BackendConfig {
+    /// The default settings of `kind`, naming the engine `name`.
+    pub fn default_for(kind: BackendKind, name: &str) -> Self {
+        match kind {
+            BackendKind::Nixl => BackendConfig::Nixl(NixlConfig { name: name.into(), ..NixlConfig::default() }),
+            _ => BackendConfig::Ucx(UcxConfig { name: name.into(), ..UcxConfig::default() }),
+        }
+    }
+
+    /// Which backend this builds.
+    pub fn kind(&self) -> BackendKind {
+        match self {
+            BackendConfig::Ucx(_) => BackendKind::Ucx,
+            BackendConfig::Nixl(_) => BackendKind::Nixl,
+        }
+    }
+
+    fn build(&self, sink: Sink) -> Result<Arc<dyn Transport>, TransportError> {
+        Ok(match self {
+            BackendConfig::Ucx(c) => Arc::new(UcxTransport::new(c.clone(), sink)?),
+            BackendConfig::Nixl(c) => Arc::new(NixlTransport::new(c.clone(), sink)?),
+        })
+    }
+}
+
+/// A registration that deregisters itself, and keeps its memory alive until then.
+struct Registered {
+    transport: Arc<dyn Transport>,
+    id: RegionId,
+    remote: crate::transport::RemoteRegion,
+    pool: Pool,
+}
+
+impl Registered {
+    fn new(transport: &Arc<dyn Transport>, pool: Pool) -> Result<Self, TransportError> {
+        let (id, remote) = transport.register(pool.desc())?;
+        Ok(Registered { transport: transport.clone(), id, remote, pool })
+    }
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        // Deregistration waits for writes that still use the region, so the pool (dropped right after)
+        // is never freed under a write.
+        if let Err(e) = self.transport.deregister(self.id) {
+            tracing::warn!(error = %e, "deregistering the KV pool failed");
+        }
+    }
+}
+
+fn to_wire_kind(k: BackendKind) -> control::BackendKind {
+    match k {
+        BackendKind::Nixl => control::BackendKind::Nixl,
+        _ => control::BackendKind::Ucx,
+    }
+}
+
+/// The layout as the control plane carries it.
+fn layout_info(total_layers: u32, page_tokens: u32, layout: &KvLayout) -> control::LayoutInfo {
+    control::LayoutInfo {
+        num_layers: total_layers,
+        first_layer: layout.first_layer,
+        layers: layout.num_layers,
+        kv_regions: layout.regions.count() as u8,
+        page_tokens,
+        bytes_per_token_per_layer: layout.page_bytes / u64::from(page_tokens.max(1)),
+        pages: layout.num_pages,
+        kv_heads: layout.heads.map(|h| h.num_heads).unwrap_or(0),
+        tp_mode: control::TpMode::Identical,
+    }
+}
+
+/// A peer's layout back from the wire: the packed layout its numbers describe.
+fn layout_from_info(info: &control::LayoutInfo) -> Result<KvLayout, EngineError> {
+    let regions = match info.kv_regions {
+        1 => RegionKind::Fused,
+        2 => RegionKind::SplitKv,
+        n => return Err(EngineError::Config(format!("peer layout has {n} KV regions"))),
+    };
+    let page_bytes = info.bytes_per_token_per_layer.saturating_mul(u64::from(info.page_tokens));
+    Ok(KvLayout::packed(info.first_layer, info.layers, regions, page_bytes, info.pages))
+}
+
+fn remote_regions(info: &control::BackendInfo) -> Vec<crate::transport::RemoteRegion> {
+    info.regions
+        .iter()
+        .map(|r| crate::transport::RemoteRegion { addr: r.addr, len: r.len, rkey: r.rkey.clone() })
+        .collect()
+}
+
+fn wire_regions(r: &crate::transport::RemoteRegion) -> control::RemoteRegion {
+    control::RemoteRegion { addr: r.addr, len: r.len, rkey: r.rkey.clone() }
+}

@@ -1,0 +1,676 @@
+//! The prefill side, one engine per PP rank: writes this rank's layers of each chunk into the pages the
+//! decode side allocated, notifies after each chunk, and agrees with the other PP ranks on each
+//! request's terminal state through the [`VoteBoard`].
+//!
+//! A rank's vote is cast from the transfer-completion path itself (the transport's `Done` callback of
+//! the LAST chunk, or of a failed one) and sent to every peer at once; nothing ever waits for a peer's
+//! scheduler. A request's source pages stay owned until [`PrefillEngine::decided`] resolves.
+
+use super::{BackendConfig, EngineError, Pool, Registered, layout_from_info, layout_info, remote_regions, to_wire_kind, wire_regions};
+use crate::control::{self, BackendInfo, Connection, ControlWriter, Hello, Listener, Msg, RejectReason, Role};
+use crate::core::notify::{ChunkNotification, ChunkStatus};
+use crate::core::planner::{ChunkGeometry, KvLayout, Planner, TpMapping, Write};
+use crate::core::vote::{Decision, Vote, VoteBoard, VoteConfig, VoteMessage};
+use crate::core::{ChunkHasher, FailureCode, RequestId};
+use crate::transport::{PeerId, Sink, Transport, TransportError, WriteOp};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+use tokio::sync::{Notify, mpsc, oneshot};
+
+/// Settings of a [`PrefillEngine`].
+#[derive(Debug, Clone)]
+pub struct PrefillConfig {
+    /// Name in handshakes and logs.
+    pub engine_id: String,
+    /// The backend.
+    pub backend: BackendConfig,
+    /// The decode engine's control address.
+    pub decode: SocketAddr,
+    /// This rank.
+    pub pp_rank: u16,
+    /// PP size.
+    pub pp_size: u16,
+    /// Control addresses of every PP rank, in rank order, for the vote mesh (this rank listens on its
+    /// own entry). Empty when `pp_size` is 1.
+    pub peers: Vec<SocketAddr>,
+    /// The model's total layer count.
+    pub total_layers: u32,
+    /// Tokens per page.
+    pub page_tokens: u32,
+    /// This rank's pool layout (its layers only).
+    pub layout: KvLayout,
+    /// Shared secret for the decode side and the PP peers.
+    pub token: Option<Vec<u8>>,
+    /// Send a checksum of each chunk's bytes (the decode side verifies it).
+    pub checksums: bool,
+    /// Vote board settings (the rank and size are taken from this config).
+    pub vote: VoteConfig,
+    /// Bound on connecting and handshakes.
+    pub connect_timeout: Duration,
+    /// How long `send_chunk` waits for the decode side's page allocation of a request.
+    pub request_wait: Duration,
+}
+
+impl PrefillConfig {
+    /// Defaults around a layout: UCX, no token, checksums on.
+    pub fn new(decode: SocketAddr, pp_rank: u16, pp_size: u16, total_layers: u32, page_tokens: u32, layout: KvLayout) -> Self {
+        PrefillConfig {
+            engine_id: format!("prefill-{pp_rank}"),
+            backend: BackendConfig::default_for(crate::transport::BackendKind::Ucx, &format!("prefill-{pp_rank}")),
+            decode,
+            pp_rank,
+            pp_size,
+            peers: Vec::new(),
+            total_layers,
+            page_tokens,
+            layout,
+            token: None,
+            checksums: true,
+            vote: VoteConfig::new(pp_size, pp_rank),
+            connect_timeout: Duration::from_secs(10),
+            request_wait: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Counters of a [`PrefillEngine`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefillStats {
+    /// Chunks whose writes and notification completed.
+    pub chunks: u64,
+    /// Bytes written.
+    pub bytes: u64,
+    /// Chunks that failed.
+    pub failed_chunks: u64,
+    /// Requests decided completed.
+    pub decided_completed: u64,
+    /// Requests decided failed.
+    pub decided_failed: u64,
+    /// Requests still undecided.
+    pub undecided: u64,
+    /// Transfer requests rejected (bad pages, duplicates).
+    pub rejected_requests: u64,
+    /// Bytes registered by the transport.
+    pub registered_bytes: u64,
+}
+
+struct ReqState {
+    geometry: ChunkGeometry,
+    dst_pages: Arc<Vec<u32>>,
+    failed: Option<FailureCode>,
+    voted: bool,
+}
+
+struct State {
+    requests: HashMap<RequestId, ReqState>,
+    arrivals: HashMap<RequestId, Vec<oneshot::Sender<()>>>,
+    board: VoteBoard,
+    decided: HashMap<RequestId, Decision>,
+    decided_waiters: HashMap<RequestId, Vec<oneshot::Sender<Decision>>>,
+    peer_writers: Vec<Option<mpsc::UnboundedSender<Msg>>>,
+}
+
+#[derive(Default)]
+struct Counters {
+    chunks: AtomicU64,
+    bytes: AtomicU64,
+    failed_chunks: AtomicU64,
+    decided_completed: AtomicU64,
+    decided_failed: AtomicU64,
+    rejected: AtomicU64,
+}
+
+struct Inner {
+    cfg: PrefillConfig,
+    transport: Arc<dyn Transport>,
+    pool: Registered,
+    decode_peer: PeerId,
+    planner: Planner,
+    decode_writer: mpsc::UnboundedSender<Msg>,
+    state: Mutex<State>,
+    counters: Counters,
+    timer: Notify,
+}
+
+/// One prefill PP rank. Cheap to clone.
+#[derive(Clone)]
+pub struct PrefillEngine {
+    inner: Arc<Inner>,
+    _tasks: Arc<TaskGuard>,
+}
+
+impl std::fmt::Debug for PrefillEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrefillEngine").field("pp_rank", &self.inner.cfg.pp_rank).finish()
+    }
+}
+
+struct TaskGuard(Mutex<Vec<tokio::task::JoinHandle<()>>>);
+
+impl Drop for TaskGuard {
+    fn drop(&mut self) {
+        if let Ok(tasks) = self.0.lock() {
+            for t in tasks.iter() {
+                t.abort();
+            }
+        }
+    }
+}
+
+fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
+    // Our state machines never panic mid-update, so a poisoned lock still guards whole state.
+    state.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl PrefillEngine {
+    /// Registers `pool`, connects to the decode engine and to every PP peer.
+    ///
+    /// # Errors
+    /// Transport, control-plane or layout errors; a mesh that does not form within
+    /// `connect_timeout`.
+    ///
+    /// # Cancel safety
+    /// Not cancel-safe: dropping it mid-way drops half-made connections (nothing leaks).
+    pub async fn start(cfg: PrefillConfig, pool: Pool) -> Result<Self, EngineError> {
+        if cfg.pp_rank >= cfg.pp_size {
+            return Err(EngineError::Config(format!("pp_rank {} not below pp_size {}", cfg.pp_rank, cfg.pp_size)));
+        }
+        if cfg.pp_size > 1 && cfg.peers.len() != usize::from(cfg.pp_size) {
+            return Err(EngineError::Config(format!("{} peer addresses for pp_size {}", cfg.peers.len(), cfg.pp_size)));
+        }
+        if pool.desc().len() < cfg.layout.buffer_len {
+            return Err(EngineError::Config("pool smaller than its layout".into()));
+        }
+        // Prefill receives no notifications; peer failures surface as failed posts.
+        let sink: Sink = Arc::new(|_| {});
+        let transport = cfg.backend.build(sink)?;
+        let pool = Registered::new(&transport, pool)?;
+        let deadline = tokio::time::Instant::now() + cfg.connect_timeout;
+        let notify_key: u64 = rand::random();
+
+        // The vote mesh listener first, so peers can connect while we talk to decode.
+        let listener = if cfg.pp_size > 1 { Some(Listener::bind(cfg.peers[usize::from(cfg.pp_rank)]).await?) } else { None };
+
+        let mut conn = Connection::connect(cfg.decode, deadline).await?;
+        let mut hello = Hello::new(
+            cfg.engine_id.clone(),
+            Role::Prefill,
+            layout_info(cfg.total_layers, cfg.page_tokens, &cfg.layout),
+            BackendInfo {
+                kind: to_wire_kind(transport.kind()),
+                worker_or_agent: transport.metadata()?,
+                agent_name: transport.name(),
+                regions: vec![wire_regions(&pool.remote)],
+            },
+        )
+        .with_pp(cfg.pp_rank, cfg.pp_size);
+        hello.notify_key = notify_key;
+        if let Some(tok) = &cfg.token {
+            hello = hello.with_token(control::Token::new(tok.clone()));
+        }
+        let remote = control::handshake(&mut conn, &hello, deadline).await?;
+        let dst = layout_from_info(&remote.layout)?;
+        let planner = Planner::new(&cfg.layout, &dst, TpMapping::Identical)
+            .map_err(|source| EngineError::Plan { request: None, source })?;
+        let decode_peer = transport.connect(&remote.backend.worker_or_agent, &remote_regions(&remote.backend), notify_key)?;
+
+        let mut vote_cfg = cfg.vote.clone();
+        vote_cfg.pp_size = cfg.pp_size;
+        vote_cfg.my_rank = cfg.pp_rank;
+        let board = VoteBoard::new(vote_cfg)?;
+        let (dtx, drx) = mpsc::unbounded_channel();
+        let inner = Arc::new(Inner {
+            state: Mutex::new(State {
+                requests: HashMap::new(),
+                arrivals: HashMap::new(),
+                board,
+                decided: HashMap::new(),
+                decided_waiters: HashMap::new(),
+                peer_writers: (0..cfg.pp_size).map(|_| None).collect(),
+            }),
+            cfg,
+            transport,
+            pool,
+            decode_peer,
+            planner,
+            decode_writer: dtx,
+            counters: Counters::default(),
+            timer: Notify::new(),
+        });
+        let (reader, writer) = conn.into_split();
+        let mut tasks = vec![
+            tokio::spawn(write_loop(writer, drx)),
+            tokio::spawn(decode_read_loop(Arc::downgrade(&inner), reader)),
+            tokio::spawn(timer_loop(Arc::downgrade(&inner))),
+        ];
+        if let Some(listener) = listener {
+            tasks.extend(form_mesh(&inner, listener, &hello, deadline).await?);
+        }
+        Ok(PrefillEngine { inner, _tasks: Arc::new(TaskGuard(Mutex::new(tasks))) })
+    }
+
+    /// This rank.
+    pub fn pp_rank(&self) -> u16 {
+        self.inner.cfg.pp_rank
+    }
+
+    /// The pool's bytes, when the engine owns it (for verification; fill a pool before `start`).
+    pub fn pool_bytes(&self) -> Option<&[u8]> {
+        self.inner.pool.pool.host_bytes()
+    }
+
+    /// Writes chunk `chunk` of `request`: every layer of this rank for the pages the chunk completes
+    /// (see [`crate::core::planner`]), then its notification. `src_pages` lists the request's pages in
+    /// this rank's pool, one per page of the prompt. `last` marks the rank's final chunk; its
+    /// completion casts this rank's vote.
+    ///
+    /// Waits (up to `request_wait`) for the decode side's page allocation if it has not arrived.
+    ///
+    /// # Errors
+    /// The request failed or was aborted, the pages do not plan, or the writes failed (then the
+    /// request is failed on both sides).
+    ///
+    /// # Cancel safety
+    /// Dropping the future after the writes were posted does not cancel them: the registration stays
+    /// alive until the transport reports them over, and the vote is still cast.
+    pub async fn send_chunk(&self, request: RequestId, chunk: u32, src_pages: &[u32], last: bool) -> Result<(), EngineError> {
+        let inner = &self.inner;
+        let (geometry, dst_pages) = inner.wait_for_request(request).await?;
+        let mut plan: Vec<Write> = Vec::new();
+        inner
+            .planner
+            .plan_chunk(&geometry, u64::from(chunk), src_pages, &dst_pages, &mut plan)
+            .map_err(|source| EngineError::Plan { request: Some(request), source })?;
+        let status = if last {
+            let count = geometry.num_chunks() as u32;
+            if chunk + 1 != count {
+                return Err(EngineError::Config(format!("LAST chunk {chunk} but the prompt has {count} chunks")));
+            }
+            ChunkStatus::Last { count }
+        } else {
+            ChunkStatus::More
+        };
+        let mut n = ChunkNotification::new(request, inner.cfg.pp_rank, chunk, status);
+        if inner.cfg.checksums {
+            if let Some(bytes) = inner.pool.pool.host_bytes() {
+                let mut h = ChunkHasher::new();
+                for w in &plan {
+                    if let Some(b) = bytes.get(w.src_offset as usize..(w.src_offset + w.len) as usize) {
+                        h.update(b);
+                    }
+                }
+                n = n.with_checksum(h.finish());
+            }
+        }
+        let writes: Vec<WriteOp> = plan
+            .iter()
+            .map(|w| WriteOp { local: inner.pool.id, local_offset: w.src_offset, remote: 0, remote_offset: w.dst_offset, len: w.len })
+            .collect();
+        let bytes: u64 = plan.iter().map(|w| w.len).sum();
+        let (tx, rx) = oneshot::channel();
+        let weak = Arc::downgrade(inner);
+        let span = tracing::trace_span!("chunk", request = request.0, pp_rank = inner.cfg.pp_rank, chunk);
+        let _g = span.enter();
+        inner.transport.post(
+            inner.decode_peer,
+            writes,
+            n.encode().to_vec(),
+            Box::new(move |res: Result<(), TransportError>| {
+                // Runs on the transport's progress thread: the vote is cast right here.
+                if let Some(inner) = weak.upgrade() {
+                    inner.chunk_done(request, last, bytes, &res);
+                }
+                let _ = tx.send(res);
+            }),
+        );
+        match rx.await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(source)) => Err(EngineError::Write { request, chunk, source }),
+            Err(_) => Err(EngineError::Shutdown),
+        }
+    }
+
+    /// Fails `request` from this rank: tells the decode side (a FAILURE notification) and votes failed.
+    pub fn fail(&self, request: RequestId, code: FailureCode) {
+        self.inner.fail_local(request, code);
+    }
+
+    /// Resolves once every PP rank voted on `request` (failure wins once all are terminal). Until then
+    /// the request's source pages must not be reused.
+    ///
+    /// # Cancel safety
+    /// Cancel-safe.
+    pub async fn decided(&self, request: RequestId) -> Decision {
+        let rx = {
+            let mut st = lock(&self.inner.state);
+            if let Some(d) = st.decided.get(&request) {
+                return *d;
+            }
+            let (tx, rx) = oneshot::channel();
+            st.decided_waiters.entry(request).or_default().push(tx);
+            rx
+        };
+        rx.await.unwrap_or(Decision::Failed { rank: self.inner.cfg.pp_rank, cause: crate::core::vote::FailCause::PeerLost })
+    }
+
+    /// Forgets a decided request's bookkeeping (call after reusing its pages).
+    pub fn release(&self, request: RequestId) {
+        let mut st = lock(&self.inner.state);
+        st.decided.remove(&request);
+        st.requests.remove(&request);
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> PrefillStats {
+        let c = &self.inner.counters;
+        PrefillStats {
+            chunks: c.chunks.load(Ordering::Relaxed),
+            bytes: c.bytes.load(Ordering::Relaxed),
+            failed_chunks: c.failed_chunks.load(Ordering::Relaxed),
+            decided_completed: c.decided_completed.load(Ordering::Relaxed),
+            decided_failed: c.decided_failed.load(Ordering::Relaxed),
+            undecided: lock(&self.inner.state).board.undecided() as u64,
+            rejected_requests: c.rejected.load(Ordering::Relaxed),
+            registered_bytes: self.inner.transport.stats().registered_bytes,
+        }
+    }
+
+    /// Transport counters (in flight, registered bytes...), for resource checks.
+    pub fn transport_stats(&self) -> crate::transport::TransportStats {
+        self.inner.transport.stats()
+    }
+}
+
+impl Inner {
+    async fn wait_for_request(&self, request: RequestId) -> Result<(ChunkGeometry, Arc<Vec<u32>>), EngineError> {
+        let rx = {
+            let mut st = lock(&self.state);
+            if let Some(r) = st.requests.get(&request) {
+                if let Some(code) = r.failed {
+                    return Err(EngineError::RequestFailed { request, code });
+                }
+                return Ok((r.geometry, r.dst_pages.clone()));
+            }
+            let (tx, rx) = oneshot::channel();
+            st.arrivals.entry(request).or_default().push(tx);
+            rx
+        };
+        match tokio::time::timeout(self.cfg.request_wait, rx).await {
+            Ok(Ok(())) => {
+                let st = lock(&self.state);
+                match st.requests.get(&request) {
+                    Some(r) if r.failed.is_none() => Ok((r.geometry, r.dst_pages.clone())),
+                    Some(r) => Err(EngineError::RequestFailed { request, code: r.failed.unwrap_or(FailureCode::Aborted) }),
+                    None => Err(EngineError::UnknownRequest(request)),
+                }
+            }
+            _ => Err(EngineError::UnknownRequest(request)),
+        }
+    }
+
+    /// A chunk's transport work is over (on the progress thread).
+    fn chunk_done(&self, request: RequestId, last: bool, bytes: u64, res: &Result<(), TransportError>) {
+        match res {
+            Ok(()) => {
+                self.counters.chunks.fetch_add(1, Ordering::Relaxed);
+                self.counters.bytes.fetch_add(bytes, Ordering::Relaxed);
+                if last {
+                    self.vote(request, Vote::Completed);
+                }
+            }
+            Err(e) => {
+                self.counters.failed_chunks.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(request = request.0, error = %e, "chunk failed");
+                self.fail_local(request, FailureCode::WriteFailed);
+            }
+        }
+    }
+
+    fn fail_local(&self, request: RequestId, code: FailureCode) {
+        let first = {
+            let mut st = lock(&self.state);
+            match st.requests.get_mut(&request) {
+                Some(r) if r.failed.is_none() => {
+                    r.failed = Some(code);
+                    true
+                }
+                Some(_) => false,
+                None => true,
+            }
+        };
+        if first {
+            // The decode side learns at once, not by timeout.
+            let n = ChunkNotification::new(request, self.cfg.pp_rank, 0, ChunkStatus::Failed { code });
+            self.transport.post(self.decode_peer, Vec::new(), n.encode().to_vec(), Box::new(|_| {}));
+        }
+        self.vote(request, Vote::Failed(code));
+    }
+
+    fn vote(&self, request: RequestId, vote: Vote) {
+        let mut st = lock(&self.state);
+        if let Some(r) = st.requests.get_mut(&request) {
+            if r.voted {
+                return;
+            }
+            r.voted = true;
+        }
+        if let Err(e) = st.board.handle_local_vote(Instant::now(), request, vote) {
+            tracing::debug!(request = request.0, error = %e, "local vote refused");
+        }
+        self.flush_board(&mut st);
+        drop(st);
+        self.timer.notify_one();
+    }
+
+    /// Sends what the board queued and hands out its decisions.
+    fn flush_board(&self, st: &mut State) {
+        while let Some((to, msg)) = st.board.poll_transmit() {
+            if let Some(Some(w)) = st.peer_writers.get(usize::from(to)) {
+                let _ = w.send(Msg::Vote(control::Vote { bytes: msg.encode().to_vec() }));
+            }
+        }
+        while let Some((request, decision)) = st.board.poll_decision() {
+            match decision {
+                Decision::Completed => self.counters.decided_completed.fetch_add(1, Ordering::Relaxed),
+                Decision::Failed { .. } => self.counters.decided_failed.fetch_add(1, Ordering::Relaxed),
+            };
+            st.decided.insert(request, decision);
+            for w in st.decided_waiters.remove(&request).unwrap_or_default() {
+                let _ = w.send(decision);
+            }
+        }
+    }
+
+    fn on_transfer_request(&self, req: control::TransferRequest) {
+        let request = RequestId(req.request);
+        let geometry = ChunkGeometry::new(u64::from(req.prompt_tokens), u64::from(req.chunk_tokens), u64::from(self.cfg.page_tokens));
+        let check = geometry.as_ref().ok().map(|g| {
+            control::validate_transfer_request(&req, self.planner.dst().num_pages, g.num_pages() as usize)
+        });
+        let mut st = lock(&self.state);
+        let reason = match (geometry, check) {
+            (Ok(g), Some(Ok(()))) if !st.requests.contains_key(&request) => {
+                st.requests.insert(request, ReqState { geometry: g, dst_pages: Arc::new(req.dst_pages), failed: None, voted: false });
+                for w in st.arrivals.remove(&request).unwrap_or_default() {
+                    let _ = w.send(());
+                }
+                return;
+            }
+            (Ok(_), Some(Ok(()))) => control::TransferRejectReason::DuplicateRequest { request: req.request },
+            (_, Some(Err(e))) => e,
+            (Err(e), _) => control::TransferRejectReason::Invalid(e.to_string()),
+            (Ok(_), None) => control::TransferRejectReason::Invalid("no geometry".into()),
+        };
+        drop(st);
+        self.counters.rejected.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(request = req.request, %reason, "transfer request rejected");
+        let _ = self.decode_writer.send(Msg::TransferReject(control::TransferReject { request: req.request, reason }));
+    }
+
+    fn on_abort(&self, request: RequestId, code: FailureCode) {
+        {
+            let mut st = lock(&self.state);
+            match st.requests.get_mut(&request) {
+                Some(r) if r.failed.is_none() => r.failed = Some(code),
+                _ => {}
+            }
+        }
+        self.vote(request, Vote::Failed(code));
+    }
+
+    fn on_peer_message(&self, from: u16, bytes: &[u8]) {
+        let mut st = lock(&self.state);
+        match VoteMessage::decode(bytes) {
+            Ok(msg) => {
+                if let Err(e) = st.board.handle_peer_message(Instant::now(), from, &msg) {
+                    tracing::warn!(from, error = %e, "vote refused");
+                }
+            }
+            Err(e) => tracing::warn!(from, error = %e, "malformed vote"),
+        }
+        self.flush_board(&mut st);
+    }
+
+    fn on_peer_lost(&self, rank: u16) {
+        let mut st = lock(&self.state);
+        if let Some(w) = st.peer_writers.get_mut(usize::from(rank)) {
+            *w = None;
+        }
+        let _ = st.board.handle_peer_lost(Instant::now(), rank);
+        self.flush_board(&mut st);
+    }
+}
+
+async fn write_loop(mut writer: ControlWriter, mut rx: mpsc::UnboundedReceiver<Msg>) {
+    while let Some(msg) = rx.recv().await {
+        if writer.send(&msg).await.is_err() {
+            return;
+        }
+    }
+}
+
+async fn decode_read_loop(inner: Weak<Inner>, mut reader: control::ControlReader) {
+    loop {
+        let msg = match reader.recv().await {
+            Ok(Some(m)) => m,
+            Ok(None) | Err(_) => break,
+        };
+        let Some(i) = inner.upgrade() else { return };
+        match msg {
+            Msg::TransferRequest(r) => i.on_transfer_request(r),
+            Msg::Abort(a) => i.on_abort(RequestId(a.request), FailureCode::from_raw(a.reason)),
+            Msg::Close => break,
+            _ => {}
+        }
+    }
+    // The decode side is gone: every request not yet voted fails here.
+    if let Some(i) = inner.upgrade() {
+        let pending: Vec<RequestId> = lock(&i.state).requests.iter().filter(|(_, r)| !r.voted).map(|(k, _)| *k).collect();
+        for r in pending {
+            i.on_abort(r, FailureCode::PeerLost);
+        }
+    }
+}
+
+async fn timer_loop(inner: Weak<Inner>) {
+    loop {
+        let (next, notified) = {
+            let Some(i) = inner.upgrade() else { return };
+            let next = {
+                let mut st = lock(&i.state);
+                st.board.handle_timeout(Instant::now());
+                i.flush_board(&mut st);
+                st.board.poll_timeout()
+            };
+            let i2 = i.clone();
+            (next, async move { i2.timer.notified().await })
+        };
+        let sleep = async {
+            match next {
+                Some(t) => tokio::time::sleep_until(tokio::time::Instant::from_std(t)).await,
+                None => tokio::time::sleep(Duration::from_secs(1)).await,
+            }
+        };
+        tokio::select! {
+            _ = sleep => {}
+            _ = notified => {}
+        }
+    }
+}
+
+/// Connects to every lower rank and accepts every higher one; returns the per-peer tasks.
+async fn form_mesh(
+    inner: &Arc<Inner>,
+    listener: Listener,
+    decode_hello: &Hello,
+    deadline: tokio::time::Instant,
+) -> Result<Vec<tokio::task::JoinHandle<()>>, EngineError> {
+    let cfg = &inner.cfg;
+    let mut hello = decode_hello.clone();
+    // PP peers need no backend data: votes travel on the control connection.
+    hello.backend.worker_or_agent.clear();
+    hello.backend.regions.clear();
+    let me = cfg.pp_rank;
+    let mut conns: Vec<(u16, Connection)> = Vec::new();
+    for rank in 0..me {
+        let mut c = Connection::connect(cfg.peers[usize::from(rank)], deadline).await?;
+        let remote = control::handshake(&mut c, &hello, deadline).await?;
+        if remote.pp_rank != rank {
+            return Err(EngineError::Config(format!("peer at rank {rank}'s address says it is rank {}", remote.pp_rank)));
+        }
+        conns.push((rank, c));
+    }
+    let higher = cfg.pp_size - me - 1;
+    let mut seen = vec![false; usize::from(cfg.pp_size)];
+    while conns.len() < usize::from(cfg.pp_size - 1) {
+        let accept = tokio::time::timeout_at(deadline, listener.accept()).await;
+        let mut c = match accept {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => return Err(e.into()),
+            Err(_) => return Err(EngineError::Timeout(format!("{higher} higher PP ranks did not connect"))),
+        };
+        let check = |r: &Hello| -> Result<(), RejectReason> {
+            if r.pp_rank <= me || seen[usize::from(r.pp_rank)] {
+                return Err(RejectReason::DuplicateRank { pp_rank: r.pp_rank, tp_rank: r.tp_rank });
+            }
+            Ok(())
+        };
+        match control::handshake_with(&mut c, &hello, deadline, check).await {
+            Ok(remote) => {
+                seen[usize::from(remote.pp_rank)] = true;
+                conns.push((remote.pp_rank, c));
+            }
+            Err(e) => tracing::warn!(error = %e, "PP peer handshake failed"),
+        }
+    }
+    let mut tasks = Vec::new();
+    for (rank, c) in conns {
+        let (mut reader, writer) = c.into_split();
+        let (tx, rx) = mpsc::unbounded_channel();
+        lock(&inner.state).peer_writers[usize::from(rank)] = Some(tx);
+        tasks.push(tokio::spawn(write_loop(writer, rx)));
+        let weak = Arc::downgrade(inner);
+        tasks.push(tokio::spawn(async move {
+            loop {
+                match reader.recv().await {
+                    Ok(Some(Msg::Vote(v))) => match weak.upgrade() {
+                        Some(i) => i.on_peer_message(rank, &v.bytes),
+                        None => return,
+                    },
+                    Ok(Some(Msg::Close)) | Ok(None) | Err(_) => break,
+                    Ok(Some(_)) => {}
+                }
+            }
+            if let Some(i) = weak.upgrade() {
+                i.on_peer_lost(rank);
+            }
+        }));
+    }
+    // Votes cast before the mesh existed were queued by the board; send them now.
+    let mut st = lock(&inner.state);
+    inner.flush_board(&mut st);
+    Ok(tasks)
+}

@@ -1,0 +1,564 @@
+//! The NIXL backend on its own, over real NIXL and its UCX plugin on loopback (never skipped): a
+//! chunk's writes land before its notification, notifications carry our bytes unchanged and the
+//! sender's agent name, deregistration waits for in-flight writes, bad writes and bad metadata are
+//! refused with typed errors, counters return to their baseline, and a UCX transport and a NIXL
+//! transport share one UCX library in one process.
+#![allow(clippy::unwrap_used)]
+
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use transfer_engine::mem::{HostBuffer, HostOptions};
+use transfer_engine::transport::nixl::{NixlConfig, NixlTransport};
+use transfer_engine::transport::ucx::{self, UcxConfig, UcxTransport};
+use transfer_engine::transport::{
+    BackendKind, Done, Incoming, PeerId, Sender, Sink, Transport, TransportError, TransportStats,
+    WriteOp,
+};
+
+const BOUND: Duration = Duration::from_secs(10);
+
+/// What a receiver's sink saw: sender, bytes, whether the expected bytes were in place then, and when
+/// it arrived.
+type Seen = Arc<Mutex<Vec<(Sender, Vec<u8>, bool, Instant)>>>;
+/// The destination range a sink checks when a notification arrives: address, length, byte value.
+type Expect = Arc<Mutex<Option<(u64, usize, u8)>>>;
+
+/// Whether every byte is `val` (slice comparisons, which stay fast in debug builds).
+fn all_eq(b: &[u8], val: u8) -> bool {
+    let block = [val; 4096];
+    b.chunks(block.len()).all(|c| c == &block[..c.len()])
+}
+
+fn config(name: &str) -> NixlConfig {
+    NixlConfig {
+        name: format!("{name}-{}", std::process::id()),
+        ..NixlConfig::default()
+    }
+}
+
+/// A sink recording each notification and whether the bytes were already in place when it arrived.
+fn recording_sink(expect: Expect) -> (Sink, Seen) {
+    let seen: Seen = Arc::default();
+    let s = seen.clone();
+    let sink: Sink = Arc::new(move |ev| {
+        if let Incoming::Notification { sender, bytes } = ev {
+            let at = Instant::now();
+            // The check the engine relies on: when the notification is here, so are the bytes.
+            let ok = expect.lock().unwrap().is_some_and(|(addr, len, val)| {
+                // SAFETY: the tests keep the destination buffer alive until the transports are dropped.
+                let b = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
+                all_eq(b, val)
+            });
+            s.lock().unwrap().push((sender, bytes.to_vec(), ok, at));
+        }
+    });
+    (sink, seen)
+}
+
+fn receiver(name: &str, expect: Expect) -> (NixlTransport, Seen) {
+    let (sink, seen) = recording_sink(expect);
+    (NixlTransport::new(config(name), sink).unwrap(), seen)
+}
+
+fn noop_sink() -> Sink {
+    Arc::new(|_| {})
+}
+
+fn wait_done() -> (Done, mpsc::Receiver<Result<(), TransportError>>) {
+    let (tx, rx) = mpsc::channel();
+    (Box::new(move |r| tx.send(r).unwrap()), rx)
+}
+
+/// Polls `cond` until it holds, failing the test after [`BOUND`].
+#[track_caller]
+fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + BOUND;
+    while !cond() {
+        assert!(Instant::now() < deadline, "{what} not within {BOUND:?}");
+        std::thread::yield_now();
+    }
+}
+
+fn post_and_wait(
+    t: &dyn Transport,
+    peer: PeerId,
+    writes: Vec<WriteOp>,
+    notification: Vec<u8>,
+) -> Result<(), TransportError> {
+    let (done, rx) = wait_done();
+    t.post(peer, writes, notification, done);
+    rx.recv_timeout(BOUND).expect("done not called")
+}
+
+fn mib_writes(src: transfer_engine::transport::RegionId, count: u64) -> Vec<WriteOp> {
+    (0..count)
+        .map(|i| WriteOp {
+            local: src,
+            local_offset: i << 20,
+            remote: 0,
+            remote_offset: i << 20,
+            len: 1 << 20,
+        })
+        .collect()
+}
+
+#[test]
+fn notification_follows_its_bytes_with_our_bytes_and_the_sender_name() {
+    let len = 8 << 20;
+    let dst = HostBuffer::new(len, HostOptions::default()).unwrap();
+    let mut src = HostBuffer::new(len, HostOptions::default()).unwrap();
+    let expect: Expect = Arc::default();
+    let (rx_t, seen) = receiver("follow-rx", expect.clone());
+    let tx_t = NixlTransport::new(config("follow-tx"), noop_sink()).unwrap();
+    assert_eq!(tx_t.kind(), BackendKind::Nixl);
+    assert_eq!(tx_t.name(), config("follow-tx").name);
+    let (_dst_id, remote) = rx_t.register(dst.desc()).unwrap();
+    assert!(remote.rkey.is_empty());
+    assert_eq!((remote.addr, remote.len), (dst.desc().addr(), len as u64));
+    let (src_id, _) = tx_t.register(src.desc()).unwrap();
+    // Metadata is fetched after the destination is registered: NIXL's metadata carries registrations.
+    let peer = tx_t
+        .connect(&rx_t.metadata().unwrap(), &[remote], 0)
+        .unwrap();
+
+    for round in 1..=3u8 {
+        src.as_mut_slice().fill(round);
+        *expect.lock().unwrap() = Some((dst.desc().addr(), len, round));
+        // Eight writes of 1 MiB, scattered in reverse order, then the notification: raw bytes with a
+        // NUL and no prefix of ours, as a Python NIXL peer must see them.
+        let mut writes = mib_writes(src_id, 8);
+        writes.reverse();
+        let note = vec![b'k', round, 0, b'v', 0xff];
+        post_and_wait(&tx_t, peer, writes, note.clone()).unwrap();
+        wait_until(&format!("notification {round}"), || {
+            seen.lock().unwrap().len() >= round as usize
+        });
+        let (sender, bytes, in_place, _) = seen.lock().unwrap()[round as usize - 1].clone();
+        assert_eq!(sender, Sender::Agent(tx_t.name()));
+        assert_eq!(bytes, note);
+        assert!(in_place, "notification {round} arrived before its bytes");
+    }
+    assert!(all_eq(dst.as_slice(), 3));
+    assert_eq!(tx_t.stats().in_flight, 0);
+    assert_eq!(tx_t.stats().bytes_posted, 3 * len as u64);
+    assert_eq!(rx_t.stats().notifications, 3);
+    assert_eq!(seen.lock().unwrap().len(), 3, "one notification per chunk");
+}
+
+#[test]
+fn notification_only_posts() {
+    let dst = HostBuffer::new(1 << 16, HostOptions::default()).unwrap();
+    let src = HostBuffer::new(1 << 16, HostOptions::default()).unwrap();
+    let (rx_t, seen) = receiver("notify-rx", Arc::default());
+    let tx_t = NixlTransport::new(config("notify-tx"), noop_sink()).unwrap();
+    let (_, remote) = rx_t.register(dst.desc()).unwrap();
+    let (src_id, _) = tx_t.register(src.desc()).unwrap();
+    let peer = tx_t
+        .connect(&rx_t.metadata().unwrap(), &[remote], 0)
+        .unwrap();
+
+    // No writes at all: the notification goes alone (gen_notif), before any connection exists.
+    post_and_wait(&tx_t, peer, vec![], b"only\0a note".to_vec()).unwrap();
+    // Zero-length writes move nothing, so they too send just the notification.
+    let empty = WriteOp {
+        local: src_id,
+        local_offset: 0,
+        remote: 0,
+        remote_offset: 0,
+        len: 0,
+    };
+    post_and_wait(&tx_t, peer, vec![empty, empty], b"zero-length".to_vec()).unwrap();
+    // Nothing to move and nothing to say: done at once, nothing sent.
+    post_and_wait(&tx_t, peer, vec![], vec![]).unwrap();
+    post_and_wait(&tx_t, peer, vec![], b"last".to_vec()).unwrap();
+
+    wait_until("three notifications", || seen.lock().unwrap().len() >= 3);
+    let got: Vec<(Sender, Vec<u8>)> = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(s, b, _, _)| (s.clone(), b.clone()))
+        .collect();
+    let me = Sender::Agent(tx_t.name());
+    assert_eq!(
+        got,
+        vec![
+            (me.clone(), b"only\0a note".to_vec()),
+            (me.clone(), b"zero-length".to_vec()),
+            (me, b"last".to_vec())
+        ]
+    );
+    assert_eq!(tx_t.stats().bytes_posted, 0);
+    assert_eq!(tx_t.stats().in_flight, 0);
+    assert!(all_eq(dst.as_slice(), 0));
+}
+
+#[test]
+fn bad_writes_are_refused_before_posting() {
+    let dst = HostBuffer::new(1 << 16, HostOptions::default()).unwrap();
+    let src = HostBuffer::new(1 << 16, HostOptions::default()).unwrap();
+    let (rx_t, seen) = receiver("bad-rx", Arc::default());
+    let tx_t = NixlTransport::new(config("bad-tx"), noop_sink()).unwrap();
+    let (_, remote) = rx_t.register(dst.desc()).unwrap();
+    let (src_id, _) = tx_t.register(src.desc()).unwrap();
+    let peer = tx_t
+        .connect(&rx_t.metadata().unwrap(), &[remote], 0)
+        .unwrap();
+    let good = WriteOp {
+        local: src_id,
+        local_offset: 0,
+        remote: 0,
+        remote_offset: 0,
+        len: 16,
+    };
+    let bad = [
+        WriteOp {
+            local_offset: 1 << 16,
+            len: 1,
+            ..good
+        },
+        WriteOp {
+            remote_offset: (1 << 16) - 1,
+            len: 2,
+            ..good
+        },
+        WriteOp {
+            remote: 1,
+            len: 1,
+            ..good
+        },
+        WriteOp {
+            local_offset: u64::MAX,
+            len: 2,
+            ..good
+        },
+        WriteOp {
+            remote_offset: u64::MAX,
+            len: 2,
+            ..good
+        },
+    ];
+    for w in bad {
+        // A good write ahead of the bad one must not go out either.
+        let res = post_and_wait(&tx_t, peer, vec![good, w], vec![1]);
+        assert!(
+            matches!(res, Err(TransportError::OutOfBounds(_))),
+            "{w:?}: {res:?}"
+        );
+    }
+    let unknown = transfer_engine::transport::RegionId(9999);
+    let res = post_and_wait(
+        &tx_t,
+        peer,
+        vec![WriteOp {
+            local: unknown,
+            ..good
+        }],
+        vec![1],
+    );
+    assert_eq!(res, Err(TransportError::UnknownRegion(unknown)));
+    let res = post_and_wait(&tx_t, PeerId(9999), vec![good], vec![1]);
+    assert_eq!(res, Err(TransportError::UnknownPeer(PeerId(9999))));
+    assert_eq!(tx_t.stats().bytes_posted, 0);
+    assert_eq!(tx_t.stats().in_flight, 0);
+
+    // A marker sent after the refused posts arrives alone: none of them sent anything.
+    post_and_wait(&tx_t, peer, vec![], b"marker".to_vec()).unwrap();
+    wait_until("the marker", || !seen.lock().unwrap().is_empty());
+    let got: Vec<Vec<u8>> = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(_, b, _, _)| b.clone())
+        .collect();
+    assert_eq!(
+        got,
+        vec![b"marker".to_vec()],
+        "a refused post still sent its notification"
+    );
+    assert!(all_eq(dst.as_slice(), 0), "a refused post still wrote");
+}
+
+#[test]
+fn garbage_metadata_is_a_typed_error() {
+    let dst = HostBuffer::new(1 << 16, HostOptions::default()).unwrap();
+    let (rx_t, _) = receiver("garbage-rx", Arc::default());
+    let tx_t = NixlTransport::new(config("garbage-tx"), noop_sink()).unwrap();
+    let res = tx_t.connect(b"this is not NIXL metadata", &[], 0);
+    assert!(
+        matches!(res, Err(TransportError::BadMetadata(_))),
+        "{res:?}"
+    );
+    let res = tx_t.connect(b"", &[], 0);
+    assert!(
+        matches!(res, Err(TransportError::BadMetadata(_))),
+        "{res:?}"
+    );
+
+    // Metadata fetched before the region was registered does not cover it: refused at connect, not at
+    // the first write.
+    let early = rx_t.metadata().unwrap();
+    let (dst_id, remote) = rx_t.register(dst.desc()).unwrap();
+    let res = tx_t.connect(&early, std::slice::from_ref(&remote), 0);
+    assert!(
+        matches!(res, Err(TransportError::BadMetadata(_))),
+        "{res:?}"
+    );
+    // Fresh metadata covers it, but not a region the peer never registered.
+    let fresh = rx_t.metadata().unwrap();
+    let mut beyond = remote.clone();
+    beyond.len += 1;
+    let res = tx_t.connect(&fresh, &[remote.clone(), beyond], 0);
+    assert!(
+        matches!(res, Err(TransportError::BadMetadata(_))),
+        "{res:?}"
+    );
+    assert_eq!(tx_t.stats().peers, 0);
+    let peer = tx_t.connect(&fresh, &[remote], 0).unwrap();
+    assert_eq!(tx_t.stats().peers, 1);
+    tx_t.disconnect(peer);
+    wait_until("disconnect", || tx_t.stats().peers == 0);
+    let res = post_and_wait(&tx_t, peer, vec![], b"x".to_vec());
+    assert_eq!(res, Err(TransportError::UnknownPeer(peer)));
+    rx_t.deregister(dst_id).unwrap();
+}
+
+#[test]
+fn deregistration_waits_for_in_flight_writes_and_counters_return_to_baseline() {
+    let len = 64 << 20;
+    let dst = HostBuffer::new(len, HostOptions::default()).unwrap();
+    let src = HostBuffer::new(len, HostOptions::default()).unwrap();
+    let (rx_t, seen) = receiver("dereg-rx", Arc::default());
+    let tx_t = NixlTransport::new(config("dereg-tx"), noop_sink()).unwrap();
+    let baseline = TransportStats::default();
+    assert_eq!(tx_t.stats(), baseline);
+    let (dst_id, remote) = rx_t.register(dst.desc()).unwrap();
+    let (src_id, _) = tx_t.register(src.desc()).unwrap();
+    assert_eq!(tx_t.stats().registered_bytes, len as u64);
+    assert_eq!(tx_t.stats().regions, 1);
+    let peer = tx_t
+        .connect(&rx_t.metadata().unwrap(), &[remote], 0)
+        .unwrap();
+    let mut rxs = Vec::new();
+    for i in 0..4u8 {
+        let (done, rx) = wait_done();
+        let w = WriteOp {
+            local: src_id,
+            local_offset: 0,
+            remote: 0,
+            remote_offset: 0,
+            len: len as u64,
+        };
+        tx_t.post(peer, vec![w], vec![i], done);
+        rxs.push(rx);
+    }
+    // Returns only once the writes from it are over, and their Done callbacks ran first.
+    tx_t.deregister(src_id).unwrap();
+    for rx in rxs {
+        rx.try_recv()
+            .expect("deregister returned before a write from it was over")
+            .unwrap();
+    }
+    assert!(matches!(
+        tx_t.deregister(src_id),
+        Err(TransportError::UnknownRegion(_))
+    ));
+    wait_until("four notifications", || seen.lock().unwrap().len() == 4);
+    tx_t.disconnect(peer);
+    rx_t.deregister(dst_id).unwrap();
+    wait_until("disconnect", || tx_t.stats().peers == 0);
+    let after = TransportStats {
+        bytes_posted: 0,
+        ..tx_t.stats()
+    };
+    assert_eq!(after, baseline);
+    assert_eq!(tx_t.stats().bytes_posted, 4 * len as u64);
+    assert_eq!(
+        TransportStats {
+            notifications: 0,
+            ..rx_t.stats()
+        },
+        baseline
+    );
+    assert_eq!(rx_t.stats().notifications, 4);
+}
+
+#[test]
+fn a_failed_peer_is_reported_once_and_refused_after() {
+    let len = 1 << 20;
+    let dst = HostBuffer::new(len, HostOptions::default()).unwrap();
+    let src = HostBuffer::new(len, HostOptions::default()).unwrap();
+    let failures = Arc::new(Mutex::new(Vec::new()));
+    let f = failures.clone();
+    let sink: Sink = Arc::new(move |ev| {
+        if let Incoming::PeerFailed { peer, reason } = ev {
+            f.lock().unwrap().push((peer, reason));
+        }
+    });
+    let (rx_t, _) = receiver("fail-rx", Arc::default());
+    let tx_t = NixlTransport::new(config("fail-tx"), sink).unwrap();
+    let (_, remote) = rx_t.register(dst.desc()).unwrap();
+    let (src_id, _) = tx_t.register(src.desc()).unwrap();
+    let peer = tx_t
+        .connect(&rx_t.metadata().unwrap(), &[remote], 0)
+        .unwrap();
+    post_and_wait(&tx_t, peer, mib_writes(src_id, 1), b"alive".to_vec()).unwrap();
+
+    // The peer's agent goes away (its memory stays, so nothing we write can land on freed memory).
+    rx_t.shutdown();
+    let deadline = Instant::now() + BOUND;
+    let first = loop {
+        match post_and_wait(&tx_t, peer, mib_writes(src_id, 1), b"anyone?".to_vec()) {
+            Ok(()) => assert!(
+                Instant::now() < deadline,
+                "posts to a dead peer keep succeeding"
+            ),
+            Err(e) => break e,
+        }
+    };
+    assert!(matches!(first, TransportError::Library { .. }), "{first:?}");
+    let res = post_and_wait(&tx_t, peer, mib_writes(src_id, 1), b"again".to_vec());
+    assert!(
+        matches!(res, Err(TransportError::PeerFailed { peer: p, .. }) if p == peer),
+        "{res:?}"
+    );
+    let res = post_and_wait(&tx_t, peer, vec![], b"note".to_vec());
+    assert!(
+        matches!(res, Err(TransportError::PeerFailed { .. })),
+        "{res:?}"
+    );
+    let failures = failures.lock().unwrap().clone();
+    assert_eq!(failures.len(), 1, "{failures:?}");
+    assert_eq!(failures[0].0, peer);
+    assert_eq!(tx_t.stats().in_flight, 0);
+    tx_t.disconnect(peer);
+    wait_until("disconnect", || tx_t.stats().peers == 0);
+}
+
+/// Moves `len` bytes in 1 MiB writes plus one notification from `tx` to `rx`, `rounds` times; returns
+/// the fastest round (post to notification seen).
+fn move_bytes(
+    tx: &dyn Transport,
+    rx: &dyn Transport,
+    seen: &Seen,
+    expect: &Expect,
+    len: usize,
+    rounds: u8,
+) -> Duration {
+    let dst = HostBuffer::new(
+        len,
+        HostOptions {
+            prefault: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let mut src = HostBuffer::new(
+        len,
+        HostOptions {
+            prefault: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let (dst_id, remote) = rx.register(dst.desc()).unwrap();
+    let (src_id, _) = tx.register(src.desc()).unwrap();
+    let peer = tx.connect(&rx.metadata().unwrap(), &[remote], 7).unwrap();
+    let mut best = Duration::MAX;
+    for round in 1..=rounds {
+        src.as_mut_slice().fill(round);
+        *expect.lock().unwrap() = Some((dst.desc().addr(), len, round));
+        let before = seen.lock().unwrap().len();
+        let start = Instant::now();
+        let (done, done_rx) = wait_done();
+        tx.post(
+            peer,
+            mib_writes(src_id, (len >> 20) as u64),
+            vec![round; 16],
+            done,
+        );
+        wait_until("notification", || seen.lock().unwrap().len() > before);
+        done_rx.recv_timeout(BOUND).unwrap().unwrap();
+        let (_, bytes, in_place, at) = seen.lock().unwrap()[before].clone();
+        best = best.min(at - start);
+        assert_eq!(bytes, vec![round; 16]);
+        assert!(
+            in_place,
+            "{:?}: notification {round} arrived before its bytes",
+            tx.kind()
+        );
+    }
+    assert!(all_eq(dst.as_slice(), rounds));
+    tx.disconnect(peer);
+    tx.deregister(src_id).unwrap();
+    rx.deregister(dst_id).unwrap();
+    best
+}
+
+#[test]
+fn ucx_and_nixl_transports_share_one_ucx_library() {
+    const LEN: usize = 64 << 20;
+    // UCX first, then NIXL's UCX plugin: NixlTransport::new itself refuses a second libucp.
+    let ucx_expect: Expect = Arc::default();
+    let (ucx_sink, ucx_seen) = recording_sink(ucx_expect.clone());
+    let ucx_rx = UcxTransport::new(UcxConfig::default(), ucx_sink).unwrap();
+    let ucx_tx = UcxTransport::new(UcxConfig::default(), noop_sink()).unwrap();
+    let nixl_expect: Expect = Arc::default();
+    let (nixl_rx, nixl_seen) = receiver("shared-rx", nixl_expect.clone());
+    let nixl_tx = NixlTransport::new(config("shared-tx"), noop_sink()).unwrap();
+    let libs = ucx::loaded_ucp_libraries();
+    assert_eq!(libs.len(), 1, "{libs:?}");
+    ucx::check_single_ucx().unwrap();
+
+    // Interleaved, so both libraries' users are live at once.
+    let ucx_time = move_bytes(&ucx_tx, &ucx_rx, &ucx_seen, &ucx_expect, LEN, 3);
+    let nixl_time = move_bytes(&nixl_tx, &nixl_rx, &nixl_seen, &nixl_expect, LEN, 3);
+    let ucx_again = move_bytes(&ucx_tx, &ucx_rx, &ucx_seen, &ucx_expect, 1 << 20, 1);
+    assert!(ucx_again < BOUND);
+    let gib_s = |d: Duration| LEN as f64 / d.as_secs_f64() / f64::from(1u32 << 30);
+    println!(
+        "64 MiB in 1 MiB writes + 1 notification, best of 3: UCX {:?} ({:.2} GiB/s), NIXL {:?} ({:.2} GiB/s)",
+        ucx_time,
+        gib_s(ucx_time),
+        nixl_time,
+        gib_s(nixl_time)
+    );
+    assert_eq!(
+        nixl_seen.lock().unwrap()[0].0,
+        Sender::Agent(nixl_tx.name())
+    );
+    assert_eq!(ucx_seen.lock().unwrap()[0].0, Sender::Key(7));
+}
+
+#[test]
+fn two_peer_ids_for_one_agent_are_independent() {
+    let dst = HostBuffer::new(2 << 20, HostOptions::default()).unwrap();
+    let mut src = HostBuffer::new(2 << 20, HostOptions::default()).unwrap();
+    src.as_mut_slice().fill(9);
+    let (rx_t, seen) = receiver("twice-rx", Arc::default());
+    let tx_t = NixlTransport::new(config("twice-tx"), noop_sink()).unwrap();
+    let (_, remote) = rx_t.register(dst.desc()).unwrap();
+    let (src_id, _) = tx_t.register(src.desc()).unwrap();
+    let md = rx_t.metadata().unwrap();
+    let a = tx_t.connect(&md, std::slice::from_ref(&remote), 0).unwrap();
+    let b = tx_t.connect(&md, &[remote], 0).unwrap();
+    assert_ne!(a, b);
+    assert_eq!(tx_t.stats().peers, 2);
+    post_and_wait(&tx_t, a, mib_writes(src_id, 1), b"a".to_vec()).unwrap();
+    // Forgetting one id keeps the agent's metadata for the other.
+    tx_t.disconnect(a);
+    wait_until("disconnect", || tx_t.stats().peers == 1);
+    let w = WriteOp {
+        local: src_id,
+        local_offset: 1 << 20,
+        remote: 0,
+        remote_offset: 1 << 20,
+        len: 1 << 20,
+    };
+    post_and_wait(&tx_t, b, vec![w], b"b".to_vec()).unwrap();
+    wait_until("two notifications", || seen.lock().unwrap().len() == 2);
+    assert!(all_eq(dst.as_slice(), 9));
+    tx_t.disconnect(b);
+    wait_until("disconnect", || tx_t.stats().peers == 0);
+}

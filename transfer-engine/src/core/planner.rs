@@ -1,0 +1,870 @@
+//! Transfer planning: which bytes of which pages each chunk of each PP rank writes, and where.
+//!
+//! Inputs are both sides' [`KvLayout`]s, the PP layer split ([`PpSplit`]), the TP mapping
+//! ([`TpMapping`]) and a request's page lists; the output is a list of [`Write`]s (offset in the
+//! local source buffer, offset in the remote destination buffer, length) with neighbours merged.
+//!
+//! # Which pages a chunk sends
+//! A prompt of `T` tokens fills `ceil(T / page_tokens)` pages and is computed in
+//! `ceil(T / chunk_tokens)` chunks. Page `p` holds tokens `[p*page_tokens, min((p+1)*page_tokens,
+//! T))` and is sent by the chunk that computes its *last* token. So every page is sent exactly
+//! once, never before all its tokens exist, and the final, partial page goes with the final chunk.
+//! Chunk `c` sends pages `floor(c*chunk_tokens / page_tokens) .. floor((c+1)*chunk_tokens /
+//! page_tokens)` (the end is `ceil(T / page_tokens)` for the last chunk). A chunk shorter than a
+//! page may send no page at all; it is still a chunk and is still notified.
+//!
+//! # Address of a page
+//! In a layout, the bytes of (local layer `l`, region `r`, page `p`) start at
+//! `base_offset + r*region_stride + l*layer_stride + p*page_bytes` and run for `page_bytes`.
+//! Region 0 is K (or the fused latent for MLA), region 1 is V.
+
+use std::ops::Range;
+
+/// Whether K and V are separate regions or one fused region (MLA's latent cache).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RegionKind {
+    /// One region per layer.
+    Fused,
+    /// K (region 0) and V (region 1).
+    SplitKv,
+}
+
+impl RegionKind {
+    /// Number of regions.
+    pub const fn count(self) -> u32 {
+        match self {
+            Self::Fused => 1,
+            Self::SplitKv => 2,
+        }
+    }
+}
+
+/// How heads lie inside one page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum HeadOrder {
+    /// `[head][token][head_bytes]`: one head's tokens are contiguous.
+    HeadMajor,
+    /// `[token][head][head_bytes]`: one token's heads are contiguous (SGLang, vLLM default).
+    TokenMajor,
+}
+
+/// Head geometry of a page, needed only for head-sliced TP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct HeadLayout {
+    /// KV heads held by this TP rank.
+    pub num_heads: u32,
+    /// Bytes of one head for one token.
+    pub head_bytes: u64,
+    /// Tokens per page.
+    pub page_tokens: u32,
+    /// Order inside a page.
+    pub order: HeadOrder,
+}
+
+/// One side's KV cache pool in its registered buffer.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct KvLayout {
+    /// Global index of the first layer held.
+    pub first_layer: u32,
+    /// Layers held.
+    pub num_layers: u32,
+    /// Fused or K/V.
+    pub regions: RegionKind,
+    /// Bytes of one page of one layer in one region (`page_tokens * bytes per token`).
+    pub page_bytes: u64,
+    /// Pages in the pool.
+    pub num_pages: u32,
+    /// Bytes from one layer's pool to the next, within a region.
+    pub layer_stride: u64,
+    /// Bytes from region 0 to region 1 (ignored when fused).
+    pub region_stride: u64,
+    /// Offset of (layer 0, region 0, page 0) in the buffer.
+    pub base_offset: u64,
+    /// Length of the registered buffer; nothing may be addressed past it.
+    pub buffer_len: u64,
+    /// Head geometry, for head-sliced TP.
+    pub heads: Option<HeadLayout>,
+}
+
+impl KvLayout {
+    /// The usual packed layout `[region][layer][page]` at offset 0 of a buffer of exactly its
+    /// size.
+    pub fn packed(
+        first_layer: u32,
+        num_layers: u32,
+        regions: RegionKind,
+        page_bytes: u64,
+        num_pages: u32,
+    ) -> Self {
+        let layer_stride = page_bytes.saturating_mul(u64::from(num_pages));
+        let region_stride = layer_stride.saturating_mul(u64::from(num_layers));
+        Self {
+            first_layer,
+            num_layers,
+            regions,
+            page_bytes,
+            num_pages,
+            layer_stride,
+            region_stride,
+            base_offset: 0,
+            buffer_len: region_stride.saturating_mul(u64::from(regions.count())),
+            heads: None,
+        }
+    }
+
+    /// The same layout with head geometry.
+    #[must_use]
+    pub fn with_heads(mut self, heads: HeadLayout) -> Self {
+        self.heads = Some(heads);
+        self
+    }
+
+    /// Global layers held.
+    pub fn layers(&self) -> Range<u32> {
+        self.first_layer..self.first_layer.saturating_add(self.num_layers)
+    }
+
+    /// Offset of (local layer, region, page); assumes a validated layout and indices in range.
+    fn offset(&self, layer: u32, region: u32, page: u32) -> u64 {
+        self.base_offset
+            + u64::from(region) * self.region_stride
+            + u64::from(layer) * self.layer_stride
+            + u64::from(page) * self.page_bytes
+    }
+
+    /// Checks that the layout is self-consistent: non-empty, no two (layer, region) pools
+    /// overlap, everything inside `buffer_len`, heads (if any) fill a page exactly.
+    ///
+    /// # Errors
+    /// [`PlanError::InvalidLayout`] or [`PlanError::LayoutOutOfBuffer`], naming `side`.
+    pub fn validate(&self, side: Side) -> Result<(), PlanError> {
+        let bad = |what| Err(PlanError::InvalidLayout { side, what });
+        if self.num_layers == 0 {
+            return bad("no layers");
+        }
+        if self.num_layers > MAX_LAYERS {
+            return bad("more than 65536 layers");
+        }
+        if self.page_bytes == 0 || self.num_pages == 0 {
+            return bad("empty pages or pool");
+        }
+        if self.first_layer.checked_add(self.num_layers).is_none() {
+            return bad("layer range overflows");
+        }
+        let span = self
+            .page_bytes
+            .checked_mul(u64::from(self.num_pages))
+            .ok_or(PlanError::InvalidLayout {
+                side,
+                what: "pool size overflows",
+            })?;
+        let overflow = PlanError::InvalidLayout {
+            side,
+            what: "offsets overflow",
+        };
+        let mut starts = Vec::with_capacity((self.num_layers * self.regions.count()) as usize);
+        for r in 0..self.regions.count() {
+            for l in 0..self.num_layers {
+                let s = u64::from(r)
+                    .checked_mul(self.region_stride)
+                    .and_then(|a| {
+                        u64::from(l)
+                            .checked_mul(self.layer_stride)
+                            .and_then(|b| a.checked_add(b))
+                    })
+                    .and_then(|o| o.checked_add(self.base_offset))
+                    .ok_or(overflow)?;
+                starts.push(s);
+            }
+        }
+        starts.sort_unstable();
+        for w in starts.windows(2) {
+            if w[0] + span > w[1] {
+                return bad("layer or region pools overlap");
+            }
+        }
+        let end = starts
+            .last()
+            .and_then(|s| s.checked_add(span))
+            .ok_or(overflow)?;
+        if end > self.buffer_len {
+            return Err(PlanError::LayoutOutOfBuffer {
+                side,
+                needed: end,
+                buffer_len: self.buffer_len,
+            });
+        }
+        if let Some(h) = self.heads {
+            let bytes = u64::from(h.num_heads)
+                .checked_mul(h.head_bytes)
+                .and_then(|b| b.checked_mul(u64::from(h.page_tokens)));
+            if h.num_heads == 0 || bytes != Some(self.page_bytes) {
+                return bad("heads * head_bytes * page_tokens != page_bytes");
+            }
+        }
+        Ok(())
+    }
+}
+
+const MAX_LAYERS: u32 = 1 << 16;
+
+/// Which side of a transfer an error is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Side {
+    /// The local (prefill) source.
+    Src,
+    /// The remote (decode) destination.
+    Dst,
+}
+
+/// How layers are split across PP ranks.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum PpSplit {
+    /// vLLM's even split (`get_pp_indices` without `VLLM_PP_LAYER_PARTITION`): each rank gets
+    /// `L / P`; the `L % P` extra layers go one each to the ranks just before the last (ranks
+    /// `P-2, P-3, ...`), since the last rank also carries the final norm and head.
+    VllmEven,
+    /// SGLang's even split (without `SGLANG_PP_LAYER_PARTITION`): the extra layers go one each
+    /// to the last `L % P` ranks.
+    SglangEven,
+    /// Layer counts per rank, in rank order (what both `*_PP_LAYER_PARTITION` variables say).
+    Explicit(Vec<u32>),
+}
+
+impl PpSplit {
+    /// Layer count of every rank.
+    ///
+    /// # Errors
+    /// [`PlanError::ZeroPpSize`], [`PlanError::SplitMismatch`] (explicit list of the wrong length
+    /// or sum), [`PlanError::EmptyRank`] (a rank with no layers).
+    pub fn counts(&self, total_layers: u32, pp_size: u16) -> Result<Vec<u32>, PlanError> {
+        if pp_size == 0 {
+            return Err(PlanError::ZeroPpSize);
+        }
+        let p = u32::from(pp_size);
+        let counts = match self {
+            Self::VllmEven | Self::SglangEven => {
+                let (base, extra) = (total_layers / p, total_layers % p);
+                let mut c = vec![base; usize::from(pp_size)];
+                for i in 0..extra {
+                    let idx = match self {
+                        // 1 <= extra <= p-1, so p-2-i stays in range.
+                        Self::VllmEven => p - 2 - i,
+                        _ => p - 1 - i,
+                    };
+                    c[idx as usize] += 1;
+                }
+                c
+            }
+            Self::Explicit(v) => {
+                let sum = v.iter().try_fold(0u32, |a, &b| a.checked_add(b));
+                if v.len() != usize::from(pp_size) || sum != Some(total_layers) {
+                    return Err(PlanError::SplitMismatch {
+                        pp_size,
+                        total_layers,
+                    });
+                }
+                v.clone()
+            }
+        };
+        if let Some(r) = counts.iter().position(|&c| c == 0) {
+            return Err(PlanError::EmptyRank { rank: r as u16 });
+        }
+        Ok(counts)
+    }
+
+    /// Global layers `[start, end)` of `rank`.
+    ///
+    /// # Errors
+    /// As [`counts`](Self::counts), and [`PlanError::RankOutOfRange`].
+    pub fn layer_range(
+        &self,
+        total_layers: u32,
+        pp_size: u16,
+        rank: u16,
+    ) -> Result<Range<u32>, PlanError> {
+        let counts = self.counts(total_layers, pp_size)?;
+        if rank >= pp_size {
+            return Err(PlanError::RankOutOfRange { rank, pp_size });
+        }
+        let start: u32 = counts[..usize::from(rank)].iter().sum();
+        Ok(start..start + counts[usize::from(rank)])
+    }
+}
+
+/// How prefill TP ranks map onto decode TP ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TpMapping {
+    /// Same TP size and head split on both sides: whole pages, rank `i` to rank `i`.
+    Identical,
+    /// MLA: every decode TP rank holds the whole latent, so whole pages go to each of them.
+    Replicated,
+    /// KV heads split differently: this prefill rank writes the heads it shares with the decode
+    /// rank. Both layouts need [`HeadLayout`]s of the same order, head size and page tokens.
+    HeadSliced {
+        /// Prefill TP size.
+        prefill_tp: u32,
+        /// Decode TP size.
+        decode_tp: u32,
+        /// This prefill TP rank.
+        prefill_rank: u32,
+        /// The decode TP rank written to.
+        decode_rank: u32,
+    },
+}
+
+/// One write: `len` bytes from `src_offset` of the local buffer to `dst_offset` of the remote.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Write {
+    /// Offset in the local source buffer.
+    pub src_offset: u64,
+    /// Offset in the remote destination buffer.
+    pub dst_offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// A prompt's token geometry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ChunkGeometry {
+    /// Prompt length in tokens.
+    pub prompt_tokens: u64,
+    /// Tokens per prefill chunk.
+    pub chunk_tokens: u64,
+    /// Tokens per page.
+    pub page_tokens: u64,
+}
+
+impl ChunkGeometry {
+    /// # Errors
+    /// [`PlanError::BadGeometry`] when any value is 0.
+    pub fn new(prompt_tokens: u64, chunk_tokens: u64, page_tokens: u64) -> Result<Self, PlanError> {
+        if prompt_tokens == 0 || chunk_tokens == 0 || page_tokens == 0 {
+            return Err(PlanError::BadGeometry);
+        }
+        Ok(Self {
+            prompt_tokens,
+            chunk_tokens,
+            page_tokens,
+        })
+    }
+
+    /// Pages the prompt fills.
+    pub fn num_pages(&self) -> u64 {
+        self.prompt_tokens.div_ceil(self.page_tokens.max(1))
+    }
+
+    /// Chunks the prompt is computed in (the count each rank announces with `LAST`).
+    pub fn num_chunks(&self) -> u64 {
+        self.prompt_tokens.div_ceil(self.chunk_tokens.max(1))
+    }
+
+    /// Positions (into the request's page lists) of the pages chunk `chunk` sends.
+    ///
+    /// # Errors
+    /// [`PlanError::BadGeometry`], [`PlanError::ChunkOutOfRange`].
+    pub fn pages_of_chunk(&self, chunk: u64) -> Result<Range<u64>, PlanError> {
+        if self.prompt_tokens == 0 || self.chunk_tokens == 0 || self.page_tokens == 0 {
+            return Err(PlanError::BadGeometry);
+        }
+        let n = self.num_chunks();
+        if chunk >= n {
+            return Err(PlanError::ChunkOutOfRange {
+                chunk,
+                num_chunks: n,
+            });
+        }
+        // chunk < n keeps these products below prompt_tokens + chunk_tokens.
+        let first_tok = u128::from(chunk) * u128::from(self.chunk_tokens);
+        let end_tok = first_tok + u128::from(self.chunk_tokens);
+        let pt = u128::from(self.page_tokens);
+        let start = (first_tok / pt) as u64;
+        let end = if end_tok >= u128::from(self.prompt_tokens) {
+            self.num_pages()
+        } else {
+            (end_tok / pt) as u64
+        };
+        Ok(start..end)
+    }
+}
+
+/// Why a plan cannot be made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PlanError {
+    /// A layout breaks its own rules.
+    #[error("{side:?} layout invalid: {what}")]
+    InvalidLayout {
+        /// Which side.
+        side: Side,
+        /// What is wrong.
+        what: &'static str,
+    },
+    /// A layout addresses past its buffer.
+    #[error("{side:?} layout needs {needed} bytes, buffer has {buffer_len}")]
+    LayoutOutOfBuffer {
+        /// Which side.
+        side: Side,
+        /// Bytes needed.
+        needed: u64,
+        /// Bytes registered.
+        buffer_len: u64,
+    },
+    /// One side fused, the other split K/V.
+    #[error("source and destination disagree on K/V regions")]
+    RegionMismatch,
+    /// Whole-page mappings need equal page sizes.
+    #[error("page bytes differ: source {src}, destination {dst}")]
+    PageBytesMismatch {
+        /// Source page bytes.
+        src: u64,
+        /// Destination page bytes.
+        dst: u64,
+    },
+    /// The destination does not hold every layer the source sends.
+    #[error(
+        "source layers {src_first}..{src_end} not all held by destination {dst_first}..{dst_end}"
+    )]
+    LayersNotCovered {
+        /// Source first layer.
+        src_first: u32,
+        /// Source end layer.
+        src_end: u32,
+        /// Destination first layer.
+        dst_first: u32,
+        /// Destination end layer.
+        dst_end: u32,
+    },
+    /// Head-sliced TP without head geometry on a side.
+    #[error("head-sliced TP needs head geometry on the {0:?} side")]
+    HeadsRequired(Side),
+    /// Head geometry that does not line up (order, head bytes, page tokens, total heads).
+    #[error("head geometry mismatch: {0}")]
+    HeadMismatch(&'static str),
+    /// A TP rank outside its TP size (or a TP size of 0).
+    #[error("TP rank out of range")]
+    TpRankOutOfRange,
+    /// PP size 0.
+    #[error("pp_size must be at least 1")]
+    ZeroPpSize,
+    /// A PP rank outside `0..pp_size`.
+    #[error("PP rank {rank} out of pp_size {pp_size}")]
+    RankOutOfRange {
+        /// Rank.
+        rank: u16,
+        /// PP size.
+        pp_size: u16,
+    },
+    /// An explicit split of the wrong length or sum.
+    #[error("explicit PP split does not give {pp_size} ranks summing to {total_layers} layers")]
+    SplitMismatch {
+        /// PP size.
+        pp_size: u16,
+        /// Layers.
+        total_layers: u32,
+    },
+    /// A PP rank would hold no layer.
+    #[error("PP rank {rank} would hold no layer")]
+    EmptyRank {
+        /// Rank.
+        rank: u16,
+    },
+    /// A zero in the chunk geometry.
+    #[error("prompt, chunk and page tokens must be non-zero")]
+    BadGeometry,
+    /// A chunk past the prompt.
+    #[error("chunk {chunk} out of {num_chunks}")]
+    ChunkOutOfRange {
+        /// Chunk.
+        chunk: u64,
+        /// Chunks in the prompt.
+        num_chunks: u64,
+    },
+    /// A page list shorter than the prompt's pages.
+    #[error("{side:?} page list has {len} pages, prompt needs {needed}")]
+    PageListLength {
+        /// Which side.
+        side: Side,
+        /// Pages given.
+        len: usize,
+        /// Pages needed.
+        needed: u64,
+    },
+    /// A page index outside the side's pool.
+    #[error("{side:?} page index {page} (at position {position}) outside pool of {num_pages}")]
+    PageOutOfRange {
+        /// Which side.
+        side: Side,
+        /// Position in the page list.
+        position: u64,
+        /// Page index there.
+        page: u32,
+        /// Pool size.
+        num_pages: u32,
+    },
+}
+
+/// A validated pair of layouts and a TP mapping; plans writes for one PP rank to one decode
+/// rank.
+#[derive(Debug, Clone)]
+pub struct Planner {
+    src: KvLayout,
+    dst: KvLayout,
+    dst_layer_shift: u32,
+    /// Byte ranges inside one page, `(src offset, dst offset, len)`, already merged.
+    segments: Vec<(u64, u64, u64)>,
+}
+
+impl Planner {
+    /// Validates both layouts and the mapping.
+    ///
+    /// # Errors
+    /// Any [`PlanError`] about layouts, layers or TP.
+    pub fn new(src: &KvLayout, dst: &KvLayout, tp: TpMapping) -> Result<Self, PlanError> {
+        src.validate(Side::Src)?;
+        dst.validate(Side::Dst)?;
+        if src.regions != dst.regions {
+            return Err(PlanError::RegionMismatch);
+        }
+        let (s, d) = (src.layers(), dst.layers());
+        if s.start < d.start || s.end > d.end {
+            return Err(PlanError::LayersNotCovered {
+                src_first: s.start,
+                src_end: s.end,
+                dst_first: d.start,
+                dst_end: d.end,
+            });
+        }
+        let segments = match tp {
+            TpMapping::Identical | TpMapping::Replicated => {
+                if src.page_bytes != dst.page_bytes {
+                    return Err(PlanError::PageBytesMismatch {
+                        src: src.page_bytes,
+                        dst: dst.page_bytes,
+                    });
+                }
+                vec![(0, 0, src.page_bytes)]
+            }
+            TpMapping::HeadSliced {
+                prefill_tp,
+                decode_tp,
+                prefill_rank,
+                decode_rank,
+            } => head_segments(src, dst, prefill_tp, decode_tp, prefill_rank, decode_rank)?,
+        };
+        Ok(Self {
+            src: src.clone(),
+            dst: dst.clone(),
+            dst_layer_shift: s.start - d.start,
+            segments,
+        })
+    }
+
+    /// Appends to `out` the writes of chunk `chunk`: every layer this rank holds, every region,
+    /// every page the chunk sends (see the module docs), merged where both sides are contiguous.
+    /// `src_pages[i]` and `dst_pages[i]` are the pool indices of the request's `i`-th page.
+    ///
+    /// # Errors
+    /// [`PlanError`] for a chunk out of range, short page lists or a page index outside either
+    /// pool. On error `out` is as it was.
+    pub fn plan_chunk(
+        &self,
+        geom: &ChunkGeometry,
+        chunk: u64,
+        src_pages: &[u32],
+        dst_pages: &[u32],
+        out: &mut Vec<Write>,
+    ) -> Result<(), PlanError> {
+        let range = geom.pages_of_chunk(chunk)?;
+        let needed = geom.num_pages();
+        for (side, list) in [(Side::Src, src_pages), (Side::Dst, dst_pages)] {
+            if (list.len() as u64) < needed {
+                return Err(PlanError::PageListLength {
+                    side,
+                    len: list.len(),
+                    needed,
+                });
+            }
+        }
+        let (a, b) = (range.start as usize, range.end as usize);
+        self.plan_pages(&src_pages[a..b], &dst_pages[a..b], range.start, out)
+    }
+
+    /// Appends the writes for pages `src_pages[i] -> dst_pages[i]` (all layers, all regions).
+    /// `first_position` only labels errors. The two lists must be of equal length (the shorter
+    /// one bounds the plan otherwise).
+    ///
+    /// # Errors
+    /// [`PlanError::PageOutOfRange`]; on error `out` is as it was.
+    pub fn plan_pages(
+        &self,
+        src_pages: &[u32],
+        dst_pages: &[u32],
+        first_position: u64,
+        out: &mut Vec<Write>,
+    ) -> Result<(), PlanError> {
+        let n = src_pages.len().min(dst_pages.len());
+        for (side, list, pool) in [
+            (Side::Src, src_pages, self.src.num_pages),
+            (Side::Dst, dst_pages, self.dst.num_pages),
+        ] {
+            if let Some(i) = list[..n].iter().position(|&p| p >= pool) {
+                return Err(PlanError::PageOutOfRange {
+                    side,
+                    position: first_position + i as u64,
+                    page: list[i],
+                    num_pages: pool,
+                });
+            }
+        }
+        let base = out.len();
+        out.reserve(n.min(64));
+        for region in 0..self.src.regions.count() {
+            for layer in 0..self.src.num_layers {
+                let dl = layer + self.dst_layer_shift;
+                for i in 0..n {
+                    let so = self.src.offset(layer, region, src_pages[i]);
+                    let d0 = self.dst.offset(dl, region, dst_pages[i]);
+                    for &(s, d, len) in &self.segments {
+                        push_merged(out, base, so + s, d0 + d, len);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The source layout.
+    pub fn src(&self) -> &KvLayout {
+        &self.src
+    }
+
+    /// The destination layout.
+    pub fn dst(&self) -> &KvLayout {
+        &self.dst
+    }
+}
+
+#[inline]
+fn push_merged(out: &mut Vec<Write>, base: usize, src: u64, dst: u64, len: u64) {
+    if out.len() > base
+        && let Some(last) = out.last_mut()
+        && last.src_offset + last.len == src
+        && last.dst_offset + last.len == dst
+    {
+        last.len += len;
+        return;
+    }
+    out.push(Write {
+        src_offset: src,
+        dst_offset: dst,
+        len,
+    });
+}
+
+fn head_segments(
+    src: &KvLayout,
+    dst: &KvLayout,
+    prefill_tp: u32,
+    decode_tp: u32,
+    prefill_rank: u32,
+    decode_rank: u32,
+) -> Result<Vec<(u64, u64, u64)>, PlanError> {
+    let hs = src.heads.ok_or(PlanError::HeadsRequired(Side::Src))?;
+    let hd = dst.heads.ok_or(PlanError::HeadsRequired(Side::Dst))?;
+    if prefill_rank >= prefill_tp || decode_rank >= decode_tp {
+        return Err(PlanError::TpRankOutOfRange);
+    }
+    if hs.order != hd.order {
+        return Err(PlanError::HeadMismatch("head order differs"));
+    }
+    if hs.head_bytes != hd.head_bytes {
+        return Err(PlanError::HeadMismatch("head bytes differ"));
+    }
+    if hs.page_tokens != hd.page_tokens {
+        return Err(PlanError::HeadMismatch("page tokens differ"));
+    }
+    let total_s = u64::from(hs.num_heads) * u64::from(prefill_tp);
+    let total_d = u64::from(hd.num_heads) * u64::from(decode_tp);
+    if total_s != total_d {
+        return Err(PlanError::HeadMismatch("total heads differ"));
+    }
+    // Global head ranges of the two ranks, and what they share.
+    let s0 = u64::from(prefill_rank) * u64::from(hs.num_heads);
+    let d0 = u64::from(decode_rank) * u64::from(hd.num_heads);
+    let a = s0.max(d0);
+    let b = (s0 + u64::from(hs.num_heads)).min(d0 + u64::from(hd.num_heads));
+    let mut segs: Vec<(u64, u64, u64)> = Vec::new();
+    if a >= b {
+        return Ok(segs);
+    }
+    let hb = hs.head_bytes;
+    let pt = u64::from(hs.page_tokens);
+    let mut push = |s: u64, d: u64, len: u64| match segs.last_mut() {
+        Some(l) if l.0 + l.2 == s && l.1 + l.2 == d => l.2 += len,
+        _ => segs.push((s, d, len)),
+    };
+    match hs.order {
+        HeadOrder::HeadMajor => push((a - s0) * pt * hb, (a - d0) * pt * hb, (b - a) * pt * hb),
+        HeadOrder::TokenMajor => {
+            let (row_s, row_d) = (u64::from(hs.num_heads) * hb, u64::from(hd.num_heads) * hb);
+            for t in 0..pt {
+                push(
+                    t * row_s + (a - s0) * hb,
+                    t * row_d + (a - d0) * hb,
+                    (b - a) * hb,
+                );
+            }
+        }
+    }
+    Ok(segs)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn pp_splits_match_vllm_and_sglang() {
+        assert_eq!(
+            PpSplit::VllmEven.counts(61, 4).unwrap(),
+            vec![15, 15, 16, 15]
+        );
+        assert_eq!(
+            PpSplit::SglangEven.counts(61, 4).unwrap(),
+            vec![15, 15, 15, 16]
+        );
+        assert_eq!(
+            PpSplit::VllmEven.counts(62, 4).unwrap(),
+            vec![15, 16, 16, 15]
+        );
+        assert_eq!(
+            PpSplit::SglangEven.counts(62, 4).unwrap(),
+            vec![15, 15, 16, 16]
+        );
+        assert_eq!(
+            PpSplit::VllmEven.counts(63, 4).unwrap(),
+            vec![16, 16, 16, 15]
+        );
+        assert_eq!(PpSplit::VllmEven.counts(32, 4).unwrap(), vec![8; 4]);
+        assert_eq!(PpSplit::VllmEven.counts(7, 1).unwrap(), vec![7]);
+        assert_eq!(PpSplit::VllmEven.layer_range(61, 4, 2).unwrap(), 30..46);
+        assert_eq!(PpSplit::SglangEven.layer_range(61, 4, 3).unwrap(), 45..61);
+        assert_eq!(
+            PpSplit::Explicit(vec![4, 6, 6, 4])
+                .layer_range(20, 4, 1)
+                .unwrap(),
+            4..10
+        );
+        assert!(PpSplit::Explicit(vec![4, 6]).counts(20, 4).is_err());
+        assert_eq!(
+            PpSplit::VllmEven.counts(3, 4),
+            Err(PlanError::EmptyRank { rank: 3 })
+        );
+        assert_eq!(PpSplit::VllmEven.counts(3, 0), Err(PlanError::ZeroPpSize));
+    }
+
+    #[test]
+    fn chunk_pages() {
+        let g = ChunkGeometry::new(100, 24, 16).unwrap();
+        let got: Vec<_> = (0..g.num_chunks())
+            .map(|c| g.pages_of_chunk(c).unwrap())
+            .collect();
+        assert_eq!(got, vec![0..1, 1..3, 3..4, 4..6, 6..7]);
+        let g = ChunkGeometry::new(40, 8, 16).unwrap();
+        let got: Vec<_> = (0..g.num_chunks())
+            .map(|c| g.pages_of_chunk(c).unwrap())
+            .collect();
+        assert_eq!(got, vec![0..0, 0..1, 1..1, 1..2, 2..3]);
+        assert!(g.pages_of_chunk(5).is_err());
+    }
+
+    #[test]
+    fn coalesces_consecutive_pages() {
+        let l = KvLayout::packed(0, 2, RegionKind::Fused, 100, 10);
+        let p = Planner::new(&l, &l, TpMapping::Identical).unwrap();
+        let mut out = Vec::new();
+        p.plan_pages(&[3, 4, 5, 9], &[0, 1, 2, 3], 0, &mut out)
+            .unwrap();
+        assert_eq!(
+            out,
+            vec![
+                Write {
+                    src_offset: 300,
+                    dst_offset: 0,
+                    len: 300
+                },
+                Write {
+                    src_offset: 900,
+                    dst_offset: 300,
+                    len: 100
+                },
+                Write {
+                    src_offset: 1300,
+                    dst_offset: 1000,
+                    len: 300
+                },
+                Write {
+                    src_offset: 1900,
+                    dst_offset: 1300,
+                    len: 100
+                },
+            ]
+        );
+        let err = p.plan_pages(&[3, 10], &[0, 1], 5, &mut out).unwrap_err();
+        assert_eq!(
+            err,
+            PlanError::PageOutOfRange {
+                side: Side::Src,
+                position: 6,
+                page: 10,
+                num_pages: 10
+            }
+        );
+        assert_eq!(out.len(), 4);
+    }
+
+    #[test]
+    fn head_sliced_prefill_tp1_to_decode_tp2() {
+        let h = |n| HeadLayout {
+            num_heads: n,
+            head_bytes: 4,
+            page_tokens: 2,
+            order: HeadOrder::TokenMajor,
+        };
+        let src = KvLayout::packed(0, 1, RegionKind::SplitKv, 4 * 4 * 2, 4).with_heads(h(4));
+        let dst = KvLayout::packed(0, 1, RegionKind::SplitKv, 2 * 4 * 2, 4).with_heads(h(2));
+        let p = Planner::new(
+            &src,
+            &dst,
+            TpMapping::HeadSliced {
+                prefill_tp: 1,
+                decode_tp: 2,
+                prefill_rank: 0,
+                decode_rank: 1,
+            },
+        )
+        .unwrap();
+        let mut out = Vec::new();
+        p.plan_pages(&[1], &[2], 0, &mut out).unwrap();
+        // Page 1 of K: token 0 heads 2..4 at 32+8, token 1 at 32+16+8; into dst page 2 of K.
+        assert_eq!(
+            out[0],
+            Write {
+                src_offset: 32 + 8,
+                dst_offset: 32,
+                len: 8
+            }
+        );
+        assert_eq!(
+            out[1],
+            Write {
+                src_offset: 32 + 24,
+                dst_offset: 40,
+                len: 8
+            }
+        );
+        assert_eq!(out.len(), 4);
+    }
+}

@@ -1,0 +1,568 @@
+//! Vote board: rules one by one, close and shutdown, and properties over any order, duplication
+//! and loss of votes for PP sizes up to 16.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use proptest::prelude::*;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use transfer_engine::core::vote::{
+    Decision, FailCause, ShutdownReport, Vote, VoteBoard, VoteConfig, VoteDecodeError, VoteError,
+    VoteMessage,
+};
+use transfer_engine::core::{FailureCode, RequestId};
+
+fn boards(pp: u16, timeout: Option<Duration>) -> Vec<VoteBoard> {
+    (0..pp)
+        .map(|r| {
+            let mut c = VoteConfig::new(pp, r);
+            c.vote_timeout = timeout;
+            VoteBoard::new(c).unwrap()
+        })
+        .collect()
+}
+
+/// Delivers every queued message, in order, until nothing is left.
+fn pump(bs: &mut [VoteBoard], now: Instant) {
+    loop {
+        let mut any = false;
+        for from in 0..bs.len() {
+            while let Some((to, msg)) = bs[from].poll_transmit() {
+                any = true;
+                bs[usize::from(to)]
+                    .handle_peer_message(now, from as u16, &msg)
+                    .unwrap();
+            }
+        }
+        if !any {
+            return;
+        }
+    }
+}
+
+fn decisions(b: &mut VoteBoard) -> Vec<(RequestId, Decision)> {
+    std::iter::from_fn(|| b.poll_decision()).collect()
+}
+
+#[test]
+fn decides_once_when_all_voted_and_failure_wins_last() {
+    let t0 = Instant::now();
+    let mut bs = boards(3, None);
+    let r = RequestId(1);
+    bs[0].handle_local_vote(t0, r, Vote::Completed).unwrap();
+    bs[1]
+        .handle_local_vote(t0, r, Vote::Failed(FailureCode::WriteFailed))
+        .unwrap();
+    pump(&mut bs, t0);
+    // Rank 1 failed, but rank 2 has not voted: nobody decides yet.
+    for b in &mut bs {
+        assert_eq!(b.poll_decision(), None);
+    }
+    bs[2].handle_local_vote(t0, r, Vote::Completed).unwrap();
+    pump(&mut bs, t0);
+    for b in &mut bs {
+        assert_eq!(
+            decisions(b),
+            vec![(
+                r,
+                Decision::Failed {
+                    rank: 1,
+                    cause: FailCause::Voted(FailureCode::WriteFailed)
+                }
+            )]
+        );
+        assert_eq!(b.undecided(), 0);
+    }
+    // Repeating a vote after the decision is a no-op; changing it is an error.
+    bs[0].handle_local_vote(t0, r, Vote::Completed).unwrap();
+    assert!(matches!(
+        bs[0].handle_local_vote(t0, r, Vote::Failed(FailureCode::Aborted)),
+        Err(VoteError::Conflict { .. })
+    ));
+    assert_eq!(bs[0].poll_decision(), None);
+}
+
+#[test]
+fn pp1_decides_on_local_vote() {
+    let t0 = Instant::now();
+    let mut bs = boards(1, None);
+    bs[0]
+        .handle_local_vote(t0, RequestId(5), Vote::Completed)
+        .unwrap();
+    assert_eq!(bs[0].poll_transmit(), None);
+    assert_eq!(
+        decisions(&mut bs[0]),
+        vec![(RequestId(5), Decision::Completed)]
+    );
+}
+
+#[test]
+fn duplicate_and_conflicting_peer_votes() {
+    let t0 = Instant::now();
+    let mut b = boards(2, None).remove(0);
+    let r = RequestId(3);
+    let v = VoteMessage::Vote {
+        from_rank: 1,
+        request: r,
+        vote: Vote::Completed,
+    };
+    b.handle_peer_message(t0, 1, &v).unwrap();
+    b.handle_peer_message(t0, 1, &v).unwrap();
+    let conflict = VoteMessage::Vote {
+        from_rank: 1,
+        request: r,
+        vote: Vote::Failed(FailureCode::Internal),
+    };
+    assert_eq!(
+        b.handle_peer_message(t0, 1, &conflict),
+        Err(VoteError::Conflict {
+            request: r,
+            rank: 1,
+            first: Vote::Completed,
+            second: Vote::Failed(FailureCode::Internal)
+        })
+    );
+    assert_eq!(
+        b.handle_peer_message(t0, 2, &v),
+        Err(VoteError::UnknownRank {
+            rank: 2,
+            pp_size: 2
+        })
+    );
+    assert_eq!(b.handle_peer_message(t0, 0, &v), Err(VoteError::OwnRank(0)));
+    let c = b.counters();
+    assert_eq!((c.duplicates, c.conflicts), (1, 1));
+    b.handle_local_vote(t0, r, Vote::Completed).unwrap();
+    assert_eq!(decisions(&mut b), vec![(r, Decision::Completed)]);
+}
+
+#[test]
+fn rank_mismatch_is_refused() {
+    let t0 = Instant::now();
+    let mut b = boards(3, None).remove(0);
+    let v = VoteMessage::Vote {
+        from_rank: 2,
+        request: RequestId(1),
+        vote: Vote::Completed,
+    };
+    assert_eq!(
+        b.handle_peer_message(t0, 1, &v),
+        Err(VoteError::RankMismatch {
+            claimed: 2,
+            from: 1
+        })
+    );
+    assert_eq!(b.undecided(), 0);
+}
+
+#[test]
+fn peer_lost_and_deadline_end_the_wait() {
+    let t0 = Instant::now();
+    let mut bs = boards(3, Some(Duration::from_secs(5)));
+    bs[0]
+        .handle_local_vote(t0, RequestId(1), Vote::Completed)
+        .unwrap();
+    bs[0]
+        .handle_local_vote(t0, RequestId(2), Vote::Completed)
+        .unwrap();
+    bs[1]
+        .handle_local_vote(t0, RequestId(1), Vote::Completed)
+        .unwrap();
+    pump(&mut bs, t0);
+    // Rank 2 dies before voting on request 1.
+    bs[0].handle_peer_lost(t0, 2).unwrap();
+    assert_eq!(
+        decisions(&mut bs[0]),
+        vec![(
+            RequestId(1),
+            Decision::Failed {
+                rank: 2,
+                cause: FailCause::PeerLost
+            }
+        )]
+    );
+    // Request 2: rank 1 never votes; the deadline decides it.
+    assert_eq!(bs[0].poll_timeout(), Some(t0 + Duration::from_secs(5)));
+    bs[0].handle_timeout(t0 + Duration::from_secs(5));
+    assert_eq!(
+        decisions(&mut bs[0]),
+        vec![(
+            RequestId(2),
+            Decision::Failed {
+                rank: 1,
+                cause: FailCause::Timeout
+            }
+        )]
+    );
+    // A lost peer's later messages are refused.
+    let late = VoteMessage::Vote {
+        from_rank: 2,
+        request: RequestId(1),
+        vote: Vote::Completed,
+    };
+    assert_eq!(
+        bs[0].handle_peer_message(t0, 2, &late),
+        Err(VoteError::FromLostPeer { rank: 2 })
+    );
+    assert_eq!(bs[0].handle_peer_lost(t0, 0), Err(VoteError::OwnRank(0)));
+}
+
+#[test]
+fn deadline_never_replaces_the_local_vote() {
+    let t0 = Instant::now();
+    let mut bs = boards(2, Some(Duration::from_secs(1)));
+    bs[1]
+        .handle_local_vote(t0, RequestId(1), Vote::Completed)
+        .unwrap();
+    pump(&mut bs, t0);
+    bs[0].handle_timeout(t0 + Duration::from_secs(10));
+    assert_eq!(
+        bs[0].poll_decision(),
+        None,
+        "decided without the local vote"
+    );
+    bs[0]
+        .handle_local_vote(t0 + Duration::from_secs(11), RequestId(1), Vote::Completed)
+        .unwrap();
+    assert_eq!(
+        decisions(&mut bs[0]),
+        vec![(RequestId(1), Decision::Completed)]
+    );
+}
+
+#[test]
+fn close_is_ordered_after_votes_and_shutdown_reports() {
+    let t0 = Instant::now();
+    let mut bs = boards(3, None);
+    bs[0]
+        .handle_local_vote(t0, RequestId(1), Vote::Completed)
+        .unwrap();
+    bs[0].close();
+    let sent: Vec<_> = std::iter::from_fn(|| bs[0].poll_transmit()).collect();
+    // Per peer: the vote, then Close.
+    for peer in [1u16, 2] {
+        let to_peer: Vec<_> = sent.iter().filter(|(to, _)| *to == peer).collect();
+        assert!(matches!(to_peer[0].1, VoteMessage::Vote { .. }));
+        assert_eq!(to_peer[1].1, VoteMessage::Close { from_rank: 0 });
+        assert_eq!(to_peer.len(), 2);
+    }
+    assert_eq!(
+        bs[0].handle_local_vote(t0, RequestId(2), Vote::Completed),
+        Err(VoteError::Closed)
+    );
+    for (to, msg) in sent {
+        bs[usize::from(to)]
+            .handle_peer_message(t0, 0, &msg)
+            .unwrap();
+    }
+    // After Close, anything more from rank 0 is refused.
+    let more = VoteMessage::Vote {
+        from_rank: 0,
+        request: RequestId(9),
+        vote: Vote::Completed,
+    };
+    assert_eq!(
+        bs[1].handle_peer_message(t0, 0, &more),
+        Err(VoteError::AfterClose { rank: 0 })
+    );
+    // Rank 1 votes and shuts down; rank 2 never answers: bounded, with a report.
+    bs[1]
+        .handle_local_vote(t0, RequestId(1), Vote::Completed)
+        .unwrap();
+    bs[1].shutdown(t0, t0 + Duration::from_secs(30));
+    assert_eq!(bs[1].poll_timeout(), Some(t0 + Duration::from_secs(30)));
+    assert_eq!(bs[1].poll_shutdown(), None);
+    bs[1].handle_timeout(t0 + Duration::from_secs(30));
+    assert_eq!(
+        bs[1].poll_shutdown(),
+        Some(ShutdownReport {
+            clean: false,
+            undecided: vec![(RequestId(1), vec![2])],
+            ranks_not_closed: vec![2],
+        })
+    );
+    assert_eq!(bs[1].poll_shutdown(), None);
+}
+
+#[test]
+fn clean_shutdown_of_all_ranks() {
+    let t0 = Instant::now();
+    let mut bs = boards(4, None);
+    for b in &mut bs {
+        b.handle_local_vote(t0, RequestId(7), Vote::Completed)
+            .unwrap();
+        b.shutdown(t0, t0 + Duration::from_secs(1));
+    }
+    pump(&mut bs, t0);
+    for b in &mut bs {
+        assert_eq!(decisions(b), vec![(RequestId(7), Decision::Completed)]);
+        assert_eq!(
+            b.poll_shutdown(),
+            Some(ShutdownReport {
+                clean: true,
+                undecided: vec![],
+                ranks_not_closed: vec![],
+            })
+        );
+    }
+}
+
+#[test]
+fn close_without_vote_counts_as_failure() {
+    let t0 = Instant::now();
+    let mut bs = boards(2, None);
+    bs[0]
+        .handle_local_vote(t0, RequestId(1), Vote::Completed)
+        .unwrap();
+    bs[1].close();
+    pump(&mut bs, t0);
+    assert_eq!(
+        decisions(&mut bs[0]),
+        vec![(
+            RequestId(1),
+            Decision::Failed {
+                rank: 1,
+                cause: FailCause::ClosedWithoutVote
+            }
+        )]
+    );
+}
+
+#[test]
+fn too_many_undecided_from_peers() {
+    let t0 = Instant::now();
+    let mut c = VoteConfig::new(2, 0);
+    c.max_undecided = 2;
+    let mut b = VoteBoard::new(c).unwrap();
+    let v = |r| VoteMessage::Vote {
+        from_rank: 1,
+        request: RequestId(r),
+        vote: Vote::Completed,
+    };
+    b.handle_peer_message(t0, 1, &v(1)).unwrap();
+    b.handle_peer_message(t0, 1, &v(2)).unwrap();
+    assert_eq!(
+        b.handle_peer_message(t0, 1, &v(3)),
+        Err(VoteError::TooManyUndecided {
+            request: RequestId(3)
+        })
+    );
+    // Local votes are always taken, and they free peer-created room once decided.
+    b.handle_local_vote(t0, RequestId(1), Vote::Completed)
+        .unwrap();
+    b.handle_peer_message(t0, 1, &v(3)).unwrap();
+    assert_eq!(b.undecided(), 2);
+}
+
+#[test]
+fn vote_wire_round_trip_and_errors() {
+    let msgs = [
+        VoteMessage::Vote {
+            from_rank: 15,
+            request: RequestId(u64::MAX),
+            vote: Vote::Failed(FailureCode::Other(4242)),
+        },
+        VoteMessage::Vote {
+            from_rank: 0,
+            request: RequestId(0),
+            vote: Vote::Completed,
+        },
+        VoteMessage::Close { from_rank: 3 },
+    ];
+    for m in msgs {
+        assert_eq!(VoteMessage::decode(&m.encode()), Ok(m));
+    }
+    let hex: String = msgs[2]
+        .encode()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    assert_eq!(hex, "c74b56560102030000000000000000000000000000000000");
+    let mut b = msgs[1].encode();
+    b[16] = 9;
+    assert_eq!(
+        VoteMessage::decode(&b),
+        Err(VoteDecodeError::UnknownVote { found: 9 })
+    );
+    let mut b = msgs[1].encode();
+    b[18] = 1;
+    assert_eq!(
+        VoteMessage::decode(&b),
+        Err(VoteDecodeError::CodeWithoutFailure { code: 1 })
+    );
+    let mut b = msgs[2].encode();
+    b[8] = 1;
+    assert_eq!(
+        VoteMessage::decode(&b),
+        Err(VoteDecodeError::CloseWithPayload)
+    );
+    let mut b = msgs[2].encode();
+    b[5] = 3;
+    assert_eq!(
+        VoteMessage::decode(&b),
+        Err(VoteDecodeError::UnknownKind { found: 3 })
+    );
+    let mut b = msgs[2].encode();
+    b[23] = 1;
+    assert_eq!(
+        VoteMessage::decode(&b),
+        Err(VoteDecodeError::ReservedNonZero)
+    );
+    assert_eq!(
+        VoteMessage::decode(&b[..3]),
+        Err(VoteDecodeError::BadLength { len: 3 })
+    );
+}
+
+/// Votes on a few requests cast by every rank, delivered in any order, some duplicated, some
+/// lost, some answered by a forged conflicting vote; then a deadline. Checks every board.
+fn run_votes(pp: u16, seed: u64, loss: f64, dup: f64, fail_p: f64) -> Result<(), TestCaseError> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let t0 = Instant::now();
+    let timeout = Duration::from_secs(10);
+    let mut bs = boards(pp, Some(timeout));
+    let n_req = 3u64;
+    let mut votes: HashMap<(u64, u16), Vote> = HashMap::new();
+    let mut pending_local: Vec<(u64, u16)> = Vec::new();
+    for r in 0..n_req {
+        for rank in 0..pp {
+            let v = if rng.random_bool(fail_p) {
+                Vote::Failed(FailureCode::from_raw(rng.random_range(0..10)))
+            } else {
+                Vote::Completed
+            };
+            votes.insert((r, rank), v);
+            pending_local.push((r, rank));
+        }
+    }
+    // (to, from, msg)
+    let mut wire: Vec<(u16, u16, VoteMessage)> = Vec::new();
+    // What each board has received (plus its own), per request.
+    let mut heard: Vec<HashMap<u64, HashSet<u16>>> = vec![HashMap::new(); usize::from(pp)];
+    let mut lost_any: Vec<HashSet<u64>> = vec![HashSet::new(); usize::from(pp)];
+    let mut decided: Vec<HashMap<u64, Decision>> = vec![HashMap::new(); usize::from(pp)];
+    let mut now = t0;
+    let collect = |bs: &mut [VoteBoard],
+                   decided: &mut Vec<HashMap<u64, Decision>>,
+                   heard: &Vec<HashMap<u64, HashSet<u16>>>,
+                   timed_out: bool|
+     -> Result<(), TestCaseError> {
+        for (i, b) in bs.iter_mut().enumerate() {
+            while let Some((req, d)) = b.poll_decision() {
+                prop_assert!(
+                    decided[i].insert(req.0, d).is_none(),
+                    "decided twice on board {}",
+                    i
+                );
+                let h = heard[i].get(&req.0).map_or(0, HashSet::len);
+                // Before any deadline, a decision needs a terminal vote from every rank.
+                prop_assert!(timed_out || h == usize::from(pp), "early decision");
+            }
+        }
+        Ok(())
+    };
+    while !pending_local.is_empty() || !wire.is_empty() {
+        now += Duration::from_millis(1);
+        let take_local = !pending_local.is_empty() && (wire.is_empty() || rng.random_bool(0.3));
+        if take_local {
+            let i = rng.random_range(0..pending_local.len());
+            let (r, rank) = pending_local.swap_remove(i);
+            bs[usize::from(rank)]
+                .handle_local_vote(now, RequestId(r), votes[&(r, rank)])
+                .unwrap();
+            heard[usize::from(rank)].entry(r).or_default().insert(rank);
+            while let Some((to, msg)) = bs[usize::from(rank)].poll_transmit() {
+                // Through the byte codec, as a driver would.
+                let msg = VoteMessage::decode(&msg.encode()).unwrap();
+                wire.push((to, rank, msg));
+            }
+        } else {
+            let i = rng.random_range(0..wire.len());
+            let (to, from, msg) = wire.swap_remove(i);
+            let VoteMessage::Vote { request, .. } = msg else {
+                unreachable!()
+            };
+            if rng.random_bool(loss) {
+                lost_any[usize::from(to)].insert(request.0);
+                continue;
+            }
+            if rng.random_bool(dup) {
+                wire.push((to, from, msg));
+            }
+            let b = &mut bs[usize::from(to)];
+            let first_time = heard[usize::from(to)]
+                .entry(request.0)
+                .or_default()
+                .insert(from);
+            let res = b.handle_peer_message(now, from, &msg);
+            prop_assert!(res.is_ok(), "{:?}", res);
+            if first_time && rng.random_bool(0.1) {
+                // A forged, conflicting vote after the real one: refused, first stands.
+                let forged = VoteMessage::Vote {
+                    from_rank: from,
+                    request,
+                    vote: match votes[&(request.0, from)] {
+                        Vote::Completed => Vote::Failed(FailureCode::Internal),
+                        Vote::Failed(_) => Vote::Completed,
+                    },
+                };
+                let res = b.handle_peer_message(now, from, &forged);
+                // Already decided (and forgotten as a late vote) or refused as a conflict.
+                prop_assert!(
+                    matches!(res, Ok(()) | Err(VoteError::Conflict { .. })),
+                    "{:?}",
+                    res
+                );
+            }
+        }
+        collect(&mut bs, &mut decided, &heard, false)?;
+    }
+    // Whatever is left waits for the deadline.
+    for b in bs.iter_mut() {
+        b.handle_timeout(now + timeout + Duration::from_secs(1));
+    }
+    collect(&mut bs, &mut decided, &heard, true)?;
+    for (i, b) in bs.iter().enumerate() {
+        prop_assert_eq!(b.undecided(), 0);
+        for r in 0..n_req {
+            let d = decided[i].get(&r).copied();
+            prop_assert!(d.is_some(), "board {} never decided {}", i, r);
+            let all_completed = (0..pp).all(|k| votes[&(r, k)] == Vote::Completed);
+            let complete = d == Some(Decision::Completed);
+            // Completed iff every rank voted Completed and every vote reached this board.
+            if complete {
+                prop_assert!(all_completed);
+            }
+            if !lost_any[i].contains(&r) {
+                prop_assert_eq!(complete, all_completed);
+                // Full information: the lowest failing rank and its code, on every such board.
+                if let Some(k) = (0..pp).find(|k| votes[&(r, *k)] != Vote::Completed) {
+                    let Vote::Failed(code) = votes[&(r, k)] else {
+                        unreachable!()
+                    };
+                    prop_assert_eq!(
+                        d,
+                        Some(Decision::Failed {
+                            rank: k,
+                            cause: FailCause::Voted(code)
+                        })
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+
+    #[test]
+    fn votes_any_order_dup_loss(pp in 1u16..=16, seed in any::<u64>(),
+        loss in prop_oneof![Just(0.0), 0.0..0.2], dup in 0.0..0.3f64,
+        fail_p in prop_oneof![Just(0.0), 0.0..0.5]) {
+        run_votes(pp, seed, loss, dup, fail_p)?;
+    }
+}

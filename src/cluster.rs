@@ -215,3 +215,43 @@ impl Cluster {
         Ok(checked)
     }
 }
+
+/// Checks a request in a decode pool against the pattern the prefill ranks filled their pools with
+/// (for separate processes, where the prefill pools cannot be read). `ranks` are the ranks' global
+/// layer ranges; prefill pools are packed with `prefill_pages` pages.
+///
+/// # Errors
+/// A description of the first byte that differs.
+#[allow(clippy::too_many_arguments)]
+pub fn verify_pattern(
+    shape: Shape,
+    ranks: &[std::ops::Range<u32>],
+    prefill_pages: u32,
+    decode_pool: &[u8],
+    decode_pages: u32,
+    prompt_tokens: u32,
+    src_pages: &[u32],
+    dst_pages: &[u32],
+) -> Result<u64, String> {
+    let pb = shape.page_bytes() as usize;
+    let n = shape.pages_for(prompt_tokens) as usize;
+    let (dp, sp) = (decode_pages as usize, prefill_pages as usize);
+    let mut checked = 0u64;
+    for (rank, range) in ranks.iter().enumerate() {
+        for layer in range.clone() {
+            let local = (layer - range.start) as usize;
+            for region in 0..shape.regions.count() as usize {
+                for i in 0..n {
+                    let src_off = ((region * range.len() + local) * sp + src_pages[i] as usize) * pb;
+                    let dst_off = ((region * shape.layers as usize + layer as usize) * dp + dst_pages[i] as usize) * pb;
+                    let dst = decode_pool.get(dst_off..dst_off + pb).ok_or("page outside the decode pool")?;
+                    if let Some(j) = (0..pb).find(|&j| dst[j] != pattern(rank as u16, (src_off + j) as u64)) {
+                        return Err(format!("rank {rank} layer {layer} region {region} page {i} differs at byte {j}"));
+                    }
+                    checked += pb as u64;
+                }
+            }
+        }
+    }
+    Ok(checked)
+}

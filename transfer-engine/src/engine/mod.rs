@@ -10,7 +10,7 @@ mod decode;
 mod prefill;
 
 pub use decode::{DecodeConfig, DecodeEngine, DecodeStats};
-pub use prefill::{PrefillConfig, PrefillEngine, PrefillStats};
+pub use prefill::{IncomingRequest, PrefillConfig, PrefillEngine, PrefillStats};
 
 use crate::control::{self, ControlError};
 use crate::core::planner::{KvLayout, PlanError, RegionKind};

@@ -76,6 +76,17 @@ impl PrefillConfig {
     }
 }
 
+/// A page allocation the decode side sent for a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IncomingRequest {
+    /// The request.
+    pub request: RequestId,
+    /// Its prompt length.
+    pub prompt_tokens: u32,
+    /// Its chunk size.
+    pub chunk_tokens: u32,
+}
+
 /// Counters of a [`PrefillEngine`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PrefillStats {
@@ -139,6 +150,7 @@ struct Inner {
 #[derive(Clone)]
 pub struct PrefillEngine {
     inner: Arc<Inner>,
+    incoming: Arc<tokio::sync::Mutex<mpsc::UnboundedReceiver<IncomingRequest>>>,
     _tasks: Arc<TaskGuard>,
 }
 
@@ -241,15 +253,29 @@ impl PrefillEngine {
             timer: Notify::new(),
         });
         let (reader, writer) = conn.into_split();
+        let (itx, irx) = mpsc::unbounded_channel();
         let mut tasks = vec![
             tokio::spawn(write_loop(writer, drx)),
-            tokio::spawn(decode_read_loop(Arc::downgrade(&inner), reader)),
+            tokio::spawn(decode_read_loop(Arc::downgrade(&inner), reader, itx)),
             tokio::spawn(timer_loop(Arc::downgrade(&inner))),
         ];
         if let Some(listener) = listener {
             tasks.extend(form_mesh(&inner, listener, &hello, deadline).await?);
         }
-        Ok(PrefillEngine { inner, _tasks: Arc::new(TaskGuard(Mutex::new(tasks))) })
+        Ok(PrefillEngine {
+            inner,
+            incoming: Arc::new(tokio::sync::Mutex::new(irx)),
+            _tasks: Arc::new(TaskGuard(Mutex::new(tasks))),
+        })
+    }
+
+    /// The next page allocation the decode side sent (accepted ones only); `None` once the decode
+    /// side closed its connection. A server whose scheduler already knows its requests need not call it.
+    ///
+    /// # Cancel safety
+    /// Cancel-safe: an allocation not yet returned stays queued.
+    pub async fn next_request(&self) -> Option<IncomingRequest> {
+        self.incoming.lock().await.recv().await
     }
 
     /// This rank.
@@ -484,7 +510,7 @@ impl Inner {
         }
     }
 
-    fn on_transfer_request(&self, req: control::TransferRequest) {
+    fn on_transfer_request(&self, req: control::TransferRequest) -> bool {
         let request = RequestId(req.request);
         let geometry = ChunkGeometry::new(u64::from(req.prompt_tokens), u64::from(req.chunk_tokens), u64::from(self.cfg.page_tokens));
         let check = geometry.as_ref().ok().map(|g| {
@@ -497,7 +523,7 @@ impl Inner {
                 for w in st.arrivals.remove(&request).unwrap_or_default() {
                     let _ = w.send(());
                 }
-                return;
+                return true;
             }
             (Ok(_), Some(Ok(()))) => control::TransferRejectReason::DuplicateRequest { request: req.request },
             (_, Some(Err(e))) => e,
@@ -508,6 +534,7 @@ impl Inner {
         self.counters.rejected.fetch_add(1, Ordering::Relaxed);
         tracing::warn!(request = req.request, %reason, "transfer request rejected");
         let _ = self.decode_writer.send(Msg::TransferReject(control::TransferReject { request: req.request, reason }));
+        false
     }
 
     fn on_abort(&self, request: RequestId, code: FailureCode) {
@@ -552,7 +579,11 @@ async fn write_loop(mut writer: ControlWriter, mut rx: mpsc::UnboundedReceiver<M
     }
 }
 
-async fn decode_read_loop(inner: Weak<Inner>, mut reader: control::ControlReader) {
+async fn decode_read_loop(
+    inner: Weak<Inner>,
+    mut reader: control::ControlReader,
+    incoming: mpsc::UnboundedSender<IncomingRequest>,
+) {
     loop {
         let msg = match reader.recv().await {
             Ok(Some(m)) => m,
@@ -560,7 +591,16 @@ async fn decode_read_loop(inner: Weak<Inner>, mut reader: control::ControlReader
         };
         let Some(i) = inner.upgrade() else { return };
         match msg {
-            Msg::TransferRequest(r) => i.on_transfer_request(r),
+            Msg::TransferRequest(r) => {
+                let next = IncomingRequest {
+                    request: RequestId(r.request),
+                    prompt_tokens: r.prompt_tokens,
+                    chunk_tokens: r.chunk_tokens,
+                };
+                if i.on_transfer_request(r) {
+                    let _ = incoming.send(next);
+                }
+            }
             Msg::Abort(a) => i.on_abort(RequestId(a.request), FailureCode::from_raw(a.reason)),
             Msg::Close => break,
             _ => {}

@@ -51,6 +51,12 @@ pub struct UcxConfig {
     pub min_sleep: Duration,
     /// Longest sleep once idle: the worst added latency for a notification reaching an idle engine.
     pub max_sleep: Duration,
+    /// Create endpoints with UCX's peer error handling, so a dead peer fails its writes and is
+    /// reported as [`Incoming::PeerFailed`]. UCX then refuses every transport without a peer failure
+    /// handler, shared memory included, and loopback traffic falls back to TCP; so it is off by
+    /// default, and a dead peer is detected by the control plane (its connection closes) and by the
+    /// engines' deadlines instead. Turn it on between hosts.
+    pub peer_error_handling: bool,
 }
 
 impl Default for UcxConfig {
@@ -60,6 +66,7 @@ impl Default for UcxConfig {
             name: "kvx".into(),
             min_sleep: Duration::from_micros(20),
             max_sleep: Duration::from_millis(1),
+            peer_error_handling: false,
         }
     }
 }
@@ -405,6 +412,7 @@ struct Worker {
     spin: Duration,
     min_sleep: Duration,
     max_sleep: Duration,
+    peer_error_handling: bool,
     regions: HashMap<u64, Region>,
     peers: HashMap<u64, Peer>,
     next_id: u64,
@@ -514,6 +522,7 @@ impl Worker {
             spin: config.spin,
             min_sleep: config.min_sleep,
             max_sleep: config.max_sleep,
+            peer_error_handling: config.peer_error_handling,
             regions: HashMap::new(),
             peers: HashMap::new(),
             next_id: 1,
@@ -721,7 +730,11 @@ impl Worker {
                 | ffi::ucp_ep_params_field::UCP_EP_PARAM_FIELD_ERR_HANDLER)
                 .0 as u64,
             address: meta.as_ptr() as *const ffi::ucp_address_t,
-            err_mode: ffi::ucp_err_handling_mode_t::UCP_ERR_HANDLING_MODE_PEER,
+            err_mode: if self.peer_error_handling {
+                ffi::ucp_err_handling_mode_t::UCP_ERR_HANDLING_MODE_PEER
+            } else {
+                ffi::ucp_err_handling_mode_t::UCP_ERR_HANDLING_MODE_NONE
+            },
             err_handler: ffi::ucp_err_handler { cb: Some(ep_error), arg: err_arg as *mut c_void },
             ..Default::default()
         };
@@ -770,12 +783,17 @@ impl Worker {
             // SAFETY: rkey was unpacked on this ep and no posted write uses it any more (in_flight == 0).
             unsafe { ffi::ucp_rkey_destroy(r.rkey) };
         }
-        let param = ffi::ucp_request_param_t {
-            op_attr_mask: ffi::ucp_op_attr_t::UCP_OP_ATTR_FIELD_FLAGS.0,
-            flags: ffi::ucp_ep_close_flags_t::UCP_EP_CLOSE_FLAG_FORCE.0,
-            ..Default::default()
+        let param = if self.peer_error_handling {
+            ffi::ucp_request_param_t {
+                op_attr_mask: ffi::ucp_op_attr_t::UCP_OP_ATTR_FIELD_FLAGS.0,
+                flags: ffi::ucp_ep_close_flags_t::UCP_EP_CLOSE_FLAG_FORCE.0,
+                ..Default::default()
+            }
+        } else {
+            // A flushing close; FORCE is only valid with peer error handling.
+            ffi::ucp_request_param_t::default()
         };
-        // SAFETY: ep is live and closed once; FORCE is valid because it was created with peer error
+        // SAFETY: ep is live and closed once; FORCE is only used when it was created with peer error
         // handling.
         let req = unsafe { ffi::ucp_ep_close_nbx(p.ep, &param) };
         // SAFETY: plain pointer classification.

@@ -1,0 +1,309 @@
+//! The measurements `kvbench` makes: a workload through the engine, and raw baselines to divide by.
+
+use crate::cluster::{Cluster, ClusterSpec, Shape};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use transfer_engine::core::{FailureCode, RequestId};
+use transfer_engine::engine::{EngineError, Outcome};
+use transfer_engine::mem::{HostBuffer, HostOptions};
+use transfer_engine::transport::ucx::{UcxConfig, UcxTransport};
+use transfer_engine::transport::{BackendKind, Transport, WriteOp};
+
+/// A workload.
+#[derive(Debug, Clone)]
+pub struct Workload {
+    /// The model.
+    pub shape: Shape,
+    /// Prefill PP size.
+    pub pp: u16,
+    /// Prompt length.
+    pub prompt_tokens: u32,
+    /// Chunked-prefill size.
+    pub chunk_tokens: u32,
+    /// Requests to run (at least; `duration` may add more).
+    pub requests: u32,
+    /// Requests in flight at once.
+    pub concurrency: u32,
+    /// Verify every byte of every request.
+    pub verify: bool,
+    /// Send and check per-chunk checksums.
+    pub checksums: bool,
+    /// Keep issuing requests until this much time passed.
+    pub duration: Option<Duration>,
+}
+
+impl Workload {
+    /// Pages of one request.
+    pub fn pages(&self) -> u32 {
+        self.shape.pages_for(self.prompt_tokens)
+    }
+
+    /// Size of one coalesced write when a chunk's pages are contiguous on both sides: one layer's
+    /// pages of one chunk.
+    pub fn write_size(&self) -> u64 {
+        let pages_per_chunk = u64::from(self.chunk_tokens.div_ceil(self.shape.page_tokens));
+        pages_per_chunk.min(u64::from(self.pages())) * self.shape.page_bytes()
+    }
+}
+
+/// One backend's result.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Report {
+    /// Backend name.
+    pub backend: String,
+    /// Whole-request bandwidth, GB/s (10^9).
+    pub gbps: f64,
+    /// Baseline bandwidth, GB/s.
+    pub baseline_gbps: f64,
+    /// Where the baseline came from.
+    pub baseline: String,
+    /// gbps / baseline_gbps.
+    pub ratio: f64,
+    /// Completed requests per second.
+    pub requests_per_s: f64,
+    /// Request latency percentiles (decode's expect to Complete), µs.
+    pub latency_p50_us: f64,
+    /// p99 of the above.
+    pub latency_p99_us: f64,
+    /// Last rank's final chunk done to decode seeing Complete, p50, µs.
+    pub complete_p50_us: f64,
+    /// p99 of the above.
+    pub complete_p99_us: f64,
+    /// Chunks per second (all ranks).
+    pub chunks_per_s: f64,
+    /// Requests run.
+    pub requests: u64,
+    /// Requests that failed.
+    pub failed: u64,
+    /// Every byte of every request was verified and matched (false when not verified).
+    pub verified: bool,
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+/// Runs `w` on a fresh in-process cluster of `backend`.
+///
+/// # Errors
+/// Engine errors, or a verification failure.
+pub async fn run_workload(
+    w: &Workload,
+    backend: BackendKind,
+    progress: Option<&(dyn Fn(u64, u64) + Sync)>,
+) -> Result<Report, EngineError> {
+    let pages = w.pages();
+    let spec = ClusterSpec {
+        shape: w.shape,
+        pp: w.pp,
+        decode_pages: pages * w.concurrency.max(1),
+        prefill_pages: pages,
+        backend,
+        checksums: w.checksums,
+    };
+    let cluster = Arc::new(Cluster::start(spec).await?);
+    let src: Arc<Vec<u32>> = Arc::new((0..pages).collect());
+    let chunks = w.prompt_tokens.div_ceil(w.chunk_tokens);
+    let started = Instant::now();
+    let mut latencies = Vec::new();
+    let mut completes = Vec::new();
+    let mut failed = 0u64;
+    let mut verified = w.verify;
+    let mut issued = 0u64;
+    let slots = w.concurrency.max(1);
+    let mut set = tokio::task::JoinSet::new();
+    let total = u64::from(w.requests);
+    let keep_going = |issued: u64| issued < total || w.duration.is_some_and(|d| started.elapsed() < d);
+    for slot in 0..slots {
+        if !keep_going(issued) {
+            break;
+        }
+        set.spawn(one_request(cluster.clone(), issued, slot, src.clone(), w.prompt_tokens, w.chunk_tokens, chunks));
+        issued += 1;
+    }
+    let mut done = 0u64;
+    while let Some(r) = set.join_next().await {
+        let (slot, outcome, latency, complete) = r.map_err(|e| EngineError::Config(format!("request task: {e}")))??;
+        done += 1;
+        match outcome {
+            Outcome::Complete => {
+                latencies.push(latency.as_secs_f64() * 1e6);
+                completes.push(complete.as_secs_f64() * 1e6);
+                if w.verify {
+                    let dst: Vec<u32> = (slot * pages..(slot + 1) * pages).collect();
+                    if let Err(e) = cluster.verify(w.prompt_tokens, &src, &dst) {
+                        tracing::error!(%e, "verification failed");
+                        verified = false;
+                    }
+                }
+            }
+            Outcome::Failed(reason) => {
+                tracing::warn!(?reason, "request failed");
+                failed += 1;
+                verified = false;
+            }
+        }
+        if let Some(p) = progress {
+            p(done, total.max(issued));
+        }
+        if keep_going(issued) {
+            set.spawn(one_request(cluster.clone(), issued, slot, src.clone(), w.prompt_tokens, w.chunk_tokens, chunks));
+            issued += 1;
+        }
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let ok = (done - failed) as f64;
+    latencies.sort_by(f64::total_cmp);
+    completes.sort_by(f64::total_cmp);
+    let bytes = ok * w.shape.request_bytes(w.prompt_tokens) as f64;
+    Ok(Report {
+        backend: backend.to_string(),
+        gbps: bytes / elapsed / 1e9,
+        baseline_gbps: 0.0,
+        baseline: String::new(),
+        ratio: 0.0,
+        requests_per_s: ok / elapsed,
+        latency_p50_us: percentile(&latencies, 0.5),
+        latency_p99_us: percentile(&latencies, 0.99),
+        complete_p50_us: percentile(&completes, 0.5),
+        complete_p99_us: percentile(&completes, 0.99),
+        chunks_per_s: ok * f64::from(chunks) * f64::from(w.pp) / elapsed,
+        requests: done,
+        failed,
+        verified: verified && failed == 0,
+    })
+}
+
+type RequestResult = Result<(u32, Outcome, Duration, Duration), EngineError>;
+
+async fn one_request(
+    cluster: Arc<Cluster>,
+    id: u64,
+    slot: u32,
+    src: Arc<Vec<u32>>,
+    prompt_tokens: u32,
+    chunk_tokens: u32,
+    chunks: u32,
+) -> RequestResult {
+    let pages = src.len() as u32;
+    let dst: Vec<u32> = (slot * pages..(slot + 1) * pages).collect();
+    let request = RequestId(id + 1);
+    let t0 = Instant::now();
+    let outcome = cluster.decode.expect(request, prompt_tokens, chunk_tokens, dst, Duration::from_secs(60))?;
+    let mut ranks = tokio::task::JoinSet::new();
+    for p in &cluster.prefill {
+        let p = p.clone();
+        let src = src.clone();
+        ranks.spawn(async move {
+            for c in 0..chunks {
+                if let Err(e) = p.send_chunk(request, c, &src, c + 1 == chunks).await {
+                    p.fail(request, FailureCode::WriteFailed);
+                    return Err(e);
+                }
+            }
+            let last_done = Instant::now();
+            p.decided(request).await;
+            p.release(request);
+            Ok(last_done)
+        });
+    }
+    let outcome = outcome.await;
+    let t_complete = Instant::now();
+    let mut last_done = t0;
+    while let Some(r) = ranks.join_next().await {
+        let t = r.map_err(|e| EngineError::Config(format!("rank task: {e}")))??;
+        last_done = last_done.max(t);
+    }
+    Ok((slot, outcome, t_complete - t0, t_complete.saturating_duration_since(last_done)))
+}
+
+/// Where `ucx_perftest` is: `KVBENCH_UCX_PERFTEST`, else the provisioned copy next to the build.
+pub fn find_perftest() -> Option<PathBuf> {
+    if let Ok(p) = std::env::var("KVBENCH_UCX_PERFTEST") {
+        return Some(PathBuf::from(p)).filter(|p| p.exists());
+    }
+    let here = Path::new(env!("CARGO_MANIFEST_DIR")).join(".deps/ucx/bin/ucx_perftest");
+    here.exists().then_some(here)
+}
+
+/// `ucx_perftest -t ucp_put_bw` at `size` bytes between two processes on loopback, in GB/s (10^9).
+/// `None` when the tool fails; the reason is logged.
+pub fn perftest_put_bw(tool: &Path, size: u64, iters: u32) -> Option<f64> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").ok()?.local_addr().ok()?.port();
+    let mut server = Command::new(tool)
+        .args(["-p", &port.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .ok()?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut out = None;
+    // The server needs a moment to listen; the client retries until it connects or the deadline.
+    while Instant::now() < deadline {
+        let o = Command::new(tool)
+            .args(["127.0.0.1", "-p", &port.to_string(), "-t", "ucp_put_bw", "-s", &size.to_string()])
+            .args(["-n", &iters.to_string(), "-w", &(iters / 10).max(10).to_string()])
+            .output()
+            .ok()?;
+        if o.status.success() {
+            out = Some(String::from_utf8_lossy(&o.stdout).into_owned());
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = server.kill();
+    let _ = server.wait();
+    let out = out?;
+    let line = out.lines().find(|l| l.starts_with("Final:"))?;
+    // Final: iterations, 3 overheads, bandwidth average and overall (MB/s, 2^20), message rates.
+    let mbs: f64 = line.split_whitespace().nth(6)?.parse().ok()?;
+    Some(mbs * 1048576.0 / 1e9)
+}
+
+/// The in-process fallback baseline: one UCX transport putting `size`-byte writes into another,
+/// `batch` writes per post, for about `secs` seconds. GB/s (10^9).
+///
+/// # Errors
+/// Transport failures.
+pub fn inprocess_put_bw(size: u64, batch: u32, secs: f64) -> Result<f64, EngineError> {
+    let len = (size * u64::from(batch)) as usize;
+    let dst = HostBuffer::new(len, HostOptions::default()).map_err(|e| EngineError::Config(e.to_string()))?;
+    let src = HostBuffer::new(len, HostOptions::default()).map_err(|e| EngineError::Config(e.to_string()))?;
+    let rx = UcxTransport::new(UcxConfig::default(), Arc::new(|_| {}))?;
+    let tx = UcxTransport::new(UcxConfig::default(), Arc::new(|_| {}))?;
+    let (_d, remote) = rx.register(dst.desc())?;
+    let (s, _) = tx.register(src.desc())?;
+    let peer = tx.connect(&rx.metadata()?, &[remote], 0)?;
+    let writes: Vec<WriteOp> = (0..u64::from(batch))
+        .map(|i| WriteOp { local: s, local_offset: i * size, remote: 0, remote_offset: i * size, len: size })
+        .collect();
+    let start = Instant::now();
+    let mut bytes = 0u64;
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    // Two posts in flight, like two chunks of a pipelined prefill.
+    for _ in 0..2 {
+        let d = done_tx.clone();
+        tx.post(peer, writes.clone(), Vec::new(), Box::new(move |r| {
+            let _ = d.send(r);
+        }));
+    }
+    while start.elapsed().as_secs_f64() < secs {
+        done_rx.recv_timeout(Duration::from_secs(10)).map_err(|_| EngineError::Timeout("baseline put".into()))??;
+        bytes += size * u64::from(batch);
+        let d = done_tx.clone();
+        tx.post(peer, writes.clone(), Vec::new(), Box::new(move |r| {
+            let _ = d.send(r);
+        }));
+    }
+    let gbps = bytes as f64 / start.elapsed().as_secs_f64() / 1e9;
+    for _ in 0..2 {
+        let _ = done_rx.recv_timeout(Duration::from_secs(10));
+    }
+    Ok(gbps)
+}

@@ -1,0 +1,314 @@
+//! kvbench: how fast the engine moves a request's KV cache, as a ratio to a raw put baseline measured
+//! in the same run.
+//!
+//! With no arguments it runs the embedded default (a DeepSeek-R1-like MLA shape, PP=4, 8k-token
+//! prompts in 1024-token chunks) on loopback, on every backend, and prints one table.
+
+use clap::{Parser, Subcommand, ValueEnum};
+use kvbench::bench::{Report, Workload, find_perftest, inprocess_put_bw, perftest_put_bw, run_workload};
+use kvbench::cluster::Shape;
+use kvbench::roles;
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+use transfer_engine::core::planner::RegionKind;
+use transfer_engine::transport::BackendKind;
+
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+enum Model {
+    /// DeepSeek-R1-like: 61 layers, 576 B/token/layer fused latent, 64-token pages.
+    Mla,
+    /// Llama-3-8B-like: 32 layers, 4 KiB/token/layer as K and V, 16-token pages.
+    Gqa,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+enum Backend {
+    /// Direct UCX.
+    Ucx,
+    /// NIXL with its UCX plugin.
+    Nixl,
+    /// Both, side by side.
+    All,
+}
+
+#[derive(Debug, Parser)]
+#[command(name = "kvbench", version, about = "KV-cache transfer benchmark (loopback by default)")]
+struct Cli {
+    #[command(subcommand)]
+    role: Option<Role>,
+    #[command(flatten)]
+    opts: Opts,
+}
+
+#[derive(Debug, clap::Args, Clone)]
+struct Opts {
+    /// Model shape.
+    #[arg(long, value_enum, default_value = "mla", global = true)]
+    model: Model,
+    /// Override: layers.
+    #[arg(long, global = true)]
+    layers: Option<u32>,
+    /// Override: KV bytes per token per layer (K and V together).
+    #[arg(long, global = true)]
+    bytes_per_token: Option<u64>,
+    /// Override: separate K and V regions (true) or one fused region (false).
+    #[arg(long, global = true)]
+    split_kv: Option<bool>,
+    /// Prefill PP size.
+    #[arg(long, default_value_t = 4, global = true)]
+    pp: u16,
+    /// Prompt length in tokens.
+    #[arg(long, default_value_t = 8192, global = true)]
+    prompt_tokens: u32,
+    /// Chunked-prefill size in tokens.
+    #[arg(long, default_value_t = 1024, global = true)]
+    chunk_tokens: u32,
+    /// Tokens per page (default: the model's).
+    #[arg(long, global = true)]
+    page_tokens: Option<u32>,
+    /// Requests to run.
+    #[arg(long, default_value_t = 32, global = true)]
+    requests: u32,
+    /// Requests in flight at once.
+    #[arg(long, default_value_t = 2, global = true)]
+    concurrency: u32,
+    /// Backend(s).
+    #[arg(long, value_enum, default_value = "all", global = true)]
+    backend: Backend,
+    /// Verify every byte of every request (yes/no).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, global = true)]
+    verify: bool,
+    /// Send and check per-chunk checksums.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set, global = true)]
+    checksums: bool,
+    /// Keep running requests for at least this many seconds.
+    #[arg(long, global = true)]
+    duration: Option<f64>,
+    /// Also write the results as a JSON array to this file.
+    #[arg(long, global = true)]
+    json: Option<PathBuf>,
+    /// Skip the raw baseline.
+    #[arg(long, global = true)]
+    no_baseline: bool,
+}
+
+#[derive(Debug, Subcommand)]
+enum Role {
+    /// Run a decode engine that prefill processes connect to, drive the requests, print the table.
+    Decode {
+        /// Control address to listen on.
+        #[arg(long)]
+        listen: std::net::SocketAddr,
+    },
+    /// Run one prefill PP rank that connects to a decode process and serves its requests.
+    Prefill {
+        /// The decode process's control address.
+        #[arg(long)]
+        connect: std::net::SocketAddr,
+        /// This rank.
+        #[arg(long)]
+        pp_rank: u16,
+        /// PP size (defaults to --pp).
+        #[arg(long)]
+        pp_size: Option<u16>,
+        /// Vote-mesh addresses of all ranks, comma-separated, in rank order (needed when PP > 1).
+        #[arg(long, value_delimiter = ',')]
+        peers: Vec<std::net::SocketAddr>,
+    },
+}
+
+impl Opts {
+    fn shape(&self) -> Result<Shape, String> {
+        let mut s = match self.model {
+            Model::Mla => Shape::MLA,
+            Model::Gqa => Shape::GQA,
+        };
+        if let Some(l) = self.layers {
+            s.layers = l;
+        }
+        if let Some(b) = self.bytes_per_token {
+            s.bytes_per_token = b;
+        }
+        if let Some(split) = self.split_kv {
+            s.regions = if split { RegionKind::SplitKv } else { RegionKind::Fused };
+        }
+        if let Some(p) = self.page_tokens {
+            s.page_tokens = p;
+        }
+        if s.layers == 0 || s.bytes_per_token == 0 || s.page_tokens == 0 {
+            return Err("layers, bytes per token and page tokens must be positive".into());
+        }
+        if s.bytes_per_token % u64::from(s.regions.count()) != 0 {
+            return Err("bytes per token must split evenly into K and V".into());
+        }
+        if u32::from(self.pp) > s.layers || self.pp == 0 {
+            return Err(format!("--pp {} must be between 1 and the layer count {}", self.pp, s.layers));
+        }
+        Ok(s)
+    }
+
+    fn workload(&self) -> Result<Workload, String> {
+        if self.prompt_tokens == 0 || self.chunk_tokens == 0 {
+            return Err("--prompt-tokens and --chunk-tokens must be positive".into());
+        }
+        if self.requests == 0 && self.duration.is_none() {
+            return Err("--requests must be positive (or give --duration)".into());
+        }
+        let duration = match self.duration {
+            Some(d) if d.is_finite() && d >= 0.0 => Some(Duration::from_secs_f64(d)),
+            Some(d) => return Err(format!("--duration {d} is not a number of seconds")),
+            None => None,
+        };
+        Ok(Workload {
+            shape: self.shape()?,
+            pp: self.pp,
+            prompt_tokens: self.prompt_tokens,
+            chunk_tokens: self.chunk_tokens,
+            requests: self.requests,
+            concurrency: self.concurrency.max(1),
+            verify: self.verify,
+            checksums: self.checksums,
+            duration,
+        })
+    }
+
+    fn backends(&self) -> Vec<BackendKind> {
+        match self.backend {
+            Backend::Ucx => vec![BackendKind::Ucx],
+            Backend::Nixl => vec![BackendKind::Nixl],
+            Backend::All => vec![BackendKind::Ucx, BackendKind::Nixl],
+        }
+    }
+}
+
+fn print_table(w: &Workload, reports: &[Report]) {
+    println!(
+        "kvbench: {} layers x {} B/token/layer ({}), {}-token pages, PP={}, {}-token prompts in {}-token chunks, \
+         {} B per coalesced write",
+        w.shape.layers,
+        w.shape.bytes_per_token,
+        if w.shape.regions == RegionKind::Fused { "fused" } else { "K+V" },
+        w.shape.page_tokens,
+        w.pp,
+        w.prompt_tokens,
+        w.chunk_tokens,
+        w.write_size()
+    );
+    println!(
+        "{:<8} {:>8} {:>9} {:>6} {:>9} {:>10} {:>10} {:>11} {:>11} {:>10} {:>8}  baseline",
+        "backend", "GB/s", "base GB/s", "ratio", "req/s", "lat p50us", "lat p99us", "cmpl p50us", "cmpl p99us", "chunks/s", "verified"
+    );
+    for r in reports {
+        println!(
+            "{:<8} {:>8.2} {:>9.2} {:>6.3} {:>9.2} {:>10.0} {:>10.0} {:>11.1} {:>11.1} {:>10.0} {:>8}  {}",
+            r.backend,
+            r.gbps,
+            r.baseline_gbps,
+            r.ratio,
+            r.requests_per_s,
+            r.latency_p50_us,
+            r.latency_p99_us,
+            r.complete_p50_us,
+            r.complete_p99_us,
+            r.chunks_per_s,
+            if r.verified { "yes" } else { "no" },
+            r.baseline
+        );
+    }
+}
+
+fn baseline(w: &Workload) -> (f64, String) {
+    let size = w.write_size();
+    if let Some(tool) = find_perftest() {
+        if let Some(g) = perftest_put_bw(&tool, size, 2000) {
+            return (g, format!("ucx_perftest ucp_put_bw {size} B"));
+        }
+        eprintln!("kvbench: ucx_perftest did not run; using the in-process put loop");
+    }
+    match inprocess_put_bw(size, 16, 1.0) {
+        Ok(g) => (g, format!("in-process ucp_put loop {size} B")),
+        Err(e) => {
+            eprintln!("kvbench: baseline failed: {e}");
+            (0.0, "none".into())
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KVBENCH_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    let w = match cli.opts.workload() {
+        Ok(w) => w,
+        Err(e) => {
+            eprintln!("kvbench: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kvbench: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = match cli.role {
+        None => rt.block_on(run_local(&cli.opts, &w)),
+        Some(Role::Decode { listen }) => {
+            rt.block_on(roles::run_decode(listen, &w, cli.opts.backends()[0])).map(|r| vec![r])
+        }
+        Some(Role::Prefill { connect, pp_rank, pp_size, peers }) => {
+            let mut w = w.clone();
+            w.pp = pp_size.unwrap_or(w.pp);
+            rt.block_on(roles::run_prefill(connect, pp_rank, peers, &w, cli.opts.backends()[0])).map(|_| Vec::new())
+        }
+    };
+    match result {
+        Ok(reports) => {
+            if !reports.is_empty() {
+                print_table(&w, &reports);
+                if let Some(path) = &cli.opts.json {
+                    let text = serde_json::to_string_pretty(&reports).unwrap_or_default();
+                    if let Err(e) = std::fs::write(path, text) {
+                        eprintln!("kvbench: cannot write {}: {e}", path.display());
+                        return ExitCode::FAILURE;
+                    }
+                }
+            }
+            if reports.iter().all(|r| r.failed == 0 && (r.verified || !w.verify)) {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+        Err(e) => {
+            eprintln!("kvbench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run_local(opts: &Opts, w: &Workload) -> Result<Vec<Report>, String> {
+    let (base, base_name) = if opts.no_baseline { (0.0, "skipped".to_string()) } else { baseline(w) };
+    let mut reports = Vec::new();
+    let tty = std::io::stderr().is_terminal();
+    for backend in opts.backends() {
+        let progress = move |done: u64, total: u64| {
+            if tty {
+                eprint!("\r{backend}: {done}/{total} requests");
+            }
+        };
+        let mut r = run_workload(w, backend, Some(&progress)).await.map_err(|e| format!("{backend}: {e}"))?;
+        if tty {
+            eprintln!();
+        }
+        r.baseline_gbps = base;
+        r.baseline = base_name.clone();
+        r.ratio = if base > 0.0 { r.gbps / base } else { 0.0 };
+        reports.push(r);
+    }
+    Ok(reports)
+}

@@ -8,7 +8,9 @@ fn main() {
         println!("cargo:rerun-if-env-changed={var}");
         match env::var(var) {
             Ok(dir) if !dir.is_empty() => println!("cargo:rustc-link-arg=-Wl,-rpath,{dir}"),
-            _ => println!("cargo:warning={var} not set: the -sys crate did not export its library dir"),
+            _ => println!(
+                "cargo:warning={var} not set: the -sys crate did not export its library dir"
+            ),
         }
     }
 }

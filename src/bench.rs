@@ -119,17 +119,27 @@ pub async fn run_workload(
     let slots = w.concurrency.max(1);
     let mut set = tokio::task::JoinSet::new();
     let total = u64::from(w.requests);
-    let keep_going = |issued: u64| issued < total || w.duration.is_some_and(|d| started.elapsed() < d);
+    let keep_going =
+        |issued: u64| issued < total || w.duration.is_some_and(|d| started.elapsed() < d);
     for slot in 0..slots {
         if !keep_going(issued) {
             break;
         }
-        set.spawn(one_request(cluster.clone(), issued, slot, src.clone(), w.prompt_tokens, w.chunk_tokens, chunks));
+        set.spawn(one_request(
+            cluster.clone(),
+            issued,
+            slot,
+            src.clone(),
+            w.prompt_tokens,
+            w.chunk_tokens,
+            chunks,
+        ));
         issued += 1;
     }
     let mut done = 0u64;
     while let Some(r) = set.join_next().await {
-        let (slot, outcome, latency, complete) = r.map_err(|e| EngineError::Config(format!("request task: {e}")))??;
+        let (slot, outcome, latency, complete) =
+            r.map_err(|e| EngineError::Config(format!("request task: {e}")))??;
         done += 1;
         match outcome {
             Outcome::Complete => {
@@ -153,7 +163,15 @@ pub async fn run_workload(
             p(done, total.max(issued));
         }
         if keep_going(issued) {
-            set.spawn(one_request(cluster.clone(), issued, slot, src.clone(), w.prompt_tokens, w.chunk_tokens, chunks));
+            set.spawn(one_request(
+                cluster.clone(),
+                issued,
+                slot,
+                src.clone(),
+                w.prompt_tokens,
+                w.chunk_tokens,
+                chunks,
+            ));
             issued += 1;
         }
     }
@@ -195,7 +213,13 @@ async fn one_request(
     let dst: Vec<u32> = (slot * pages..(slot + 1) * pages).collect();
     let request = RequestId(id + 1);
     let t0 = Instant::now();
-    let outcome = cluster.decode.expect(request, prompt_tokens, chunk_tokens, dst, Duration::from_secs(60))?;
+    let outcome = cluster.decode.expect(
+        request,
+        prompt_tokens,
+        chunk_tokens,
+        dst,
+        Duration::from_secs(60),
+    )?;
     let mut ranks = tokio::task::JoinSet::new();
     for p in &cluster.prefill {
         let p = p.clone();
@@ -220,7 +244,12 @@ async fn one_request(
         let t = r.map_err(|e| EngineError::Config(format!("rank task: {e}")))??;
         last_done = last_done.max(t);
     }
-    Ok((slot, outcome, t_complete - t0, t_complete.saturating_duration_since(last_done)))
+    Ok((
+        slot,
+        outcome,
+        t_complete - t0,
+        t_complete.saturating_duration_since(last_done),
+    ))
 }
 
 /// Where `ucx_perftest` is: `KVBENCH_UCX_PERFTEST`, else the provisioned copy next to the build.
@@ -235,7 +264,11 @@ pub fn find_perftest() -> Option<PathBuf> {
 /// `ucx_perftest -t ucp_put_bw` at `size` bytes between two processes on loopback, in GB/s (10^9).
 /// `None` when the tool fails; the reason is logged.
 pub fn perftest_put_bw(tool: &Path, size: u64, iters: u32) -> Option<f64> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").ok()?.local_addr().ok()?.port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .ok()?
+        .local_addr()
+        .ok()?
+        .port();
     let mut server = Command::new(tool)
         .args(["-p", &port.to_string()])
         .stdout(Stdio::null())
@@ -247,8 +280,21 @@ pub fn perftest_put_bw(tool: &Path, size: u64, iters: u32) -> Option<f64> {
     // The server needs a moment to listen; the client retries until it connects or the deadline.
     while Instant::now() < deadline {
         let o = Command::new(tool)
-            .args(["127.0.0.1", "-p", &port.to_string(), "-t", "ucp_put_bw", "-s", &size.to_string()])
-            .args(["-n", &iters.to_string(), "-w", &(iters / 10).max(10).to_string()])
+            .args([
+                "127.0.0.1",
+                "-p",
+                &port.to_string(),
+                "-t",
+                "ucp_put_bw",
+                "-s",
+                &size.to_string(),
+            ])
+            .args([
+                "-n",
+                &iters.to_string(),
+                "-w",
+                &(iters / 10).max(10).to_string(),
+            ])
             .output()
             .ok()?;
         if o.status.success() {
@@ -273,15 +319,23 @@ pub fn perftest_put_bw(tool: &Path, size: u64, iters: u32) -> Option<f64> {
 /// Transport failures.
 pub fn inprocess_put_bw(size: u64, batch: u32, secs: f64) -> Result<f64, EngineError> {
     let len = (size * u64::from(batch)) as usize;
-    let dst = HostBuffer::new(len, HostOptions::default()).map_err(|e| EngineError::Config(e.to_string()))?;
-    let src = HostBuffer::new(len, HostOptions::default()).map_err(|e| EngineError::Config(e.to_string()))?;
+    let dst = HostBuffer::new(len, HostOptions::default())
+        .map_err(|e| EngineError::Config(e.to_string()))?;
+    let src = HostBuffer::new(len, HostOptions::default())
+        .map_err(|e| EngineError::Config(e.to_string()))?;
     let rx = UcxTransport::new(UcxConfig::default(), Arc::new(|_| {}))?;
     let tx = UcxTransport::new(UcxConfig::default(), Arc::new(|_| {}))?;
     let (_d, remote) = rx.register(dst.desc())?;
     let (s, _) = tx.register(src.desc())?;
     let peer = tx.connect(&rx.metadata()?, &[remote], 0)?;
     let writes: Vec<WriteOp> = (0..u64::from(batch))
-        .map(|i| WriteOp { local: s, local_offset: i * size, remote: 0, remote_offset: i * size, len: size })
+        .map(|i| WriteOp {
+            local: s,
+            local_offset: i * size,
+            remote: 0,
+            remote_offset: i * size,
+            len: size,
+        })
         .collect();
     let start = Instant::now();
     let mut bytes = 0u64;
@@ -289,17 +343,29 @@ pub fn inprocess_put_bw(size: u64, batch: u32, secs: f64) -> Result<f64, EngineE
     // Two posts in flight, like two chunks of a pipelined prefill.
     for _ in 0..2 {
         let d = done_tx.clone();
-        tx.post(peer, writes.clone(), Vec::new(), Box::new(move |r| {
-            let _ = d.send(r);
-        }));
+        tx.post(
+            peer,
+            writes.clone(),
+            Vec::new(),
+            Box::new(move |r| {
+                let _ = d.send(r);
+            }),
+        );
     }
     while start.elapsed().as_secs_f64() < secs {
-        done_rx.recv_timeout(Duration::from_secs(10)).map_err(|_| EngineError::Timeout("baseline put".into()))??;
+        done_rx
+            .recv_timeout(Duration::from_secs(10))
+            .map_err(|_| EngineError::Timeout("baseline put".into()))??;
         bytes += size * u64::from(batch);
         let d = done_tx.clone();
-        tx.post(peer, writes.clone(), Vec::new(), Box::new(move |r| {
-            let _ = d.send(r);
-        }));
+        tx.post(
+            peer,
+            writes.clone(),
+            Vec::new(),
+            Box::new(move |r| {
+                let _ = d.send(r);
+            }),
+        );
     }
     let gbps = bytes as f64 / start.elapsed().as_secs_f64() / 1e9;
     for _ in 0..2 {

@@ -6,7 +6,8 @@ use std::time::Duration;
 use transfer_engine::core::planner::{KvLayout, PpSplit, RegionKind};
 use transfer_engine::core::{FailureCode, RequestId};
 use transfer_engine::engine::{
-    BackendConfig, DecodeConfig, DecodeEngine, EngineError, Outcome, Pool, PrefillConfig, PrefillEngine,
+    BackendConfig, DecodeConfig, DecodeEngine, EngineError, Outcome, Pool, PrefillConfig,
+    PrefillEngine,
 };
 use transfer_engine::mem::{HostBuffer, HostOptions};
 use transfer_engine::transport::BackendKind;
@@ -26,9 +27,19 @@ pub struct Shape {
 
 impl Shape {
     /// DeepSeek-R1-like MLA: 61 layers, 576 bytes per token per layer, 64-token pages.
-    pub const MLA: Shape = Shape { layers: 61, bytes_per_token: 576, page_tokens: 64, regions: RegionKind::Fused };
+    pub const MLA: Shape = Shape {
+        layers: 61,
+        bytes_per_token: 576,
+        page_tokens: 64,
+        regions: RegionKind::Fused,
+    };
     /// Llama-3-8B-like GQA: 32 layers, 4 KiB per token per layer (K and V), 16-token pages.
-    pub const GQA: Shape = Shape { layers: 32, bytes_per_token: 4096, page_tokens: 16, regions: RegionKind::SplitKv };
+    pub const GQA: Shape = Shape {
+        layers: 32,
+        bytes_per_token: 4096,
+        page_tokens: 16,
+        regions: RegionKind::SplitKv,
+    };
 
     /// Bytes of one page of one layer in one region.
     pub fn page_bytes(&self) -> u64 {
@@ -42,7 +53,10 @@ impl Shape {
 
     /// KV bytes of a prompt (all layers, whole pages).
     pub fn request_bytes(&self, tokens: u32) -> u64 {
-        u64::from(self.pages_for(tokens)) * self.page_bytes() * u64::from(self.regions.count()) * u64::from(self.layers)
+        u64::from(self.pages_for(tokens))
+            * self.page_bytes()
+            * u64::from(self.regions.count())
+            * u64::from(self.layers)
     }
 }
 
@@ -84,8 +98,9 @@ pub fn pattern(rank: u16, offset: u64) -> u8 {
 
 fn free_addrs(n: usize) -> std::io::Result<Vec<SocketAddr>> {
     // Bind and release, so each rank gets a port nobody else holds right now.
-    let socks: Vec<std::net::TcpListener> =
-        (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0")).collect::<Result<_, _>>()?;
+    let socks: Vec<std::net::TcpListener> = (0..n)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
+        .collect::<Result<_, _>>()?;
     socks.iter().map(|s| s.local_addr()).collect()
 }
 
@@ -115,9 +130,25 @@ impl Cluster {
         for rank in 0..spec.pp {
             let range = split
                 .layer_range(s.layers, spec.pp, rank)
-                .map_err(|source| EngineError::Plan { request: None, source })?;
-            let layout = KvLayout::packed(range.start, range.len() as u32, s.regions, page_bytes, spec.prefill_pages);
-            let mut cfg = PrefillConfig::new(decode.local_addr(), rank, spec.pp, s.layers, s.page_tokens, layout.clone());
+                .map_err(|source| EngineError::Plan {
+                    request: None,
+                    source,
+                })?;
+            let layout = KvLayout::packed(
+                range.start,
+                range.len() as u32,
+                s.regions,
+                page_bytes,
+                spec.prefill_pages,
+            );
+            let mut cfg = PrefillConfig::new(
+                decode.local_addr(),
+                rank,
+                spec.pp,
+                s.layers,
+                s.page_tokens,
+                layout.clone(),
+            );
             cfg.backend = BackendConfig::default_for(spec.backend, &format!("prefill-{rank}"));
             cfg.peers = peers.clone();
             cfg.checksums = spec.checksums;
@@ -131,10 +162,18 @@ impl Cluster {
         }
         let mut prefill = Vec::new();
         for s in starts {
-            prefill.push(s.await.map_err(|e| EngineError::Config(format!("prefill start task: {e}")))??);
+            prefill.push(
+                s.await
+                    .map_err(|e| EngineError::Config(format!("prefill start task: {e}")))??,
+            );
         }
         decode.wait_for_ranks(Duration::from_secs(10)).await?;
-        Ok(Cluster { spec, decode, prefill, layers })
+        Ok(Cluster {
+            spec,
+            decode,
+            prefill,
+            layers,
+        })
     }
 
     /// Runs one request: decode expects it, every rank sends every chunk, waits for the outcome and
@@ -150,7 +189,13 @@ impl Cluster {
         src_pages: &[u32],
         dst_pages: &[u32],
     ) -> Result<Outcome, EngineError> {
-        let done = self.decode.expect(request, prompt_tokens, chunk_tokens, dst_pages.to_vec(), Duration::from_secs(30))?;
+        let done = self.decode.expect(
+            request,
+            prompt_tokens,
+            chunk_tokens,
+            dst_pages.to_vec(),
+            Duration::from_secs(30),
+        )?;
         let chunks = prompt_tokens.div_ceil(chunk_tokens);
         let mut sends = Vec::new();
         for p in &self.prefill {
@@ -170,7 +215,8 @@ impl Cluster {
         }
         let outcome = done.await;
         for s in sends {
-            s.await.map_err(|e| EngineError::Config(format!("send task: {e}")))??;
+            s.await
+                .map_err(|e| EngineError::Config(format!("send task: {e}")))??;
         }
         Ok(outcome)
     }
@@ -180,24 +226,38 @@ impl Cluster {
     ///
     /// # Errors
     /// A description of the first page that differs.
-    pub fn verify(&self, prompt_tokens: u32, src_pages: &[u32], dst_pages: &[u32]) -> Result<u64, String> {
+    pub fn verify(
+        &self,
+        prompt_tokens: u32,
+        src_pages: &[u32],
+        dst_pages: &[u32],
+    ) -> Result<u64, String> {
         let s = self.spec.shape;
         let pool = self.decode.pool_bytes().ok_or("decode pool not readable")?;
         let pb = s.page_bytes() as usize;
         let n = s.pages_for(prompt_tokens) as usize;
-        let (dp, sp) = (self.spec.decode_pages as usize, self.spec.prefill_pages as usize);
+        let (dp, sp) = (
+            self.spec.decode_pages as usize,
+            self.spec.prefill_pages as usize,
+        );
         let mut checked = 0u64;
         for (rank, range) in self.layers.iter().enumerate() {
-            let src_pool = self.prefill[rank].pool_bytes().ok_or("prefill pool not readable")?;
+            let src_pool = self.prefill[rank]
+                .pool_bytes()
+                .ok_or("prefill pool not readable")?;
             let held = range.len();
             for layer in range.clone() {
                 let local = (layer - range.start) as usize;
                 for region in 0..s.regions.count() as usize {
                     for i in 0..n {
                         let src_off = ((region * held + local) * sp + src_pages[i] as usize) * pb;
-                        let dst_off = ((region * s.layers as usize + layer as usize) * dp + dst_pages[i] as usize) * pb;
-                        let (Some(src), Some(dst)) = (src_pool.get(src_off..src_off + pb), pool.get(dst_off..dst_off + pb))
-                        else {
+                        let dst_off = ((region * s.layers as usize + layer as usize) * dp
+                            + dst_pages[i] as usize)
+                            * pb;
+                        let (Some(src), Some(dst)) = (
+                            src_pool.get(src_off..src_off + pb),
+                            pool.get(dst_off..dst_off + pb),
+                        ) else {
                             return Err(format!("page {i} of layer {layer} is outside a pool"));
                         };
                         if src != dst {
@@ -242,11 +302,20 @@ pub fn verify_pattern(
             let local = (layer - range.start) as usize;
             for region in 0..shape.regions.count() as usize {
                 for i in 0..n {
-                    let src_off = ((region * range.len() + local) * sp + src_pages[i] as usize) * pb;
-                    let dst_off = ((region * shape.layers as usize + layer as usize) * dp + dst_pages[i] as usize) * pb;
-                    let dst = decode_pool.get(dst_off..dst_off + pb).ok_or("page outside the decode pool")?;
-                    if let Some(j) = (0..pb).find(|&j| dst[j] != pattern(rank as u16, (src_off + j) as u64)) {
-                        return Err(format!("rank {rank} layer {layer} region {region} page {i} differs at byte {j}"));
+                    let src_off =
+                        ((region * range.len() + local) * sp + src_pages[i] as usize) * pb;
+                    let dst_off = ((region * shape.layers as usize + layer as usize) * dp
+                        + dst_pages[i] as usize)
+                        * pb;
+                    let dst = decode_pool
+                        .get(dst_off..dst_off + pb)
+                        .ok_or("page outside the decode pool")?;
+                    if let Some(j) =
+                        (0..pb).find(|&j| dst[j] != pattern(rank as u16, (src_off + j) as u64))
+                    {
+                        return Err(format!(
+                            "rank {rank} layer {layer} region {region} page {i} differs at byte {j}"
+                        ));
                     }
                     checked += pb as u64;
                 }

@@ -11,30 +11,56 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use transfer_engine::core::planner::{KvLayout, PpSplit};
 use transfer_engine::core::{FailureCode, RequestId};
-use transfer_engine::engine::{BackendConfig, DecodeConfig, DecodeEngine, Outcome, Pool, PrefillConfig, PrefillEngine};
+use transfer_engine::engine::{
+    BackendConfig, DecodeConfig, DecodeEngine, Outcome, Pool, PrefillConfig, PrefillEngine,
+};
 use transfer_engine::mem::{HostBuffer, HostOptions};
 use transfer_engine::transport::BackendKind;
 
 fn ranks_of(w: &Workload) -> Result<Vec<std::ops::Range<u32>>, String> {
-    (0..w.pp).map(|r| PpSplit::SglangEven.layer_range(w.shape.layers, w.pp, r).map_err(|e| e.to_string())).collect()
+    (0..w.pp)
+        .map(|r| {
+            PpSplit::SglangEven
+                .layer_range(w.shape.layers, w.pp, r)
+                .map_err(|e| e.to_string())
+        })
+        .collect()
 }
 
 /// Runs the decode role and returns its report.
 ///
 /// # Errors
 /// Engine failures, as text.
-pub async fn run_decode(listen: SocketAddr, w: &Workload, backend: BackendKind) -> Result<Report, String> {
+pub async fn run_decode(
+    listen: SocketAddr,
+    w: &Workload,
+    backend: BackendKind,
+) -> Result<Report, String> {
     let pages = w.pages();
     let decode_pages = pages * w.concurrency;
-    let layout = KvLayout::packed(0, w.shape.layers, w.shape.regions, w.shape.page_bytes(), decode_pages);
+    let layout = KvLayout::packed(
+        0,
+        w.shape.layers,
+        w.shape.regions,
+        w.shape.page_bytes(),
+        decode_pages,
+    );
     let mut cfg = DecodeConfig::new(w.shape.layers, w.shape.page_tokens, layout.clone(), w.pp);
     cfg.listen = listen;
     cfg.backend = BackendConfig::default_for(backend, "decode");
     cfg.verify_checksums = w.checksums;
-    let pool = HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).map_err(|e| e.to_string())?;
-    let decode = Arc::new(DecodeEngine::start(cfg, Pool::Owned(pool)).await.map_err(|e| e.to_string())?);
+    let pool = HostBuffer::new(layout.buffer_len as usize, HostOptions::default())
+        .map_err(|e| e.to_string())?;
+    let decode = Arc::new(
+        DecodeEngine::start(cfg, Pool::Owned(pool))
+            .await
+            .map_err(|e| e.to_string())?,
+    );
     eprintln!("kvbench decode: listening on {}", decode.local_addr());
-    decode.wait_for_ranks(Duration::from_secs(120)).await.map_err(|e| e.to_string())?;
+    decode
+        .wait_for_ranks(Duration::from_secs(120))
+        .await
+        .map_err(|e| e.to_string())?;
     let ranks = ranks_of(w)?;
     let src: Vec<u32> = (0..pages).collect();
     let started = Instant::now();
@@ -45,7 +71,13 @@ pub async fn run_decode(listen: SocketAddr, w: &Workload, backend: BackendKind) 
         let dst: Vec<u32> = (slot * pages..(slot + 1) * pages).collect();
         let t0 = Instant::now();
         let fut = decode
-            .expect(RequestId(id + 1), w.prompt_tokens, w.chunk_tokens, dst, Duration::from_secs(60))
+            .expect(
+                RequestId(id + 1),
+                w.prompt_tokens,
+                w.chunk_tokens,
+                dst,
+                Duration::from_secs(60),
+            )
             .map_err(|e| e.to_string())?;
         set.spawn(async move { (slot, fut.await, t0.elapsed()) });
         Ok(())
@@ -62,7 +94,16 @@ pub async fn run_decode(listen: SocketAddr, w: &Workload, backend: BackendKind) 
                 if w.verify {
                     let dst: Vec<u32> = (slot * pages..(slot + 1) * pages).collect();
                     let pool = decode.pool_bytes().ok_or("decode pool not readable")?;
-                    if let Err(e) = verify_pattern(w.shape, &ranks, pages, pool, decode_pages, w.prompt_tokens, &src, &dst) {
+                    if let Err(e) = verify_pattern(
+                        w.shape,
+                        &ranks,
+                        pages,
+                        pool,
+                        decode_pages,
+                        w.prompt_tokens,
+                        &src,
+                        &dst,
+                    ) {
                         eprintln!("kvbench decode: verification failed: {e}");
                         verified = false;
                     }
@@ -82,7 +123,12 @@ pub async fn run_decode(listen: SocketAddr, w: &Workload, backend: BackendKind) 
     let elapsed = started.elapsed().as_secs_f64();
     latencies.sort_by(f64::total_cmp);
     let ok = (issued - failed) as f64;
-    let pct = |p: f64| latencies.get(((latencies.len().max(1) - 1) as f64 * p).round() as usize).copied().unwrap_or(0.0);
+    let pct = |p: f64| {
+        latencies
+            .get(((latencies.len().max(1) - 1) as f64 * p).round() as usize)
+            .copied()
+            .unwrap_or(0.0)
+    };
     Ok(Report {
         backend: backend.to_string(),
         gbps: ok * w.shape.request_bytes(w.prompt_tokens) as f64 / elapsed / 1e9,
@@ -94,7 +140,8 @@ pub async fn run_decode(listen: SocketAddr, w: &Workload, backend: BackendKind) 
         latency_p99_us: pct(0.99),
         complete_p50_us: 0.0,
         complete_p99_us: 0.0,
-        chunks_per_s: ok * f64::from(w.prompt_tokens.div_ceil(w.chunk_tokens)) * f64::from(w.pp) / elapsed,
+        chunks_per_s: ok * f64::from(w.prompt_tokens.div_ceil(w.chunk_tokens)) * f64::from(w.pp)
+            / elapsed,
         requests: issued,
         failed,
         verified: verified && failed == 0,
@@ -113,19 +160,38 @@ pub async fn run_prefill(
     backend: BackendKind,
 ) -> Result<(), String> {
     let ranks = ranks_of(w)?;
-    let range = ranks.get(usize::from(rank)).ok_or(format!("--pp-rank {rank} is not below --pp-size {}", w.pp))?;
+    let range = ranks
+        .get(usize::from(rank))
+        .ok_or(format!("--pp-rank {rank} is not below --pp-size {}", w.pp))?;
     let pages = w.pages();
-    let layout = KvLayout::packed(range.start, range.len() as u32, w.shape.regions, w.shape.page_bytes(), pages);
-    let mut cfg = PrefillConfig::new(connect, rank, w.pp, w.shape.layers, w.shape.page_tokens, layout.clone());
-    cfg.backend = BackendConfig::default_for(backend, &format!("prefill-{rank}-{}", std::process::id()));
+    let layout = KvLayout::packed(
+        range.start,
+        range.len() as u32,
+        w.shape.regions,
+        w.shape.page_bytes(),
+        pages,
+    );
+    let mut cfg = PrefillConfig::new(
+        connect,
+        rank,
+        w.pp,
+        w.shape.layers,
+        w.shape.page_tokens,
+        layout.clone(),
+    );
+    cfg.backend =
+        BackendConfig::default_for(backend, &format!("prefill-{rank}-{}", std::process::id()));
     cfg.peers = peers;
     cfg.checksums = w.checksums;
     cfg.connect_timeout = Duration::from_secs(60);
-    let mut buf = HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).map_err(|e| e.to_string())?;
+    let mut buf = HostBuffer::new(layout.buffer_len as usize, HostOptions::default())
+        .map_err(|e| e.to_string())?;
     for (i, b) in buf.as_mut_slice().iter_mut().enumerate() {
         *b = pattern(rank, i as u64);
     }
-    let engine = PrefillEngine::start(cfg, Pool::Owned(buf)).await.map_err(|e| e.to_string())?;
+    let engine = PrefillEngine::start(cfg, Pool::Owned(buf))
+        .await
+        .map_err(|e| e.to_string())?;
     let src: Arc<Vec<u32>> = Arc::new((0..pages).collect());
     while let Some(req) = engine.next_request().await {
         let (e, src) = (engine.clone(), src.clone());

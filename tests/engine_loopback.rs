@@ -9,7 +9,14 @@ use transfer_engine::engine::Outcome;
 use transfer_engine::transport::BackendKind;
 
 fn spec(shape: Shape, backend: BackendKind) -> ClusterSpec {
-    ClusterSpec { shape, pp: 4, decode_pages: 256, prefill_pages: 128, backend, checksums: true }
+    ClusterSpec {
+        shape,
+        pp: 4,
+        decode_pages: 256,
+        prefill_pages: 128,
+        backend,
+        checksums: true,
+    }
 }
 
 /// Runs three prompt lengths concurrently with scattered destination pages, then checks every byte.
@@ -17,7 +24,11 @@ async fn three_prompts(shape: Shape, backend: BackendKind) {
     let c = Cluster::start(spec(shape, backend)).await.unwrap();
     let chunk = shape.page_tokens * 4;
     // A multiple of the chunk, a multiple of the page only, and neither.
-    let prompts = [chunk * 3, shape.page_tokens * 5, chunk * 2 + shape.page_tokens / 2 + 3];
+    let prompts = [
+        chunk * 3,
+        shape.page_tokens * 5,
+        chunk * 2 + shape.page_tokens / 2 + 3,
+    ];
     let mut runs = Vec::new();
     let mut pages = Vec::new();
     let mut next_dst = 7u32;
@@ -29,7 +40,10 @@ async fn three_prompts(shape: Shape, backend: BackendKind) {
         next_dst += 2 * n + 1;
         pages.push((tokens, src.clone(), dst.clone()));
         let c = &c;
-        runs.push(async move { c.run_request(RequestId(100 + i as u64), tokens, chunk, &src, &dst).await });
+        runs.push(async move {
+            c.run_request(RequestId(100 + i as u64), tokens, chunk, &src, &dst)
+                .await
+        });
     }
     let outcomes = futures::future::join_all(runs).await;
     for (o, (tokens, src, dst)) in outcomes.into_iter().zip(&pages) {

@@ -5,10 +5,10 @@
 fn main() {
     for var in ["DEP_UCP_LIB_DIR", "DEP_NIXL_CAPI_LIB_DIR"] {
         println!("cargo:rerun-if-env-changed={var}");
-        if let Ok(dir) = std::env::var(var) {
-            if !dir.is_empty() {
-                println!("cargo:rustc-link-arg=-Wl,-rpath,{dir}");
-            }
+        if let Ok(dir) = std::env::var(var)
+            && !dir.is_empty()
+        {
+            println!("cargo:rustc-link-arg=-Wl,-rpath,{dir}");
         }
     }
 }

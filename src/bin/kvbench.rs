@@ -5,7 +5,9 @@
 //! prompts in 1024-token chunks) on loopback, on every backend, and prints one table.
 
 use clap::{Parser, Subcommand, ValueEnum};
-use kvbench::bench::{Report, Workload, find_perftest, inprocess_put_bw, perftest_put_bw, run_workload};
+use kvbench::bench::{
+    Report, Workload, find_perftest, inprocess_put_bw, perftest_put_bw, run_workload,
+};
 use kvbench::cluster::Shape;
 use kvbench::roles;
 use std::io::IsTerminal;
@@ -34,7 +36,11 @@ enum Backend {
 }
 
 #[derive(Debug, Parser)]
-#[command(name = "kvbench", version, about = "KV-cache transfer benchmark (loopback by default)")]
+#[command(
+    name = "kvbench",
+    version,
+    about = "KV-cache transfer benchmark (loopback by default)"
+)]
 struct Cli {
     #[command(subcommand)]
     role: Option<Role>,
@@ -132,7 +138,11 @@ impl Opts {
             s.bytes_per_token = b;
         }
         if let Some(split) = self.split_kv {
-            s.regions = if split { RegionKind::SplitKv } else { RegionKind::Fused };
+            s.regions = if split {
+                RegionKind::SplitKv
+            } else {
+                RegionKind::Fused
+            };
         }
         if let Some(p) = self.page_tokens {
             s.page_tokens = p;
@@ -144,7 +154,10 @@ impl Opts {
             return Err("bytes per token must split evenly into K and V".into());
         }
         if u32::from(self.pp) > s.layers || self.pp == 0 {
-            return Err(format!("--pp {} must be between 1 and the layer count {}", self.pp, s.layers));
+            return Err(format!(
+                "--pp {} must be between 1 and the layer count {}",
+                self.pp, s.layers
+            ));
         }
         Ok(s)
     }
@@ -189,7 +202,11 @@ fn print_table(w: &Workload, reports: &[Report]) {
          {} B per coalesced write",
         w.shape.layers,
         w.shape.bytes_per_token,
-        if w.shape.regions == RegionKind::Fused { "fused" } else { "K+V" },
+        if w.shape.regions == RegionKind::Fused {
+            "fused"
+        } else {
+            "K+V"
+        },
         w.shape.page_tokens,
         w.pp,
         w.prompt_tokens,
@@ -198,7 +215,17 @@ fn print_table(w: &Workload, reports: &[Report]) {
     );
     println!(
         "{:<8} {:>8} {:>9} {:>6} {:>9} {:>10} {:>10} {:>11} {:>11} {:>10} {:>8}  baseline",
-        "backend", "GB/s", "base GB/s", "ratio", "req/s", "lat p50us", "lat p99us", "cmpl p50us", "cmpl p99us", "chunks/s", "verified"
+        "backend",
+        "GB/s",
+        "base GB/s",
+        "ratio",
+        "req/s",
+        "lat p50us",
+        "lat p99us",
+        "cmpl p50us",
+        "cmpl p99us",
+        "chunks/s",
+        "verified"
     );
     for r in reports {
         println!(
@@ -240,7 +267,10 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let filter = tracing_subscriber::EnvFilter::try_from_env("KVBENCH_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
     let w = match cli.opts.workload() {
         Ok(w) => w,
         Err(e) => {
@@ -248,7 +278,11 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("kvbench: cannot start the runtime: {e}");
@@ -257,13 +291,25 @@ fn main() -> ExitCode {
     };
     let result = match cli.role {
         None => rt.block_on(run_local(&cli.opts, &w)),
-        Some(Role::Decode { listen }) => {
-            rt.block_on(roles::run_decode(listen, &w, cli.opts.backends()[0])).map(|r| vec![r])
-        }
-        Some(Role::Prefill { connect, pp_rank, pp_size, peers }) => {
+        Some(Role::Decode { listen }) => rt
+            .block_on(roles::run_decode(listen, &w, cli.opts.backends()[0]))
+            .map(|r| vec![r]),
+        Some(Role::Prefill {
+            connect,
+            pp_rank,
+            pp_size,
+            peers,
+        }) => {
             let mut w = w.clone();
             w.pp = pp_size.unwrap_or(w.pp);
-            rt.block_on(roles::run_prefill(connect, pp_rank, peers, &w, cli.opts.backends()[0])).map(|_| Vec::new())
+            rt.block_on(roles::run_prefill(
+                connect,
+                pp_rank,
+                peers,
+                &w,
+                cli.opts.backends()[0],
+            ))
+            .map(|_| Vec::new())
         }
     };
     match result {
@@ -278,7 +324,10 @@ fn main() -> ExitCode {
                     }
                 }
             }
-            if reports.iter().all(|r| r.failed == 0 && (r.verified || !w.verify)) {
+            if reports
+                .iter()
+                .all(|r| r.failed == 0 && (r.verified || !w.verify))
+            {
                 ExitCode::SUCCESS
             } else {
                 ExitCode::FAILURE
@@ -292,7 +341,11 @@ fn main() -> ExitCode {
 }
 
 async fn run_local(opts: &Opts, w: &Workload) -> Result<Vec<Report>, String> {
-    let (base, base_name) = if opts.no_baseline { (0.0, "skipped".to_string()) } else { baseline(w) };
+    let (base, base_name) = if opts.no_baseline {
+        (0.0, "skipped".to_string())
+    } else {
+        baseline(w)
+    };
     let mut reports = Vec::new();
     let tty = std::io::stderr().is_terminal();
     for backend in opts.backends() {
@@ -301,7 +354,9 @@ async fn run_local(opts: &Opts, w: &Workload) -> Result<Vec<Report>, String> {
                 eprint!("\r{backend}: {done}/{total} requests");
             }
         };
-        let mut r = run_workload(w, backend, Some(&progress)).await.map_err(|e| format!("{backend}: {e}"))?;
+        let mut r = run_workload(w, backend, Some(&progress))
+            .await
+            .map_err(|e| format!("{backend}: {e}"))?;
         if tty {
             eprintln!();
         }

@@ -5,8 +5,8 @@
 //! without I/O, when a request is complete or failed.
 #![warn(missing_docs)]
 
+pub mod control;
 pub mod core;
 pub mod engine;
 pub mod mem;
 pub mod transport;
-pub mod control;

@@ -36,7 +36,11 @@ impl MemDesc {
     /// description lives (the engine keeps registrations until every write touching them is over).
     /// Remote peers may write into it at any time while it is registered.
     pub unsafe fn host_raw(ptr: *mut u8, len: usize) -> Self {
-        MemDesc { addr: ptr as u64, len: len as u64, kind: MemKind::Host }
+        MemDesc {
+            addr: ptr as u64,
+            len: len as u64,
+            kind: MemKind::Host,
+        }
     }
 
     /// Describes CUDA device memory.
@@ -46,7 +50,11 @@ impl MemDesc {
     /// `cudaMalloc` or the driver API on that device), kept allocated for as long as any registration
     /// made from this description lives.
     pub unsafe fn cuda_raw(ptr: u64, len: usize, device: u32) -> Self {
-        MemDesc { addr: ptr, len: len as u64, kind: MemKind::Cuda { device } }
+        MemDesc {
+            addr: ptr,
+            len: len as u64,
+            kind: MemKind::Cuda { device },
+        }
     }
 
     /// Start address.
@@ -125,6 +133,10 @@ impl HostBuffer {
     /// The description a transport registers. The buffer must outlive the registration; the engine
     /// guarantees that by owning the buffer inside the registration.
     pub fn desc(&self) -> MemDesc {
-        MemDesc { addr: self.map.as_ptr() as u64, len: self.map.len() as u64, kind: MemKind::Host }
+        MemDesc {
+            addr: self.map.as_ptr() as u64,
+            len: self.map.len() as u64,
+            kind: MemKind::Host,
+        }
     }
 }

@@ -6,7 +6,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use transfer_engine::mem::{HostBuffer, HostOptions};
 use transfer_engine::transport::ucx::{UcxConfig, UcxTransport};
-use transfer_engine::transport::{Incoming, Sender, Sink, Transport, TransportError, WriteOp};
+use transfer_engine::transport::{
+    Done, Incoming, Sender, Sink, Transport, TransportError, WriteOp,
+};
 
 const BOUND: Duration = Duration::from_secs(10);
 
@@ -35,7 +37,7 @@ fn noop_sink() -> Sink {
     Arc::new(|_| {})
 }
 
-fn wait_done() -> (Box<dyn FnOnce(Result<(), TransportError>) + Send>, std::sync::mpsc::Receiver<Result<(), TransportError>>) {
+fn wait_done() -> (Done, std::sync::mpsc::Receiver<Result<(), TransportError>>) {
     let (tx, rx) = std::sync::mpsc::channel();
     (Box::new(move |r| tx.send(r).unwrap()), rx)
 }
@@ -50,7 +52,9 @@ fn notification_follows_its_bytes() {
     let tx_t = UcxTransport::new(UcxConfig::default(), noop_sink()).unwrap();
     let (_dst_id, remote) = rx_t.register(dst.desc()).unwrap();
     let (src_id, _) = tx_t.register(src.desc()).unwrap();
-    let peer = tx_t.connect(&rx_t.metadata().unwrap(), &[remote], 0xfeed).unwrap();
+    let peer = tx_t
+        .connect(&rx_t.metadata().unwrap(), &[remote], 0xfeed)
+        .unwrap();
 
     for round in 1..=3u8 {
         src.as_mut_slice().fill(round);
@@ -58,14 +62,23 @@ fn notification_follows_its_bytes() {
         // Eight writes of 1 MiB, scattered in reverse order, then the notification.
         let writes: Vec<WriteOp> = (0..8u64)
             .rev()
-            .map(|i| WriteOp { local: src_id, local_offset: i << 20, remote: 0, remote_offset: i << 20, len: 1 << 20 })
+            .map(|i| WriteOp {
+                local: src_id,
+                local_offset: i << 20,
+                remote: 0,
+                remote_offset: i << 20,
+                len: 1 << 20,
+            })
             .collect();
         let (done, rx) = wait_done();
         tx_t.post(peer, writes, vec![round; 5], done);
         rx.recv_timeout(BOUND).unwrap().unwrap();
         let deadline = std::time::Instant::now() + BOUND;
         while seen.lock().unwrap().len() < round as usize {
-            assert!(std::time::Instant::now() < deadline, "notification {round} not received");
+            assert!(
+                std::time::Instant::now() < deadline,
+                "notification {round} not received"
+            );
             std::thread::yield_now();
         }
         let (sender, bytes, in_place) = seen.lock().unwrap()[round as usize - 1].clone();
@@ -86,19 +99,54 @@ fn bad_writes_are_refused_before_posting() {
     let tx_t = UcxTransport::new(UcxConfig::default(), noop_sink()).unwrap();
     let (_, remote) = rx_t.register(dst.desc()).unwrap();
     let (src_id, _) = tx_t.register(src.desc()).unwrap();
-    let peer = tx_t.connect(&rx_t.metadata().unwrap(), &[remote], 1).unwrap();
+    let peer = tx_t
+        .connect(&rx_t.metadata().unwrap(), &[remote], 1)
+        .unwrap();
     let bad = [
-        WriteOp { local: src_id, local_offset: 1 << 16, remote: 0, remote_offset: 0, len: 1 },
-        WriteOp { local: src_id, local_offset: 0, remote: 0, remote_offset: (1 << 16) - 1, len: 2 },
-        WriteOp { local: src_id, local_offset: 0, remote: 1, remote_offset: 0, len: 1 },
-        WriteOp { local: src_id, local_offset: u64::MAX, remote: 0, remote_offset: 0, len: 2 },
+        WriteOp {
+            local: src_id,
+            local_offset: 1 << 16,
+            remote: 0,
+            remote_offset: 0,
+            len: 1,
+        },
+        WriteOp {
+            local: src_id,
+            local_offset: 0,
+            remote: 0,
+            remote_offset: (1 << 16) - 1,
+            len: 2,
+        },
+        WriteOp {
+            local: src_id,
+            local_offset: 0,
+            remote: 1,
+            remote_offset: 0,
+            len: 1,
+        },
+        WriteOp {
+            local: src_id,
+            local_offset: u64::MAX,
+            remote: 0,
+            remote_offset: 0,
+            len: 2,
+        },
     ];
     for w in bad {
         let (done, rx) = wait_done();
         tx_t.post(peer, vec![w], vec![1], done);
-        assert!(matches!(rx.recv_timeout(BOUND).unwrap(), Err(TransportError::OutOfBounds(_))), "{w:?}");
+        assert!(
+            matches!(
+                rx.recv_timeout(BOUND).unwrap(),
+                Err(TransportError::OutOfBounds(_))
+            ),
+            "{w:?}"
+        );
     }
-    assert!(seen.lock().unwrap().is_empty(), "a refused post still sent its notification");
+    assert!(
+        seen.lock().unwrap().is_empty(),
+        "a refused post still sent its notification"
+    );
     assert!(dst.as_mut_slice().iter().all(|&b| b == 0));
     assert!(rx_t.connect(b"", &[], 0).is_err());
 }
@@ -113,25 +161,43 @@ fn deregistration_waits_for_in_flight_writes_and_counters_return_to_baseline() {
     let (dst_id, remote) = rx_t.register(dst.desc()).unwrap();
     let (src_id, _) = tx_t.register(src.desc()).unwrap();
     assert_eq!(tx_t.stats().registered_bytes, len as u64);
-    let peer = tx_t.connect(&rx_t.metadata().unwrap(), &[remote], 1).unwrap();
+    let peer = tx_t
+        .connect(&rx_t.metadata().unwrap(), &[remote], 1)
+        .unwrap();
     let mut rxs = Vec::new();
     for _ in 0..4 {
         let (done, rx) = wait_done();
-        tx_t.post(peer, vec![WriteOp { local: src_id, local_offset: 0, remote: 0, remote_offset: 0, len: len as u64 }], vec![], done);
+        tx_t.post(
+            peer,
+            vec![WriteOp {
+                local: src_id,
+                local_offset: 0,
+                remote: 0,
+                remote_offset: 0,
+                len: len as u64,
+            }],
+            vec![],
+            done,
+        );
         rxs.push(rx);
     }
     // Returns only once the writes from it are over.
     tx_t.deregister(src_id).unwrap();
     for rx in rxs {
         // Each post finished before (or as) the region went away, never after.
-        rx.try_recv().expect("deregister returned before a write from it was over").unwrap();
+        rx.try_recv()
+            .expect("deregister returned before a write from it was over")
+            .unwrap();
     }
     assert_eq!(tx_t.stats().regions, 0);
     assert_eq!(tx_t.stats().registered_bytes, 0);
     assert_eq!(tx_t.stats().in_flight, 0);
     tx_t.disconnect(peer);
     rx_t.deregister(dst_id).unwrap();
-    assert!(matches!(rx_t.deregister(dst_id), Err(TransportError::UnknownRegion(_))));
+    assert!(matches!(
+        rx_t.deregister(dst_id),
+        Err(TransportError::UnknownRegion(_))
+    ));
     let deadline = std::time::Instant::now() + BOUND;
     while tx_t.stats().peers != 0 {
         assert!(std::time::Instant::now() < deadline);

@@ -7,14 +7,18 @@
 //! its last notification is.
 
 use super::{
-    EngineError, Outcome, Pool, Registered, layout_from_info, layout_info, to_wire_kind, wire_regions,
+    EngineError, Outcome, Pool, Registered, layout_from_info, layout_info, to_wire_kind,
+    wire_regions,
 };
 use crate::control::{
-    self, BackendInfo, Connection, ControlWriter, Hello, Listener, Msg, RejectReason, Role, TransferRequest,
+    self, BackendInfo, Connection, ControlWriter, Hello, Listener, Msg, RejectReason, Role,
+    TransferRequest,
 };
 use crate::core::notify::{self, Notification};
 use crate::core::planner::{ChunkGeometry, KvLayout, Planner, TpMapping};
-use crate::core::tracker::{CompletionTracker, FailureReason, TrackerConfig, TrackerEvent, ViolationKind};
+use crate::core::tracker::{
+    CompletionTracker, FailureReason, TrackerConfig, TrackerEvent, ViolationKind,
+};
 use crate::core::{ChunkHasher, PeerId, RequestId};
 use crate::engine::BackendConfig;
 use crate::transport::{Incoming, Sender, Sink, Transport};
@@ -143,7 +147,9 @@ pub struct DecodeEngine {
 
 impl std::fmt::Debug for DecodeEngine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DecodeEngine").field("local_addr", &self.local_addr).finish()
+        f.debug_struct("DecodeEngine")
+            .field("local_addr", &self.local_addr)
+            .finish()
     }
 }
 
@@ -199,7 +205,11 @@ impl DecodeEngine {
         let local_addr = listener.local_addr();
         let accept = tokio::spawn(accept_loop(Arc::downgrade(&inner), listener));
         let timer = tokio::spawn(timer_loop(Arc::downgrade(&inner)));
-        Ok(DecodeEngine { inner, local_addr, _tasks: Arc::new(TaskGuard(vec![accept, timer])) })
+        Ok(DecodeEngine {
+            inner,
+            local_addr,
+            _tasks: Arc::new(TaskGuard(vec![accept, timer])),
+        })
     }
 
     /// The control-plane address prefill ranks connect to.
@@ -248,8 +258,15 @@ impl DecodeEngine {
         timeout: Duration,
     ) -> Result<impl std::future::Future<Output = Outcome> + Send + 'static, EngineError> {
         let cfg = &self.inner.cfg;
-        let geometry = ChunkGeometry::new(u64::from(prompt_tokens), u64::from(chunk_tokens), u64::from(cfg.page_tokens))
-            .map_err(|source| EngineError::Plan { request: Some(request), source })?;
+        let geometry = ChunkGeometry::new(
+            u64::from(prompt_tokens),
+            u64::from(chunk_tokens),
+            u64::from(cfg.page_tokens),
+        )
+        .map_err(|source| EngineError::Plan {
+            request: Some(request),
+            source,
+        })?;
         control::validate_transfer_request(
             &TransferRequest {
                 request: request.0,
@@ -270,7 +287,11 @@ impl DecodeEngine {
             for (rank, r) in st.ranks.iter().enumerate() {
                 match r {
                     Some(r) => peers.push(r.peer),
-                    None => return Err(EngineError::Config(format!("prefill rank {rank} is not connected"))),
+                    None => {
+                        return Err(EngineError::Config(format!(
+                            "prefill rank {rank} is not connected"
+                        )));
+                    }
                 }
             }
             st.tracker
@@ -286,7 +307,13 @@ impl DecodeEngine {
             for r in st.ranks.iter().flatten() {
                 let _ = r.writer.send(msg.clone());
             }
-            st.requests.insert(request, ReqInfo { geometry, dst_pages: Arc::new(dst_pages) });
+            st.requests.insert(
+                request,
+                ReqInfo {
+                    geometry,
+                    dst_pages: Arc::new(dst_pages),
+                },
+            );
             st.waiters.insert(request, tx);
             self.inner.drain(&mut st);
         }
@@ -298,7 +325,10 @@ impl DecodeEngine {
     pub fn abort(&self, request: RequestId) {
         let mut st = self.inner.lock();
         if st.tracker.abort(request).is_ok() {
-            let msg = Msg::Abort(control::Abort { request: request.0, reason: crate::core::FailureCode::Aborted.raw() });
+            let msg = Msg::Abort(control::Abort {
+                request: request.0,
+                reason: crate::core::FailureCode::Aborted.raw(),
+            });
             for r in st.ranks.iter().flatten() {
                 let _ = r.writer.send(msg.clone());
             }
@@ -318,7 +348,12 @@ impl DecodeEngine {
             refused: c.refused.load(Ordering::Relaxed),
             checksum_mismatch: c.checksum_mismatch.load(Ordering::Relaxed),
             in_flight,
-            registered_bytes: self.inner.transport.get().map(|t| t.stats().registered_bytes).unwrap_or(0),
+            registered_bytes: self
+                .inner
+                .transport
+                .get()
+                .map(|t| t.stats().registered_bytes)
+                .unwrap_or(0),
         }
     }
 
@@ -363,11 +398,10 @@ impl Inner {
 
     /// Called on the transport's progress thread.
     fn on_incoming(&self, ev: Incoming<'_>) {
-        match ev {
-            Incoming::Notification { sender, bytes } => self.on_notification(sender, bytes),
-            // Decode connects to no prefill at the transport level; a prefill's death is seen on its
-            // control connection.
-            _ => {}
+        // Decode connects to no prefill at the transport level; a prefill's death is seen on its
+        // control connection, so only notifications matter here.
+        if let Incoming::Notification { sender, bytes } = ev {
+            self.on_notification(sender, bytes);
         }
     }
 
@@ -387,11 +421,20 @@ impl Inner {
             self.counters.unknown_sender.fetch_add(1, Ordering::Relaxed);
             return;
         };
-        if let (Some(sum), true) = (n.checksum, self.cfg.verify_checksums) {
-            if rank == n.pp_rank && !self.checksum_matches(&st, rank, &n, sum) {
-                self.counters.checksum_mismatch.fetch_add(1, Ordering::Relaxed);
-                let kind = ViolationKind::ChecksumMismatch { chunk_id: n.chunk_id };
-                let _ = st.tracker.fail(n.request, FailureReason::ProtocolViolation { rank, kind });
+        if let (Some(sum), true) = (n.checksum, self.cfg.verify_checksums)
+            && rank == n.pp_rank
+            && !self.checksum_matches(&st, rank, &n, sum)
+        {
+            {
+                self.counters
+                    .checksum_mismatch
+                    .fetch_add(1, Ordering::Relaxed);
+                let kind = ViolationKind::ChecksumMismatch {
+                    chunk_id: n.chunk_id,
+                };
+                let _ = st
+                    .tracker
+                    .fail(n.request, FailureReason::ProtocolViolation { rank, kind });
                 self.drain(&mut st);
                 return;
             }
@@ -403,7 +446,13 @@ impl Inner {
     }
 
     /// Hashes what `rank` wrote for `n`'s chunk, in the order the prefill hashed it.
-    fn checksum_matches(&self, st: &State, rank: u16, n: &crate::core::notify::ChunkNotification, sum: u64) -> bool {
+    fn checksum_matches(
+        &self,
+        st: &State,
+        rank: u16,
+        n: &crate::core::notify::ChunkNotification,
+        sum: u64,
+    ) -> bool {
         let (Some(info), Some(Some(conn)), Some(pool)) = (
             st.requests.get(&n.request),
             st.ranks.get(usize::from(rank)),
@@ -415,7 +464,17 @@ impl Inner {
         let mut writes = Vec::new();
         // The source side's page numbers only affect merging, not the byte order, so identity pages do.
         let src: Vec<u32> = (0..info.dst_pages.len() as u32).collect();
-        if conn.planner.plan_chunk(&info.geometry, u64::from(n.chunk_id), &src, &info.dst_pages, &mut writes).is_err() {
+        if conn
+            .planner
+            .plan_chunk(
+                &info.geometry,
+                u64::from(n.chunk_id),
+                &src,
+                &info.dst_pages,
+                &mut writes,
+            )
+            .is_err()
+        {
             return false;
         }
         let mut h = ChunkHasher::new();
@@ -431,7 +490,12 @@ impl Inner {
 
     fn peer_lost(&self, rank: u16, peer: PeerId, sender: &Sender) {
         let mut st = self.lock();
-        if st.ranks.get(usize::from(rank)).and_then(|r| r.as_ref()).is_some_and(|r| r.peer == peer) {
+        if st
+            .ranks
+            .get(usize::from(rank))
+            .and_then(|r| r.as_ref())
+            .is_some_and(|r| r.peer == peer)
+        {
             st.ranks[usize::from(rank)] = None;
             st.senders.remove(sender);
             self.connected.send_modify(|n| *n = n.saturating_sub(1));
@@ -518,16 +582,30 @@ async fn serve_rank(inner: Weak<Inner>, mut conn: Connection) {
     };
     let pp_size = hello.pp_size;
     let taken = |remote: &Hello| -> Result<(), RejectReason> {
-        let Some(i) = inner.upgrade() else { return Err(RejectReason::Refused("shutting down".into())) };
+        let Some(i) = inner.upgrade() else {
+            return Err(RejectReason::Refused("shutting down".into()));
+        };
         if remote.role != Role::Prefill {
-            return Err(RejectReason::RoleMismatch("decode accepts only prefill ranks".into()));
+            return Err(RejectReason::RoleMismatch(
+                "decode accepts only prefill ranks".into(),
+            ));
         }
         if remote.pp_size != pp_size {
-            return Err(RejectReason::PpMismatch(format!("decode expects pp_size {pp_size}, peer says {}", remote.pp_size)));
+            return Err(RejectReason::PpMismatch(format!(
+                "decode expects pp_size {pp_size}, peer says {}",
+                remote.pp_size
+            )));
         }
         let st = i.lock();
-        if st.ranks.get(usize::from(remote.pp_rank)).is_some_and(|r| r.is_some()) {
-            return Err(RejectReason::DuplicateRank { pp_rank: remote.pp_rank, tp_rank: remote.tp_rank });
+        if st
+            .ranks
+            .get(usize::from(remote.pp_rank))
+            .is_some_and(|r| r.is_some())
+        {
+            return Err(RejectReason::DuplicateRank {
+                pp_rank: remote.pp_rank,
+                tp_rank: remote.tp_rank,
+            });
         }
         Ok(())
     };
@@ -541,8 +619,12 @@ async fn serve_rank(inner: Weak<Inner>, mut conn: Connection) {
     let Some(i) = inner.upgrade() else { return };
     let rank = remote.pp_rank;
     let planner = match layout_from_info(&remote.layout).and_then(|src| {
-        Planner::new(&src, &i.cfg.layout, TpMapping::Identical)
-            .map_err(|source| EngineError::Plan { request: None, source })
+        Planner::new(&src, &i.cfg.layout, TpMapping::Identical).map_err(|source| {
+            EngineError::Plan {
+                request: None,
+                source,
+            }
+        })
     }) {
         Ok(p) => p,
         Err(e) => {
@@ -564,7 +646,11 @@ async fn serve_rank(inner: Weak<Inner>, mut conn: Connection) {
         let peer = PeerId(st.next_peer);
         st.next_peer += 1;
         st.senders.insert(sender.clone(), (rank, peer));
-        st.ranks[usize::from(rank)] = Some(RankConn { peer, writer: tx, planner });
+        st.ranks[usize::from(rank)] = Some(RankConn {
+            peer,
+            writer: tx,
+            planner,
+        });
         peer
     };
     i.connected.send_modify(|n| *n += 1);
@@ -602,13 +688,19 @@ async fn read_loop(inner: &Weak<Inner>, mut reader: control::ControlReader, rank
                 tracing::warn!(rank, request = r.request, reason = %r.reason, "prefill rejected a transfer request");
                 let mut st = i.lock();
                 let code = crate::core::FailureCode::OutOfResources;
-                let _ = st.tracker.fail(RequestId(r.request), FailureReason::PeerFailed { rank, code });
+                let _ = st.tracker.fail(
+                    RequestId(r.request),
+                    FailureReason::PeerFailed { rank, code },
+                );
                 i.drain(&mut st);
             }
             Msg::Abort(a) => {
                 let mut st = i.lock();
                 let code = crate::core::FailureCode::from_raw(a.reason);
-                let _ = st.tracker.fail(RequestId(a.request), FailureReason::PeerFailed { rank, code });
+                let _ = st.tracker.fail(
+                    RequestId(a.request),
+                    FailureReason::PeerFailed { rank, code },
+                );
                 i.drain(&mut st);
             }
             Msg::Close => return,

@@ -132,8 +132,14 @@ impl BackendConfig {
     /// The default settings of `kind`, naming the engine `name`.
     pub fn default_for(kind: BackendKind, name: &str) -> Self {
         match kind {
-            BackendKind::Nixl => BackendConfig::Nixl(NixlConfig { name: name.into(), ..NixlConfig::default() }),
-            _ => BackendConfig::Ucx(UcxConfig { name: name.into(), ..UcxConfig::default() }),
+            BackendKind::Nixl => BackendConfig::Nixl(NixlConfig {
+                name: name.into(),
+                ..NixlConfig::default()
+            }),
+            _ => BackendConfig::Ucx(UcxConfig {
+                name: name.into(),
+                ..UcxConfig::default()
+            }),
         }
     }
 
@@ -164,7 +170,12 @@ struct Registered {
 impl Registered {
     fn new(transport: &Arc<dyn Transport>, pool: Pool) -> Result<Self, TransportError> {
         let (id, remote) = transport.register(pool.desc())?;
-        Ok(Registered { transport: transport.clone(), id, remote, pool })
+        Ok(Registered {
+            transport: transport.clone(),
+            id,
+            remote,
+            pool,
+        })
     }
 }
 
@@ -205,19 +216,39 @@ fn layout_from_info(info: &control::LayoutInfo) -> Result<KvLayout, EngineError>
     let regions = match info.kv_regions {
         1 => RegionKind::Fused,
         2 => RegionKind::SplitKv,
-        n => return Err(EngineError::Config(format!("peer layout has {n} KV regions"))),
+        n => {
+            return Err(EngineError::Config(format!(
+                "peer layout has {n} KV regions"
+            )));
+        }
     };
-    let page_bytes = info.bytes_per_token_per_layer.saturating_mul(u64::from(info.page_tokens));
-    Ok(KvLayout::packed(info.first_layer, info.layers, regions, page_bytes, info.pages))
+    let page_bytes = info
+        .bytes_per_token_per_layer
+        .saturating_mul(u64::from(info.page_tokens));
+    Ok(KvLayout::packed(
+        info.first_layer,
+        info.layers,
+        regions,
+        page_bytes,
+        info.pages,
+    ))
 }
 
 fn remote_regions(info: &control::BackendInfo) -> Vec<crate::transport::RemoteRegion> {
     info.regions
         .iter()
-        .map(|r| crate::transport::RemoteRegion { addr: r.addr, len: r.len, rkey: r.rkey.clone() })
+        .map(|r| crate::transport::RemoteRegion {
+            addr: r.addr,
+            len: r.len,
+            rkey: r.rkey.clone(),
+        })
         .collect()
 }
 
 fn wire_regions(r: &crate::transport::RemoteRegion) -> control::RemoteRegion {
-    control::RemoteRegion { addr: r.addr, len: r.len, rkey: r.rkey.clone() }
+    control::RemoteRegion {
+        addr: r.addr,
+        len: r.len,
+        rkey: r.rkey.clone(),
+    }
 }

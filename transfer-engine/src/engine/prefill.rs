@@ -6,8 +6,13 @@
 //! the LAST chunk, or of a failed one) and sent to every peer at once; nothing ever waits for a peer's
 //! scheduler. A request's source pages stay owned until [`PrefillEngine::decided`] resolves.
 
-use super::{BackendConfig, EngineError, Pool, Registered, layout_from_info, layout_info, remote_regions, to_wire_kind, wire_regions};
-use crate::control::{self, BackendInfo, Connection, ControlWriter, Hello, Listener, Msg, RejectReason, Role};
+use super::{
+    BackendConfig, EngineError, Pool, Registered, layout_from_info, layout_info, remote_regions,
+    to_wire_kind, wire_regions,
+};
+use crate::control::{
+    self, BackendInfo, Connection, ControlWriter, Hello, Listener, Msg, RejectReason, Role,
+};
 use crate::core::notify::{ChunkNotification, ChunkStatus};
 use crate::core::planner::{ChunkGeometry, KvLayout, Planner, TpMapping, Write};
 use crate::core::vote::{Decision, Vote, VoteBoard, VoteConfig, VoteMessage};
@@ -56,10 +61,20 @@ pub struct PrefillConfig {
 
 impl PrefillConfig {
     /// Defaults around a layout: UCX, no token, checksums on.
-    pub fn new(decode: SocketAddr, pp_rank: u16, pp_size: u16, total_layers: u32, page_tokens: u32, layout: KvLayout) -> Self {
+    pub fn new(
+        decode: SocketAddr,
+        pp_rank: u16,
+        pp_size: u16,
+        total_layers: u32,
+        page_tokens: u32,
+        layout: KvLayout,
+    ) -> Self {
         PrefillConfig {
             engine_id: format!("prefill-{pp_rank}"),
-            backend: BackendConfig::default_for(crate::transport::BackendKind::Ucx, &format!("prefill-{pp_rank}")),
+            backend: BackendConfig::default_for(
+                crate::transport::BackendKind::Ucx,
+                &format!("prefill-{pp_rank}"),
+            ),
             decode,
             pp_rank,
             pp_size,
@@ -156,7 +171,9 @@ pub struct PrefillEngine {
 
 impl std::fmt::Debug for PrefillEngine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PrefillEngine").field("pp_rank", &self.inner.cfg.pp_rank).finish()
+        f.debug_struct("PrefillEngine")
+            .field("pp_rank", &self.inner.cfg.pp_rank)
+            .finish()
     }
 }
 
@@ -188,10 +205,17 @@ impl PrefillEngine {
     /// Not cancel-safe: dropping it mid-way drops half-made connections (nothing leaks).
     pub async fn start(cfg: PrefillConfig, pool: Pool) -> Result<Self, EngineError> {
         if cfg.pp_rank >= cfg.pp_size {
-            return Err(EngineError::Config(format!("pp_rank {} not below pp_size {}", cfg.pp_rank, cfg.pp_size)));
+            return Err(EngineError::Config(format!(
+                "pp_rank {} not below pp_size {}",
+                cfg.pp_rank, cfg.pp_size
+            )));
         }
         if cfg.pp_size > 1 && cfg.peers.len() != usize::from(cfg.pp_size) {
-            return Err(EngineError::Config(format!("{} peer addresses for pp_size {}", cfg.peers.len(), cfg.pp_size)));
+            return Err(EngineError::Config(format!(
+                "{} peer addresses for pp_size {}",
+                cfg.peers.len(),
+                cfg.pp_size
+            )));
         }
         if pool.desc().len() < cfg.layout.buffer_len {
             return Err(EngineError::Config("pool smaller than its layout".into()));
@@ -204,7 +228,11 @@ impl PrefillEngine {
         let notify_key: u64 = rand::random();
 
         // The vote mesh listener first, so peers can connect while we talk to decode.
-        let listener = if cfg.pp_size > 1 { Some(Listener::bind(cfg.peers[usize::from(cfg.pp_rank)]).await?) } else { None };
+        let listener = if cfg.pp_size > 1 {
+            Some(Listener::bind(cfg.peers[usize::from(cfg.pp_rank)]).await?)
+        } else {
+            None
+        };
 
         let mut conn = Connection::connect(cfg.decode, deadline).await?;
         let mut hello = Hello::new(
@@ -225,9 +253,17 @@ impl PrefillEngine {
         }
         let remote = control::handshake(&mut conn, &hello, deadline).await?;
         let dst = layout_from_info(&remote.layout)?;
-        let planner = Planner::new(&cfg.layout, &dst, TpMapping::Identical)
-            .map_err(|source| EngineError::Plan { request: None, source })?;
-        let decode_peer = transport.connect(&remote.backend.worker_or_agent, &remote_regions(&remote.backend), notify_key)?;
+        let planner = Planner::new(&cfg.layout, &dst, TpMapping::Identical).map_err(|source| {
+            EngineError::Plan {
+                request: None,
+                source,
+            }
+        })?;
+        let decode_peer = transport.connect(
+            &remote.backend.worker_or_agent,
+            &remote_regions(&remote.backend),
+            notify_key,
+        )?;
 
         let mut vote_cfg = cfg.vote.clone();
         vote_cfg.pp_size = cfg.pp_size;
@@ -302,29 +338,50 @@ impl PrefillEngine {
     /// # Cancel safety
     /// Dropping the future after the writes were posted does not cancel them: the registration stays
     /// alive until the transport reports them over, and the vote is still cast.
-    pub async fn send_chunk(&self, request: RequestId, chunk: u32, src_pages: &[u32], last: bool) -> Result<(), EngineError> {
+    pub async fn send_chunk(
+        &self,
+        request: RequestId,
+        chunk: u32,
+        src_pages: &[u32],
+        last: bool,
+    ) -> Result<(), EngineError> {
         let inner = &self.inner;
         let (geometry, dst_pages) = inner.wait_for_request(request).await?;
         let mut plan: Vec<Write> = Vec::new();
         inner
             .planner
-            .plan_chunk(&geometry, u64::from(chunk), src_pages, &dst_pages, &mut plan)
-            .map_err(|source| EngineError::Plan { request: Some(request), source })?;
+            .plan_chunk(
+                &geometry,
+                u64::from(chunk),
+                src_pages,
+                &dst_pages,
+                &mut plan,
+            )
+            .map_err(|source| EngineError::Plan {
+                request: Some(request),
+                source,
+            })?;
         let status = if last {
             let count = geometry.num_chunks() as u32;
             if chunk + 1 != count {
-                return Err(EngineError::Config(format!("LAST chunk {chunk} but the prompt has {count} chunks")));
+                return Err(EngineError::Config(format!(
+                    "LAST chunk {chunk} but the prompt has {count} chunks"
+                )));
             }
             ChunkStatus::Last { count }
         } else {
             ChunkStatus::More
         };
         let mut n = ChunkNotification::new(request, inner.cfg.pp_rank, chunk, status);
-        if inner.cfg.checksums {
-            if let Some(bytes) = inner.pool.pool.host_bytes() {
+        if inner.cfg.checksums
+            && let Some(bytes) = inner.pool.pool.host_bytes()
+        {
+            {
                 let mut h = ChunkHasher::new();
                 for w in &plan {
-                    if let Some(b) = bytes.get(w.src_offset as usize..(w.src_offset + w.len) as usize) {
+                    if let Some(b) =
+                        bytes.get(w.src_offset as usize..(w.src_offset + w.len) as usize)
+                    {
                         h.update(b);
                     }
                 }
@@ -333,12 +390,23 @@ impl PrefillEngine {
         }
         let writes: Vec<WriteOp> = plan
             .iter()
-            .map(|w| WriteOp { local: inner.pool.id, local_offset: w.src_offset, remote: 0, remote_offset: w.dst_offset, len: w.len })
+            .map(|w| WriteOp {
+                local: inner.pool.id,
+                local_offset: w.src_offset,
+                remote: 0,
+                remote_offset: w.dst_offset,
+                len: w.len,
+            })
             .collect();
         let bytes: u64 = plan.iter().map(|w| w.len).sum();
         let (tx, rx) = oneshot::channel();
         let weak = Arc::downgrade(inner);
-        let span = tracing::trace_span!("chunk", request = request.0, pp_rank = inner.cfg.pp_rank, chunk);
+        let span = tracing::trace_span!(
+            "chunk",
+            request = request.0,
+            pp_rank = inner.cfg.pp_rank,
+            chunk
+        );
         let _g = span.enter();
         inner.transport.post(
             inner.decode_peer,
@@ -354,7 +422,11 @@ impl PrefillEngine {
         );
         match rx.await {
             Ok(Ok(())) => Ok(()),
-            Ok(Err(source)) => Err(EngineError::Write { request, chunk, source }),
+            Ok(Err(source)) => Err(EngineError::Write {
+                request,
+                chunk,
+                source,
+            }),
             Err(_) => Err(EngineError::Shutdown),
         }
     }
@@ -379,7 +451,10 @@ impl PrefillEngine {
             st.decided_waiters.entry(request).or_default().push(tx);
             rx
         };
-        rx.await.unwrap_or(Decision::Failed { rank: self.inner.cfg.pp_rank, cause: crate::core::vote::FailCause::PeerLost })
+        rx.await.unwrap_or(Decision::Failed {
+            rank: self.inner.cfg.pp_rank,
+            cause: crate::core::vote::FailCause::PeerLost,
+        })
     }
 
     /// Forgets a decided request's bookkeeping (call after reusing its pages).
@@ -411,7 +486,10 @@ impl PrefillEngine {
 }
 
 impl Inner {
-    async fn wait_for_request(&self, request: RequestId) -> Result<(ChunkGeometry, Arc<Vec<u32>>), EngineError> {
+    async fn wait_for_request(
+        &self,
+        request: RequestId,
+    ) -> Result<(ChunkGeometry, Arc<Vec<u32>>), EngineError> {
         let rx = {
             let mut st = lock(&self.state);
             if let Some(r) = st.requests.get(&request) {
@@ -429,7 +507,10 @@ impl Inner {
                 let st = lock(&self.state);
                 match st.requests.get(&request) {
                     Some(r) if r.failed.is_none() => Ok((r.geometry, r.dst_pages.clone())),
-                    Some(r) => Err(EngineError::RequestFailed { request, code: r.failed.unwrap_or(FailureCode::Aborted) }),
+                    Some(r) => Err(EngineError::RequestFailed {
+                        request,
+                        code: r.failed.unwrap_or(FailureCode::Aborted),
+                    }),
                     None => Err(EngineError::UnknownRequest(request)),
                 }
             }
@@ -438,7 +519,13 @@ impl Inner {
     }
 
     /// A chunk's transport work is over (on the progress thread).
-    fn chunk_done(&self, request: RequestId, last: bool, bytes: u64, res: &Result<(), TransportError>) {
+    fn chunk_done(
+        &self,
+        request: RequestId,
+        last: bool,
+        bytes: u64,
+        res: &Result<(), TransportError>,
+    ) {
         match res {
             Ok(()) => {
                 self.counters.chunks.fetch_add(1, Ordering::Relaxed);
@@ -469,8 +556,14 @@ impl Inner {
         };
         if first {
             // The decode side learns at once, not by timeout.
-            let n = ChunkNotification::new(request, self.cfg.pp_rank, 0, ChunkStatus::Failed { code });
-            self.transport.post(self.decode_peer, Vec::new(), n.encode().to_vec(), Box::new(|_| {}));
+            let n =
+                ChunkNotification::new(request, self.cfg.pp_rank, 0, ChunkStatus::Failed { code });
+            self.transport.post(
+                self.decode_peer,
+                Vec::new(),
+                n.encode().to_vec(),
+                Box::new(|_| {}),
+            );
         }
         self.vote(request, Vote::Failed(code));
     }
@@ -495,13 +588,20 @@ impl Inner {
     fn flush_board(&self, st: &mut State) {
         while let Some((to, msg)) = st.board.poll_transmit() {
             if let Some(Some(w)) = st.peer_writers.get(usize::from(to)) {
-                let _ = w.send(Msg::Vote(control::Vote { bytes: msg.encode().to_vec() }));
+                let _ = w.send(Msg::Vote(control::Vote {
+                    bytes: msg.encode().to_vec(),
+                }));
             }
         }
         while let Some((request, decision)) = st.board.poll_decision() {
             match decision {
-                Decision::Completed => self.counters.decided_completed.fetch_add(1, Ordering::Relaxed),
-                Decision::Failed { .. } => self.counters.decided_failed.fetch_add(1, Ordering::Relaxed),
+                Decision::Completed => self
+                    .counters
+                    .decided_completed
+                    .fetch_add(1, Ordering::Relaxed),
+                Decision::Failed { .. } => {
+                    self.counters.decided_failed.fetch_add(1, Ordering::Relaxed)
+                }
             };
             st.decided.insert(request, decision);
             for w in st.decided_waiters.remove(&request).unwrap_or_default() {
@@ -512,20 +612,38 @@ impl Inner {
 
     fn on_transfer_request(&self, req: control::TransferRequest) -> bool {
         let request = RequestId(req.request);
-        let geometry = ChunkGeometry::new(u64::from(req.prompt_tokens), u64::from(req.chunk_tokens), u64::from(self.cfg.page_tokens));
+        let geometry = ChunkGeometry::new(
+            u64::from(req.prompt_tokens),
+            u64::from(req.chunk_tokens),
+            u64::from(self.cfg.page_tokens),
+        );
         let check = geometry.as_ref().ok().map(|g| {
-            control::validate_transfer_request(&req, self.planner.dst().num_pages, g.num_pages() as usize)
+            control::validate_transfer_request(
+                &req,
+                self.planner.dst().num_pages,
+                g.num_pages() as usize,
+            )
         });
         let mut st = lock(&self.state);
         let reason = match (geometry, check) {
             (Ok(g), Some(Ok(()))) if !st.requests.contains_key(&request) => {
-                st.requests.insert(request, ReqState { geometry: g, dst_pages: Arc::new(req.dst_pages), failed: None, voted: false });
+                st.requests.insert(
+                    request,
+                    ReqState {
+                        geometry: g,
+                        dst_pages: Arc::new(req.dst_pages),
+                        failed: None,
+                        voted: false,
+                    },
+                );
                 for w in st.arrivals.remove(&request).unwrap_or_default() {
                     let _ = w.send(());
                 }
                 return true;
             }
-            (Ok(_), Some(Ok(()))) => control::TransferRejectReason::DuplicateRequest { request: req.request },
+            (Ok(_), Some(Ok(()))) => control::TransferRejectReason::DuplicateRequest {
+                request: req.request,
+            },
             (_, Some(Err(e))) => e,
             (Err(e), _) => control::TransferRejectReason::Invalid(e.to_string()),
             (Ok(_), None) => control::TransferRejectReason::Invalid("no geometry".into()),
@@ -533,7 +651,12 @@ impl Inner {
         drop(st);
         self.counters.rejected.fetch_add(1, Ordering::Relaxed);
         tracing::warn!(request = req.request, %reason, "transfer request rejected");
-        let _ = self.decode_writer.send(Msg::TransferReject(control::TransferReject { request: req.request, reason }));
+        let _ = self
+            .decode_writer
+            .send(Msg::TransferReject(control::TransferReject {
+                request: req.request,
+                reason,
+            }));
         false
     }
 
@@ -608,7 +731,12 @@ async fn decode_read_loop(
     }
     // The decode side is gone: every request not yet voted fails here.
     if let Some(i) = inner.upgrade() {
-        let pending: Vec<RequestId> = lock(&i.state).requests.iter().filter(|(_, r)| !r.voted).map(|(k, _)| *k).collect();
+        let pending: Vec<RequestId> = lock(&i.state)
+            .requests
+            .iter()
+            .filter(|(_, r)| !r.voted)
+            .map(|(k, _)| *k)
+            .collect();
         for r in pending {
             i.on_abort(r, FailureCode::PeerLost);
         }
@@ -659,7 +787,10 @@ async fn form_mesh(
         let mut c = Connection::connect(cfg.peers[usize::from(rank)], deadline).await?;
         let remote = control::handshake(&mut c, &hello, deadline).await?;
         if remote.pp_rank != rank {
-            return Err(EngineError::Config(format!("peer at rank {rank}'s address says it is rank {}", remote.pp_rank)));
+            return Err(EngineError::Config(format!(
+                "peer at rank {rank}'s address says it is rank {}",
+                remote.pp_rank
+            )));
         }
         conns.push((rank, c));
     }
@@ -670,11 +801,18 @@ async fn form_mesh(
         let mut c = match accept {
             Ok(Ok(c)) => c,
             Ok(Err(e)) => return Err(e.into()),
-            Err(_) => return Err(EngineError::Timeout(format!("{higher} higher PP ranks did not connect"))),
+            Err(_) => {
+                return Err(EngineError::Timeout(format!(
+                    "{higher} higher PP ranks did not connect"
+                )));
+            }
         };
         let check = |r: &Hello| -> Result<(), RejectReason> {
             if r.pp_rank <= me || seen[usize::from(r.pp_rank)] {
-                return Err(RejectReason::DuplicateRank { pp_rank: r.pp_rank, tp_rank: r.tp_rank });
+                return Err(RejectReason::DuplicateRank {
+                    pp_rank: r.pp_rank,
+                    tp_rank: r.tp_rank,
+                });
             }
             Ok(())
         };

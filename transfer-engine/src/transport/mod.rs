@@ -133,7 +133,9 @@ pub enum TransportError {
         message: String,
     },
     /// The process holds two different UCX libraries, which would hang or corrupt UCX's state.
-    #[error("two different UCX libraries are loaded in this process: {0:?}; link ucx-sys against the UCX NIXL's plugin uses (scripts/provision does)")]
+    #[error(
+        "two different UCX libraries are loaded in this process: {0:?}; link ucx-sys against the UCX NIXL's plugin uses (scripts/provision does)"
+    )]
     TwoUcxLibraries(Vec<String>),
     /// A write addresses outside its registration or the peer's region.
     #[error("write out of bounds: {0}")]
@@ -196,7 +198,12 @@ pub trait Transport: Send + Sync + 'static {
     ///
     /// # Errors
     /// Bad metadata or a library error.
-    fn connect(&self, metadata: &[u8], regions: &[RemoteRegion], key: u64) -> Result<PeerId, TransportError>;
+    fn connect(
+        &self,
+        metadata: &[u8],
+        regions: &[RemoteRegion],
+        key: u64,
+    ) -> Result<PeerId, TransportError>;
 
     /// Forgets a peer; posted chunks to it fail if not over.
     fn disconnect(&self, peer: PeerId);

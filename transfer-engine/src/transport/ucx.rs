@@ -18,8 +18,8 @@
 //! This is the only module of the crate that calls UCX.
 
 use super::{
-    BackendKind, Done, Incoming, PeerId, RegionId, RemoteRegion, Sender, Sink, Transport, TransportError,
-    TransportStats, WriteOp,
+    BackendKind, Done, Incoming, PeerId, RegionId, RemoteRegion, Sender, Sink, Transport,
+    TransportError, TransportStats, WriteOp,
 };
 use crate::mem::{MemDesc, MemKind};
 use crossbeam_channel as chan;
@@ -74,7 +74,11 @@ impl Default for UcxConfig {
 fn status_error(op: &'static str, status: ffi::ucs_status_t) -> TransportError {
     // SAFETY: ucs_status_string accepts any status value and returns a static NUL-terminated string.
     let msg = unsafe { CStr::from_ptr(ffi::ucs_status_string(status)) };
-    TransportError::Library { op, code: i64::from(status.0), message: msg.to_string_lossy().into_owned() }
+    TransportError::Library {
+        op,
+        code: i64::from(status.0),
+        message: msg.to_string_lossy().into_owned(),
+    }
 }
 
 /// A UCX status as a `Result`, the one place where that conversion happens.
@@ -84,7 +88,11 @@ trait StatusExt {
 
 impl StatusExt for ffi::ucs_status_t {
     fn result(self, op: &'static str) -> Result<(), TransportError> {
-        if self.is_ok() { Ok(()) } else { Err(status_error(op, self)) }
+        if self.is_ok() {
+            Ok(())
+        } else {
+            Err(status_error(op, self))
+        }
     }
 }
 
@@ -97,13 +105,19 @@ pub fn loaded_ucp_libraries() -> Vec<String> {
     struct Found {
         names: Vec<String>,
     }
-    unsafe extern "C" fn visit(info: *mut libc::dl_phdr_info, _size: usize, data: *mut c_void) -> libc::c_int {
+    unsafe extern "C" fn visit(
+        info: *mut libc::dl_phdr_info,
+        _size: usize,
+        data: *mut c_void,
+    ) -> libc::c_int {
         // SAFETY: dl_iterate_phdr passes a valid info pointer for the duration of the callback, and
         // `data` is the `Found` we passed, alive for the whole iteration.
         let (info, found) = unsafe { (&*info, &mut *(data as *mut Found)) };
         if !info.dlpi_name.is_null() {
             // SAFETY: dlpi_name is a NUL-terminated string owned by the loader, valid during the callback.
-            let name = unsafe { CStr::from_ptr(info.dlpi_name) }.to_string_lossy().into_owned();
+            let name = unsafe { CStr::from_ptr(info.dlpi_name) }
+                .to_string_lossy()
+                .into_owned();
             let file = name.rsplit('/').next().unwrap_or("");
             if file.starts_with("libucp.so") || file.starts_with("libucp-") {
                 found.names.push(name);
@@ -139,7 +153,11 @@ pub fn loaded_ucp_libraries() -> Vec<String> {
 /// [`TransportError::TwoUcxLibraries`] with the paths found.
 pub fn check_single_ucx() -> Result<(), TransportError> {
     let libs = loaded_ucp_libraries();
-    if libs.len() > 1 { Err(TransportError::TwoUcxLibraries(libs)) } else { Ok(()) }
+    if libs.len() > 1 {
+        Err(TransportError::TwoUcxLibraries(libs))
+    } else {
+        Ok(())
+    }
 }
 
 /// The library version this process runs (not the headers' version).
@@ -151,9 +169,17 @@ pub fn library_version() -> (u32, u32, u32) {
 }
 
 enum Cmd {
-    Register(MemDesc, chan::Sender<Result<(RegionId, RemoteRegion), TransportError>>),
+    Register(
+        MemDesc,
+        chan::Sender<Result<(RegionId, RemoteRegion), TransportError>>,
+    ),
     Deregister(RegionId, chan::Sender<Result<(), TransportError>>),
-    Connect(Vec<u8>, Vec<RemoteRegion>, u64, chan::Sender<Result<PeerId, TransportError>>),
+    Connect(
+        Vec<u8>,
+        Vec<RemoteRegion>,
+        u64,
+        chan::Sender<Result<PeerId, TransportError>>,
+    ),
     Disconnect(PeerId),
     Post(PeerId, Vec<WriteOp>, Vec<u8>, Done),
     Stop,
@@ -193,7 +219,9 @@ pub struct UcxTransport {
 
 impl std::fmt::Debug for UcxTransport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("UcxTransport").field("stats", &self.stats()).finish()
+        f.debug_struct("UcxTransport")
+            .field("stats", &self.stats())
+            .finish()
     }
 }
 
@@ -214,7 +242,11 @@ impl UcxTransport {
                 message: std::io::Error::last_os_error().to_string(),
             });
         }
-        let shared = Arc::new(Shared { wake_fd, sleeping: AtomicBool::new(false), counters: Counters::default() });
+        let shared = Arc::new(Shared {
+            wake_fd,
+            sleeping: AtomicBool::new(false),
+            counters: Counters::default(),
+        });
         let (tx, rx) = chan::unbounded();
         let (ready_tx, ready_rx) = chan::bounded(1);
         let thread_shared = shared.clone();
@@ -234,7 +266,11 @@ impl UcxTransport {
                     let _ = ready_tx.send(Err(e));
                 }
             })
-            .map_err(|e| TransportError::Library { op: "spawn", code: 0, message: e.to_string() })?;
+            .map_err(|e| TransportError::Library {
+                op: "spawn",
+                code: 0,
+                message: e.to_string(),
+            })?;
         let address = match ready_rx.recv_timeout(CALL_BOUND) {
             Ok(Ok(a)) => a,
             Ok(Err(e)) => {
@@ -243,7 +279,12 @@ impl UcxTransport {
             }
             Err(_) => return Err(TransportError::Shutdown),
         };
-        Ok(UcxTransport { tx, shared, address, thread: Mutex::new(Some(thread)) })
+        Ok(UcxTransport {
+            tx,
+            shared,
+            address,
+            thread: Mutex::new(Some(thread)),
+        })
     }
 
     fn send(&self, cmd: Cmd) -> Result<(), TransportError> {
@@ -260,10 +301,14 @@ impl UcxTransport {
         Ok(())
     }
 
-    fn call<T>(&self, make: impl FnOnce(chan::Sender<Result<T, TransportError>>) -> Cmd) -> Result<T, TransportError> {
+    fn call<T>(
+        &self,
+        make: impl FnOnce(chan::Sender<Result<T, TransportError>>) -> Cmd,
+    ) -> Result<T, TransportError> {
         let (tx, rx) = chan::bounded(1);
         self.send(make(tx))?;
-        rx.recv_timeout(CALL_BOUND).map_err(|_| TransportError::Shutdown)?
+        rx.recv_timeout(CALL_BOUND)
+            .map_err(|_| TransportError::Shutdown)?
     }
 
     /// Stops the progress thread: waits (bounded) for posted chunks, then closes endpoints and frees
@@ -304,7 +349,12 @@ impl Transport for UcxTransport {
         self.call(|tx| Cmd::Deregister(id, tx))
     }
 
-    fn connect(&self, metadata: &[u8], regions: &[RemoteRegion], key: u64) -> Result<PeerId, TransportError> {
+    fn connect(
+        &self,
+        metadata: &[u8],
+        regions: &[RemoteRegion],
+        key: u64,
+    ) -> Result<PeerId, TransportError> {
         self.call(|tx| Cmd::Connect(metadata.to_vec(), regions.to_vec(), key, tx))
     }
 
@@ -313,7 +363,11 @@ impl Transport for UcxTransport {
     }
 
     fn post(&self, peer: PeerId, writes: Vec<WriteOp>, notification: Vec<u8>, done: Done) {
-        if let Err(Cmd::Post(_, _, _, done)) = self.tx.send(Cmd::Post(peer, writes, notification, done)).map_err(|e| e.0) {
+        if let Err(Cmd::Post(_, _, _, done)) = self
+            .tx
+            .send(Cmd::Post(peer, writes, notification, done))
+            .map_err(|e| e.0)
+        {
             done(Err(TransportError::Shutdown));
             return;
         }
@@ -424,13 +478,18 @@ struct Worker {
     shared: Arc<Shared>,
 }
 
-unsafe extern "C" fn op_callback(request: *mut c_void, status: ffi::ucs_status_t, user_data: *mut c_void) {
+unsafe extern "C" fn op_callback(
+    request: *mut c_void,
+    status: ffi::ucs_status_t,
+    user_data: *mut c_void,
+) {
     // Never unwind into C: a panic here would be a bug, and aborting beats undefined behaviour.
     let r = std::panic::catch_unwind(|| {
         // SAFETY: user_data is the Box<Op> we leaked when posting this request; UCX calls this callback
         // exactly once, so we take ownership back exactly once. The queue outlives every request
         // (the worker is destroyed, and all requests finished, before the queue is dropped).
         let op = unsafe { Box::from_raw(user_data as *mut Op) };
+        // SAFETY: see above: the queue outlives every request.
         let queue = unsafe { &*op.queue };
         queue.borrow_mut().push_back(Event::OpDone(op, status));
         // SAFETY: `request` is the live request this callback reports on; we no longer use it.
@@ -448,7 +507,9 @@ unsafe extern "C" fn ep_error(arg: *mut c_void, _ep: ffi::ucp_ep_h, status: ffi:
         let arg = unsafe { &*(arg as *const ErrArg) };
         // SAFETY: the queue outlives every endpoint (see op_callback).
         let queue = unsafe { &*arg.queue };
-        queue.borrow_mut().push_back(Event::PeerError(arg.peer, status));
+        queue
+            .borrow_mut()
+            .push_back(Event::PeerError(arg.peer, status));
     });
     if r.is_err() {
         std::process::abort();
@@ -468,18 +529,29 @@ unsafe extern "C" fn am_receive(
         let arg = unsafe { &*(arg as *const AmArg) };
         // SAFETY: param is valid during the callback.
         let attr = unsafe { (*param).recv_attr };
-        if attr & u64::from(ffi::ucp_am_recv_attr_t::UCP_AM_RECV_ATTR_FLAG_RNDV.0) != 0 || data.is_null() {
+        if attr & u64::from(ffi::ucp_am_recv_attr_t::UCP_AM_RECV_ATTR_FLAG_RNDV.0) != 0
+            || data.is_null()
+        {
             // A notification is a few dozen bytes; a rendezvous one is not ours. Dropping it is safe:
             // nothing completes without a valid notification.
             return;
         }
         // SAFETY: for an eager message UCX gives `length` readable bytes at `data` for the callback.
         let bytes = unsafe { std::slice::from_raw_parts(data as *const u8, length) };
-        arg.shared.counters.notifications.fetch_add(1, Ordering::Relaxed);
+        arg.shared
+            .counters
+            .notifications
+            .fetch_add(1, Ordering::Relaxed);
         if let Some((key, record)) = bytes.split_first_chunk::<8>() {
-            (arg.sink)(Incoming::Notification { sender: Sender::Key(u64::from_le_bytes(*key)), bytes: record });
+            (arg.sink)(Incoming::Notification {
+                sender: Sender::Key(u64::from_le_bytes(*key)),
+                bytes: record,
+            });
         } else {
-            (arg.sink)(Incoming::Notification { sender: Sender::Key(0), bytes });
+            (arg.sink)(Incoming::Notification {
+                sender: Sender::Key(0),
+                bytes,
+            });
         }
     });
     if r.is_err() {
@@ -489,12 +561,17 @@ unsafe extern "C" fn am_receive(
 }
 
 impl Worker {
-    fn start(config: &UcxConfig, sink: Sink, shared: Arc<Shared>) -> Result<Box<Worker>, TransportError> {
+    fn start(
+        config: &UcxConfig,
+        sink: Sink,
+        shared: Arc<Shared>,
+    ) -> Result<Box<Worker>, TransportError> {
         let params = ffi::ucp_params_t {
             field_mask: (ffi::ucp_params_field::UCP_PARAM_FIELD_FEATURES
                 | ffi::ucp_params_field::UCP_PARAM_FIELD_MT_WORKERS_SHARED)
                 .0 as u64,
-            features: (ffi::ucp_feature::UCP_FEATURE_RMA | ffi::ucp_feature::UCP_FEATURE_AM).0 as u64,
+            features: (ffi::ucp_feature::UCP_FEATURE_RMA | ffi::ucp_feature::UCP_FEATURE_AM).0
+                as u64,
             mt_workers_shared: 0,
             ..Default::default()
         };
@@ -510,12 +587,17 @@ impl Worker {
         let _ = &config.name;
         let mut worker = ptr::null_mut();
         // SAFETY: ctx is the live context created above; wparams is initialised; worker is an out pointer.
-        if let Err(e) = unsafe { ffi::ucp_worker_create(ctx, &wparams, &mut worker) }.result("ucp_worker_create") {
+        if let Err(e) = unsafe { ffi::ucp_worker_create(ctx, &wparams, &mut worker) }
+            .result("ucp_worker_create")
+        {
             // SAFETY: ctx is live and owns nothing else yet.
             unsafe { ffi::ucp_cleanup(ctx) };
             return Err(e);
         }
-        let am_arg = Box::into_raw(Box::new(AmArg { sink: sink.clone(), shared: shared.clone() }));
+        let am_arg = Box::into_raw(Box::new(AmArg {
+            sink: sink.clone(),
+            shared: shared.clone(),
+        }));
         let w = Box::new(Worker {
             ctx,
             worker,
@@ -543,7 +625,8 @@ impl Worker {
             ..Default::default()
         };
         // SAFETY: worker is live; am_arg stays alive until after the worker is destroyed (Worker::close).
-        unsafe { ffi::ucp_worker_set_am_recv_handler(w.worker, &handler) }.result("ucp_worker_set_am_recv_handler")?;
+        unsafe { ffi::ucp_worker_set_am_recv_handler(w.worker, &handler) }
+            .result("ucp_worker_set_am_recv_handler")?;
         Ok(w)
     }
 
@@ -551,7 +634,8 @@ impl Worker {
         let mut addr = ptr::null_mut();
         let mut len = 0usize;
         // SAFETY: worker is live; both out pointers are valid.
-        unsafe { ffi::ucp_worker_get_address(self.worker, &mut addr, &mut len) }.result("ucp_worker_get_address")?;
+        unsafe { ffi::ucp_worker_get_address(self.worker, &mut addr, &mut len) }
+            .result("ucp_worker_get_address")?;
         // SAFETY: UCX returned `len` readable bytes at `addr`, valid until released just below.
         let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) }.to_vec();
         // SAFETY: addr came from ucp_worker_get_address on this worker and is released once.
@@ -593,8 +677,15 @@ impl Worker {
         self.shared.sleeping.store(true, Ordering::SeqCst);
         std::sync::atomic::fence(Ordering::SeqCst);
         if rx.is_empty() {
-            let mut fd = libc::pollfd { fd: self.shared.wake_fd, events: libc::POLLIN, revents: 0 };
-            let timeout = libc::timespec { tv_sec: 0, tv_nsec: nap.as_nanos().min(999_999_999) as libc::c_long };
+            let mut fd = libc::pollfd {
+                fd: self.shared.wake_fd,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            let timeout = libc::timespec {
+                tv_sec: 0,
+                tv_nsec: nap.as_nanos().min(999_999_999) as libc::c_long,
+            };
             // SAFETY: fd and timeout are valid for the duration of the call; a NULL signal mask keeps
             // the thread's own.
             let ready = unsafe { libc::ppoll(&mut fd, 1, &timeout, ptr::null()) };
@@ -648,7 +739,9 @@ impl Worker {
                 }
                 self.maybe_close_peer(peer.0);
             }
-            Cmd::Post(peer, writes, notification, done) => self.post(peer, writes, notification, done),
+            Cmd::Post(peer, writes, notification, done) => {
+                self.post(peer, writes, notification, done)
+            }
             Cmd::Stop => {}
         }
     }
@@ -687,11 +780,27 @@ impl Worker {
         unsafe { ffi::ucp_rkey_buffer_release(buf) };
         let id = self.next_id;
         self.next_id += 1;
-        self.regions.insert(id, Region { memh, addr: mem.addr(), len: mem.len(), in_flight: 0, deregister: None });
+        self.regions.insert(
+            id,
+            Region {
+                memh,
+                addr: mem.addr(),
+                len: mem.len(),
+                in_flight: 0,
+                deregister: None,
+            },
+        );
         let c = &self.shared.counters;
         c.regions.fetch_add(1, Ordering::Relaxed);
         c.registered_bytes.fetch_add(mem.len(), Ordering::Relaxed);
-        Ok((RegionId(id), RemoteRegion { addr: mem.addr(), len: mem.len(), rkey }))
+        Ok((
+            RegionId(id),
+            RemoteRegion {
+                addr: mem.addr(),
+                len: mem.len(),
+                rkey,
+            },
+        ))
     }
 
     fn deregister(&mut self, id: RegionId, reply: chan::Sender<Result<(), TransportError>>) {
@@ -702,14 +811,19 @@ impl Worker {
         if region.in_flight > 0 {
             // Writes from or to it are still running: unmap when the last one is over.
             region.deregister = Some(reply);
-            self.shared.counters.deferred.fetch_add(1, Ordering::Relaxed);
+            self.shared
+                .counters
+                .deferred
+                .fetch_add(1, Ordering::Relaxed);
             return;
         }
         let _ = reply.send(self.unmap(id.0));
     }
 
     fn unmap(&mut self, id: u64) -> Result<(), TransportError> {
-        let Some(region) = self.regions.remove(&id) else { return Err(TransportError::UnknownRegion(RegionId(id))) };
+        let Some(region) = self.regions.remove(&id) else {
+            return Err(TransportError::UnknownRegion(RegionId(id)));
+        };
         let c = &self.shared.counters;
         c.regions.fetch_sub(1, Ordering::Relaxed);
         c.registered_bytes.fetch_sub(region.len, Ordering::Relaxed);
@@ -717,13 +831,23 @@ impl Worker {
         unsafe { ffi::ucp_mem_unmap(self.ctx, region.memh) }.result("ucp_mem_unmap")
     }
 
-    fn connect(&mut self, meta: &[u8], regions: &[RemoteRegion], key: u64) -> Result<PeerId, TransportError> {
+    fn connect(
+        &mut self,
+        meta: &[u8],
+        regions: &[RemoteRegion],
+        key: u64,
+    ) -> Result<PeerId, TransportError> {
         if meta.is_empty() {
-            return Err(TransportError::BadMetadata("empty UCX worker address".into()));
+            return Err(TransportError::BadMetadata(
+                "empty UCX worker address".into(),
+            ));
         }
         let id = self.next_id;
         self.next_id += 1;
-        let err_arg = Box::into_raw(Box::new(ErrArg { peer: id, queue: &*self.queue }));
+        let err_arg = Box::into_raw(Box::new(ErrArg {
+            peer: id,
+            queue: &*self.queue,
+        }));
         let params = ffi::ucp_ep_params_t {
             field_mask: (ffi::ucp_ep_params_field::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
                 | ffi::ucp_ep_params_field::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
@@ -735,7 +859,10 @@ impl Worker {
             } else {
                 ffi::ucp_err_handling_mode_t::UCP_ERR_HANDLING_MODE_NONE
             },
-            err_handler: ffi::ucp_err_handler { cb: Some(ep_error), arg: err_arg as *mut c_void },
+            err_handler: ffi::ucp_err_handler {
+                cb: Some(ep_error),
+                arg: err_arg as *mut c_void,
+            },
             ..Default::default()
         };
         let mut ep = ptr::null_mut();
@@ -747,7 +874,16 @@ impl Worker {
             drop(unsafe { Box::from_raw(err_arg) });
             return Err(e);
         }
-        let mut peer = Peer { ep, key, remote: Vec::new(), failed: None, in_flight: 0, closing: true, counted: false, err_arg };
+        let mut peer = Peer {
+            ep,
+            key,
+            remote: Vec::new(),
+            failed: None,
+            in_flight: 0,
+            closing: true,
+            counted: false,
+            err_arg,
+        };
         for r in regions {
             if r.rkey.is_empty() {
                 self.peers.insert(id, peer);
@@ -757,13 +893,18 @@ impl Worker {
             let mut rkey = ptr::null_mut();
             // SAFETY: ep is live; the packed key bytes are read by UCX within the length it encoded,
             // and `r.rkey` is a live buffer for the call.
-            let st = unsafe { ffi::ucp_ep_rkey_unpack(ep, r.rkey.as_ptr() as *const c_void, &mut rkey) };
+            let st =
+                unsafe { ffi::ucp_ep_rkey_unpack(ep, r.rkey.as_ptr() as *const c_void, &mut rkey) };
             if let Err(e) = st.result("ucp_ep_rkey_unpack") {
                 self.peers.insert(id, peer);
                 self.maybe_close_peer(id);
                 return Err(e);
             }
-            peer.remote.push(RemoteKey { addr: r.addr, len: r.len, rkey });
+            peer.remote.push(RemoteKey {
+                addr: r.addr,
+                len: r.len,
+                rkey,
+            });
         }
         peer.closing = false;
         peer.counted = true;
@@ -778,7 +919,9 @@ impl Worker {
         if !p.closing || p.in_flight > 0 {
             return;
         }
-        let Some(p) = self.peers.remove(&id) else { return };
+        let Some(p) = self.peers.remove(&id) else {
+            return;
+        };
         for r in &p.remote {
             // SAFETY: rkey was unpacked on this ep and no posted write uses it any more (in_flight == 0).
             unsafe { ffi::ucp_rkey_destroy(r.rkey) };
@@ -819,7 +962,10 @@ impl Worker {
             return;
         }
         if let Some(reason) = &p.failed {
-            done(Err(TransportError::PeerFailed { peer, reason: reason.clone() }));
+            done(Err(TransportError::PeerFailed {
+                peer,
+                reason: reason.clone(),
+            }));
             return;
         }
         // Validate everything before the first put, so a bad write list posts nothing.
@@ -830,11 +976,15 @@ impl Worker {
                 done(Err(TransportError::UnknownRegion(w.local)));
                 return;
             };
-            let local_ok = w.local_offset.checked_add(w.len).is_some_and(|end| end <= r.len);
-            let remote_ok = p
-                .remote
-                .get(w.remote as usize)
-                .is_some_and(|rr| w.remote_offset.checked_add(w.len).is_some_and(|end| end <= rr.len));
+            let local_ok = w
+                .local_offset
+                .checked_add(w.len)
+                .is_some_and(|end| end <= r.len);
+            let remote_ok = p.remote.get(w.remote as usize).is_some_and(|rr| {
+                w.remote_offset
+                    .checked_add(w.len)
+                    .is_some_and(|end| end <= rr.len)
+            });
             if !local_ok || !remote_ok || r.deregister.is_some() {
                 done(Err(TransportError::OutOfBounds(format!("{w:?}"))));
                 return;
@@ -850,7 +1000,12 @@ impl Worker {
         let ep = p.ep;
         let mut error = None;
         for w in &writes {
-            let (Some(r), Some(rr)) = (self.regions.get(&w.local.0), p.remote.get(w.remote as usize)) else { break };
+            let (Some(r), Some(rr)) = (
+                self.regions.get(&w.local.0),
+                p.remote.get(w.remote as usize),
+            ) else {
+                break;
+            };
             let param = ffi::ucp_request_param_t {
                 op_attr_mask: ffi::ucp_op_attr_t::UCP_OP_ATTR_FIELD_MEMH.0,
                 memh: r.memh,
@@ -872,7 +1027,9 @@ impl Worker {
             // SAFETY: plain pointer classification of UCX's return value.
             if unsafe { ffi::kvx_ucs_ptr_is_err(req) } != 0 {
                 // SAFETY: as above.
-                error = Some(status_error("ucp_put_nbx", unsafe { ffi::kvx_ucs_ptr_raw_status(req) }));
+                error = Some(status_error("ucp_put_nbx", unsafe {
+                    ffi::kvx_ucs_ptr_raw_status(req)
+                }));
                 break;
             }
             // SAFETY: as above.
@@ -908,7 +1065,9 @@ impl Worker {
 
     fn request_param(op: &mut Op) -> ffi::ucp_request_param_t {
         let mut param = ffi::ucp_request_param_t {
-            op_attr_mask: (ffi::ucp_op_attr_t::UCP_OP_ATTR_FIELD_CALLBACK | ffi::ucp_op_attr_t::UCP_OP_ATTR_FIELD_USER_DATA).0,
+            op_attr_mask: (ffi::ucp_op_attr_t::UCP_OP_ATTR_FIELD_CALLBACK
+                | ffi::ucp_op_attr_t::UCP_OP_ATTR_FIELD_USER_DATA)
+                .0,
             user_data: op as *mut Op as *mut c_void,
             ..Default::default()
         };
@@ -941,11 +1100,20 @@ impl Worker {
 
     fn op_done(&mut self, mut op: Box<Op>, status: ffi::ucs_status_t) {
         if !status.is_ok() && op.error.is_none() {
-            let what = if op.stage == Stage::Flush { "ucp_ep_flush_nbx" } else { "ucp_am_send_nbx" };
-            op.error = Some(match self.peers.get(&op.peer).and_then(|p| p.failed.clone()) {
-                Some(reason) => TransportError::PeerFailed { peer: PeerId(op.peer), reason },
-                None => status_error(what, status),
-            });
+            let what = if op.stage == Stage::Flush {
+                "ucp_ep_flush_nbx"
+            } else {
+                "ucp_am_send_nbx"
+            };
+            op.error = Some(
+                match self.peers.get(&op.peer).and_then(|p| p.failed.clone()) {
+                    Some(reason) => TransportError::PeerFailed {
+                        peer: PeerId(op.peer),
+                        reason,
+                    },
+                    None => status_error(what, status),
+                },
+            );
         }
         if op.stage == Stage::Flush && op.error.is_none() {
             let Some(ep) = self.peers.get(&op.peer).map(|p| p.ep) else {
@@ -960,14 +1128,29 @@ impl Worker {
             let raw = Box::into_raw(op);
             // SAFETY: ep is live; the message bytes live in the boxed op, which stays allocated until
             // the callback (or the immediate completion below) hands it back.
-            let req = unsafe { ffi::ucp_am_send_nbx(ep, NOTIFY_AM_ID, ptr::null(), 0, data as *const c_void, len, &param) };
+            let req = unsafe {
+                ffi::ucp_am_send_nbx(
+                    ep,
+                    NOTIFY_AM_ID,
+                    ptr::null(),
+                    0,
+                    data as *const c_void,
+                    len,
+                    &param,
+                )
+            };
             return self.after_submit(req, raw, "ucp_am_send_nbx");
         }
         self.finish(op);
     }
 
+    // The op arrives boxed from UCX's callback; unboxing it would only copy it.
+    #[allow(clippy::boxed_local)]
     fn finish(&mut self, mut op: Box<Op>) {
-        self.shared.counters.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.shared
+            .counters
+            .in_flight
+            .fetch_sub(1, Ordering::Relaxed);
         // The owner hears first, so a deregistration that waited for this op returns after it.
         if let Some(done) = op.done.take() {
             done(match op.error.take() {
@@ -987,7 +1170,10 @@ impl Worker {
         for id in unmaps {
             let reply = self.regions.get_mut(&id).and_then(|r| r.deregister.take());
             let res = self.unmap(id);
-            self.shared.counters.deferred.fetch_sub(1, Ordering::Relaxed);
+            self.shared
+                .counters
+                .deferred
+                .fetch_sub(1, Ordering::Relaxed);
             if let Some(reply) = reply {
                 let _ = reply.send(res);
             }
@@ -1000,10 +1186,15 @@ impl Worker {
 
     fn peer_error(&mut self, peer: u64, status: ffi::ucs_status_t) {
         let reason = status_error("endpoint", status).to_string();
-        if let Some(p) = self.peers.get_mut(&peer) {
-            if p.failed.is_none() {
+        if let Some(p) = self.peers.get_mut(&peer)
+            && p.failed.is_none()
+        {
+            {
                 p.failed = Some(reason.clone());
-                (self.sink)(Incoming::PeerFailed { peer: PeerId(peer), reason });
+                (self.sink)(Incoming::PeerFailed {
+                    peer: PeerId(peer),
+                    reason,
+                });
             }
         }
     }
@@ -1011,7 +1202,9 @@ impl Worker {
     fn close(mut self: Box<Self>) {
         // Let posted chunks finish (bounded), so their Done callbacks run and their memory is released.
         let deadline = Instant::now() + SHUTDOWN_BOUND;
-        while self.shared.counters.in_flight.load(Ordering::Relaxed) > 0 && Instant::now() < deadline {
+        while self.shared.counters.in_flight.load(Ordering::Relaxed) > 0
+            && Instant::now() < deadline
+        {
             // SAFETY: the worker is live and owned by this thread.
             unsafe { ffi::ucp_worker_progress(self.worker) };
             self.drain_events();

@@ -366,6 +366,45 @@ impl DecodeEngine {
     pub fn pool_bytes(&self) -> Option<&[u8]> {
         self.inner.pool.get().and_then(|r| r.pool.host_bytes())
     }
+
+    /// What a prefill that does not speak our control plane needs to write into the pool: the
+    /// backend's metadata (UCX worker address or NIXL agent metadata), its name (NIXL agent name) and
+    /// the pool's registration.
+    ///
+    /// # Errors
+    /// The transport cannot export its metadata.
+    pub fn backend_info(&self) -> Result<(Vec<u8>, String, crate::transport::RemoteRegion), EngineError> {
+        let t = self.inner.transport.get().ok_or(EngineError::Shutdown)?;
+        let pool = self.inner.pool.get().ok_or(EngineError::Shutdown)?;
+        Ok((t.metadata()?, t.name(), pool.remote.clone()))
+    }
+
+    /// Binds PP rank `rank` to a prefill that does not speak our control plane (for instance a
+    /// Python NIXL agent sending SGLang's text notifications), identified by how the transport names
+    /// its notifications, and holding `src` (its layers). Its notifications then count for that rank
+    /// exactly as a connected rank's do; it gets no TransferRequest or Abort messages.
+    ///
+    /// # Errors
+    /// The rank is out of range or taken, or its layout does not plan against the pool.
+    pub fn bind_external_rank(&self, rank: u16, sender: Sender, src: &KvLayout) -> Result<(), EngineError> {
+        let planner = Planner::new(src, &self.inner.cfg.layout, TpMapping::Identical)
+            .map_err(|source| EngineError::Plan { request: None, source })?;
+        let mut st = self.inner.lock();
+        match st.ranks.get(usize::from(rank)) {
+            Some(None) => {}
+            Some(Some(_)) => return Err(EngineError::Config(format!("rank {rank} is already bound"))),
+            None => return Err(EngineError::Config(format!("rank {rank} is not below pp_size"))),
+        }
+        let peer = PeerId(st.next_peer);
+        st.next_peer += 1;
+        st.senders.insert(sender, (rank, peer));
+        // Nobody reads this channel: an external rank learns its pages out of band.
+        let (tx, _rx) = mpsc::unbounded_channel();
+        st.ranks[usize::from(rank)] = Some(RankConn { peer, writer: tx, planner });
+        drop(st);
+        self.inner.connected.send_modify(|n| *n += 1);
+        Ok(())
+    }
 }
 
 impl Inner {

@@ -11,6 +11,19 @@ use transfer_engine::mem::{HostBuffer, HostOptions};
 use transfer_engine::transport::ucx::{UcxConfig, UcxTransport};
 use transfer_engine::transport::{BackendKind, Transport, WriteOp};
 
+/// Which requests `kvbench` checks byte for byte against their source.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verify {
+    /// None.
+    None,
+    /// After the timed run, the last request of every destination slot (every byte of it): the
+    /// check costs no bandwidth during the run.
+    Last,
+    /// Every request, as it completes, inside the timed run (a full read of both sides per request,
+    /// which competes with the transfers for memory bandwidth).
+    All,
+}
+
 /// A workload.
 #[derive(Debug, Clone)]
 pub struct Workload {
@@ -26,12 +39,15 @@ pub struct Workload {
     pub requests: u32,
     /// Requests in flight at once.
     pub concurrency: u32,
-    /// Verify every byte of every request.
-    pub verify: bool,
+    /// Which requests to verify byte for byte.
+    pub verify: Verify,
     /// Send and check per-chunk checksums.
     pub checksums: bool,
     /// Keep issuing requests until this much time passed.
     pub duration: Option<Duration>,
+    /// Destination pages in reverse order, so no two pages coalesce into one write: every page is a
+    /// write of its own (the page-rate workload).
+    pub scatter: bool,
 }
 
 impl Workload {
@@ -40,9 +56,22 @@ impl Workload {
         self.shape.pages_for(self.prompt_tokens)
     }
 
+    /// The destination pages of the request in `slot`.
+    pub fn dst_pages(&self, slot: u32) -> Vec<u32> {
+        let pages = self.pages();
+        if self.scatter {
+            (0..pages).rev().map(|i| slot * pages + i).collect()
+        } else {
+            (slot * pages..(slot + 1) * pages).collect()
+        }
+    }
+
     /// Size of one coalesced write when a chunk's pages are contiguous on both sides: one layer's
     /// pages of one chunk.
     pub fn write_size(&self) -> u64 {
+        if self.scatter {
+            return self.shape.page_bytes();
+        }
         let pages_per_chunk = u64::from(self.chunk_tokens.div_ceil(self.shape.page_tokens));
         pages_per_chunk.min(u64::from(self.pages())) * self.shape.page_bytes()
     }
@@ -61,6 +90,13 @@ pub struct Report {
     pub baseline: String,
     /// gbps / baseline_gbps.
     pub ratio: f64,
+    /// The same put loop streaming through buffers as large as the workload's pools (what the
+    /// engine's writes really touch), GB/s.
+    pub stream_gbps: f64,
+    /// gbps / stream_gbps.
+    pub stream_ratio: f64,
+    /// A plain streaming memcpy of the same size in this process, GB/s: the memory bandwidth bound.
+    pub memcpy_gbps: f64,
     /// Completed requests per second.
     pub requests_per_s: f64,
     /// Request latency percentiles (decode's expect to Complete), µs.
@@ -114,7 +150,7 @@ pub async fn run_workload(
     let mut latencies = Vec::new();
     let mut completes = Vec::new();
     let mut failed = 0u64;
-    let mut verified = w.verify;
+    let mut verified = w.verify != Verify::None;
     let mut issued = 0u64;
     let slots = w.concurrency.max(1);
     let mut set = tokio::task::JoinSet::new();
@@ -130,6 +166,7 @@ pub async fn run_workload(
             issued,
             slot,
             src.clone(),
+            w.dst_pages(slot),
             w.prompt_tokens,
             w.chunk_tokens,
             chunks,
@@ -145,8 +182,8 @@ pub async fn run_workload(
             Outcome::Complete => {
                 latencies.push(latency.as_secs_f64() * 1e6);
                 completes.push(complete.as_secs_f64() * 1e6);
-                if w.verify {
-                    let dst: Vec<u32> = (slot * pages..(slot + 1) * pages).collect();
+                if w.verify == Verify::All {
+                    let dst = w.dst_pages(slot);
                     if let Err(e) = cluster.verify(w.prompt_tokens, &src, &dst) {
                         tracing::error!(%e, "verification failed");
                         verified = false;
@@ -168,6 +205,7 @@ pub async fn run_workload(
                 issued,
                 slot,
                 src.clone(),
+                w.dst_pages(slot),
                 w.prompt_tokens,
                 w.chunk_tokens,
                 chunks,
@@ -176,6 +214,15 @@ pub async fn run_workload(
         }
     }
     let elapsed = started.elapsed().as_secs_f64();
+    if w.verify == Verify::Last {
+        for slot in 0..slots.min(issued as u32) {
+            let dst = w.dst_pages(slot);
+            if let Err(e) = cluster.verify(w.prompt_tokens, &src, &dst) {
+                tracing::error!(%e, slot, "verification failed");
+                verified = false;
+            }
+        }
+    }
     let ok = (done - failed) as f64;
     latencies.sort_by(f64::total_cmp);
     completes.sort_by(f64::total_cmp);
@@ -186,6 +233,9 @@ pub async fn run_workload(
         baseline_gbps: 0.0,
         baseline: String::new(),
         ratio: 0.0,
+        stream_gbps: 0.0,
+        stream_ratio: 0.0,
+        memcpy_gbps: 0.0,
         requests_per_s: ok / elapsed,
         latency_p50_us: percentile(&latencies, 0.5),
         latency_p99_us: percentile(&latencies, 0.99),
@@ -205,12 +255,11 @@ async fn one_request(
     id: u64,
     slot: u32,
     src: Arc<Vec<u32>>,
+    dst: Vec<u32>,
     prompt_tokens: u32,
     chunk_tokens: u32,
     chunks: u32,
 ) -> RequestResult {
-    let pages = src.len() as u32;
-    let dst: Vec<u32> = (slot * pages..(slot + 1) * pages).collect();
     let request = RequestId(id + 1);
     let t0 = Instant::now();
     let outcome = cluster.decode.expect(
@@ -312,64 +361,108 @@ pub fn perftest_put_bw(tool: &Path, size: u64, iters: u32) -> Option<f64> {
     Some(mbs * 1048576.0 / 1e9)
 }
 
-/// The in-process fallback baseline: one UCX transport putting `size`-byte writes into another,
-/// `batch` writes per post, for about `secs` seconds. GB/s (10^9).
+/// An in-process put baseline: one UCX transport putting `size`-byte writes into another, `batch`
+/// writes per post (two posts in flight, like two pipelined chunks), cycling through buffers of
+/// `span` bytes, for about `secs` seconds. With `span` equal to one write batch the buffers stay in
+/// cache, as `ucx_perftest`'s do; with `span` as large as a request they stream through memory, as the
+/// engine's writes do. GB/s (10^9).
 ///
 /// # Errors
 /// Transport failures.
-pub fn inprocess_put_bw(size: u64, batch: u32, secs: f64) -> Result<f64, EngineError> {
-    let len = (size * u64::from(batch)) as usize;
-    let dst = HostBuffer::new(len, HostOptions::default())
-        .map_err(|e| EngineError::Config(e.to_string()))?;
-    let src = HostBuffer::new(len, HostOptions::default())
-        .map_err(|e| EngineError::Config(e.to_string()))?;
+pub fn inprocess_put_bw(size: u64, batch: u32, span: u64, secs: f64) -> Result<f64, EngineError> {
+    let step = size * u64::from(batch);
+    let slots = (span / step).max(2);
+    let len = (step * slots) as usize;
+    let dst = HostBuffer::new(
+        len,
+        HostOptions {
+            prefault: true,
+            ..Default::default()
+        },
+    )
+    .map_err(|e| EngineError::Config(e.to_string()))?;
+    let mut src = HostBuffer::new(
+        len,
+        HostOptions {
+            prefault: true,
+            ..Default::default()
+        },
+    )
+    .map_err(|e| EngineError::Config(e.to_string()))?;
+    src.as_mut_slice().fill(1);
     let rx = UcxTransport::new(UcxConfig::default(), Arc::new(|_| {}))?;
     let tx = UcxTransport::new(UcxConfig::default(), Arc::new(|_| {}))?;
     let (_d, remote) = rx.register(dst.desc())?;
     let (s, _) = tx.register(src.desc())?;
     let peer = tx.connect(&rx.metadata()?, &[remote], 0)?;
-    let writes: Vec<WriteOp> = (0..u64::from(batch))
-        .map(|i| WriteOp {
-            local: s,
-            local_offset: i * size,
-            remote: 0,
-            remote_offset: i * size,
-            len: size,
-        })
-        .collect();
-    let start = Instant::now();
-    let mut bytes = 0u64;
+    let batch_at = |slot: u64| -> Vec<WriteOp> {
+        (0..u64::from(batch))
+            .map(|i| {
+                let off = slot * step + i * size;
+                WriteOp {
+                    local: s,
+                    local_offset: off,
+                    remote: 0,
+                    remote_offset: off,
+                    len: size,
+                }
+            })
+            .collect()
+    };
     let (done_tx, done_rx) = std::sync::mpsc::channel();
-    // Two posts in flight, like two chunks of a pipelined prefill.
-    for _ in 0..2 {
+    let post = |slot: u64| {
         let d = done_tx.clone();
         tx.post(
             peer,
-            writes.clone(),
+            batch_at(slot % slots),
             Vec::new(),
             Box::new(move |r| {
                 let _ = d.send(r);
             }),
         );
+    };
+    let start = Instant::now();
+    let mut bytes = 0u64;
+    let mut next = 0u64;
+    for _ in 0..2 {
+        post(next);
+        next += 1;
     }
     while start.elapsed().as_secs_f64() < secs {
         done_rx
             .recv_timeout(Duration::from_secs(10))
             .map_err(|_| EngineError::Timeout("baseline put".into()))??;
-        bytes += size * u64::from(batch);
-        let d = done_tx.clone();
-        tx.post(
-            peer,
-            writes.clone(),
-            Vec::new(),
-            Box::new(move |r| {
-                let _ = d.send(r);
-            }),
-        );
+        bytes += step;
+        post(next);
+        next += 1;
     }
     let gbps = bytes as f64 / start.elapsed().as_secs_f64() / 1e9;
     for _ in 0..2 {
         let _ = done_rx.recv_timeout(Duration::from_secs(10));
     }
     Ok(gbps)
+}
+
+/// A plain copy streaming through two buffers of `span` bytes, for about `secs` seconds. GB/s.
+///
+/// # Errors
+/// The buffers cannot be allocated.
+pub fn memcpy_bw(span: u64, secs: f64) -> Result<f64, EngineError> {
+    let opts = HostOptions {
+        prefault: true,
+        ..Default::default()
+    };
+    let mut dst =
+        HostBuffer::new(span as usize, opts).map_err(|e| EngineError::Config(e.to_string()))?;
+    let mut src =
+        HostBuffer::new(span as usize, opts).map_err(|e| EngineError::Config(e.to_string()))?;
+    src.as_mut_slice().fill(1);
+    let start = Instant::now();
+    let mut bytes = 0u64;
+    while start.elapsed().as_secs_f64() < secs {
+        dst.as_mut_slice().copy_from_slice(src.as_slice());
+        std::hint::black_box(dst.as_slice());
+        bytes += span;
+    }
+    Ok(bytes as f64 / start.elapsed().as_secs_f64() / 1e9)
 }

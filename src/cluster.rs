@@ -96,7 +96,13 @@ pub fn pattern(rank: u16, offset: u64) -> u8 {
     (x >> 32) as u8 ^ (x as u8)
 }
 
-fn free_addrs(n: usize) -> std::io::Result<Vec<SocketAddr>> {
+static CLUSTER_SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// `n` loopback addresses whose ports were free a moment ago (bound, then released).
+///
+/// # Errors
+/// Binding failed.
+pub fn free_addrs(n: usize) -> std::io::Result<Vec<SocketAddr>> {
     // Bind and release, so each rank gets a port nobody else holds right now.
     let socks: Vec<std::net::TcpListener> = (0..n)
         .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
@@ -114,7 +120,11 @@ impl Cluster {
         let page_bytes = s.page_bytes();
         let dst_layout = KvLayout::packed(0, s.layers, s.regions, page_bytes, spec.decode_pages);
         let mut dcfg = DecodeConfig::new(s.layers, s.page_tokens, dst_layout.clone(), spec.pp);
-        dcfg.backend = BackendConfig::default_for(spec.backend, "decode");
+        // Names unique in the process: tests build several clusters side by side, and a NIXL agent's
+        // name is how its peers know it.
+        let tag = CLUSTER_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tag = format!("{}-{tag}", std::process::id());
+        dcfg.backend = BackendConfig::default_for(spec.backend, &format!("decode-{tag}"));
         dcfg.verify_checksums = spec.checksums;
         let dpool = HostBuffer::new(dst_layout.buffer_len as usize, HostOptions::default())
             .map_err(|e| EngineError::Config(format!("decode pool: {e}")))?;
@@ -149,7 +159,8 @@ impl Cluster {
                 s.page_tokens,
                 layout.clone(),
             );
-            cfg.backend = BackendConfig::default_for(spec.backend, &format!("prefill-{rank}"));
+            cfg.backend =
+                BackendConfig::default_for(spec.backend, &format!("prefill-{rank}-{tag}"));
             cfg.peers = peers.clone();
             cfg.checksums = spec.checksums;
             let mut buf = HostBuffer::new(layout.buffer_len as usize, HostOptions::default())
@@ -219,6 +230,108 @@ impl Cluster {
                 .map_err(|e| EngineError::Config(format!("send task: {e}")))??;
         }
         Ok(outcome)
+    }
+
+    /// Bytes of the decode pool (what the decode transport registers).
+    pub fn decode_pool_len(&self) -> u64 {
+        let s = self.spec.shape;
+        KvLayout::packed(
+            0,
+            s.layers,
+            s.regions,
+            s.page_bytes(),
+            self.spec.decode_pages,
+        )
+        .buffer_len
+    }
+
+    /// Bytes of rank `rank`'s pool (what its transport registers).
+    pub fn prefill_pool_len(&self, rank: u16) -> u64 {
+        let s = self.spec.shape;
+        let range = &self.layers[usize::from(rank)];
+        KvLayout::packed(
+            range.start,
+            range.len() as u32,
+            s.regions,
+            s.page_bytes(),
+            self.spec.prefill_pages,
+        )
+        .buffer_len
+    }
+
+    /// Sends chunks `chunks` of `request` from `rank`, one after the other, marking chunk
+    /// `total - 1` LAST. Stops at the first error and returns it with the chunk it failed on.
+    ///
+    /// # Errors
+    /// The first `send_chunk` error.
+    pub async fn send_chunks(
+        &self,
+        rank: u16,
+        request: RequestId,
+        chunks: std::ops::Range<u32>,
+        total: u32,
+        src_pages: &[u32],
+    ) -> Result<(), (u32, EngineError)> {
+        let p = &self.prefill[usize::from(rank)];
+        for c in chunks {
+            p.send_chunk(request, c, src_pages, c + 1 == total)
+                .await
+                .map_err(|e| (c, e))?;
+        }
+        Ok(())
+    }
+
+    /// Waits up to `within` until nothing is left over: no request tracked by decode, none undecided
+    /// on any rank, no chunk in flight in any transport, and every transport's registered bytes back
+    /// to exactly its pool. Returns what was still left at the bound.
+    ///
+    /// # Errors
+    /// A description of every counter that had not settled.
+    pub async fn wait_quiescent(&self, within: Duration) -> Result<(), String> {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let left = self.leftovers();
+            if left.is_empty() {
+                return Ok(());
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(left.join("; "));
+            }
+            // Counters settle on the transports' progress threads; poll them.
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    fn leftovers(&self) -> Vec<String> {
+        let mut left = Vec::new();
+        let d = self.decode.stats();
+        if d.in_flight != 0 {
+            left.push(format!("decode tracks {} requests", d.in_flight));
+        }
+        if d.registered_bytes != self.decode_pool_len() {
+            left.push(format!(
+                "decode registers {} bytes, its pool is {}",
+                d.registered_bytes,
+                self.decode_pool_len()
+            ));
+        }
+        for (rank, p) in self.prefill.iter().enumerate() {
+            let (s, t) = (p.stats(), p.transport_stats());
+            let want = self.prefill_pool_len(rank as u16);
+            if s.undecided != 0 {
+                left.push(format!("rank {rank}: {} undecided", s.undecided));
+            }
+            if t.in_flight != 0 {
+                left.push(format!("rank {rank}: {} chunks in flight", t.in_flight));
+            }
+            if t.registered_bytes != want || s.registered_bytes != want {
+                left.push(format!(
+                    "rank {rank} registers {} bytes, its pool is {want}",
+                    t.registered_bytes
+                ));
+            }
+        }
+        left
     }
 
     /// Checks every byte of a completed request in the decode pool against the prefill pools it came

@@ -4,7 +4,7 @@
 //! and verifies each against the pattern the prefill processes filled their pools with. A prefill
 //! process serves whatever page allocations arrive, and exits when the decode process closes.
 
-use crate::bench::{Report, Workload};
+use crate::bench::{Report, Verify, Workload};
 use crate::cluster::{pattern, verify_pattern};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -65,10 +65,10 @@ pub async fn run_decode(
     let src: Vec<u32> = (0..pages).collect();
     let started = Instant::now();
     let mut latencies = Vec::new();
-    let (mut failed, mut verified, mut issued) = (0u64, w.verify, 0u64);
+    let (mut failed, mut verified, mut issued) = (0u64, w.verify != Verify::None, 0u64);
     let mut set = tokio::task::JoinSet::new();
     let spawn = |set: &mut tokio::task::JoinSet<_>, id: u64, slot: u32| -> Result<(), String> {
-        let dst: Vec<u32> = (slot * pages..(slot + 1) * pages).collect();
+        let dst = w.dst_pages(slot);
         let t0 = Instant::now();
         let fut = decode
             .expect(
@@ -91,8 +91,8 @@ pub async fn run_decode(
         match outcome {
             Outcome::Complete => {
                 latencies.push(latency.as_secs_f64() * 1e6);
-                if w.verify {
-                    let dst: Vec<u32> = (slot * pages..(slot + 1) * pages).collect();
+                if w.verify != Verify::None {
+                    let dst = w.dst_pages(slot);
                     let pool = decode.pool_bytes().ok_or("decode pool not readable")?;
                     if let Err(e) = verify_pattern(
                         w.shape,
@@ -135,6 +135,9 @@ pub async fn run_decode(
         baseline_gbps: 0.0,
         baseline: "none (multi-process)".into(),
         ratio: 0.0,
+        stream_gbps: 0.0,
+        stream_ratio: 0.0,
+        memcpy_gbps: 0.0,
         requests_per_s: ok / elapsed,
         latency_p50_us: pct(0.5),
         latency_p99_us: pct(0.99),

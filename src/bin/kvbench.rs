@@ -6,7 +6,8 @@
 
 use clap::{Parser, Subcommand, ValueEnum};
 use kvbench::bench::{
-    Report, Workload, find_perftest, inprocess_put_bw, perftest_put_bw, run_workload,
+    Report, Verify, Workload, find_perftest, inprocess_put_bw, memcpy_bw, perftest_put_bw,
+    run_workload,
 };
 use kvbench::cluster::Shape;
 use kvbench::roles;
@@ -32,6 +33,13 @@ enum Backend {
     /// NIXL with its UCX plugin.
     Nixl,
     /// Both, side by side.
+    All,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+enum VerifyArg {
+    None,
+    Last,
     All,
 }
 
@@ -83,9 +91,10 @@ struct Opts {
     /// Backend(s).
     #[arg(long, value_enum, default_value = "all", global = true)]
     backend: Backend,
-    /// Verify every byte of every request (yes/no).
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, global = true)]
-    verify: bool,
+    /// Byte-for-byte verification: none; last (after the run, every byte of the last request in each
+    /// destination slot); all (every request as it completes, inside the timed run).
+    #[arg(long, value_enum, default_value = "last", global = true)]
+    verify: VerifyArg,
     /// Send and check per-chunk checksums.
     #[arg(long, default_value_t = false, action = clap::ArgAction::Set, global = true)]
     checksums: bool,
@@ -98,6 +107,9 @@ struct Opts {
     /// Skip the raw baseline.
     #[arg(long, global = true)]
     no_baseline: bool,
+    /// Destination pages in reverse order: no coalescing, one write per page (page-rate workload).
+    #[arg(long, global = true)]
+    scatter: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -181,9 +193,14 @@ impl Opts {
             chunk_tokens: self.chunk_tokens,
             requests: self.requests,
             concurrency: self.concurrency.max(1),
-            verify: self.verify,
+            verify: match self.verify {
+                VerifyArg::None => Verify::None,
+                VerifyArg::Last => Verify::Last,
+                VerifyArg::All => Verify::All,
+            },
             checksums: self.checksums,
             duration,
+            scatter: self.scatter,
         })
     }
 
@@ -213,12 +230,24 @@ fn print_table(w: &Workload, reports: &[Report]) {
         w.chunk_tokens,
         w.write_size()
     );
+    if let Some(r) = reports.first() {
+        println!(
+            "baselines: {} = {:.2} GB/s; in-process put streaming through {} MB = {:.2} GB/s; \
+             streaming memcpy = {:.2} GB/s",
+            r.baseline,
+            r.baseline_gbps,
+            w.shape.request_bytes(w.prompt_tokens) / 1_000_000,
+            r.stream_gbps,
+            r.memcpy_gbps
+        );
+    }
     println!(
-        "{:<8} {:>8} {:>9} {:>6} {:>9} {:>10} {:>10} {:>11} {:>11} {:>10} {:>8}  baseline",
+        "{:<8} {:>8} {:>9} {:>6} {:>7} {:>9} {:>10} {:>10} {:>11} {:>11} {:>10} {:>8}",
         "backend",
         "GB/s",
         "base GB/s",
         "ratio",
+        "strm r",
         "req/s",
         "lat p50us",
         "lat p99us",
@@ -229,11 +258,12 @@ fn print_table(w: &Workload, reports: &[Report]) {
     );
     for r in reports {
         println!(
-            "{:<8} {:>8.2} {:>9.2} {:>6.3} {:>9.2} {:>10.0} {:>10.0} {:>11.1} {:>11.1} {:>10.0} {:>8}  {}",
+            "{:<8} {:>8.2} {:>9.2} {:>6.3} {:>7.3} {:>9.2} {:>10.0} {:>10.0} {:>11.1} {:>11.1} {:>10.0} {:>8}",
             r.backend,
             r.gbps,
             r.baseline_gbps,
             r.ratio,
+            r.stream_ratio,
             r.requests_per_s,
             r.latency_p50_us,
             r.latency_p99_us,
@@ -241,26 +271,32 @@ fn print_table(w: &Workload, reports: &[Report]) {
             r.complete_p99_us,
             r.chunks_per_s,
             if r.verified { "yes" } else { "no" },
-            r.baseline
         );
     }
 }
 
-fn baseline(w: &Workload) -> (f64, String) {
+/// The raw baselines, measured before the engine runs: ucx_perftest (or the cached in-process put
+/// loop) at the workload's write size, the put loop streaming through a request-sized buffer, and a
+/// streaming memcpy.
+fn baselines(w: &Workload) -> (f64, String, f64, f64) {
     let size = w.write_size();
-    if let Some(tool) = find_perftest() {
-        if let Some(g) = perftest_put_bw(&tool, size, 2000) {
-            return (g, format!("ucx_perftest ucp_put_bw {size} B"));
+    let span = w.shape.request_bytes(w.prompt_tokens);
+    let (base, name) = match find_perftest().and_then(|tool| perftest_put_bw(&tool, size, 2000)) {
+        Some(g) => (g, format!("ucx_perftest ucp_put_bw {size} B")),
+        None => {
+            eprintln!(
+                "kvbench: ucx_perftest not found or failed; the baseline is the in-process put loop"
+            );
+            let g = inprocess_put_bw(size, 16, size * 16, 1.0).unwrap_or(0.0);
+            (g, format!("in-process ucp_put loop {size} B"))
         }
-        eprintln!("kvbench: ucx_perftest did not run; using the in-process put loop");
-    }
-    match inprocess_put_bw(size, 16, 1.0) {
-        Ok(g) => (g, format!("in-process ucp_put loop {size} B")),
-        Err(e) => {
-            eprintln!("kvbench: baseline failed: {e}");
-            (0.0, "none".into())
-        }
-    }
+    };
+    let stream = inprocess_put_bw(size, 16, span, 1.0).unwrap_or_else(|e| {
+        eprintln!("kvbench: streaming put baseline failed: {e}");
+        0.0
+    });
+    let memcpy = memcpy_bw(span, 1.0).unwrap_or(0.0);
+    (base, name, stream, memcpy)
 }
 
 fn main() -> ExitCode {
@@ -326,7 +362,7 @@ fn main() -> ExitCode {
             }
             if reports
                 .iter()
-                .all(|r| r.failed == 0 && (r.verified || !w.verify))
+                .all(|r| r.failed == 0 && (r.verified || w.verify == Verify::None))
             {
                 ExitCode::SUCCESS
             } else {
@@ -341,10 +377,10 @@ fn main() -> ExitCode {
 }
 
 async fn run_local(opts: &Opts, w: &Workload) -> Result<Vec<Report>, String> {
-    let (base, base_name) = if opts.no_baseline {
-        (0.0, "skipped".to_string())
+    let (base, base_name, stream, memcpy) = if opts.no_baseline {
+        (0.0, "skipped".to_string(), 0.0, 0.0)
     } else {
-        baseline(w)
+        baselines(w)
     };
     let mut reports = Vec::new();
     let tty = std::io::stderr().is_terminal();
@@ -363,6 +399,9 @@ async fn run_local(opts: &Opts, w: &Workload) -> Result<Vec<Report>, String> {
         r.baseline_gbps = base;
         r.baseline = base_name.clone();
         r.ratio = if base > 0.0 { r.gbps / base } else { 0.0 };
+        r.stream_gbps = stream;
+        r.stream_ratio = if stream > 0.0 { r.gbps / stream } else { 0.0 };
+        r.memcpy_gbps = memcpy;
         reports.push(r);
     }
     Ok(reports)

@@ -56,6 +56,16 @@ impl Workload {
         self.shape.pages_for(self.prompt_tokens)
     }
 
+    /// Writes one request takes once coalesced (pages, layers and regions when scattered).
+    pub fn writes_per_request(&self) -> u64 {
+        let per_layer_region = if self.scatter {
+            u64::from(self.pages())
+        } else {
+            u64::from(self.prompt_tokens.div_ceil(self.chunk_tokens))
+        };
+        per_layer_region * u64::from(self.shape.layers) * u64::from(self.shape.regions.count())
+    }
+
     /// The destination pages of the request in `slot`.
     pub fn dst_pages(&self, slot: u32) -> Vec<u32> {
         let pages = self.pages();
@@ -109,6 +119,10 @@ pub struct Report {
     pub complete_p99_us: f64,
     /// Chunks per second (all ranks).
     pub chunks_per_s: f64,
+    /// Writes per second (all ranks), after coalescing; with `--scatter`, pages per second.
+    pub writes_per_s: f64,
+    /// ucx_perftest's message rate at the same size (0 when not measured).
+    pub baseline_msg_rate: f64,
     /// Requests run.
     pub requests: u64,
     /// Requests that failed.
@@ -242,6 +256,8 @@ pub async fn run_workload(
         complete_p50_us: percentile(&completes, 0.5),
         complete_p99_us: percentile(&completes, 0.99),
         chunks_per_s: ok * f64::from(chunks) * f64::from(w.pp) / elapsed,
+        writes_per_s: ok * w.writes_per_request() as f64 / elapsed,
+        baseline_msg_rate: 0.0,
         requests: done,
         failed,
         verified: verified && failed == 0,
@@ -310,9 +326,10 @@ pub fn find_perftest() -> Option<PathBuf> {
     here.exists().then_some(here)
 }
 
-/// `ucx_perftest -t ucp_put_bw` at `size` bytes between two processes on loopback, in GB/s (10^9).
+/// `ucx_perftest -t ucp_put_bw` at `size` bytes between two processes on loopback: GB/s (10^9) and
+/// messages per second.
 /// `None` when the tool fails; the reason is logged.
-pub fn perftest_put_bw(tool: &Path, size: u64, iters: u32) -> Option<f64> {
+pub fn perftest_put_bw(tool: &Path, size: u64, iters: u32) -> Option<(f64, f64)> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .ok()?
         .local_addr()
@@ -357,8 +374,10 @@ pub fn perftest_put_bw(tool: &Path, size: u64, iters: u32) -> Option<f64> {
     let out = out?;
     let line = out.lines().find(|l| l.starts_with("Final:"))?;
     // Final: iterations, 3 overheads, bandwidth average and overall (MB/s, 2^20), message rates.
-    let mbs: f64 = line.split_whitespace().nth(6)?.parse().ok()?;
-    Some(mbs * 1048576.0 / 1e9)
+    let cols: Vec<&str> = line.split_whitespace().collect();
+    let mbs: f64 = cols.get(6)?.parse().ok()?;
+    let rate: f64 = cols.get(8)?.parse().ok()?;
+    Some((mbs * 1048576.0 / 1e9, rate))
 }
 
 /// An in-process put baseline: one UCX transport putting `size`-byte writes into another, `batch`

@@ -145,6 +145,8 @@ pub async fn run_decode(
         complete_p99_us: 0.0,
         chunks_per_s: ok * f64::from(w.prompt_tokens.div_ceil(w.chunk_tokens)) * f64::from(w.pp)
             / elapsed,
+        writes_per_s: ok * w.writes_per_request() as f64 / elapsed,
+        baseline_msg_rate: 0.0,
         requests: issued,
         failed,
         verified: verified && failed == 0,

@@ -232,17 +232,18 @@ fn print_table(w: &Workload, reports: &[Report]) {
     );
     if let Some(r) = reports.first() {
         println!(
-            "baselines: {} = {:.2} GB/s; in-process put streaming through {} MB = {:.2} GB/s; \
+            "baselines: {} = {:.2} GB/s, {:.0} msg/s; in-process put streaming through {} MB = {:.2} GB/s; \
              streaming memcpy = {:.2} GB/s",
             r.baseline,
             r.baseline_gbps,
+            r.baseline_msg_rate,
             w.shape.request_bytes(w.prompt_tokens) / 1_000_000,
             r.stream_gbps,
             r.memcpy_gbps
         );
     }
     println!(
-        "{:<8} {:>8} {:>9} {:>6} {:>7} {:>9} {:>10} {:>10} {:>11} {:>11} {:>10} {:>8}",
+        "{:<8} {:>8} {:>9} {:>6} {:>7} {:>9} {:>10} {:>10} {:>11} {:>11} {:>10} {:>10} {:>8}",
         "backend",
         "GB/s",
         "base GB/s",
@@ -254,11 +255,12 @@ fn print_table(w: &Workload, reports: &[Report]) {
         "cmpl p50us",
         "cmpl p99us",
         "chunks/s",
+        "writes/s",
         "verified"
     );
     for r in reports {
         println!(
-            "{:<8} {:>8.2} {:>9.2} {:>6.3} {:>7.3} {:>9.2} {:>10.0} {:>10.0} {:>11.1} {:>11.1} {:>10.0} {:>8}",
+            "{:<8} {:>8.2} {:>9.2} {:>6.3} {:>7.3} {:>9.2} {:>10.0} {:>10.0} {:>11.1} {:>11.1} {:>10.0} {:>10.0} {:>8}",
             r.backend,
             r.gbps,
             r.baseline_gbps,
@@ -270,6 +272,7 @@ fn print_table(w: &Workload, reports: &[Report]) {
             r.complete_p50_us,
             r.complete_p99_us,
             r.chunks_per_s,
+            r.writes_per_s,
             if r.verified { "yes" } else { "no" },
         );
     }
@@ -278,17 +281,24 @@ fn print_table(w: &Workload, reports: &[Report]) {
 /// The raw baselines, measured before the engine runs: ucx_perftest (or the cached in-process put
 /// loop) at the workload's write size, the put loop streaming through a request-sized buffer, and a
 /// streaming memcpy.
-fn baselines(w: &Workload) -> (f64, String, f64, f64) {
+fn baselines(w: &Workload) -> (f64, String, f64, f64, f64) {
     let size = w.write_size();
     let span = w.shape.request_bytes(w.prompt_tokens);
-    let (base, name) = match find_perftest().and_then(|tool| perftest_put_bw(&tool, size, 2000)) {
-        Some(g) => (g, format!("ucx_perftest ucp_put_bw {size} B")),
+    let iters = (4_000_000_000 / size.max(1)).clamp(2000, 200_000) as u32;
+    let (base, rate, name) = match find_perftest()
+        .and_then(|tool| perftest_put_bw(&tool, size, iters))
+    {
+        Some((g, rate)) => (g, rate, format!("ucx_perftest ucp_put_bw {size} B")),
         None => {
             eprintln!(
                 "kvbench: ucx_perftest not found or failed; the baseline is the in-process put loop"
             );
             let g = inprocess_put_bw(size, 16, size * 16, 1.0).unwrap_or(0.0);
-            (g, format!("in-process ucp_put loop {size} B"))
+            (
+                g,
+                g * 1e9 / size as f64,
+                format!("in-process ucp_put loop {size} B"),
+            )
         }
     };
     let stream = inprocess_put_bw(size, 16, span, 1.0).unwrap_or_else(|e| {
@@ -296,7 +306,7 @@ fn baselines(w: &Workload) -> (f64, String, f64, f64) {
         0.0
     });
     let memcpy = memcpy_bw(span, 1.0).unwrap_or(0.0);
-    (base, name, stream, memcpy)
+    (base, name, stream, memcpy, rate)
 }
 
 fn main() -> ExitCode {
@@ -377,8 +387,8 @@ fn main() -> ExitCode {
 }
 
 async fn run_local(opts: &Opts, w: &Workload) -> Result<Vec<Report>, String> {
-    let (base, base_name, stream, memcpy) = if opts.no_baseline {
-        (0.0, "skipped".to_string(), 0.0, 0.0)
+    let (base, base_name, stream, memcpy, rate) = if opts.no_baseline {
+        (0.0, "skipped".to_string(), 0.0, 0.0, 0.0)
     } else {
         baselines(w)
     };
@@ -402,6 +412,7 @@ async fn run_local(opts: &Opts, w: &Workload) -> Result<Vec<Report>, String> {
         r.stream_gbps = stream;
         r.stream_ratio = if stream > 0.0 { r.gbps / stream } else { 0.0 };
         r.memcpy_gbps = memcpy;
+        r.baseline_msg_rate = rate;
         reports.push(r);
     }
     Ok(reports)

@@ -230,6 +230,10 @@ fn print_table(w: &Workload, reports: &[Report]) {
         w.chunk_tokens,
         w.write_size()
     );
+    let (major, minor, release) = transfer_engine::transport::ucx::library_version();
+    println!(
+        "UCX library {major}.{minor}.{release} (one libucp in this process, shared with NIXL's UCX plugin)"
+    );
     if let Some(r) = reports.first() {
         println!(
             "baselines: {} = {:.2} GB/s, {:.0} msg/s; in-process put streaming through {} MB = {:.2} GB/s; \

@@ -266,6 +266,7 @@ pub async fn run_workload(
 
 type RequestResult = Result<(u32, Outcome, Duration, Duration), EngineError>;
 
+#[allow(clippy::too_many_arguments)] // one request's whole description, passed to a spawned task
 async fn one_request(
     cluster: Arc<Cluster>,
     id: u64,

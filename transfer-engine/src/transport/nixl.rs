@@ -240,6 +240,9 @@ impl NixlTransport {
     /// two different UCX libraries loaded in the process once NIXL's UCX plugin is in
     /// ([`TransportError::TwoUcxLibraries`]).
     pub fn new(config: NixlConfig, sink: Sink) -> Result<Self, TransportError> {
+        // Before NIXL starts its UCX: with a second UCX already loaded, the plugin's ucp_init spins
+        // for ever, so the check after the plugin is in would never be reached.
+        super::ucx::check_single_ucx()?;
         // SAFETY: eventfd has no memory-safety preconditions; the result is checked below.
         let wake_fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
         if wake_fd < 0 {

@@ -19,7 +19,7 @@ use crate::core::planner::{ChunkGeometry, KvLayout, Planner, TpMapping};
 use crate::core::tracker::{
     CompletionTracker, FailureReason, TrackerConfig, TrackerEvent, ViolationKind,
 };
-use crate::core::{ChunkHasher, PeerId, RequestId};
+use crate::core::{ChunkHasher, FailureCode, PeerId, RequestId};
 use crate::engine::BackendConfig;
 use crate::transport::{Incoming, Sender, Sink, Transport};
 use std::collections::HashMap;
@@ -324,15 +324,8 @@ impl DecodeEngine {
     /// Aborts `request`: it fails with `Aborted` (if it had not ended) and every prefill rank is told.
     pub fn abort(&self, request: RequestId) {
         let mut st = self.inner.lock();
-        if st.tracker.abort(request).is_ok() {
-            let msg = Msg::Abort(control::Abort {
-                request: request.0,
-                reason: crate::core::FailureCode::Aborted.raw(),
-            });
-            for r in st.ranks.iter().flatten() {
-                let _ = r.writer.send(msg.clone());
-            }
-        }
+        // The ranks are told by `drain`, as for every other failure.
+        let _ = st.tracker.abort(request);
         self.inner.drain(&mut st);
     }
 
@@ -373,7 +366,9 @@ impl DecodeEngine {
     ///
     /// # Errors
     /// The transport cannot export its metadata.
-    pub fn backend_info(&self) -> Result<(Vec<u8>, String, crate::transport::RemoteRegion), EngineError> {
+    pub fn backend_info(
+        &self,
+    ) -> Result<(Vec<u8>, String, crate::transport::RemoteRegion), EngineError> {
         let t = self.inner.transport.get().ok_or(EngineError::Shutdown)?;
         let pool = self.inner.pool.get().ok_or(EngineError::Shutdown)?;
         Ok((t.metadata()?, t.name(), pool.remote.clone()))
@@ -386,21 +381,41 @@ impl DecodeEngine {
     ///
     /// # Errors
     /// The rank is out of range or taken, or its layout does not plan against the pool.
-    pub fn bind_external_rank(&self, rank: u16, sender: Sender, src: &KvLayout) -> Result<(), EngineError> {
-        let planner = Planner::new(src, &self.inner.cfg.layout, TpMapping::Identical)
-            .map_err(|source| EngineError::Plan { request: None, source })?;
+    pub fn bind_external_rank(
+        &self,
+        rank: u16,
+        sender: Sender,
+        src: &KvLayout,
+    ) -> Result<(), EngineError> {
+        let planner =
+            Planner::new(src, &self.inner.cfg.layout, TpMapping::Identical).map_err(|source| {
+                EngineError::Plan {
+                    request: None,
+                    source,
+                }
+            })?;
         let mut st = self.inner.lock();
         match st.ranks.get(usize::from(rank)) {
             Some(None) => {}
-            Some(Some(_)) => return Err(EngineError::Config(format!("rank {rank} is already bound"))),
-            None => return Err(EngineError::Config(format!("rank {rank} is not below pp_size"))),
+            Some(Some(_)) => {
+                return Err(EngineError::Config(format!("rank {rank} is already bound")));
+            }
+            None => {
+                return Err(EngineError::Config(format!(
+                    "rank {rank} is not below pp_size"
+                )));
+            }
         }
         let peer = PeerId(st.next_peer);
         st.next_peer += 1;
         st.senders.insert(sender, (rank, peer));
         // Nobody reads this channel: an external rank learns its pages out of band.
         let (tx, _rx) = mpsc::unbounded_channel();
-        st.ranks[usize::from(rank)] = Some(RankConn { peer, writer: tx, planner });
+        st.ranks[usize::from(rank)] = Some(RankConn {
+            peer,
+            writer: tx,
+            planner,
+        });
         drop(st);
         self.inner.connected.send_modify(|n| *n += 1);
         Ok(())
@@ -414,7 +429,7 @@ impl Inner {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Hands every terminal event to its waiter.
+    /// Hands every terminal event to its waiter, and tells every rank about each failure.
     fn drain(&self, st: &mut State) {
         while let Some(ev) = st.tracker.poll_event() {
             let (request, outcome) = match ev {
@@ -425,6 +440,25 @@ impl Inner {
                 TrackerEvent::Failed { request, reason } => {
                     self.counters.failed.fetch_add(1, Ordering::Relaxed);
                     tracing::info!(request = request.0, ?reason, "request failed");
+                    // Whatever failed it (an abort, the deadline, one rank's FAILURE, a lost rank, a
+                    // bad checksum), the other ranks must stop writing into pages the caller may now
+                    // reuse, and vote so their boards decide; without this only `abort` told them, and
+                    // healthy ranks kept writing until their vote timeout.
+                    let code = match reason {
+                        FailureReason::Timeout => FailureCode::Timeout,
+                        FailureReason::PeerFailed { code, .. } => code,
+                        FailureReason::PeerLost { .. } => FailureCode::PeerLost,
+                        FailureReason::Aborted | FailureReason::ProtocolViolation { .. } => {
+                            FailureCode::Aborted
+                        }
+                    };
+                    let msg = Msg::Abort(control::Abort {
+                        request: request.0,
+                        reason: code.raw(),
+                    });
+                    for r in st.ranks.iter().flatten() {
+                        let _ = r.writer.send(msg.clone());
+                    }
                     (request, Outcome::Failed(reason))
                 }
             };

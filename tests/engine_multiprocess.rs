@@ -1,0 +1,208 @@
+//! Every engine in its own process over loopback: four `kvbench prefill` processes (PP=4) write into
+//! one `kvbench decode` process, which checks every byte of every request against the pattern the
+//! prefill processes filled their pools with and exits non-zero otherwise. Run over UCX and NIXL.
+//!
+//! Every wait is bounded; children are killed (and reaped) when a test fails or panics.
+#![allow(clippy::unwrap_used)]
+
+use kvbench::cluster::free_addrs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// A small workload: 8 GQA-shaped layers (K and V regions, 16-token pages) at 512 B per token per layer
+/// (the debug-built decode process checks every byte against the pattern, so bytes cost time here), a
+/// prompt that is a multiple of neither page nor chunk, two requests in flight at a time, every byte
+/// verified, checksums on.
+const WORKLOAD: &[&str] = &[
+    "--model",
+    "gqa",
+    "--layers",
+    "8",
+    "--bytes-per-token",
+    "512",
+    "--pp",
+    "4",
+    "--prompt-tokens",
+    "1000",
+    "--chunk-tokens",
+    "256",
+    "--requests",
+    "4",
+    "--concurrency",
+    "2",
+    "--verify",
+    "all",
+    "--checksums",
+    "true",
+];
+
+/// Bound on the decode process, from spawn to exit (debug builds, five processes on two cores).
+const DECODE_BOUND: Duration = Duration::from_secs(90);
+/// Bound on each prefill process's exit once the decode process is gone.
+const PREFILL_EXIT_BOUND: Duration = Duration::from_secs(20);
+
+/// Children killed and reaped on drop, so a failing test leaves no process behind.
+struct Children {
+    procs: Vec<(String, Child)>,
+    dir: PathBuf,
+}
+
+impl Children {
+    fn spawn(&mut self, name: &str, args: &[String]) {
+        let out = std::fs::File::create(self.dir.join(format!("{name}.out"))).unwrap();
+        let err = std::fs::File::create(self.dir.join(format!("{name}.err"))).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_kvbench"))
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .unwrap();
+        self.procs.push((name.into(), child));
+    }
+
+    /// Polls child `i` until it exits or `deadline` passes; `None` at the deadline.
+    async fn wait(&mut self, i: usize, deadline: Instant) -> Option<ExitStatus> {
+        loop {
+            if let Some(status) = self.procs[i].1.try_wait().unwrap() {
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Every child's stderr, for failure messages.
+    fn logs(&self) -> String {
+        let mut s = String::new();
+        for (name, _) in &self.procs {
+            let err = std::fs::read_to_string(self.dir.join(format!("{name}.err")));
+            s += &format!("--- {name} stderr:\n{}\n", err.unwrap_or_default());
+        }
+        s
+    }
+}
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for (_, c) in &mut self.procs {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_default()
+}
+
+async fn four_prefill_processes_one_decode(backend: &str) {
+    let dir = std::env::temp_dir().join(format!(
+        "kvbench-multiprocess-{backend}-{}",
+        std::process::id()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut kids = Children {
+        procs: Vec::new(),
+        dir: dir.clone(),
+    };
+    // The decode listener and the four ranks' vote-mesh listeners.
+    let addrs = free_addrs(5).unwrap();
+    let (decode, peers) = (addrs[0], &addrs[1..]);
+    let peers = peers
+        .iter()
+        .map(|a| a.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let common: Vec<String> = WORKLOAD
+        .iter()
+        .map(|s| s.to_string())
+        .chain(["--backend".into(), backend.into()])
+        .collect();
+    let json = dir.join("report.json");
+
+    let started = Instant::now();
+    let mut args: Vec<String> = vec!["decode".into(), "--listen".into(), decode.to_string()];
+    args.extend(common.iter().cloned());
+    args.extend(["--json".into(), json.display().to_string()]);
+    kids.spawn("decode", &args);
+    for rank in 0..4 {
+        let mut args: Vec<String> = vec![
+            "prefill".into(),
+            "--connect".into(),
+            decode.to_string(),
+            "--pp-rank".into(),
+            rank.to_string(),
+            "--pp-size".into(),
+            "4".into(),
+            "--peers".into(),
+            peers.clone(),
+        ];
+        args.extend(common.iter().cloned());
+        kids.spawn(&format!("prefill-{rank}"), &args);
+    }
+
+    let Some(status) = kids.wait(0, started + DECODE_BOUND).await else {
+        panic!(
+            "the decode process did not finish within {DECODE_BOUND:?}\n{}",
+            kids.logs()
+        );
+    };
+    assert!(
+        status.success(),
+        "decode exited with {status}\nstdout:\n{}\n{}",
+        read(&dir.join("decode.out")),
+        kids.logs()
+    );
+
+    // The table: the backend's row says verified yes.
+    let table = read(&dir.join("decode.out"));
+    let row = table
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(backend))
+        .unwrap_or_else(|| panic!("no {backend} row in the table:\n{table}"));
+    assert!(
+        row.split_whitespace().any(|w| w == "yes") && !row.split_whitespace().any(|w| w == "no"),
+        "the {backend} row does not say verified yes: {row}"
+    );
+    // The same numbers as JSON, which name their fields.
+    let report: serde_json::Value = serde_json::from_str(&read(&json)).unwrap();
+    let r = &report[0];
+    assert_eq!(r["backend"], backend);
+    assert_eq!(r["verified"], true, "{r}");
+    assert_eq!(r["failed"], 0, "{r}");
+    assert_eq!(r["requests"], 4, "{r}");
+
+    // With the decode process gone, every prefill process sees its connection close and exits.
+    let closed = Instant::now();
+    for i in 1..kids.procs.len() {
+        let Some(status) = kids.wait(i, closed + PREFILL_EXIT_BOUND).await else {
+            panic!(
+                "{} did not exit within {PREFILL_EXIT_BOUND:?} of the decode process\n{}",
+                kids.procs[i].0,
+                kids.logs()
+            );
+        };
+        assert!(
+            status.success(),
+            "{} exited with {status}\n{}",
+            kids.procs[i].0,
+            kids.logs()
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_prefill_processes_one_decode_ucx() {
+    four_prefill_processes_one_decode("ucx").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_prefill_processes_one_decode_nixl() {
+    four_prefill_processes_one_decode("nixl").await;
+}

@@ -297,25 +297,29 @@ async fn one_request(
                     return Err(e);
                 }
             }
-            let last_done = Instant::now();
+            // Stamped on the progress thread when the LAST chunk's writes were remotely complete.
+            let last_done = p.last_chunk_done_at(request);
             p.decided(request).await;
             p.release(request);
             Ok(last_done)
         });
     }
     let outcome = outcome.await;
-    let t_complete = Instant::now();
+    let latency = t0.elapsed();
     let mut last_done = t0;
     while let Some(r) = ranks.join_next().await {
         let t = r.map_err(|e| EngineError::Config(format!("rank task: {e}")))??;
-        last_done = last_done.max(t);
+        last_done = last_done.max(t.unwrap_or(t0));
     }
-    Ok((
-        slot,
-        outcome,
-        t_complete - t0,
-        t_complete.saturating_duration_since(last_done),
-    ))
+    // Both instants come from the progress threads: the last rank's final chunk over, and the
+    // decode tracker emitting Complete. Decode can see it first (its notification overtook the
+    // sender's own completion callback): that counts as zero.
+    let complete = cluster
+        .decode
+        .completed_at(request)
+        .map(|t| t.saturating_duration_since(last_done))
+        .unwrap_or_default();
+    Ok((slot, outcome, latency, complete))
 }
 
 /// Where `ucx_perftest` is: `KVBENCH_UCX_PERFTEST`, else the provisioned copy next to the build.

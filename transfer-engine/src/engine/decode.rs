@@ -82,6 +82,16 @@ pub struct DecodeStats {
     pub completed: u64,
     /// Requests that failed.
     pub failed: u64,
+    /// Of those, by reason: aborted by this side.
+    pub failed_aborted: u64,
+    /// ... past their deadline.
+    pub failed_timeout: u64,
+    /// ... a rank reported failure (FAILURE notification, rejected allocation, abort from prefill).
+    pub failed_peer_failed: u64,
+    /// ... a rank's connection was lost.
+    pub failed_peer_lost: u64,
+    /// ... a rank broke the protocol (conflicting counts, bad checksum, ...).
+    pub failed_violation: u64,
     /// Notifications that did not decode.
     pub malformed: u64,
     /// Notifications from a sender no rank is bound to.
@@ -114,12 +124,15 @@ struct State {
     ranks: Vec<Option<RankConn>>,
     senders: HashMap<Sender, (u16, PeerId)>,
     next_peer: u64,
+    completed_at: super::Stamps,
 }
 
 #[derive(Default)]
 struct Counters {
     completed: AtomicU64,
     failed: AtomicU64,
+    /// By reason, in the order of `DecodeStats`'s `failed_*` fields.
+    failed_by: [AtomicU64; 5],
     malformed: AtomicU64,
     unknown_sender: AtomicU64,
     refused: AtomicU64,
@@ -184,6 +197,7 @@ impl DecodeEngine {
                 ranks: (0..cfg.pp_size).map(|_| None).collect(),
                 senders: HashMap::new(),
                 next_peer: 1,
+                completed_at: super::Stamps::default(),
             }),
             cfg,
             counters: Counters::default(),
@@ -336,6 +350,11 @@ impl DecodeEngine {
         DecodeStats {
             completed: c.completed.load(Ordering::Relaxed),
             failed: c.failed.load(Ordering::Relaxed),
+            failed_aborted: c.failed_by[0].load(Ordering::Relaxed),
+            failed_timeout: c.failed_by[1].load(Ordering::Relaxed),
+            failed_peer_failed: c.failed_by[2].load(Ordering::Relaxed),
+            failed_peer_lost: c.failed_by[3].load(Ordering::Relaxed),
+            failed_violation: c.failed_by[4].load(Ordering::Relaxed),
             malformed: c.malformed.load(Ordering::Relaxed),
             unknown_sender: c.unknown_sender.load(Ordering::Relaxed),
             refused: c.refused.load(Ordering::Relaxed),
@@ -348,6 +367,12 @@ impl DecodeEngine {
                 .map(|t| t.stats().registered_bytes)
                 .unwrap_or(0),
         }
+    }
+
+    /// When the tracker saw `request` complete (on the transport's progress thread, as the last
+    /// notification was handled), for latency measurements; taken once, kept for the last 4096.
+    pub fn completed_at(&self, request: RequestId) -> Option<Instant> {
+        self.inner.lock().completed_at.take(request)
     }
 
     /// The tracker's own counters (duplicates, late, unknown, violations...).
@@ -435,10 +460,19 @@ impl Inner {
             let (request, outcome) = match ev {
                 TrackerEvent::Complete { request } => {
                     self.counters.completed.fetch_add(1, Ordering::Relaxed);
+                    st.completed_at.record(request, Instant::now());
                     (request, Outcome::Complete)
                 }
                 TrackerEvent::Failed { request, reason } => {
                     self.counters.failed.fetch_add(1, Ordering::Relaxed);
+                    let by = match reason {
+                        FailureReason::Aborted => 0,
+                        FailureReason::Timeout => 1,
+                        FailureReason::PeerFailed { .. } => 2,
+                        FailureReason::PeerLost { .. } => 3,
+                        FailureReason::ProtocolViolation { .. } => 4,
+                    };
+                    self.counters.failed_by[by].fetch_add(1, Ordering::Relaxed);
                     tracing::info!(request = request.0, ?reason, "request failed");
                     // Whatever failed it (an abort, the deadline, one rank's FAILURE, a lost rank, a
                     // bad checksum), the other ranks must stop writing into pages the caller may now
@@ -466,6 +500,10 @@ impl Inner {
             if let Some(w) = st.waiters.remove(&request) {
                 let _ = w.send(outcome);
             }
+        }
+        // Poll for notifications without sleeping exactly while some request waits for them.
+        if let Some(t) = self.transport.get() {
+            t.set_active(st.tracker.in_flight() > 0);
         }
     }
 

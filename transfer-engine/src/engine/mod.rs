@@ -126,6 +126,51 @@ pub enum BackendConfig {
     Ucx(UcxConfig),
     /// NIXL with its UCX plugin.
     Nixl(NixlConfig),
+    /// A transport the caller builds: a wrapper such as
+    /// [`FaultTransport`](crate::transport::fault::FaultTransport), or a backend of its own.
+    Custom(CustomBackend),
+}
+
+/// The signature of [`CustomBackend`]'s builder: given the engine's sink, the transport.
+pub type TransportFactory =
+    dyn Fn(Sink) -> Result<Arc<dyn Transport>, TransportError> + Send + Sync;
+
+/// A transport built by the caller's function, for [`BackendConfig::Custom`].
+///
+/// The engine calls the function once per start with the [`Sink`] it wants incoming events on; the
+/// transport returned must hand every notification and peer failure to that sink. `kind` is what
+/// [`BackendConfig::kind`] reports before anything is built; the engine announces the built
+/// transport's own [`Transport::kind`] to its peers, so the two should agree.
+#[derive(Clone)]
+pub struct CustomBackend {
+    kind: BackendKind,
+    build: Arc<TransportFactory>,
+}
+
+impl CustomBackend {
+    /// A backend of kind `kind` built by `build`.
+    pub fn new(
+        kind: BackendKind,
+        build: impl Fn(Sink) -> Result<Arc<dyn Transport>, TransportError> + Send + Sync + 'static,
+    ) -> Self {
+        CustomBackend {
+            kind,
+            build: Arc::new(build),
+        }
+    }
+
+    /// The kind it reports.
+    pub fn kind(&self) -> BackendKind {
+        self.kind
+    }
+}
+
+impl std::fmt::Debug for CustomBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CustomBackend")
+            .field("kind", &self.kind)
+            .finish_non_exhaustive()
+    }
 }
 
 impl BackendConfig {
@@ -148,6 +193,7 @@ impl BackendConfig {
         match self {
             BackendConfig::Ucx(_) => BackendKind::Ucx,
             BackendConfig::Nixl(_) => BackendKind::Nixl,
+            BackendConfig::Custom(c) => c.kind,
         }
     }
 
@@ -155,6 +201,7 @@ impl BackendConfig {
         Ok(match self {
             BackendConfig::Ucx(c) => Arc::new(UcxTransport::new(c.clone(), sink)?),
             BackendConfig::Nixl(c) => Arc::new(NixlTransport::new(c.clone(), sink)?),
+            BackendConfig::Custom(c) => (c.build)(sink)?,
         })
     }
 }
@@ -250,5 +297,32 @@ fn wire_regions(r: &crate::transport::RemoteRegion) -> control::RemoteRegion {
         addr: r.addr,
         len: r.len,
         rkey: r.rkey.clone(),
+    }
+}
+
+/// Instants of recent requests, for latency measurements: bounded, oldest dropped first.
+#[derive(Debug, Default)]
+struct Stamps {
+    at: std::collections::HashMap<RequestId, std::time::Instant>,
+    order: std::collections::VecDeque<RequestId>,
+}
+
+impl Stamps {
+    const CAP: usize = 4096;
+
+    fn record(&mut self, request: RequestId, at: std::time::Instant) {
+        if self.at.insert(request, at).is_none() {
+            self.order.push_back(request);
+            while self.order.len() > Self::CAP {
+                if let Some(old) = self.order.pop_front() {
+                    self.at.remove(&old);
+                }
+            }
+        }
+    }
+
+    fn take(&mut self, request: RequestId) -> Option<std::time::Instant> {
+        // The order entry goes stale and is dropped when it reaches the front.
+        self.at.remove(&request)
     }
 }

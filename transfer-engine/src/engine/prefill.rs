@@ -137,6 +137,7 @@ struct State {
     decided: HashMap<RequestId, Decision>,
     decided_waiters: HashMap<RequestId, Vec<oneshot::Sender<Decision>>>,
     peer_writers: Vec<Option<mpsc::UnboundedSender<Msg>>>,
+    last_done_at: super::Stamps,
 }
 
 #[derive(Default)]
@@ -278,6 +279,7 @@ impl PrefillEngine {
                 decided: HashMap::new(),
                 decided_waiters: HashMap::new(),
                 peer_writers: (0..cfg.pp_size).map(|_| None).collect(),
+                last_done_at: super::Stamps::default(),
             }),
             cfg,
             transport,
@@ -464,6 +466,13 @@ impl PrefillEngine {
         st.requests.remove(&request);
     }
 
+    /// When this rank's LAST chunk of `request` was over (its writes remotely complete and its
+    /// notification sent), seen on the transport's progress thread; taken once, kept for the last
+    /// 4096 requests.
+    pub fn last_chunk_done_at(&self, request: RequestId) -> Option<Instant> {
+        lock(&self.inner.state).last_done_at.take(request)
+    }
+
     /// Counters.
     pub fn stats(&self) -> PrefillStats {
         let c = &self.inner.counters;
@@ -531,6 +540,9 @@ impl Inner {
                 self.counters.chunks.fetch_add(1, Ordering::Relaxed);
                 self.counters.bytes.fetch_add(bytes, Ordering::Relaxed);
                 if last {
+                    lock(&self.state)
+                        .last_done_at
+                        .record(request, Instant::now());
                     self.vote(request, Vote::Completed);
                 }
             }
@@ -555,7 +567,13 @@ impl Inner {
             }
         };
         if first {
-            // The decode side learns at once, not by timeout.
+            // The decode side learns at once, not by timeout: on the data plane (ordered after this
+            // rank's earlier chunks) and on the control plane (which still works when the data plane
+            // does not); whichever arrives second changes nothing.
+            let _ = self.decode_writer.send(Msg::Abort(control::Abort {
+                request: request.0,
+                reason: code.raw(),
+            }));
             let n =
                 ChunkNotification::new(request, self.cfg.pp_rank, 0, ChunkStatus::Failed { code });
             self.transport.post(

@@ -8,6 +8,7 @@
 use crate::mem::MemDesc;
 use std::sync::Arc;
 
+pub mod fault;
 pub mod nixl;
 pub mod ucx;
 
@@ -215,4 +216,10 @@ pub trait Transport: Send + Sync + 'static {
 
     /// Counters.
     fn stats(&self) -> TransportStats;
+
+    /// Tells the transport whether its owner expects traffic soon (a receiver with requests in
+    /// flight). An active transport keeps polling instead of sleeping when idle, so a notification is
+    /// seen within microseconds instead of within its idle back-off; it yields the core between
+    /// polls. The default ignores the hint.
+    fn set_active(&self, _active: bool) {}
 }

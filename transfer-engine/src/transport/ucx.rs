@@ -199,6 +199,8 @@ struct Counters {
 struct Shared {
     wake_fd: RawFd,
     sleeping: AtomicBool,
+    /// The owner expects traffic: poll instead of sleeping (see `Transport::set_active`).
+    active: AtomicBool,
     counters: Counters,
 }
 
@@ -245,6 +247,7 @@ impl UcxTransport {
         let shared = Arc::new(Shared {
             wake_fd,
             sleeping: AtomicBool::new(false),
+            active: AtomicBool::new(false),
             counters: Counters::default(),
         });
         let (tx, rx) = chan::unbounded();
@@ -373,6 +376,15 @@ impl Transport for UcxTransport {
         }
         std::sync::atomic::fence(Ordering::SeqCst);
         if self.shared.sleeping.load(Ordering::SeqCst) {
+            let one: u64 = 1;
+            // SAFETY: as in `send`.
+            unsafe { libc::write(self.shared.wake_fd, &one as *const u64 as *const c_void, 8) };
+        }
+    }
+
+    fn set_active(&self, active: bool) {
+        if self.shared.active.swap(active, Ordering::Relaxed) != active && active {
+            // Wake a sleeping thread so the first notification is not delayed by its back-off.
             let one: u64 = 1;
             // SAFETY: as in `send`.
             unsafe { libc::write(self.shared.wake_fd, &one as *const u64 as *const c_void, 8) };
@@ -665,7 +677,10 @@ impl Worker {
                 nap = self.min_sleep;
                 continue;
             }
-            if last_busy.elapsed() >= self.spin {
+            if self.shared.active.load(Ordering::Relaxed) {
+                // Traffic is expected: keep polling, but let the threads that produce it run.
+                std::thread::yield_now();
+            } else if last_busy.elapsed() >= self.spin {
                 self.sleep(rx, nap);
                 nap = (nap * 2).min(self.max_sleep);
             }
@@ -1115,7 +1130,8 @@ impl Worker {
                 },
             );
         }
-        if op.stage == Stage::Flush && op.error.is_none() {
+        // A post without a notification (only the 8-byte key) is over once its writes are.
+        if op.stage == Stage::Flush && op.error.is_none() && op.message.len() > 8 {
             let Some(ep) = self.peers.get(&op.peer).map(|p| p.ep) else {
                 op.error = Some(TransportError::UnknownPeer(PeerId(op.peer)));
                 return self.finish(op);

@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 pub mod fault;
 pub mod nixl;
+mod progress;
 pub mod ucx;
 
 /// Which library moves the bytes.

@@ -15,11 +15,11 @@
 //! the target as well as the initiator, or not even connection setup completes. So the thread polls
 //! every in-flight request (`get_xfer_status`) and the agent's notifications (`get_notifs`) on each
 //! turn, and keeps polling while idle: it spins for [`NixlConfig::spin`] after the last event, then
-//! sleeps in `ppoll(2)` on an eventfd for a time growing from [`NixlConfig::min_sleep`] to
-//! [`NixlConfig::max_sleep`]. NIXL gives no event fd to wake on, so the sleep is bounded; command
-//! senders ring the eventfd only when the thread is asleep, so a busy engine pays no system call per
-//! command. While requests are in flight the thread never sleeps (it yields instead), because their
-//! completion is only seen by polling.
+//! parks for a time growing from [`NixlConfig::min_sleep`] to [`NixlConfig::max_sleep`]. NIXL gives
+//! no event fd to wake on, so the sleep is bounded; command senders unpark the thread only when it is
+//! asleep, so a busy engine pays no system call per command. While requests are in flight, or while
+//! the owner says notifications are expected (`Transport::set_active`), the thread never sleeps (it
+//! yields instead), because their completion is only seen by polling.
 //!
 //! NIXL's metadata carries the agent's registrations, so a peer must fetch [`Transport::metadata`]
 //! after registering the regions it will be written into; [`Transport::connect`] checks that the
@@ -27,6 +27,7 @@
 //!
 //! This is the only module of the crate that calls NIXL.
 
+use super::progress::Shared;
 use super::{
     BackendKind, Done, Incoming, PeerId, RegionId, RemoteRegion, Sender, Sink, Transport,
     TransportError, TransportStats, WriteOp,
@@ -36,9 +37,8 @@ use crossbeam_channel as chan;
 use nixl_sys as ffi;
 use std::collections::HashMap;
 use std::ffi::{CStr, CString, c_void};
-use std::os::fd::RawFd;
 use std::ptr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -175,45 +175,6 @@ impl Cmd {
     }
 }
 
-#[derive(Default)]
-struct Counters {
-    regions: AtomicU64,
-    registered_bytes: AtomicU64,
-    peers: AtomicU64,
-    in_flight: AtomicU64,
-    deferred: AtomicU64,
-    notifications: AtomicU64,
-    bytes_posted: AtomicU64,
-}
-
-struct Shared {
-    wake_fd: RawFd,
-    sleeping: AtomicBool,
-    counters: Counters,
-}
-
-impl Shared {
-    /// Wakes the progress thread if it sleeps. Called after queueing a command.
-    fn ring(&self) {
-        // Pairs with the fence in Worker::sleep: either the thread sees our command before it sleeps,
-        // or we see it asleep and ring.
-        std::sync::atomic::fence(Ordering::SeqCst);
-        if self.sleeping.load(Ordering::SeqCst) {
-            let one: u64 = 1;
-            // SAFETY: writes 8 bytes from a live u64 to an eventfd this struct owns; a failed write
-            // (counter full) still leaves the fd readable, which is all we need.
-            unsafe { libc::write(self.wake_fd, &one as *const u64 as *const c_void, 8) };
-        }
-    }
-}
-
-impl Drop for Shared {
-    fn drop(&mut self) {
-        // SAFETY: wake_fd is an eventfd this struct created and nothing else closes.
-        unsafe { libc::close(self.wake_fd) };
-    }
-}
-
 /// The NIXL transport. Cheap to share behind an `Arc`; every method may be called from any thread.
 pub struct NixlTransport {
     tx: chan::Sender<Cmd>,
@@ -243,21 +204,7 @@ impl NixlTransport {
         // Before NIXL starts its UCX: with a second UCX already loaded, the plugin's ucp_init spins
         // for ever, so the check after the plugin is in would never be reached.
         super::ucx::check_single_ucx()?;
-        // SAFETY: eventfd has no memory-safety preconditions; the result is checked below.
-        let wake_fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if wake_fd < 0 {
-            let err = std::io::Error::last_os_error();
-            return Err(TransportError::Library {
-                op: "eventfd",
-                code: i64::from(err.raw_os_error().unwrap_or(0)),
-                message: err.to_string(),
-            });
-        }
-        let shared = Arc::new(Shared {
-            wake_fd,
-            sleeping: AtomicBool::new(false),
-            counters: Counters::default(),
-        });
+        let shared = Arc::new(Shared::default());
         let (tx, rx) = chan::unbounded();
         let (ready_tx, ready_rx) = chan::bounded(1);
         let thread_shared = shared.clone();
@@ -377,16 +324,11 @@ impl Transport for NixlTransport {
     }
 
     fn stats(&self) -> TransportStats {
-        let c = &self.shared.counters;
-        TransportStats {
-            regions: c.regions.load(Ordering::Relaxed),
-            registered_bytes: c.registered_bytes.load(Ordering::Relaxed),
-            peers: c.peers.load(Ordering::Relaxed),
-            in_flight: c.in_flight.load(Ordering::Relaxed),
-            deferred_deregistrations: c.deferred.load(Ordering::Relaxed),
-            notifications: c.notifications.load(Ordering::Relaxed),
-            bytes_posted: c.bytes_posted.load(Ordering::Relaxed),
-        }
+        self.shared.stats()
+    }
+
+    fn set_active(&self, active: bool) {
+        self.shared.set_active(active);
     }
 }
 
@@ -609,6 +551,7 @@ impl Worker {
         sink: Sink,
         shared: Arc<Shared>,
     ) -> Result<Box<Worker>, TransportError> {
+        shared.bind_current_thread();
         let name = CString::new(config.name.as_str()).map_err(|_| TransportError::Library {
             op: "nixl_capi_create_configured_agent",
             code: i64::from(ffi::NIXL_CAPI_ERROR_INVALID_PARAM),
@@ -660,11 +603,12 @@ impl Worker {
             if last_busy.elapsed() < self.spin {
                 continue;
             }
-            if self.active.is_empty() {
+            if self.active.is_empty() && !self.shared.is_active() {
                 self.sleep(rx, nap);
                 nap = (nap * 2).min(self.max_sleep);
             } else {
-                // A completion is only seen by polling: stay on, but let others have the core.
+                // A completion (or an expected notification) is only seen by polling: stay on, but
+                // let others have the core.
                 std::thread::yield_now();
             }
         }
@@ -672,30 +616,7 @@ impl Worker {
 
     /// Sleeps for `nap` or until a command arrives.
     fn sleep(&mut self, rx: &chan::Receiver<Cmd>, nap: Duration) {
-        self.shared.sleeping.store(true, Ordering::SeqCst);
-        std::sync::atomic::fence(Ordering::SeqCst);
-        if !rx.is_empty() {
-            self.shared.sleeping.store(false, Ordering::SeqCst);
-            return;
-        }
-        let ts = libc::timespec {
-            tv_sec: nap.as_secs() as libc::time_t,
-            tv_nsec: nap.subsec_nanos() as libc::c_long,
-        };
-        let mut fd = libc::pollfd {
-            fd: self.shared.wake_fd,
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: fd and ts are live locals for the duration of the call; a null signal mask keeps the
-        // thread's own.
-        let n = unsafe { libc::ppoll(&mut fd, 1, &ts, ptr::null()) };
-        if n > 0 {
-            let mut v: u64 = 0;
-            // SAFETY: reads at most 8 bytes into a live u64 from our non-blocking eventfd.
-            unsafe { libc::read(self.shared.wake_fd, &mut v as *mut u64 as *mut c_void, 8) };
-        }
-        self.shared.sleeping.store(false, Ordering::SeqCst);
+        self.shared.sleep(nap, || !rx.is_empty());
     }
 
     fn handle(&mut self, cmd: Cmd) {

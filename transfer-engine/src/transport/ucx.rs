@@ -8,15 +8,16 @@
 //! `ucp_ep_flush_nbx`, whose completion means the puts are remotely complete, then the notification as
 //! an active message. So the receiver never sees a notification before its bytes.
 //!
-//! Idle, the thread spins for [`UcxConfig::spin`] and then sleeps in `poll(2)` on an eventfd that
-//! command senders ring only when the thread is asleep (a busy engine pays no system call per
-//! command), with a timeout that grows from [`UcxConfig::min_sleep`] to [`UcxConfig::max_sleep`] so
-//! that incoming notifications are still polled. The worker's own event fd is not used: asking UCX
+//! Idle, the thread spins for [`UcxConfig::spin`] and then parks, woken by command senders only when
+//! it is asleep (a busy engine pays no system call per command), for a time that grows from
+//! [`UcxConfig::min_sleep`] to [`UcxConfig::max_sleep`] so that incoming notifications are still
+//! polled; while the owner expects notifications (`Transport::set_active`) it polls without sleeping. The worker's own event fd is not used: asking UCX
 //! for `UCP_FEATURE_WAKEUP` excludes the shared-memory zero-copy transport (cma), which has no event
 //! fd, and puts then fall back to emulation over TCP, five times slower.
 //!
 //! This is the only module of the crate that calls UCX.
 
+use super::progress::Shared;
 use super::{
     BackendKind, Done, Incoming, PeerId, RegionId, RemoteRegion, Sender, Sink, Transport,
     TransportError, TransportStats, WriteOp,
@@ -25,9 +26,8 @@ use crate::mem::{MemDesc, MemKind};
 use crossbeam_channel as chan;
 use std::collections::{HashMap, VecDeque};
 use std::ffi::{CStr, c_void};
-use std::os::fd::RawFd;
 use std::ptr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -185,32 +185,6 @@ enum Cmd {
     Stop,
 }
 
-#[derive(Default)]
-struct Counters {
-    regions: AtomicU64,
-    registered_bytes: AtomicU64,
-    peers: AtomicU64,
-    in_flight: AtomicU64,
-    deferred: AtomicU64,
-    notifications: AtomicU64,
-    bytes_posted: AtomicU64,
-}
-
-struct Shared {
-    wake_fd: RawFd,
-    sleeping: AtomicBool,
-    /// The owner expects traffic: poll instead of sleeping (see `Transport::set_active`).
-    active: AtomicBool,
-    counters: Counters,
-}
-
-impl Drop for Shared {
-    fn drop(&mut self) {
-        // SAFETY: wake_fd is an eventfd this struct created and nothing else closes.
-        unsafe { libc::close(self.wake_fd) };
-    }
-}
-
 /// The direct UCX transport. Cheap to share behind an `Arc`; every method may be called from any thread.
 pub struct UcxTransport {
     tx: chan::Sender<Cmd>,
@@ -235,21 +209,7 @@ impl UcxTransport {
     /// Two UCX libraries in the process, or UCX failing to start.
     pub fn new(config: UcxConfig, sink: Sink) -> Result<Self, TransportError> {
         check_single_ucx()?;
-        // SAFETY: eventfd has no memory-safety preconditions; the result is checked below.
-        let wake_fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if wake_fd < 0 {
-            return Err(TransportError::Library {
-                op: "eventfd",
-                code: i64::from(std::io::Error::last_os_error().raw_os_error().unwrap_or(0)),
-                message: std::io::Error::last_os_error().to_string(),
-            });
-        }
-        let shared = Arc::new(Shared {
-            wake_fd,
-            sleeping: AtomicBool::new(false),
-            active: AtomicBool::new(false),
-            counters: Counters::default(),
-        });
+        let shared = Arc::new(Shared::default());
         let (tx, rx) = chan::unbounded();
         let (ready_tx, ready_rx) = chan::bounded(1);
         let thread_shared = shared.clone();
@@ -292,15 +252,7 @@ impl UcxTransport {
 
     fn send(&self, cmd: Cmd) -> Result<(), TransportError> {
         self.tx.send(cmd).map_err(|_| TransportError::Shutdown)?;
-        // Pairs with the fence in Worker::sleep: either the thread sees our command before it sleeps,
-        // or we see it asleep and ring.
-        std::sync::atomic::fence(Ordering::SeqCst);
-        if self.shared.sleeping.load(Ordering::SeqCst) {
-            let one: u64 = 1;
-            // SAFETY: writes 8 bytes from a live u64 to an eventfd we own; a failed write (counter
-            // full) still leaves the fd readable, which is all we need.
-            unsafe { libc::write(self.shared.wake_fd, &one as *const u64 as *const c_void, 8) };
-        }
+        self.shared.ring();
         Ok(())
     }
 
@@ -366,42 +318,19 @@ impl Transport for UcxTransport {
     }
 
     fn post(&self, peer: PeerId, writes: Vec<WriteOp>, notification: Vec<u8>, done: Done) {
-        if let Err(Cmd::Post(_, _, _, done)) = self
-            .tx
-            .send(Cmd::Post(peer, writes, notification, done))
-            .map_err(|e| e.0)
-        {
-            done(Err(TransportError::Shutdown));
-            return;
-        }
-        std::sync::atomic::fence(Ordering::SeqCst);
-        if self.shared.sleeping.load(Ordering::SeqCst) {
-            let one: u64 = 1;
-            // SAFETY: as in `send`.
-            unsafe { libc::write(self.shared.wake_fd, &one as *const u64 as *const c_void, 8) };
+        match self.tx.send(Cmd::Post(peer, writes, notification, done)) {
+            Ok(()) => self.shared.ring(),
+            Err(chan::SendError(Cmd::Post(_, _, _, done))) => done(Err(TransportError::Shutdown)),
+            Err(_) => {}
         }
     }
 
     fn set_active(&self, active: bool) {
-        if self.shared.active.swap(active, Ordering::Relaxed) != active && active {
-            // Wake a sleeping thread so the first notification is not delayed by its back-off.
-            let one: u64 = 1;
-            // SAFETY: as in `send`.
-            unsafe { libc::write(self.shared.wake_fd, &one as *const u64 as *const c_void, 8) };
-        }
+        self.shared.set_active(active);
     }
 
     fn stats(&self) -> TransportStats {
-        let c = &self.shared.counters;
-        TransportStats {
-            regions: c.regions.load(Ordering::Relaxed),
-            registered_bytes: c.registered_bytes.load(Ordering::Relaxed),
-            peers: c.peers.load(Ordering::Relaxed),
-            in_flight: c.in_flight.load(Ordering::Relaxed),
-            deferred_deregistrations: c.deferred.load(Ordering::Relaxed),
-            notifications: c.notifications.load(Ordering::Relaxed),
-            bytes_posted: c.bytes_posted.load(Ordering::Relaxed),
-        }
+        self.shared.stats()
     }
 }
 
@@ -578,6 +507,7 @@ impl Worker {
         sink: Sink,
         shared: Arc<Shared>,
     ) -> Result<Box<Worker>, TransportError> {
+        shared.bind_current_thread();
         let params = ffi::ucp_params_t {
             field_mask: (ffi::ucp_params_field::UCP_PARAM_FIELD_FEATURES
                 | ffi::ucp_params_field::UCP_PARAM_FIELD_MT_WORKERS_SHARED)
@@ -677,7 +607,7 @@ impl Worker {
                 nap = self.min_sleep;
                 continue;
             }
-            if self.shared.active.load(Ordering::Relaxed) {
+            if self.shared.is_active() {
                 // Traffic is expected: keep polling, but let the threads that produce it run.
                 std::thread::yield_now();
             } else if last_busy.elapsed() >= self.spin {
@@ -689,28 +619,7 @@ impl Worker {
 
     /// Sleeps up to `nap`, or until a command arrives.
     fn sleep(&mut self, rx: &chan::Receiver<Cmd>, nap: Duration) {
-        self.shared.sleeping.store(true, Ordering::SeqCst);
-        std::sync::atomic::fence(Ordering::SeqCst);
-        if rx.is_empty() {
-            let mut fd = libc::pollfd {
-                fd: self.shared.wake_fd,
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            let timeout = libc::timespec {
-                tv_sec: 0,
-                tv_nsec: nap.as_nanos().min(999_999_999) as libc::c_long,
-            };
-            // SAFETY: fd and timeout are valid for the duration of the call; a NULL signal mask keeps
-            // the thread's own.
-            let ready = unsafe { libc::ppoll(&mut fd, 1, &timeout, ptr::null()) };
-            if ready > 0 {
-                let mut v: u64 = 0;
-                // SAFETY: reads at most 8 bytes into a live u64 from our non-blocking eventfd.
-                unsafe { libc::read(self.shared.wake_fd, &mut v as *mut u64 as *mut c_void, 8) };
-            }
-        }
-        self.shared.sleeping.store(false, Ordering::SeqCst);
+        self.shared.sleep(nap, || !rx.is_empty());
     }
 
     fn drain_events(&mut self) -> bool {

@@ -143,7 +143,7 @@ struct Inner {
     cfg: DecodeConfig,
     state: Mutex<State>,
     counters: Counters,
-    timer: tokio::sync::Notify,
+    timer: Arc<tokio::sync::Notify>,
     connected: watch::Sender<u16>,
     /// Set once, after the transport exists (its sink needs a Weak to us first).
     transport: std::sync::OnceLock<Arc<dyn Transport>>,
@@ -201,7 +201,7 @@ impl DecodeEngine {
             }),
             cfg,
             counters: Counters::default(),
-            timer: tokio::sync::Notify::new(),
+            timer: Arc::new(tokio::sync::Notify::new()),
             connected: watch::channel(0).0,
             transport: std::sync::OnceLock::new(),
             pool: std::sync::OnceLock::new(),
@@ -218,7 +218,16 @@ impl DecodeEngine {
         let listener = Listener::bind(inner.cfg.listen).await?;
         let local_addr = listener.local_addr();
         let accept = tokio::spawn(accept_loop(Arc::downgrade(&inner), listener));
-        let timer = tokio::spawn(timer_loop(Arc::downgrade(&inner)));
+        let timer = tokio::spawn(super::run_timer(
+            Arc::downgrade(&inner),
+            inner.timer.clone(),
+            |i: &Inner| {
+                let mut st = i.lock();
+                st.tracker.handle_timeout(Instant::now());
+                i.drain(&mut st);
+                st.tracker.poll_timeout()
+            },
+        ));
         Ok(DecodeEngine {
             inner,
             local_addr,
@@ -614,33 +623,6 @@ impl Inner {
         let failed = st.tracker.handle_peer_lost(Instant::now(), peer);
         tracing::warn!(rank, failed, "prefill rank lost");
         self.drain(&mut st);
-    }
-}
-
-async fn timer_loop(inner: Weak<Inner>) {
-    loop {
-        let (next, notified) = {
-            let Some(inner) = inner.upgrade() else { return };
-            let next = {
-                let mut st = inner.lock();
-                st.tracker.handle_timeout(Instant::now());
-                inner.drain(&mut st);
-                st.tracker.poll_timeout()
-            };
-            // Holding only a Weak while asleep lets the engine drop.
-            let inner2 = inner.clone();
-            (next, async move { inner2.timer.notified().await })
-        };
-        let sleep = async {
-            match next {
-                Some(t) => tokio::time::sleep_until(tokio::time::Instant::from_std(t)).await,
-                None => tokio::time::sleep(Duration::from_secs(1)).await,
-            }
-        };
-        tokio::select! {
-            _ = sleep => {}
-            _ = notified => {}
-        }
     }
 }
 

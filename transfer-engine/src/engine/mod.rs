@@ -326,3 +326,29 @@ impl Stamps {
         self.at.remove(&request)
     }
 }
+
+/// Drives a state machine's timer: `tick` handles the timeouts due now and returns the next deadline;
+/// it runs again when that deadline passes or `wake` is notified (new work may have an earlier one).
+/// Only a `Weak` to the owner is kept while asleep, so the loop ends once the engine is gone.
+async fn run_timer<T>(
+    owner: std::sync::Weak<T>,
+    wake: Arc<tokio::sync::Notify>,
+    tick: impl Fn(&T) -> Option<std::time::Instant>,
+) {
+    loop {
+        let next = match owner.upgrade() {
+            Some(o) => tick(&o),
+            None => return,
+        };
+        let sleep = async {
+            match next {
+                Some(t) => tokio::time::sleep_until(tokio::time::Instant::from_std(t)).await,
+                None => tokio::time::sleep(std::time::Duration::from_secs(1)).await,
+            }
+        };
+        tokio::select! {
+            _ = sleep => {}
+            _ = wake.notified() => {}
+        }
+    }
+}

@@ -159,7 +159,7 @@ struct Inner {
     decode_writer: mpsc::UnboundedSender<Msg>,
     state: Mutex<State>,
     counters: Counters,
-    timer: Notify,
+    timer: Arc<Notify>,
 }
 
 /// One prefill PP rank. Cheap to clone.
@@ -288,14 +288,23 @@ impl PrefillEngine {
             planner,
             decode_writer: dtx,
             counters: Counters::default(),
-            timer: Notify::new(),
+            timer: Arc::new(Notify::new()),
         });
         let (reader, writer) = conn.into_split();
         let (itx, irx) = mpsc::unbounded_channel();
         let mut tasks = vec![
             tokio::spawn(write_loop(writer, drx)),
             tokio::spawn(decode_read_loop(Arc::downgrade(&inner), reader, itx)),
-            tokio::spawn(timer_loop(Arc::downgrade(&inner))),
+            tokio::spawn(super::run_timer(
+                Arc::downgrade(&inner),
+                inner.timer.clone(),
+                |i: &Inner| {
+                    let mut st = lock(&i.state);
+                    st.board.handle_timeout(Instant::now());
+                    i.flush_board(&mut st);
+                    st.board.poll_timeout()
+                },
+            )),
         ];
         if let Some(listener) = listener {
             tasks.extend(form_mesh(&inner, listener, &hello, deadline).await?);
@@ -757,32 +766,6 @@ async fn decode_read_loop(
             .collect();
         for r in pending {
             i.on_abort(r, FailureCode::PeerLost);
-        }
-    }
-}
-
-async fn timer_loop(inner: Weak<Inner>) {
-    loop {
-        let (next, notified) = {
-            let Some(i) = inner.upgrade() else { return };
-            let next = {
-                let mut st = lock(&i.state);
-                st.board.handle_timeout(Instant::now());
-                i.flush_board(&mut st);
-                st.board.poll_timeout()
-            };
-            let i2 = i.clone();
-            (next, async move { i2.timer.notified().await })
-        };
-        let sleep = async {
-            match next {
-                Some(t) => tokio::time::sleep_until(tokio::time::Instant::from_std(t)).await,
-                None => tokio::time::sleep(Duration::from_secs(1)).await,
-            }
-        };
-        tokio::select! {
-            _ = sleep => {}
-            _ = notified => {}
         }
     }
 }

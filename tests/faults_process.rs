@@ -1,0 +1,477 @@
+//! Multi-process faults over real UCX: a prefill PP process SIGKILLed mid-request, the decode process
+//! SIGKILLed mid-run, and (where the machine allows it) decode and prefill on separate "hosts": two
+//! network namespaces joined by a veth pair, UCX over TCP.
+//!
+//! Every wait is bounded; children are killed (SIGKILL) and reaped when a test fails or panics, and the
+//! namespaces are deleted whatever happens.
+#![allow(clippy::unwrap_used)]
+
+use kvbench::cluster::free_addrs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+/// A small per-request workload that never runs out on its own: 8 GQA-shaped layers at 512 B per token
+/// per layer, PP=4, two requests always in flight, no byte checks (the process is killed mid-run).
+const ENDLESS: &[&str] = &[
+    "--model",
+    "gqa",
+    "--layers",
+    "8",
+    "--bytes-per-token",
+    "512",
+    "--pp",
+    "4",
+    "--prompt-tokens",
+    "1000",
+    "--chunk-tokens",
+    "256",
+    "--requests",
+    "1000000",
+    "--concurrency",
+    "2",
+    "--verify",
+    "none",
+    "--backend",
+    "ucx",
+];
+
+/// The separate-hosts workload: four requests, every byte verified, checksums on.
+const SMALL: &[&str] = &[
+    "--model",
+    "gqa",
+    "--layers",
+    "8",
+    "--bytes-per-token",
+    "512",
+    "--pp",
+    "4",
+    "--prompt-tokens",
+    "1000",
+    "--chunk-tokens",
+    "256",
+    "--requests",
+    "4",
+    "--concurrency",
+    "2",
+    "--verify",
+    "all",
+    "--checksums",
+    "true",
+    "--backend",
+    "ucx",
+];
+
+/// From spawn until decode has logged every rank connected (debug builds, five processes, two cores).
+const UP_BOUND: Duration = Duration::from_secs(30);
+/// How long the run goes on before the kill, so requests are in flight (not a result's wait: nothing
+/// is asserted on after it but what the kill causes).
+const RUN_BEFORE_KILL: Duration = Duration::from_millis(700);
+/// Bound on the decode process's exit once a prefill rank is killed.
+const DECODE_EXIT_BOUND: Duration = Duration::from_secs(30);
+/// Bound on each prefill process's exit once the decode process is gone.
+const PREFILL_EXIT_BOUND: Duration = Duration::from_secs(20);
+
+/// Children killed and reaped on drop, so a failing test leaves no process behind.
+struct Children {
+    procs: Vec<(String, Child)>,
+    dir: PathBuf,
+}
+
+impl Children {
+    fn new(tag: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!(
+            "kvbench-procfaults-{tag}-{}-{}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        Self {
+            procs: Vec::new(),
+            dir,
+        }
+    }
+
+    /// Spawns `prefix.. kvbench args..` (prefix: for instance `ip netns exec NS`, which execs, so the
+    /// child's pid is kvbench's) with `envs` added.
+    fn spawn(&mut self, name: &str, prefix: &[&str], args: &[String], envs: &[(&str, &str)]) {
+        let out = std::fs::File::create(self.dir.join(format!("{name}.out"))).unwrap();
+        let err = std::fs::File::create(self.dir.join(format!("{name}.err"))).unwrap();
+        let bin = env!("CARGO_BIN_EXE_kvbench");
+        let mut cmd = match prefix.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(bin);
+                c
+            }
+            None => Command::new(bin),
+        };
+        cmd.args(args)
+            .envs(envs.iter().copied())
+            .env("KVBENCH_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err);
+        let child = cmd.spawn().unwrap();
+        self.procs.push((name.into(), child));
+    }
+
+    /// Polls child `i` until it exits or `deadline` passes; `None` at the deadline.
+    fn wait(&mut self, i: usize, deadline: Instant) -> Option<ExitStatus> {
+        loop {
+            if let Some(status) = self.procs[i].1.try_wait().unwrap() {
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Polls until `cond` holds of child `i`'s stderr; false at the deadline or when `i` exits first.
+    fn wait_stderr(&mut self, i: usize, deadline: Instant, cond: impl Fn(&str) -> bool) -> bool {
+        loop {
+            if cond(&self.stderr(i)) {
+                return true;
+            }
+            if Instant::now() >= deadline || self.procs[i].1.try_wait().unwrap().is_some() {
+                return cond(&self.stderr(i));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn sigkill(&mut self, i: usize) {
+        let pid = libc::pid_t::try_from(self.procs[i].1.id()).unwrap();
+        // SAFETY: a plain kill(2) of our own, not yet reaped, child.
+        let rc = unsafe { libc::kill(pid, libc::SIGKILL) };
+        assert_eq!(rc, 0, "kill({pid}, SIGKILL) failed");
+    }
+
+    fn stderr(&self, i: usize) -> String {
+        read(&self.dir.join(format!("{}.err", self.procs[i].0)))
+    }
+
+    fn stdout(&self, i: usize) -> String {
+        read(&self.dir.join(format!("{}.out", self.procs[i].0)))
+    }
+
+    /// Every child's stderr, for failure messages.
+    fn logs(&self) -> String {
+        let mut s = String::new();
+        for (i, (name, _)) in self.procs.iter().enumerate() {
+            s += &format!("--- {name} stderr:\n{}\n", self.stderr(i));
+        }
+        s
+    }
+}
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for (_, c) in &mut self.procs {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_default()
+}
+
+fn strings(s: &[&str]) -> Vec<String> {
+    s.iter().map(|s| s.to_string()).collect()
+}
+
+fn decode_args(listen: &str, workload: &[&str]) -> Vec<String> {
+    let mut args = strings(&["decode", "--listen", listen]);
+    args.extend(strings(workload));
+    args
+}
+
+fn prefill_args(connect: &str, rank: u16, peers: &str, workload: &[&str]) -> Vec<String> {
+    let mut args = strings(&["prefill", "--connect", connect, "--pp-rank"]);
+    args.extend([rank.to_string(), "--pp-size".into(), "4".into()]);
+    args.extend(["--peers".into(), peers.to_string()]);
+    args.extend(strings(workload));
+    args
+}
+
+fn connected_ranks(stderr: &str) -> usize {
+    stderr
+        .lines()
+        .filter(|l| l.contains("prefill rank connected"))
+        .count()
+}
+
+/// Decode (child 0) and four prefill ranks (children 1..=4) on loopback, running `ENDLESS`; returns
+/// once decode has logged all four ranks connected and the run has gone on for `RUN_BEFORE_KILL`.
+fn start_endless(kids: &mut Children) {
+    let addrs = free_addrs(5).unwrap();
+    let decode = addrs[0].to_string();
+    let peers = addrs[1..]
+        .iter()
+        .map(|a| a.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let started = Instant::now();
+    kids.spawn("decode", &[], &decode_args(&decode, ENDLESS), &[]);
+    for rank in 0..4 {
+        let args = prefill_args(&decode, rank, &peers, ENDLESS);
+        kids.spawn(&format!("prefill-{rank}"), &[], &args, &[]);
+    }
+    assert!(
+        kids.wait_stderr(0, started + UP_BOUND, |e| connected_ranks(e) == 4),
+        "decode did not see four ranks connected within {UP_BOUND:?}\n{}",
+        kids.logs()
+    );
+    std::thread::sleep(RUN_BEFORE_KILL);
+    for i in 0..kids.procs.len() {
+        assert!(
+            kids.procs[i].1.try_wait().unwrap().is_none(),
+            "{} exited before the kill\n{}",
+            kids.procs[i].0,
+            kids.logs()
+        );
+    }
+}
+
+/// Waits for every prefill process (children 1..=4 but `skip`) to exit within `PREFILL_EXIT_BOUND`
+/// of now, and returns their statuses.
+fn prefills_exit(kids: &mut Children, skip: Option<usize>, after: &str) -> Vec<ExitStatus> {
+    let from = Instant::now();
+    let mut statuses = Vec::new();
+    for i in 1..kids.procs.len() {
+        if Some(i) == skip {
+            continue;
+        }
+        let Some(status) = kids.wait(i, from + PREFILL_EXIT_BOUND) else {
+            panic!(
+                "{} did not exit within {PREFILL_EXIT_BOUND:?} of {after}\n{}",
+                kids.procs[i].0,
+                kids.logs()
+            );
+        };
+        // A clean exit or an error exit; never a crash (signal) on the way out.
+        assert!(
+            status.code().is_some(),
+            "{} died of a signal ({status}) after {after}\n{}",
+            kids.procs[i].0,
+            kids.logs()
+        );
+        statuses.push(status);
+    }
+    statuses
+}
+
+/// Prefill rank 2 is SIGKILLed while requests are in flight: decode fails them with PeerLost (naming
+/// rank 2) and exits non-zero within its bound; the surviving ranks then exit within theirs.
+#[test]
+fn sigkill_one_prefill_rank_mid_request() {
+    let mut kids = Children::new("kill-prefill");
+    start_endless(&mut kids);
+    let killed_at = Instant::now();
+    kids.sigkill(3); // child 3 is prefill rank 2
+    assert!(kids.wait(3, killed_at + Duration::from_secs(5)).is_some());
+
+    let Some(status) = kids.wait(0, killed_at + DECODE_EXIT_BOUND) else {
+        panic!(
+            "decode did not exit within {DECODE_EXIT_BOUND:?} of prefill rank 2's SIGKILL\n{}",
+            kids.logs()
+        );
+    };
+    let decode_took = killed_at.elapsed();
+    let err = kids.stderr(0);
+    assert!(
+        !status.success(),
+        "decode exited successfully after losing a rank\n{}",
+        kids.logs()
+    );
+    assert!(
+        status.code().is_some(),
+        "decode died of a signal: {status}\n{}",
+        kids.logs()
+    );
+    let failures: Vec<&str> = err
+        .lines()
+        .filter(|l| l.contains("request failed:"))
+        .collect();
+    assert!(
+        failures
+            .iter()
+            .any(|l| l.contains("request failed: PeerLost { rank: 2,")),
+        "no request failed with PeerLost naming rank 2\n{}",
+        kids.logs()
+    );
+    // Only the lost rank failed requests: no timeouts, aborts or violations mixed in.
+    assert!(
+        failures.iter().all(|l| l.contains("PeerLost { rank: 2,")),
+        "requests failed for other reasons too: {failures:#?}\n{}",
+        kids.logs()
+    );
+    assert!(
+        err.contains("prefill rank lost"),
+        "decode did not log the lost rank\n{}",
+        kids.logs()
+    );
+
+    let statuses = prefills_exit(&mut kids, Some(3), "decode's exit");
+    eprintln!(
+        "decode exited ({status}) {decode_took:?} after the kill; {} PeerLost failures; \
+         surviving prefills exited with {statuses:?} within {:?} of decode",
+        failures.len(),
+        killed_at.elapsed() - decode_took
+    );
+}
+
+/// The decode process is SIGKILLed mid-run: every prefill process sees its control connection close
+/// and exits within its bound.
+#[test]
+fn sigkill_decode_mid_run() {
+    let mut kids = Children::new("kill-decode");
+    start_endless(&mut kids);
+    let killed_at = Instant::now();
+    kids.sigkill(0);
+    assert!(kids.wait(0, killed_at + Duration::from_secs(5)).is_some());
+    let statuses = prefills_exit(&mut kids, None, "decode's SIGKILL");
+    eprintln!(
+        "all four prefills exited within {:?} of decode's SIGKILL: {statuses:?}",
+        killed_at.elapsed()
+    );
+}
+
+/// Runs `ip args..`; the error names the command and what it printed.
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run `ip`: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "`ip {}` failed ({}): {}",
+            args.join(" "),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+/// Two network namespaces, deleted (with the veth pair inside them) on drop.
+struct Netns {
+    names: Vec<String>,
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        for n in &self.names {
+            let _ = ip(&["netns", "del", n]);
+        }
+    }
+}
+
+/// `(decode's namespace, prefill's namespace)`, joined by a veth pair: `kvxd` at 10.77.0.1/24 in the
+/// first, `kvxp` at 10.77.0.2/24 in the second, loopback up in both.
+fn two_hosts(guard: &mut Netns) -> Result<(String, String), String> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Err("not root: cannot create network namespaces".into());
+    }
+    ip(&["-V"]).map_err(|e| format!("no usable `ip` binary (iproute2): {e}"))?;
+    let tag = format!("{}{}", std::process::id(), rand::random::<u16>());
+    let (d, p) = (format!("kvxd{tag}"), format!("kvxp{tag}"));
+    for n in [&d, &p] {
+        ip(&["netns", "add", n])?;
+        guard.names.push(n.clone());
+    }
+    ip(&[
+        "link", "add", "kvxd", "netns", &d, "type", "veth", "peer", "name", "kvxp", "netns", &p,
+    ])?;
+    for (ns, dev, addr) in [(&d, "kvxd", "10.77.0.1/24"), (&p, "kvxp", "10.77.0.2/24")] {
+        ip(&["-n", ns, "addr", "add", addr, "dev", dev])?;
+        ip(&["-n", ns, "link", "set", dev, "up"])?;
+        ip(&["-n", ns, "link", "set", "lo", "up"])?;
+    }
+    // A veth end gets its carrier asynchronously; UCX ignores an interface that is not running yet.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for (ns, dev) in [(&d, "kvxd"), (&p, "kvxp")] {
+        loop {
+            let out = Command::new("ip")
+                .args(["-n", ns, "-o", "link", "show", "dev", dev])
+                .output()
+                .map_err(|e| format!("cannot run `ip`: {e}"))?;
+            if String::from_utf8_lossy(&out.stdout).contains("state UP") {
+                break;
+            }
+            if Instant::now() >= deadline {
+                return Err(format!("{dev} in {ns} did not come up within 10 s"));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    Ok((d, p))
+}
+
+/// Separate hosts: decode in one network namespace, the four prefill ranks in another, UCX over TCP on
+/// the veth pair between them; every byte verified. Skipped, with `SKIPPED: <reason>` printed, where
+/// namespaces cannot be made (not root, no `ip`).
+#[test]
+fn separate_hosts_netns_ucx_tcp_or_skipped() {
+    let mut guard = Netns { names: Vec::new() };
+    let (dns, pns) = match two_hosts(&mut guard) {
+        Ok(v) => v,
+        Err(reason) => {
+            eprintln!("SKIPPED: separate_hosts_netns_ucx_tcp_or_skipped: {reason}");
+            println!("SKIPPED: separate_hosts_netns_ucx_tcp_or_skipped: {reason}");
+            return;
+        }
+    };
+    // Declared after the guard, so dropped (children killed and reaped) before the namespaces go.
+    let mut kids = Children::new("netns");
+    // Fresh namespaces: every port is free in them.
+    let decode = "10.77.0.1:47100";
+    let peers = "127.0.0.1:47101,127.0.0.1:47102,127.0.0.1:47103,127.0.0.1:47104";
+    let json = kids.dir.join("report.json");
+    let mut args = decode_args(decode, SMALL);
+    args.extend(["--json".into(), json.display().to_string()]);
+    let started = Instant::now();
+    let denv = [("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "kvxd")];
+    kids.spawn("decode", &["ip", "netns", "exec", &dns], &args, &denv);
+    let penv = [("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "kvxp")];
+    for rank in 0..4 {
+        let args = prefill_args(decode, rank, peers, SMALL);
+        let name = format!("prefill-{rank}");
+        kids.spawn(&name, &["ip", "netns", "exec", &pns], &args, &penv);
+    }
+
+    let bound = Duration::from_secs(60);
+    let Some(status) = kids.wait(0, started + bound) else {
+        panic!("decode did not finish within {bound:?}\n{}", kids.logs());
+    };
+    assert!(
+        status.success(),
+        "decode exited with {status}\nstdout:\n{}\n{}",
+        kids.stdout(0),
+        kids.logs()
+    );
+    let report: serde_json::Value = serde_json::from_str(&read(&json)).unwrap();
+    let r = &report[0];
+    assert_eq!(r["backend"], "ucx", "{r}");
+    assert_eq!(r["verified"], true, "{r}");
+    assert_eq!(r["failed"], 0, "{r}");
+    assert_eq!(r["requests"], 4, "{r}");
+    let statuses = prefills_exit(&mut kids, None, "decode's exit");
+    assert!(
+        statuses.iter().all(ExitStatus::success),
+        "a prefill failed: {statuses:?}\n{}",
+        kids.logs()
+    );
+    eprintln!(
+        "separate hosts: 4 requests verified over UCX/TCP between namespaces in {:?}",
+        started.elapsed()
+    );
+}

@@ -57,6 +57,13 @@ pub struct UcxConfig {
     /// default, and a dead peer is detected by the control plane (its connection closes) and by the
     /// engines' deadlines instead. Turn it on between hosts.
     pub peer_error_handling: bool,
+    /// Let UCX use its native TCP put. Off by default: in UCX 1.23 it crashed the receiving worker
+    /// (SIGSEGV in its TCP progress) when prefill and decode ran in one process with two chunks of
+    /// many puts in flight on one endpoint; we did not find the cause. With it off, RMA over TCP runs
+    /// on active messages, about three times slower; shared memory and RDMA are unaffected. Separate
+    /// processes over TCP did not crash in our tests, so multi-host deployments may turn it on.
+    /// `UCX_TCP_PUT_ENABLE` in the environment overrides both.
+    pub tcp_native_put: bool,
 }
 
 impl Default for UcxConfig {
@@ -67,6 +74,7 @@ impl Default for UcxConfig {
             min_sleep: Duration::from_micros(20),
             max_sleep: Duration::from_millis(1),
             peer_error_handling: false,
+            tcp_native_put: false,
         }
     }
 }
@@ -517,10 +525,29 @@ impl Worker {
             mt_workers_shared: 0,
             ..Default::default()
         };
+        let mut ucx_config = ptr::null_mut();
+        // SAFETY: NULL prefix and file mean UCX's defaults and environment; config is an out pointer.
+        unsafe { ffi::ucp_config_read(ptr::null(), ptr::null(), &mut ucx_config) }
+            .result("ucp_config_read")?;
+        // See `UcxConfig::tcp_native_put`. A user's own environment setting wins.
+        if !config.tcp_native_put && std::env::var_os("UCX_TCP_PUT_ENABLE").is_none() {
+            // SAFETY: ucx_config is live; both strings are NUL-terminated literals.
+            let st = unsafe {
+                ffi::ucp_config_modify(ucx_config, c"TCP_PUT_ENABLE".as_ptr(), c"n".as_ptr())
+            };
+            if !st.is_ok() {
+                tracing::warn!(
+                    status = st.0,
+                    "cannot turn off UCX's TCP put; TCP transfers may crash"
+                );
+            }
+        }
         let mut ctx = ptr::null_mut();
-        // SAFETY: params is a valid, initialised struct; a NULL config means UCX's defaults and
-        // environment; ctx is a valid out pointer.
-        unsafe { ffi::kvx_ucp_init(&params, ptr::null(), &mut ctx) }.result("ucp_init")?;
+        // SAFETY: params is a valid, initialised struct; ucx_config is live; ctx is a valid out pointer.
+        let st = unsafe { ffi::kvx_ucp_init(&params, ucx_config, &mut ctx) };
+        // SAFETY: ucx_config came from ucp_config_read and is released once; ucp_init copied what it needs.
+        unsafe { ffi::ucp_config_release(ucx_config) };
+        st.result("ucp_init")?;
         let wparams = ffi::ucp_worker_params_t {
             field_mask: ffi::ucp_worker_params_field::UCP_WORKER_PARAM_FIELD_THREAD_MODE.0 as u64,
             thread_mode: ffi::ucs_thread_mode_t::UCS_THREAD_MODE_SINGLE,

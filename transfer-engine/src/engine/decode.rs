@@ -391,7 +391,11 @@ impl DecodeEngine {
 
     /// The pool's bytes, for callers that verify what arrived (host pools only).
     pub fn pool_bytes(&self) -> Option<&[u8]> {
-        self.inner.pool.get().and_then(|r| r.pool.host_bytes())
+        self.inner
+            .pool
+            .get()
+            .and_then(|r| r.pool())
+            .and_then(Pool::host_bytes)
     }
 
     /// What a prefill that does not speak our control plane needs to write into the pool: the
@@ -576,7 +580,10 @@ impl Inner {
         let (Some(info), Some(Some(conn)), Some(pool)) = (
             st.requests.get(&n.request),
             st.ranks.get(usize::from(rank)),
-            self.pool.get().and_then(|p| p.pool.host_bytes()),
+            self.pool
+                .get()
+                .and_then(|p| p.pool())
+                .and_then(Pool::host_bytes),
         ) else {
             // Unknown request (the tracker counts it) or a device pool we cannot read: nothing to hash.
             return true;

@@ -211,17 +211,22 @@ struct Registered {
     transport: Arc<dyn Transport>,
     id: RegionId,
     remote: crate::transport::RemoteRegion,
-    pool: Pool,
+    /// Always `Some` until drop.
+    pool: Option<Pool>,
 }
 
 impl Registered {
+    fn pool(&self) -> Option<&Pool> {
+        self.pool.as_ref()
+    }
+
     fn new(transport: &Arc<dyn Transport>, pool: Pool) -> Result<Self, TransportError> {
         let (id, remote) = transport.register(pool.desc())?;
         Ok(Registered {
             transport: transport.clone(),
             id,
             remote,
-            pool,
+            pool: Some(pool),
         })
     }
 }
@@ -229,9 +234,14 @@ impl Registered {
 impl Drop for Registered {
     fn drop(&mut self) {
         // Deregistration waits for writes that still use the region, so the pool (dropped right after)
-        // is never freed under a write.
+        // is never freed under a write. When it cannot be confirmed (the transport is gone, or this
+        // runs on its own progress thread), the pool is leaked instead: a leak is safe, memory freed
+        // under a registration is not.
         if let Err(e) = self.transport.deregister(self.id) {
-            tracing::warn!(error = %e, "deregistering the KV pool failed");
+            tracing::warn!(error = %e, "deregistering the KV pool failed; leaking the pool");
+            if let Some(pool) = self.pool.take() {
+                std::mem::forget(pool);
+            }
         }
     }
 }

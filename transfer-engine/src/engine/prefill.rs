@@ -332,7 +332,7 @@ impl PrefillEngine {
 
     /// The pool's bytes, when the engine owns it (for verification; fill a pool before `start`).
     pub fn pool_bytes(&self) -> Option<&[u8]> {
-        self.inner.pool.pool.host_bytes()
+        self.inner.pool.pool().and_then(Pool::host_bytes)
     }
 
     /// Writes chunk `chunk` of `request`: every layer of this rank for the pages the chunk completes
@@ -385,7 +385,7 @@ impl PrefillEngine {
         };
         let mut n = ChunkNotification::new(request, inner.cfg.pp_rank, chunk, status);
         if inner.cfg.checksums
-            && let Some(bytes) = inner.pool.pool.host_bytes()
+            && let Some(bytes) = inner.pool.pool().and_then(Pool::host_bytes)
         {
             {
                 let mut h = ChunkHasher::new();

@@ -35,6 +35,14 @@ impl Shared {
         let _ = self.thread.set(std::thread::current());
     }
 
+    /// Whether the caller is the progress thread itself (an owner dropped from inside a callback):
+    /// then nothing may wait for the thread, which cannot answer while it runs the caller.
+    pub(crate) fn on_progress_thread(&self) -> bool {
+        self.thread
+            .get()
+            .is_some_and(|t| t.id() == std::thread::current().id())
+    }
+
     /// Wakes the progress thread if it sleeps. Called after queueing a command.
     pub(crate) fn ring(&self) {
         // Pairs with the fence in `sleep`: either the thread sees the command before it sleeps, or we

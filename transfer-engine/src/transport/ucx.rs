@@ -268,6 +268,11 @@ impl UcxTransport {
         &self,
         make: impl FnOnce(chan::Sender<Result<T, TransportError>>) -> Cmd,
     ) -> Result<T, TransportError> {
+        if self.shared.on_progress_thread() {
+            // Called from inside one of our own callbacks: the thread cannot answer until the caller
+            // returns, so waiting would only run into the bound.
+            return Err(TransportError::Shutdown);
+        }
         let (tx, rx) = chan::bounded(1);
         self.send(make(tx))?;
         rx.recv_timeout(CALL_BOUND)
@@ -280,7 +285,11 @@ impl UcxTransport {
         let handle = self.thread.lock().ok().and_then(|mut t| t.take());
         if let Some(handle) = handle {
             let _ = self.send(Cmd::Stop);
-            let _ = handle.join();
+            // From the progress thread itself (the owner dropped inside a callback) the thread stops
+            // on its own once the callback returns; joining it would deadlock.
+            if !self.shared.on_progress_thread() {
+                let _ = handle.join();
+            }
         }
     }
 }

@@ -234,14 +234,27 @@ impl Registered {
 impl Drop for Registered {
     fn drop(&mut self) {
         // Deregistration waits for writes that still use the region, so the pool (dropped right after)
-        // is never freed under a write. When it cannot be confirmed (the transport is gone, or this
-        // runs on its own progress thread), the pool is leaked instead: a leak is safe, memory freed
-        // under a registration is not.
-        if let Err(e) = self.transport.deregister(self.id) {
-            tracing::warn!(error = %e, "deregistering the KV pool failed; leaking the pool");
-            if let Some(pool) = self.pool.take() {
-                std::mem::forget(pool);
+        // is never freed under a write.
+        let Err(e) = self.transport.deregister(self.id) else {
+            return;
+        };
+        let Some(pool) = self.pool.take() else { return };
+        // The usual cause is that the last handle to the engine went away inside one of the
+        // transport's own callbacks, on its progress thread, which cannot answer itself. A helper
+        // thread asks again once the callback has returned, and frees the pool only if that works;
+        // otherwise the pool is leaked: a leak is safe, memory freed under a registration is not.
+        let (transport, id, first) = (self.transport.clone(), self.id, e.to_string());
+        let reaper = std::thread::Builder::new().name("kvx-dereg".into()).spawn(move || {
+            match transport.deregister(id) {
+                Ok(()) => drop(pool),
+                Err(e2) => {
+                    tracing::warn!(%first, then = %e2, "KV pool deregistration failed; leaking the pool");
+                    std::mem::forget(pool);
+                }
             }
+        });
+        if let Err(spawn) = reaper {
+            tracing::warn!(error = %e, %spawn, "KV pool deregistration failed; leaking the pool");
         }
     }
 }

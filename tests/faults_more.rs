@@ -1033,16 +1033,14 @@ async fn last_prefill_reference_dropped_on_progress_thread() {
             .lock()
             .unwrap()
             .iter()
-            .filter(|l| l.starts_with("deregister on"))
-            .last()
+            .rfind(|l| l.starts_with("deregister on"))
             .is_some_and(|l| l.ends_with("Ok(())"))
     })
     .await;
     let log = g.log.lock().unwrap().clone();
     let last = log
         .iter()
-        .filter(|l| l.starts_with("deregister on"))
-        .last()
+        .rfind(|l| l.starts_with("deregister on"))
         .unwrap();
     assert!(last.starts_with("deregister on kvx-dereg"), "{log:#?}");
 }

@@ -540,9 +540,18 @@ async fn stuck_transfer_times_out_and_its_late_notification_changes_nothing() {
     let f = start().await;
     f.prefill[3].add_send(Rule::new(Match::request(B).rank(3).last(), SendFault::Stuck).times(1));
     let mut p = start_pair(&f, SHORT, None);
-    let (o, took) = p.b_outcome().await;
-    assert_eq!(o, Outcome::Failed(FailureReason::Timeout));
-    assert!(took >= SHORT);
+    // B times out, but its pages stay the transfer's while rank 3's writes may still land: decode
+    // holds B's outcome until every rank acknowledged the abort, and rank 3 cannot while stuck.
+    eventually("B failed and waiting for acknowledgements", || {
+        f.c.decode.stats().awaiting_abort_ack == 1
+    })
+    .await;
+    assert!(p.t0.elapsed() >= SHORT);
+    assert_eq!(f.c.decode.stats().failed_timeout, 1);
+    assert!(
+        futures::FutureExt::now_or_never(&mut p.b).is_none(),
+        "B resolved while rank 3's writes were still in flight"
+    );
     p.a_complete(&f).await;
     // Rank 3's LAST is stuck: its send has not returned and its transport counts it in flight.
     let stuck_sender = p.b_sends.pop().unwrap();
@@ -556,6 +565,7 @@ async fn stuck_transfer_times_out_and_its_late_notification_changes_nothing() {
             .expect("B undecided while stuck");
         assert!(matches!(d, Decision::Failed { .. }), "{d:?}");
     }
+    assert!(futures::FutureExt::now_or_never(&mut p.b).is_none());
     let late = f.c.decode.tracker_counters().late;
     assert_eq!(f.prefill[3].release_stuck(), 1);
     tokio::time::timeout(BOUND, stuck_sender)
@@ -563,6 +573,12 @@ async fn stuck_transfer_times_out_and_its_late_notification_changes_nothing() {
         .expect("stuck send did not return after release")
         .unwrap()
         .unwrap();
+    // Rank 3's writes are over and it acknowledged: B's outcome arrives, the one it always had.
+    let o = tokio::time::timeout(BOUND, &mut p.b)
+        .await
+        .expect("B never resolved after release");
+    assert_eq!(o, Outcome::Failed(FailureReason::Timeout));
+    assert_eq!(f.c.decode.stats().abort_ack_timeouts, 0);
     eventually("late LAST counted", || {
         f.c.decode.tracker_counters().late == late + 1
     })

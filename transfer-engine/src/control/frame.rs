@@ -13,7 +13,9 @@
 //! The header layout and the `Reject` kind number are frozen across protocol versions, so a peer
 //! that speaks another version can still read why it was turned away.
 
-use super::msg::{Abort, Hello, HelloAck, Msg, Reject, TransferReject, TransferRequest, Vote};
+use super::msg::{
+    Abort, AbortAck, Hello, HelloAck, Msg, Reject, TransferReject, TransferRequest, Vote,
+};
 
 /// First four bytes of every frame; catches a peer that is not speaking this protocol at all.
 pub const MAGIC: [u8; 4] = *b"KVCP";
@@ -48,6 +50,8 @@ pub enum MsgKind {
     Vote = 7,
     /// [`Msg::Close`].
     Close = 8,
+    /// [`Msg::AbortAck`].
+    AbortAck = 9,
 }
 
 impl MsgKind {
@@ -62,6 +66,7 @@ impl MsgKind {
             6 => Self::Abort,
             7 => Self::Vote,
             8 => Self::Close,
+            9 => Self::AbortAck,
             _ => return None,
         })
     }
@@ -251,6 +256,7 @@ pub fn encode_frame(msg: &Msg, max_len: u32, out: &mut Vec<u8>) -> Result<(), Fr
         Msg::TransferReject(m) => postcard::to_extend(m, Sink(out)),
         Msg::Abort(m) => postcard::to_extend(m, Sink(out)),
         Msg::Vote(m) => postcard::to_extend(m, Sink(out)),
+        Msg::AbortAck(m) => postcard::to_extend(m, Sink(out)),
         Msg::Close => Ok(Sink(out)),
     };
     if let Err(source) = body {
@@ -323,6 +329,7 @@ pub fn decode_payload(kind: MsgKind, payload: &[u8]) -> Result<Msg, FrameError> 
         MsgKind::TransferReject => Msg::TransferReject(body::<TransferReject>(kind, payload)?),
         MsgKind::Abort => Msg::Abort(body::<Abort>(kind, payload)?),
         MsgKind::Vote => Msg::Vote(body::<Vote>(kind, payload)?),
+        MsgKind::AbortAck => Msg::AbortAck(body::<AbortAck>(kind, payload)?),
         MsgKind::Close => {
             if !payload.is_empty() {
                 return Err(FrameError::TrailingBytes {

@@ -70,7 +70,7 @@ pub use frame::{
     PROTOCOL_VERSION, decode_payload, encode_frame, encode_to_vec,
 };
 pub use msg::{
-    Abort, BackendInfo, BackendKind, Hello, HelloAck, LayoutInfo, Msg, Reject, RejectReason,
-    RemoteRegion, Role, Token, TpMode, TransferReject, TransferRejectReason, TransferRequest, Vote,
-    check_hello, validate_transfer_request,
+    Abort, AbortAck, BackendInfo, BackendKind, Hello, HelloAck, LayoutInfo, Msg, Reject,
+    RejectReason, RemoteRegion, Role, Token, TpMode, TransferReject, TransferRejectReason,
+    TransferRequest, Vote, check_hello, validate_transfer_request,
 };

@@ -378,6 +378,14 @@ pub struct Abort {
     pub reason: u16,
 }
 
+/// A prefill rank's answer to an [`Abort`]: none of its writes into the request's pages is still
+/// running, and none will be posted. Only then may the decode side reuse the pages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AbortAck {
+    /// Request id.
+    pub request: u64,
+}
+
 /// One PP rank's vote record, opaque here: the core encodes and checks it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Vote {
@@ -405,6 +413,8 @@ pub enum Msg {
     Vote(Vote),
     /// The sender will send nothing more.
     Close,
+    /// A prefill rank's writes for an aborted request are over.
+    AbortAck(AbortAck),
 }
 
 impl Msg {
@@ -417,6 +427,7 @@ impl Msg {
             Self::TransferRequest(_) => MsgKind::TransferRequest,
             Self::TransferReject(_) => MsgKind::TransferReject,
             Self::Abort(_) => MsgKind::Abort,
+            Self::AbortAck(_) => MsgKind::AbortAck,
             Self::Vote(_) => MsgKind::Vote,
             Self::Close => MsgKind::Close,
         }

@@ -54,6 +54,10 @@ pub struct DecodeConfig {
     pub tracker: TrackerConfig,
     /// Bound on each handshake.
     pub handshake_timeout: Duration,
+    /// How long a failed request waits for every connected rank to confirm (AbortAck) that none of
+    /// its writes into the request's pages still runs, before its future resolves anyway (counted in
+    /// [`DecodeStats::abort_ack_timeouts`]).
+    pub abort_ack_timeout: Duration,
 }
 
 impl DecodeConfig {
@@ -71,6 +75,7 @@ impl DecodeConfig {
             verify_checksums: true,
             tracker: TrackerConfig::default(),
             handshake_timeout: Duration::from_secs(10),
+            abort_ack_timeout: Duration::from_secs(5),
         }
     }
 }
@@ -102,6 +107,10 @@ pub struct DecodeStats {
     pub checksum_mismatch: u64,
     /// Requests still tracked.
     pub in_flight: u64,
+    /// Failed requests whose future waits for ranks to confirm their writes are over.
+    pub awaiting_abort_ack: u64,
+    /// Failed requests resolved without every rank's confirmation, after `abort_ack_timeout`.
+    pub abort_ack_timeouts: u64,
     /// Bytes registered by the transport.
     pub registered_bytes: u64,
 }
@@ -125,6 +134,14 @@ struct State {
     senders: HashMap<Sender, (u16, PeerId)>,
     next_peer: u64,
     completed_at: super::Stamps,
+    /// Failed requests whose outcome is held until the ranks named confirm their writes are over.
+    unacked: HashMap<RequestId, Unacked>,
+}
+
+struct Unacked {
+    ranks: Vec<u16>,
+    outcome: Outcome,
+    deadline: Instant,
 }
 
 #[derive(Default)]
@@ -137,6 +154,7 @@ struct Counters {
     unknown_sender: AtomicU64,
     refused: AtomicU64,
     checksum_mismatch: AtomicU64,
+    abort_ack_timeouts: AtomicU64,
 }
 
 struct Inner {
@@ -198,6 +216,7 @@ impl DecodeEngine {
                 senders: HashMap::new(),
                 next_peer: 1,
                 completed_at: super::Stamps::default(),
+                unacked: HashMap::new(),
             }),
             cfg,
             counters: Counters::default(),
@@ -223,9 +242,14 @@ impl DecodeEngine {
             inner.timer.clone(),
             |i: &Inner| {
                 let mut st = i.lock();
-                st.tracker.handle_timeout(Instant::now());
+                let now = Instant::now();
+                st.tracker.handle_timeout(now);
                 i.drain(&mut st);
-                st.tracker.poll_timeout()
+                let acks = i.expire_unacked(&mut st, now);
+                match (st.tracker.poll_timeout(), acks) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                }
             },
         ));
         Ok(DecodeEngine {
@@ -355,7 +379,10 @@ impl DecodeEngine {
     /// Counters.
     pub fn stats(&self) -> DecodeStats {
         let c = &self.inner.counters;
-        let in_flight = self.inner.lock().tracker.in_flight() as u64;
+        let (in_flight, awaiting_abort_ack) = {
+            let st = self.inner.lock();
+            (st.tracker.in_flight() as u64, st.unacked.len() as u64)
+        };
         DecodeStats {
             completed: c.completed.load(Ordering::Relaxed),
             failed: c.failed.load(Ordering::Relaxed),
@@ -369,6 +396,8 @@ impl DecodeEngine {
             refused: c.refused.load(Ordering::Relaxed),
             checksum_mismatch: c.checksum_mismatch.load(Ordering::Relaxed),
             in_flight,
+            awaiting_abort_ack,
+            abort_ack_timeouts: c.abort_ack_timeouts.load(Ordering::Relaxed),
             registered_bytes: self
                 .inner
                 .transport
@@ -503,10 +532,36 @@ impl Inner {
                         request: request.0,
                         reason: code.raw(),
                     });
-                    for r in st.ranks.iter().flatten() {
-                        let _ = r.writer.send(msg.clone());
+                    // The pages belong to the transfer until every rank that got the Abort says none
+                    // of its writes into them still runs (ranks without a control connection, such as
+                    // external ones, cannot say and are not waited for).
+                    let mut ranks = Vec::new();
+                    for (rank, r) in st.ranks.iter().enumerate() {
+                        // An external rank's channel has no reader, so the send fails and it is not
+                        // waited for.
+                        if let Some(r) = r
+                            && r.writer.send(msg.clone()).is_ok()
+                        {
+                            ranks.push(rank as u16);
+                        }
                     }
-                    (request, Outcome::Failed(reason))
+                    let outcome = Outcome::Failed(reason);
+                    if !ranks.is_empty() && st.waiters.contains_key(&request) {
+                        let deadline = Instant::now() + self.cfg.abort_ack_timeout;
+                        st.unacked.insert(
+                            request,
+                            Unacked {
+                                ranks,
+                                outcome,
+                                deadline,
+                            },
+                        );
+                        st.requests.remove(&request);
+                        // The timer must learn this deadline.
+                        self.timer.notify_one();
+                        continue;
+                    }
+                    (request, outcome)
                 }
             };
             st.requests.remove(&request);
@@ -615,6 +670,49 @@ impl Inner {
         h.finish() == sum
     }
 
+    /// `rank`'s writes for `request` are over (it acknowledged the Abort, or it is gone).
+    fn acked(&self, st: &mut State, request: RequestId, rank: u16) {
+        let done = match st.unacked.get_mut(&request) {
+            Some(u) => {
+                u.ranks.retain(|&r| r != rank);
+                u.ranks.is_empty()
+            }
+            None => false,
+        };
+        if done {
+            self.resolve_unacked(st, request);
+        }
+    }
+
+    fn resolve_unacked(&self, st: &mut State, request: RequestId) {
+        if let Some(u) = st.unacked.remove(&request)
+            && let Some(w) = st.waiters.remove(&request)
+        {
+            let _ = w.send(u.outcome);
+        }
+    }
+
+    /// Resolves failed requests whose ranks did not confirm in time; returns the next such deadline.
+    fn expire_unacked(&self, st: &mut State, now: Instant) -> Option<Instant> {
+        let late: Vec<RequestId> = st
+            .unacked
+            .iter()
+            .filter(|(_, u)| u.deadline <= now)
+            .map(|(r, _)| *r)
+            .collect();
+        for request in late {
+            self.counters
+                .abort_ack_timeouts
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                request = request.0,
+                "ranks did not confirm the abort in time"
+            );
+            self.resolve_unacked(st, request);
+        }
+        st.unacked.values().map(|u| u.deadline).min()
+    }
+
     fn peer_lost(&self, rank: u16, peer: PeerId, sender: &Sender) {
         let mut st = self.lock();
         if st
@@ -630,6 +728,16 @@ impl Inner {
         let failed = st.tracker.handle_peer_lost(Instant::now(), peer);
         tracing::warn!(rank, failed, "prefill rank lost");
         self.drain(&mut st);
+        // A rank that is gone writes nothing more (its process or its connection ended).
+        let waiting: Vec<RequestId> = st
+            .unacked
+            .iter()
+            .filter(|(_, u)| u.ranks.contains(&rank))
+            .map(|(r, _)| *r)
+            .collect();
+        for request in waiting {
+            self.acked(&mut st, request, rank);
+        }
     }
 }
 
@@ -802,6 +910,10 @@ async fn read_loop(inner: &Weak<Inner>, mut reader: control::ControlReader, rank
                     FailureReason::PeerFailed { rank, code },
                 );
                 i.drain(&mut st);
+            }
+            Msg::AbortAck(a) => {
+                let mut st = i.lock();
+                i.acked(&mut st, RequestId(a.request), rank);
             }
             Msg::Close => return,
             _ => {}

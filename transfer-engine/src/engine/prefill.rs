@@ -128,6 +128,10 @@ struct ReqState {
     dst_pages: Arc<Vec<u32>>,
     failed: Option<FailureCode>,
     voted: bool,
+    /// Chunks posted and not yet over: writes that may still land in decode's pages.
+    posted: u32,
+    /// Decode aborted the request while chunks were posted: acknowledge once they are over.
+    ack_pending: bool,
 }
 
 struct State {
@@ -419,6 +423,19 @@ impl PrefillEngine {
             chunk
         );
         let _g = span.enter();
+        // Counted under the same lock an abort takes, so an abort either sees this chunk posted (and
+        // waits for it before acknowledging) or stops it here.
+        {
+            let mut st = lock(&inner.state);
+            match st.requests.get_mut(&request) {
+                Some(r) if r.failed.is_none() => r.posted += 1,
+                Some(r) => {
+                    let code = r.failed.unwrap_or(FailureCode::Aborted);
+                    return Err(EngineError::RequestFailed { request, code });
+                }
+                None => return Err(EngineError::UnknownRequest(request)),
+            }
+        }
         inner.transport.post(
             inner.decode_peer,
             writes,
@@ -544,6 +561,23 @@ impl Inner {
         bytes: u64,
         res: &Result<(), TransportError>,
     ) {
+        let ack = {
+            let mut st = lock(&self.state);
+            match st.requests.get_mut(&request) {
+                Some(r) => {
+                    r.posted = r.posted.saturating_sub(1);
+                    let ack = r.posted == 0 && r.ack_pending;
+                    if ack {
+                        r.ack_pending = false;
+                    }
+                    ack
+                }
+                None => false,
+            }
+        };
+        if ack {
+            self.ack_abort(request);
+        }
         match res {
             Ok(()) => {
                 self.counters.chunks.fetch_add(1, Ordering::Relaxed);
@@ -661,6 +695,8 @@ impl Inner {
                         dst_pages: Arc::new(req.dst_pages),
                         failed: None,
                         voted: false,
+                        posted: 0,
+                        ack_pending: false,
                     },
                 );
                 for w in st.arrivals.remove(&request).unwrap_or_default() {
@@ -687,15 +723,32 @@ impl Inner {
         false
     }
 
+    /// Decode abandoned `request`: post nothing more for it, acknowledge once every chunk already
+    /// posted is over (so decode may reuse the pages), and vote failed.
     fn on_abort(&self, request: RequestId, code: FailureCode) {
-        {
+        let ack_now = {
             let mut st = lock(&self.state);
             match st.requests.get_mut(&request) {
-                Some(r) if r.failed.is_none() => r.failed = Some(code),
-                _ => {}
+                Some(r) => {
+                    if r.failed.is_none() {
+                        r.failed = Some(code);
+                    }
+                    r.ack_pending = r.posted > 0;
+                    r.posted == 0
+                }
+                None => true,
             }
+        };
+        if ack_now {
+            self.ack_abort(request);
         }
         self.vote(request, Vote::Failed(code));
+    }
+
+    fn ack_abort(&self, request: RequestId) {
+        let _ = self
+            .decode_writer
+            .send(Msg::AbortAck(control::AbortAck { request: request.0 }));
     }
 
     fn on_peer_message(&self, from: u16, bytes: &[u8]) {

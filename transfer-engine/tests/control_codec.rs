@@ -4,9 +4,9 @@
 
 use proptest::prelude::*;
 use transfer_engine::control::{
-    Abort, BackendInfo, BackendKind, DEFAULT_MAX_FRAME_LEN, FrameDecoder, FrameError, FrameHeader,
-    HEADER_LEN, Hello, HelloAck, LayoutInfo, MAGIC, Msg, MsgKind, PROTOCOL_VERSION, Reject,
-    RejectReason, RemoteRegion, Role, Token, TpMode, TransferReject, TransferRejectReason,
+    Abort, AbortAck, BackendInfo, BackendKind, DEFAULT_MAX_FRAME_LEN, FrameDecoder, FrameError,
+    FrameHeader, HEADER_LEN, Hello, HelloAck, LayoutInfo, MAGIC, Msg, MsgKind, PROTOCOL_VERSION,
+    Reject, RejectReason, RemoteRegion, Role, Token, TpMode, TransferReject, TransferRejectReason,
     TransferRequest, Vote, check_hello, encode_to_vec, validate_transfer_request,
 };
 
@@ -97,6 +97,7 @@ fn every_message() -> Vec<Msg> {
             bytes: vec![1, 2, 3, 4, 5],
         }),
         Msg::Close,
+        Msg::AbortAck(AbortAck { request: 42 }),
     ]
 }
 

@@ -27,7 +27,7 @@
 //!
 //! This is the only module of the crate that calls NIXL.
 
-use super::progress::Shared;
+use super::progress::{Handle, Shared};
 use super::{
     BackendKind, Done, Incoming, PeerId, RegionId, RemoteRegion, Sender, Sink, Transport,
     TransportError, TransportStats, WriteOp,
@@ -38,13 +38,11 @@ use nixl_sys as ffi;
 use std::collections::HashMap;
 use std::ffi::{CStr, CString, c_void};
 use std::ptr;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// How long a blocking call waits for the progress thread before calling it dead.
-const CALL_BOUND: Duration = Duration::from_secs(10);
 /// How long shutdown waits for posted chunks before releasing their requests under them.
 const SHUTDOWN_BOUND: Duration = Duration::from_secs(5);
 /// The plugin every agent of this transport uses.
@@ -177,10 +175,8 @@ impl Cmd {
 
 /// The NIXL transport. Cheap to share behind an `Arc`; every method may be called from any thread.
 pub struct NixlTransport {
-    tx: chan::Sender<Cmd>,
-    shared: Arc<Shared>,
+    thread: Handle<Cmd>,
     name: String,
-    thread: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl std::fmt::Debug for NixlTransport {
@@ -204,88 +200,42 @@ impl NixlTransport {
         // Before NIXL starts its UCX: with a second UCX already loaded, the plugin's ucp_init spins
         // for ever, so the check after the plugin is in would never be reached.
         super::ucx::check_single_ucx()?;
-        let shared = Arc::new(Shared::default());
-        let (tx, rx) = chan::unbounded();
-        let (ready_tx, ready_rx) = chan::bounded(1);
-        let thread_shared = shared.clone();
         let name = config.name.clone();
-        let thread = std::thread::Builder::new()
-            .name(format!("nixl-{}", config.name))
-            .spawn(move || match Worker::start(&config, sink, thread_shared) {
-                Ok(mut w) => {
-                    let _ = ready_tx.send(Ok(()));
-                    w.run(&rx);
-                    w.close();
-                    // Whatever was queued after Stop is answered, so no caller waits for nothing.
-                    while let Ok(cmd) = rx.try_recv() {
-                        cmd.refuse();
+        let thread_name = format!("nixl-{}", config.name);
+        let (thread, ()) = Handle::spawn(
+            thread_name,
+            || Cmd::Stop,
+            move |(shared, rx, ready)| {
+                match Worker::start(&config, sink, shared) {
+                    Ok(mut w) => {
+                        let _ = ready.send(Ok(()));
+                        w.run(&rx);
+                        w.close();
+                        // Whatever was queued after Stop is answered, so no caller waits for nothing.
+                        while let Ok(cmd) = rx.try_recv() {
+                            cmd.refuse();
+                        }
+                    }
+                    Err(e) => {
+                        let _ = ready.send(Err(e));
                     }
                 }
-                Err(e) => {
-                    let _ = ready_tx.send(Err(e));
-                }
-            })
-            .map_err(|e| TransportError::Library {
-                op: "spawn",
-                code: 0,
-                message: e.to_string(),
-            })?;
-        match ready_rx.recv_timeout(CALL_BOUND) {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                let _ = thread.join();
-                return Err(e);
-            }
-            // The thread is stuck inside NIXL; it is left running rather than joined forever.
-            Err(_) => return Err(TransportError::Shutdown),
-        }
-        Ok(NixlTransport {
-            tx,
-            shared,
-            name,
-            thread: Mutex::new(Some(thread)),
-        })
-    }
-
-    fn send(&self, cmd: Cmd) -> Result<(), TransportError> {
-        self.tx.send(cmd).map_err(|_| TransportError::Shutdown)?;
-        self.shared.ring();
-        Ok(())
+            },
+        )?;
+        Ok(NixlTransport { thread, name })
     }
 
     fn call<T>(
         &self,
         make: impl FnOnce(chan::Sender<Result<T, TransportError>>) -> Cmd,
     ) -> Result<T, TransportError> {
-        if self.shared.on_progress_thread() {
-            // Called from inside one of our own callbacks: the thread cannot answer until the caller
-            // returns, so waiting would only run into the bound.
-            return Err(TransportError::Shutdown);
-        }
-        let (tx, rx) = chan::bounded(1);
-        self.send(make(tx))?;
-        rx.recv_timeout(CALL_BOUND)
-            .map_err(|_| TransportError::Shutdown)?
+        self.thread.call(make)
     }
 
     /// Stops the progress thread: waits (bounded) for posted chunks, then releases every request,
     /// forgets every peer, deregisters every region and destroys the agent. Also done on drop.
     pub fn shutdown(&self) {
-        let handle = self.thread.lock().ok().and_then(|mut t| t.take());
-        if let Some(handle) = handle {
-            let _ = self.send(Cmd::Stop);
-            // From the progress thread itself (the owner dropped inside a callback) the thread stops
-            // on its own once the callback returns; joining it would deadlock.
-            if !self.shared.on_progress_thread() {
-                let _ = handle.join();
-            }
-        }
-    }
-}
-
-impl Drop for NixlTransport {
-    fn drop(&mut self) {
-        self.shutdown();
+        self.thread.shutdown();
     }
 }
 
@@ -322,22 +272,24 @@ impl Transport for NixlTransport {
     }
 
     fn disconnect(&self, peer: PeerId) {
-        let _ = self.send(Cmd::Disconnect(peer));
+        let _ = self.thread.send(Cmd::Disconnect(peer));
     }
 
     fn post(&self, peer: PeerId, writes: Vec<WriteOp>, notification: Vec<u8>, done: Done) {
-        match self.tx.send(Cmd::Post(peer, writes, notification, done)) {
-            Ok(()) => self.shared.ring(),
-            Err(chan::SendError(cmd)) => cmd.refuse(),
+        if let Err(cmd) = self
+            .thread
+            .send(Cmd::Post(peer, writes, notification, done))
+        {
+            cmd.refuse();
         }
     }
 
     fn stats(&self) -> TransportStats {
-        self.shared.stats()
+        self.thread.shared.stats()
     }
 
     fn set_active(&self, active: bool) {
-        self.shared.set_active(active);
+        self.thread.shared.set_active(active);
     }
 }
 

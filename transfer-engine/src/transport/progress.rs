@@ -91,3 +91,107 @@ impl Shared {
         }
     }
 }
+
+/// How long a blocking call waits for the progress thread before calling it dead.
+pub(crate) const CALL_BOUND: Duration = Duration::from_secs(10);
+
+/// The callers' side of a progress thread: its command queue, the shared state and the join handle.
+/// Dropping it stops the thread (see [`Handle::shutdown`]).
+pub(crate) struct Handle<C: Send + 'static> {
+    tx: crossbeam_channel::Sender<C>,
+    pub(crate) shared: std::sync::Arc<Shared>,
+    thread: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
+    stop: fn() -> C,
+}
+
+/// What a progress thread's body gets: the shared state, its command queue, and where to say that
+/// it started (`Ok` with a value for the caller) or why it could not.
+pub(crate) type Start<C, T> = (
+    std::sync::Arc<Shared>,
+    crossbeam_channel::Receiver<C>,
+    crossbeam_channel::Sender<Result<T, super::TransportError>>,
+);
+
+impl<C: Send + 'static> Handle<C> {
+    /// Starts a thread named `name` running `body`, and waits (bounded) for it to report that it
+    /// started. `body` must return once it receives `stop()`.
+    pub(crate) fn spawn<T: Send + 'static>(
+        name: String,
+        stop: fn() -> C,
+        body: impl FnOnce(Start<C, T>) + Send + 'static,
+    ) -> Result<(Self, T), super::TransportError> {
+        let shared = std::sync::Arc::new(Shared::default());
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let (ready_tx, ready_rx) = crossbeam_channel::bounded(1);
+        let s = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name(name)
+            .spawn(move || body((s, rx, ready_tx)))
+            .map_err(|e| super::TransportError::Library {
+                op: "spawn",
+                code: 0,
+                message: e.to_string(),
+            })?;
+        match ready_rx.recv_timeout(CALL_BOUND) {
+            Ok(Ok(v)) => Ok((
+                Handle {
+                    tx,
+                    shared,
+                    thread: std::sync::Mutex::new(Some(thread)),
+                    stop,
+                },
+                v,
+            )),
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                Err(e)
+            }
+            // The thread is stuck inside the library; it is left running rather than joined forever.
+            Err(_) => Err(super::TransportError::Shutdown),
+        }
+    }
+
+    /// Queues a command and wakes the thread if it sleeps; gives the command back if the thread is
+    /// gone.
+    pub(crate) fn send(&self, cmd: C) -> Result<(), C> {
+        self.tx.send(cmd).map_err(|e| e.0)?;
+        self.shared.ring();
+        Ok(())
+    }
+
+    /// Queues the command `make` builds around a reply channel and waits (bounded) for the reply.
+    pub(crate) fn call<T>(
+        &self,
+        make: impl FnOnce(crossbeam_channel::Sender<Result<T, super::TransportError>>) -> C,
+    ) -> Result<T, super::TransportError> {
+        if self.shared.on_progress_thread() {
+            // Called from inside one of our own callbacks: the thread cannot answer until the caller
+            // returns, so waiting would only run into the bound.
+            return Err(super::TransportError::Shutdown);
+        }
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.send(make(tx))
+            .map_err(|_| super::TransportError::Shutdown)?;
+        rx.recv_timeout(CALL_BOUND)
+            .map_err(|_| super::TransportError::Shutdown)?
+    }
+
+    /// Stops the thread and waits for it (the thread's own shutdown is bounded).
+    pub(crate) fn shutdown(&self) {
+        let handle = self.thread.lock().ok().and_then(|mut t| t.take());
+        if let Some(handle) = handle {
+            let _ = self.send((self.stop)());
+            // From the progress thread itself (the owner dropped inside a callback) the thread stops
+            // on its own once the callback returns; joining it would deadlock.
+            if !self.shared.on_progress_thread() {
+                let _ = handle.join();
+            }
+        }
+    }
+}
+
+impl<C: Send + 'static> Drop for Handle<C> {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}

@@ -17,7 +17,7 @@
 //!
 //! This is the only module of the crate that calls UCX.
 
-use super::progress::Shared;
+use super::progress::{Handle, Shared};
 use super::{
     BackendKind, Done, Incoming, PeerId, RegionId, RemoteRegion, Sender, Sink, Transport,
     TransportError, TransportStats, WriteOp,
@@ -27,16 +27,13 @@ use crossbeam_channel as chan;
 use std::collections::{HashMap, VecDeque};
 use std::ffi::{CStr, c_void};
 use std::ptr;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use ucx_sys as ffi;
 
 /// Active message id of chunk notifications.
 const NOTIFY_AM_ID: u32 = 0x4b56;
-/// How long a blocking call waits for the progress thread before calling it dead.
-const CALL_BOUND: Duration = Duration::from_secs(10);
 /// How long shutdown waits for posted chunks before closing endpoints under them.
 const SHUTDOWN_BOUND: Duration = Duration::from_secs(5);
 
@@ -195,10 +192,8 @@ enum Cmd {
 
 /// The direct UCX transport. Cheap to share behind an `Arc`; every method may be called from any thread.
 pub struct UcxTransport {
-    tx: chan::Sender<Cmd>,
-    shared: Arc<Shared>,
+    thread: Handle<Cmd>,
     address: Vec<u8>,
-    thread: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl std::fmt::Debug for UcxTransport {
@@ -217,86 +212,39 @@ impl UcxTransport {
     /// Two UCX libraries in the process, or UCX failing to start.
     pub fn new(config: UcxConfig, sink: Sink) -> Result<Self, TransportError> {
         check_single_ucx()?;
-        let shared = Arc::new(Shared::default());
-        let (tx, rx) = chan::unbounded();
-        let (ready_tx, ready_rx) = chan::bounded(1);
-        let thread_shared = shared.clone();
-        let thread = std::thread::Builder::new()
-            .name(format!("ucx-{}", config.name))
-            .spawn(move || match Worker::start(&config, sink, thread_shared) {
+        let name = format!("ucx-{}", config.name);
+        let (thread, address) = Handle::spawn(
+            name,
+            || Cmd::Stop,
+            move |(shared, rx, ready)| match Worker::start(&config, sink, shared) {
                 Ok(mut w) => {
                     let addr = w.address();
                     let ok = addr.is_ok();
-                    let _ = ready_tx.send(addr);
+                    let _ = ready.send(addr);
                     if ok {
                         w.run(&rx);
                     }
                     w.close();
                 }
                 Err(e) => {
-                    let _ = ready_tx.send(Err(e));
+                    let _ = ready.send(Err(e));
                 }
-            })
-            .map_err(|e| TransportError::Library {
-                op: "spawn",
-                code: 0,
-                message: e.to_string(),
-            })?;
-        let address = match ready_rx.recv_timeout(CALL_BOUND) {
-            Ok(Ok(a)) => a,
-            Ok(Err(e)) => {
-                let _ = thread.join();
-                return Err(e);
-            }
-            Err(_) => return Err(TransportError::Shutdown),
-        };
-        Ok(UcxTransport {
-            tx,
-            shared,
-            address,
-            thread: Mutex::new(Some(thread)),
-        })
-    }
-
-    fn send(&self, cmd: Cmd) -> Result<(), TransportError> {
-        self.tx.send(cmd).map_err(|_| TransportError::Shutdown)?;
-        self.shared.ring();
-        Ok(())
+            },
+        )?;
+        Ok(UcxTransport { thread, address })
     }
 
     fn call<T>(
         &self,
         make: impl FnOnce(chan::Sender<Result<T, TransportError>>) -> Cmd,
     ) -> Result<T, TransportError> {
-        if self.shared.on_progress_thread() {
-            // Called from inside one of our own callbacks: the thread cannot answer until the caller
-            // returns, so waiting would only run into the bound.
-            return Err(TransportError::Shutdown);
-        }
-        let (tx, rx) = chan::bounded(1);
-        self.send(make(tx))?;
-        rx.recv_timeout(CALL_BOUND)
-            .map_err(|_| TransportError::Shutdown)?
+        self.thread.call(make)
     }
 
     /// Stops the progress thread: waits (bounded) for posted chunks, then closes endpoints and frees
     /// every UCX resource. Also done on drop.
     pub fn shutdown(&self) {
-        let handle = self.thread.lock().ok().and_then(|mut t| t.take());
-        if let Some(handle) = handle {
-            let _ = self.send(Cmd::Stop);
-            // From the progress thread itself (the owner dropped inside a callback) the thread stops
-            // on its own once the callback returns; joining it would deadlock.
-            if !self.shared.on_progress_thread() {
-                let _ = handle.join();
-            }
-        }
-    }
-}
-
-impl Drop for UcxTransport {
-    fn drop(&mut self) {
-        self.shutdown();
+        self.thread.shutdown();
     }
 }
 
@@ -331,23 +279,24 @@ impl Transport for UcxTransport {
     }
 
     fn disconnect(&self, peer: PeerId) {
-        let _ = self.send(Cmd::Disconnect(peer));
+        let _ = self.thread.send(Cmd::Disconnect(peer));
     }
 
     fn post(&self, peer: PeerId, writes: Vec<WriteOp>, notification: Vec<u8>, done: Done) {
-        match self.tx.send(Cmd::Post(peer, writes, notification, done)) {
-            Ok(()) => self.shared.ring(),
-            Err(chan::SendError(Cmd::Post(_, _, _, done))) => done(Err(TransportError::Shutdown)),
-            Err(_) => {}
+        if let Err(Cmd::Post(_, _, _, done)) =
+            self.thread
+                .send(Cmd::Post(peer, writes, notification, done))
+        {
+            done(Err(TransportError::Shutdown));
         }
     }
 
     fn set_active(&self, active: bool) {
-        self.shared.set_active(active);
+        self.thread.shared.set_active(active);
     }
 
     fn stats(&self) -> TransportStats {
-        self.shared.stats()
+        self.thread.shared.stats()
     }
 }
 

@@ -46,6 +46,7 @@ fn datapath(c: &mut Criterion) {
             checksums: false,
             duration: None,
             scatter: true,
+            request_timeout: Duration::from_secs(60),
         };
         let page_kib = shape(page_tokens).page_bytes() / 1024;
         g.throughput(Throughput::Bytes(

@@ -48,6 +48,9 @@ pub struct Workload {
     /// Destination pages in reverse order, so no two pages coalesce into one write: every page is a
     /// write of its own (the page-rate workload).
     pub scatter: bool,
+    /// Each request's deadline (given to decode's `expect`): a request not complete by then fails
+    /// with `Timeout`.
+    pub request_timeout: Duration,
 }
 
 impl Workload {
@@ -127,6 +130,9 @@ pub struct Report {
     pub requests: u64,
     /// Requests that failed.
     pub failed: u64,
+    /// Requests that completed after the last failed one, counted in the order their outcomes
+    /// arrived (every completed request when none failed): shows that a run recovered from a fault.
+    pub completed_after_last_failure: u64,
     /// Every byte of every request was verified and matched (false when not verified).
     pub verified: bool,
 }
@@ -163,7 +169,7 @@ pub async fn run_workload(
     let started = Instant::now();
     let mut latencies = Vec::new();
     let mut completes = Vec::new();
-    let mut failed = 0u64;
+    let (mut failed, mut after_failure) = (0u64, 0u64);
     let mut verified = w.verify != Verify::None;
     let mut issued = 0u64;
     let slots = w.concurrency.max(1);
@@ -184,6 +190,7 @@ pub async fn run_workload(
             w.prompt_tokens,
             w.chunk_tokens,
             chunks,
+            w.request_timeout,
         ));
         issued += 1;
     }
@@ -194,6 +201,7 @@ pub async fn run_workload(
         done += 1;
         match outcome {
             Outcome::Complete => {
+                after_failure += 1;
                 latencies.push(latency.as_secs_f64() * 1e6);
                 completes.push(complete.as_secs_f64() * 1e6);
                 if w.verify == Verify::All {
@@ -207,6 +215,7 @@ pub async fn run_workload(
             Outcome::Failed(reason) => {
                 tracing::warn!(?reason, "request failed");
                 failed += 1;
+                after_failure = 0;
                 verified = false;
             }
         }
@@ -223,6 +232,7 @@ pub async fn run_workload(
                 w.prompt_tokens,
                 w.chunk_tokens,
                 chunks,
+                w.request_timeout,
             ));
             issued += 1;
         }
@@ -260,6 +270,7 @@ pub async fn run_workload(
         baseline_msg_rate: 0.0,
         requests: done,
         failed,
+        completed_after_last_failure: after_failure,
         verified: verified && failed == 0,
     })
 }
@@ -276,16 +287,13 @@ async fn one_request(
     prompt_tokens: u32,
     chunk_tokens: u32,
     chunks: u32,
+    timeout: Duration,
 ) -> RequestResult {
     let request = RequestId(id + 1);
     let t0 = Instant::now();
-    let outcome = cluster.decode.expect(
-        request,
-        prompt_tokens,
-        chunk_tokens,
-        dst,
-        Duration::from_secs(60),
-    )?;
+    let outcome = cluster
+        .decode
+        .expect(request, prompt_tokens, chunk_tokens, dst, timeout)?;
     let mut ranks = tokio::task::JoinSet::new();
     for p in &cluster.prefill {
         let p = p.clone();

@@ -66,6 +66,7 @@ pub async fn run_decode(
     let started = Instant::now();
     let mut latencies = Vec::new();
     let (mut failed, mut verified, mut issued) = (0u64, w.verify != Verify::None, 0u64);
+    let mut after_failure = 0u64;
     let mut set = tokio::task::JoinSet::new();
     let spawn = |set: &mut tokio::task::JoinSet<_>, id: u64, slot: u32| -> Result<(), String> {
         let dst = w.dst_pages(slot);
@@ -76,7 +77,7 @@ pub async fn run_decode(
                 w.prompt_tokens,
                 w.chunk_tokens,
                 dst,
-                Duration::from_secs(60),
+                w.request_timeout,
             )
             .map_err(|e| e.to_string())?;
         set.spawn(async move { (slot, fut.await, t0.elapsed()) });
@@ -90,6 +91,9 @@ pub async fn run_decode(
         let (slot, outcome, latency) = r.map_err(|e| e.to_string())?;
         match outcome {
             Outcome::Complete => {
+                after_failure += 1;
+                // Progress, for tests that inject a fault mid-run (KVBENCH_LOG=kvbench::roles=debug).
+                tracing::debug!(completed = latencies.len() + 1, "request complete");
                 latencies.push(latency.as_secs_f64() * 1e6);
                 if w.verify != Verify::None {
                     let dst = w.dst_pages(slot);
@@ -112,6 +116,7 @@ pub async fn run_decode(
             Outcome::Failed(reason) => {
                 eprintln!("kvbench decode: request failed: {reason:?}");
                 failed += 1;
+                after_failure = 0;
                 verified = false;
             }
         }
@@ -149,6 +154,7 @@ pub async fn run_decode(
         baseline_msg_rate: 0.0,
         requests: issued,
         failed,
+        completed_after_last_failure: after_failure,
         verified: verified && failed == 0,
     })
 }

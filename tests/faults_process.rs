@@ -93,7 +93,7 @@ impl Children {
     }
 
     /// Spawns `prefix.. kvbench args..` (prefix: for instance `ip netns exec NS`, which execs, so the
-    /// child's pid is kvbench's) with `envs` added.
+    /// child's pid is kvbench's) with `KVBENCH_LOG=info` and then `envs` added.
     fn spawn(&mut self, name: &str, prefix: &[&str], args: &[String], envs: &[(&str, &str)]) {
         let out = std::fs::File::create(self.dir.join(format!("{name}.out"))).unwrap();
         let err = std::fs::File::create(self.dir.join(format!("{name}.err"))).unwrap();
@@ -106,9 +106,10 @@ impl Children {
             }
             None => Command::new(bin),
         };
+        // KVBENCH_LOG first, so that `envs` may override it.
         cmd.args(args)
-            .envs(envs.iter().copied())
             .env("KVBENCH_LOG", "info")
+            .envs(envs.iter().copied())
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err);
@@ -344,16 +345,21 @@ fn sigkill_decode_mid_run() {
 
 /// Runs `ip args..`; the error names the command and what it printed.
 fn ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip")
+    run_cmd("ip", args)
+}
+
+/// Runs `prog args..`; the error names the command and what it printed.
+fn run_cmd(prog: &str, args: &[&str]) -> Result<(), String> {
+    let out = Command::new(prog)
         .args(args)
         .stdin(Stdio::null())
         .output()
-        .map_err(|e| format!("cannot run `ip`: {e}"))?;
+        .map_err(|e| format!("cannot run `{prog}`: {e}"))?;
     if out.status.success() {
         Ok(())
     } else {
         Err(format!(
-            "`ip {}` failed ({}): {}",
+            "`{prog} {}` failed ({}): {}",
             args.join(" "),
             out.status,
             String::from_utf8_lossy(&out.stderr).trim()
@@ -472,6 +478,228 @@ fn separate_hosts_netns_ucx_tcp_or_skipped() {
     );
     eprintln!(
         "separate hosts: 4 requests verified over UCX/TCP between namespaces in {:?}",
+        started.elapsed()
+    );
+}
+
+/// Requests in the partition test: enough that, after the heal, far more run than the few before it.
+const PARTITION_REQUESTS: u32 = 60;
+/// Each request's deadline in the partition test, seconds.
+const PARTITION_REQUEST_TIMEOUT_S: u64 = 3;
+/// Requests that must have completed before the partition (the run is demonstrably under way).
+const COMPLETED_BEFORE_PARTITION: usize = 3;
+/// How long the veth drops everything: longer than a request's deadline, so in-flight requests fail.
+const PARTITION_FOR: Duration = Duration::from_secs(4);
+/// Decode's abort_ack_timeout (engine default; docs/engine.md).
+const ABORT_ACK_TIMEOUT: Duration = Duration::from_secs(5);
+/// Slack on top of the deadline and the abort-ack wait before the first failure must be reported
+/// (debug build, two cores, TCP retransmission backoff after the heal).
+const FAILURE_SLACK: Duration = Duration::from_secs(10);
+/// Bound on decode's exit once the partition is healed.
+const HEALED_EXIT_BOUND: Duration = Duration::from_secs(120);
+/// Requests that must complete after the last failure: the run recovered, not merely ended.
+const MIN_COMPLETED_AFTER_HEAL: u64 = 20;
+
+/// The partition workload: `SMALL`'s shape, many requests, short deadlines, every byte verified.
+fn partition_workload() -> Vec<String> {
+    let mut w = strings(SMALL);
+    let at = w.iter().position(|a| a == "--requests").unwrap();
+    w[at + 1] = PARTITION_REQUESTS.to_string();
+    w.extend([
+        "--request-timeout".into(),
+        PARTITION_REQUEST_TIMEOUT_S.to_string(),
+    ]);
+    w
+}
+
+fn completed(stderr: &str) -> usize {
+    stderr
+        .lines()
+        .filter(|l| l.contains("request complete"))
+        .count()
+}
+
+/// `iptables` rules in namespace `ns` dropping everything in and out of `dev` (`-A` adds, `-D` deletes).
+fn partition_rules(ns: &str, dev: &str, op: &str) -> Result<(), String> {
+    for (chain, dir) in [("INPUT", "-i"), ("OUTPUT", "-o")] {
+        run_cmd(
+            "ip",
+            &[
+                "netns", "exec", ns, "iptables", op, chain, dir, dev, "-j", "DROP",
+            ],
+        )?;
+    }
+    Ok(())
+}
+
+/// A network partition between decode and its four prefill ranks (separate namespaces, UCX over TCP,
+/// as above): once requests complete, decode's veth drops every packet for `PARTITION_FOR`, then heals.
+///
+/// What the engine does (observed, and asserted): the TCP connections (control plane and UCX's) do
+/// not break in a few seconds of silence, so no rank is lost. The requests in flight miss their
+/// deadline and fail with `Timeout`; decode's Abort and the ranks' AbortAck go through once the link
+/// is back (TCP retransmits), or the abort-ack timeout delivers the outcome anyway; either way the
+/// first failure is reported within deadline + abort_ack_timeout + slack of the partition. Decode
+/// keeps issuing requests, and every request after the heal completes and verifies; decode then
+/// exits non-zero (some requests failed) within its bound, and the prefills exit cleanly.
+///
+/// Skipped, with `SKIPPED: <reason>` printed, where namespaces or iptables cannot be used.
+#[test]
+fn partition_fails_affected_requests_within_bound_then_heals() {
+    const NAME: &str = "partition_fails_affected_requests_within_bound_then_heals";
+    let mut guard = Netns { names: Vec::new() };
+    let skip = |reason: &str| {
+        eprintln!("SKIPPED: {NAME}: {reason}");
+        println!("SKIPPED: {NAME}: {reason}");
+    };
+    let (dns, pns) = match two_hosts(&mut guard) {
+        Ok(v) => v,
+        Err(reason) => return skip(&reason),
+    };
+    // Probe iptables (binary, kernel support) in the decode namespace before anything runs.
+    if let Err(reason) = run_cmd("ip", &["netns", "exec", &dns, "iptables", "-L", "-n"]) {
+        return skip(&format!("iptables unusable in a namespace: {reason}"));
+    }
+    // Declared after the guard, so dropped (children killed and reaped) before the namespaces go
+    // (and the rules with them).
+    let mut kids = Children::new("partition");
+    let workload = partition_workload();
+    let decode = "10.77.0.1:47100";
+    let peers = "127.0.0.1:47101,127.0.0.1:47102,127.0.0.1:47103,127.0.0.1:47104";
+    let json = kids.dir.join("report.json");
+    let wl: Vec<&str> = workload.iter().map(String::as_str).collect();
+    let mut args = decode_args(decode, &wl);
+    args.extend(["--json".into(), json.display().to_string()]);
+    let started = Instant::now();
+    let denv = [
+        ("UCX_TLS", "tcp"),
+        ("UCX_NET_DEVICES", "kvxd"),
+        // Per-request progress lines ("request complete") to partition on.
+        ("KVBENCH_LOG", "info,kvbench::roles=debug"),
+    ];
+    kids.spawn("decode", &["ip", "netns", "exec", &dns], &args, &denv);
+    let penv = [("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "kvxp")];
+    for rank in 0..4 {
+        let args = prefill_args(decode, rank, peers, &wl);
+        let name = format!("prefill-{rank}");
+        kids.spawn(&name, &["ip", "netns", "exec", &pns], &args, &penv);
+    }
+
+    // Up, and a few requests through (not a result's wait: the partition's trigger).
+    let up = Duration::from_secs(60);
+    assert!(
+        kids.wait_stderr(0, started + up, |e| completed(e)
+            >= COMPLETED_BEFORE_PARTITION),
+        "decode did not complete {COMPLETED_BEFORE_PARTITION} requests within {up:?} of spawn\n{}",
+        kids.logs()
+    );
+    let before = kids.stderr(0);
+    assert!(
+        !before.contains("request failed"),
+        "a request failed before the partition\n{}",
+        kids.logs()
+    );
+    assert!(
+        kids.procs[0].1.try_wait().unwrap().is_none(),
+        "decode finished before the partition: raise PARTITION_REQUESTS\n{}",
+        kids.logs()
+    );
+
+    let cut_at = Instant::now();
+    partition_rules(&dns, "kvxd", "-A")
+        .unwrap_or_else(|e| panic!("partition: {e}\n{}", kids.logs()));
+    let done_before = completed(&kids.stderr(0));
+    std::thread::sleep(PARTITION_FOR); // the fault itself
+    partition_rules(&dns, "kvxd", "-D").unwrap_or_else(|e| panic!("heal: {e}\n{}", kids.logs()));
+    let healed_at = Instant::now();
+
+    // Watch for the first failure while waiting for decode's exit.
+    let deadline = healed_at + HEALED_EXIT_BOUND;
+    let mut first_failure: Option<Duration> = None;
+    let status = loop {
+        if first_failure.is_none() && kids.stderr(0).contains("request failed:") {
+            first_failure = Some(cut_at.elapsed());
+        }
+        if let Some(s) = kids.procs[0].1.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() >= deadline {
+            panic!(
+                "decode did not exit within {HEALED_EXIT_BOUND:?} of the heal\n{}",
+                kids.logs()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let exited_after = cut_at.elapsed();
+    let err = kids.stderr(0);
+    let first_failure = first_failure.unwrap_or(exited_after);
+    assert!(
+        status.code().is_some() && !status.success(),
+        "decode exited with {status}, expected a non-zero exit (requests failed)\nstdout:\n{}\n{}",
+        kids.stdout(0),
+        kids.logs()
+    );
+    let failures: Vec<&str> = err
+        .lines()
+        .filter(|l| l.contains("request failed:"))
+        .collect();
+    assert!(
+        !failures.is_empty(),
+        "no request failed across a {PARTITION_FOR:?} partition\n{}",
+        kids.logs()
+    );
+    assert!(
+        failures
+            .iter()
+            .all(|l| l.contains("request failed: Timeout")),
+        "requests failed for other reasons than their deadline: {failures:#?}\n{}",
+        kids.logs()
+    );
+    // (a) Bounded: the first failure came within deadline + abort-ack timeout + slack of the cut.
+    let bound =
+        Duration::from_secs(PARTITION_REQUEST_TIMEOUT_S) + ABORT_ACK_TIMEOUT + FAILURE_SLACK;
+    assert!(
+        first_failure <= bound,
+        "the first failure was reported {first_failure:?} after the partition, over {bound:?}\n{}",
+        kids.logs()
+    );
+    assert!(
+        !err.contains("verification failed") && !err.contains("prefill rank lost"),
+        "a completed request's bytes were wrong, or a rank was lost\n{}",
+        kids.logs()
+    );
+
+    let report: serde_json::Value = serde_json::from_str(&read(&json))
+        .unwrap_or_else(|e| panic!("no JSON report ({e})\n{}", kids.logs()));
+    let r = &report[0];
+    let n = |k: &str| r[k].as_u64().unwrap_or_else(|| panic!("no {k} in {r}"));
+    assert_eq!(r["backend"], "ucx", "{r}");
+    assert_eq!(n("requests"), u64::from(PARTITION_REQUESTS), "{r}");
+    assert_eq!(n("failed"), failures.len() as u64, "{r}");
+    // Not verified only because requests failed (no "verification failed" above).
+    assert_eq!(r["verified"], false, "{r}");
+    // (b) Healed: requests completed after the last failure, far more than could have run before.
+    assert!(
+        n("completed_after_last_failure") >= MIN_COMPLETED_AFTER_HEAL,
+        "only {} requests completed after the last failure (want >= {MIN_COMPLETED_AFTER_HEAL}; \
+         {done_before} had completed before the partition)\n{r}\n{}",
+        n("completed_after_last_failure"),
+        kids.logs()
+    );
+
+    let statuses = prefills_exit(&mut kids, None, "decode's exit");
+    assert!(
+        statuses.iter().all(ExitStatus::success),
+        "a prefill failed: {statuses:?}\n{}",
+        kids.logs()
+    );
+    eprintln!(
+        "partition: {done_before} requests done before the cut; {} failed (Timeout), first reported \
+         {first_failure:?} after the cut; {} completed after the last failure; decode exited ({status}) \
+         {exited_after:?} after the cut, {:?} after spawn",
+        failures.len(),
+        n("completed_after_last_failure"),
         started.elapsed()
     );
 }

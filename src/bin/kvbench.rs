@@ -18,6 +18,9 @@ use std::time::Duration;
 use transfer_engine::core::planner::RegionKind;
 use transfer_engine::transport::BackendKind;
 
+/// The largest `--request-timeout` accepted, seconds (about 11.6 days).
+const MAX_REQUEST_TIMEOUT_S: f64 = 1e6;
+
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
 enum Model {
     /// DeepSeek-R1-like: 61 layers, 576 B/token/layer fused latent, 64-token pages.
@@ -101,6 +104,9 @@ struct Opts {
     /// Keep running requests for at least this many seconds.
     #[arg(long, global = true)]
     duration: Option<f64>,
+    /// Each request's deadline in seconds: a request not complete by then fails with Timeout.
+    #[arg(long, default_value_t = 60.0, global = true)]
+    request_timeout: f64,
     /// Also write the results as a JSON array to this file.
     #[arg(long, global = true)]
     json: Option<PathBuf>,
@@ -186,6 +192,18 @@ impl Opts {
             Some(d) => return Err(format!("--duration {d} is not a number of seconds")),
             None => None,
         };
+        // Positive and finite; capped so that a deadline (now + timeout) can never overflow an Instant.
+        let request_timeout = match self.request_timeout {
+            t if t.is_finite() && t > 0.0 && t <= MAX_REQUEST_TIMEOUT_S => {
+                Duration::from_secs_f64(t).max(Duration::from_nanos(1))
+            }
+            t => {
+                return Err(format!(
+                    "--request-timeout {t} must be a positive, finite number of seconds, at most \
+                     {MAX_REQUEST_TIMEOUT_S}"
+                ));
+            }
+        };
         Ok(Workload {
             shape: self.shape()?,
             pp: self.pp,
@@ -201,6 +219,7 @@ impl Opts {
             checksums: self.checksums,
             duration,
             scatter: self.scatter,
+            request_timeout,
         })
     }
 

@@ -621,3 +621,101 @@ async fn rust_nixl_transport_writes_into_python_agent() {
     t.shutdown();
     drop(src);
 }
+
+/// Our `PrefillEngine` (NIXL backend, SGLang notification format) writes a request into a Python
+/// NIXL agent that plays an SGLang decode: the allocation comes out of band (`add_request`), the
+/// agent checks both text notifications and every byte of its buffer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rust_prefill_engine_writes_into_python_agent() {
+    use transfer_engine::engine::{ExternalDecode, NotifyFormat, PrefillConfig, PrefillEngine};
+    let scratch = Scratch::new("engine");
+    // Two layers of one fused region, four 1 KiB pages: 16 tokens of 64 B per page.
+    let (layers, pages, page_tokens, bytes_per_token) = (2u32, 4u32, 16u32, 64u64);
+    let layout = KvLayout::packed(
+        0,
+        layers,
+        RegionKind::Fused,
+        bytes_per_token * u64::from(page_tokens),
+        pages,
+    );
+    let len = layout.buffer_len;
+    let rank: u16 = 0;
+    let request = RequestId(0x5eed_0000_0042);
+    let name = format!("kvx-prefill-engine-{}", std::process::id());
+    let md_file = scratch.path("python.md");
+    let args = serde_json::json!({
+        "agent_name": format!("python-sglang-decode-{}", std::process::id()),
+        "len": len,
+        "md_file": md_file,
+        "sender": name,
+        "request": request.0,
+        "pp_rank": rank,
+        "pattern_rank": rank,
+        "timeout_s": BOUND.as_secs(),
+        "all_text": true,
+    });
+    let cfg_path = scratch.path("engine.json");
+    std::fs::write(&cfg_path, args.to_string()).unwrap();
+    let mut procs = [Py::spawn(
+        "python decode",
+        "nixl_receiver.py",
+        &[&cfg_path],
+        scratch.path("engine.log"),
+    )];
+    wait_until("python writing its metadata", &mut procs, || {
+        md_file.exists()
+    })
+    .await;
+    let blob = std::fs::read(&md_file).unwrap();
+    let addr = u64::from_le_bytes(blob[..8].try_into().unwrap());
+    assert_eq!(u64::from_le_bytes(blob[8..16].try_into().unwrap()), len);
+
+    // The same layout on both sides and identity page lists: prefill byte i lands at decode byte i.
+    let mut pool = HostBuffer::new(len as usize, HostOptions::default()).unwrap();
+    for (i, b) in pool.as_mut_slice().iter_mut().enumerate() {
+        *b = pattern(rank, i as u64);
+    }
+    let unused = std::net::SocketAddr::from(([127, 0, 0, 1], 9));
+    let mut cfg = PrefillConfig::new(unused, rank, 1, layers, page_tokens, layout.clone());
+    cfg.backend = BackendConfig::Nixl(NixlConfig {
+        name: name.clone(),
+        ..NixlConfig::default()
+    });
+    cfg.notify_format = NotifyFormat::SglangText;
+    let decode = ExternalDecode {
+        metadata: blob[16..].to_vec(),
+        region: RemoteRegion {
+            addr,
+            len,
+            rkey: Vec::new(),
+        },
+        layout,
+    };
+    let engine = PrefillEngine::start_external(cfg, Pool::Owned(pool), decode)
+        .await
+        .unwrap();
+    let all: Vec<u32> = (0..pages).collect();
+    let prompt = pages * page_tokens;
+    // An allocation that does not fit is refused, and nothing is sent for it.
+    assert!(
+        engine
+            .add_request(RequestId(1), prompt, prompt / 2, vec![0, 1, 2, 9])
+            .is_err()
+    );
+    engine
+        .add_request(request, prompt, prompt / 2, all.clone())
+        .unwrap();
+    for chunk in 0..2 {
+        tokio::time::timeout(BOUND, engine.send_chunk(request, chunk, &all, chunk == 1))
+            .await
+            .expect("send_chunk hung")
+            .unwrap();
+    }
+    // PP=1: this rank's own vote decides.
+    let d = tokio::time::timeout(BOUND, engine.decided(request))
+        .await
+        .unwrap();
+    assert_eq!(d, transfer_engine::core::vote::Decision::Completed);
+    procs[0].wait_ok(BOUND).await;
+    drop(engine);
+}

@@ -3,8 +3,9 @@
 Usage: ``nixl_receiver.py CONFIG.json``. It registers a zeroed buffer, publishes
 ``[addr u64 LE][len u64 LE][agent metadata]`` in ``md_file`` (atomically), then polls its notifications
 until the Rust agent ``sender`` has sent two: chunk 0 as our binary v1 record (docs/wire-format.md)
-and chunk 1 as SGLang's text ``{room}_kv_1_1_{pp_rank}``. It decodes both, checks every byte of the
-buffer against ``kvx_pattern.pattern(pattern_rank, ...)`` and exits 0; 1 on any mismatch or timeout.
+and chunk 1 as SGLang's text ``{room}_kv_1_1_{pp_rank}`` (or, with ``all_text``, both chunks as text,
+as our PrefillEngine sends them in SGLang mode). It decodes them, checks every byte of the buffer
+against ``kvx_pattern.pattern(pattern_rank, ...)`` and exits 0; 1 on any mismatch or timeout.
 """
 
 import json
@@ -62,6 +63,21 @@ def main() -> int:
     if len(got) != 2:
         log(f"expected two notifications, got {got!r}")
         return 1
+
+    if cfg.get("all_text"):
+        # From our PrefillEngine in SGLang mode: both chunks as text, in any order.
+        want = {f"{room}_kv_0_0_{rank}".encode(), f"{room}_kv_1_1_{rank}".encode()}
+        if set(got) != want:
+            log(f"text notifications {got!r}, expected {sorted(want)!r}")
+            return 1
+        expected = pattern(cfg["pattern_rank"], length)
+        bad = np.flatnonzero(buf != expected)
+        if bad.size:
+            log(f"{bad.size} bytes differ, first at offset {bad[0]}")
+            return 1
+        agent.deregister_memory(reg)
+        log(f"text notifications {sorted(got)!r} received; {length} bytes match")
+        return 0
 
     binary = [m for m in got if m[:4] == MAGIC]
     text = [m for m in got if m[:4] != MAGIC]

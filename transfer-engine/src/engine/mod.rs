@@ -10,7 +10,9 @@ mod decode;
 mod prefill;
 
 pub use decode::{DecodeConfig, DecodeEngine, DecodeStats};
-pub use prefill::{IncomingRequest, PrefillConfig, PrefillEngine, PrefillStats};
+pub use prefill::{
+    ExternalDecode, IncomingRequest, NotifyFormat, PrefillConfig, PrefillEngine, PrefillStats,
+};
 
 use crate::control::{self, ControlError};
 use crate::core::planner::{KvLayout, PlanError, RegionKind};

@@ -13,7 +13,7 @@ use super::{
 use crate::control::{
     self, BackendInfo, Connection, ControlWriter, Hello, Listener, Msg, RejectReason, Role,
 };
-use crate::core::notify::{ChunkNotification, ChunkStatus};
+use crate::core::notify::{ChunkNotification, ChunkStatus, TextForm};
 use crate::core::planner::{ChunkGeometry, KvLayout, Planner, TpMapping, Write};
 use crate::core::vote::{Decision, Vote, VoteBoard, VoteConfig, VoteMessage};
 use crate::core::{ChunkHasher, FailureCode, RequestId};
@@ -57,6 +57,32 @@ pub struct PrefillConfig {
     pub connect_timeout: Duration,
     /// How long `send_chunk` waits for the decode side's page allocation of a request.
     pub request_wait: Duration,
+    /// How chunk notifications are encoded for the decode side.
+    pub notify_format: NotifyFormat,
+}
+
+/// The encoding of chunk notifications a prefill sends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum NotifyFormat {
+    /// Our binary v1 record (with checksums and failure codes).
+    #[default]
+    Binary,
+    /// SGLang's NIXL text form `{room}_kv_{chunk}_{last}_{pp_rank}`, for a decode written against
+    /// SGLang (no checksum; a failure is still sent as a binary record, which SGLang ignores).
+    SglangText,
+}
+
+/// A decode side that does not speak our control plane (an SGLang or plain NIXL decode): what its
+/// bootstrap exchanged out of band. Page allocations then come through [`PrefillEngine::add_request`].
+#[derive(Debug, Clone)]
+pub struct ExternalDecode {
+    /// Its backend metadata (NIXL agent metadata or UCX worker address).
+    pub metadata: Vec<u8>,
+    /// Its registered KV pool.
+    pub region: crate::transport::RemoteRegion,
+    /// Its pool layout.
+    pub layout: KvLayout,
 }
 
 impl PrefillConfig {
@@ -87,6 +113,7 @@ impl PrefillConfig {
             vote: VoteConfig::new(pp_size, pp_rank),
             connect_timeout: Duration::from_secs(10),
             request_wait: Duration::from_secs(10),
+            notify_format: NotifyFormat::Binary,
         }
     }
 }
@@ -209,6 +236,31 @@ impl PrefillEngine {
     /// # Cancel safety
     /// Not cancel-safe: dropping it mid-way drops half-made connections (nothing leaks).
     pub async fn start(cfg: PrefillConfig, pool: Pool) -> Result<Self, EngineError> {
+        Self::start_with(cfg, pool, None).await
+    }
+
+    /// Like [`start`](Self::start), for a decode side that does not speak our control plane: writes
+    /// go to `decode`'s pool, page allocations come through [`add_request`](Self::add_request), and
+    /// there are no Abort or AbortAck messages (`cfg.decode` is not used). PP peers still vote.
+    ///
+    /// # Errors
+    /// As [`start`](Self::start).
+    ///
+    /// # Cancel safety
+    /// As [`start`](Self::start).
+    pub async fn start_external(
+        cfg: PrefillConfig,
+        pool: Pool,
+        decode: ExternalDecode,
+    ) -> Result<Self, EngineError> {
+        Self::start_with(cfg, pool, Some(decode)).await
+    }
+
+    async fn start_with(
+        cfg: PrefillConfig,
+        pool: Pool,
+        external: Option<ExternalDecode>,
+    ) -> Result<Self, EngineError> {
         if cfg.pp_rank >= cfg.pp_size {
             return Err(EngineError::Config(format!(
                 "pp_rank {} not below pp_size {}",
@@ -239,7 +291,6 @@ impl PrefillEngine {
             None
         };
 
-        let mut conn = Connection::connect(cfg.decode, deadline).await?;
         let mut hello = Hello::new(
             cfg.engine_id.clone(),
             Role::Prefill,
@@ -256,19 +307,23 @@ impl PrefillEngine {
         if let Some(tok) = &cfg.token {
             hello = hello.with_token(control::Token::new(tok.clone()));
         }
-        let remote = control::handshake(&mut conn, &hello, deadline).await?;
-        let dst = layout_from_info(&remote.layout)?;
+        let (conn, dst, decode_meta, decode_regions) = match external {
+            None => {
+                let mut conn = Connection::connect(cfg.decode, deadline).await?;
+                let remote = control::handshake(&mut conn, &hello, deadline).await?;
+                let dst = layout_from_info(&remote.layout)?;
+                let regions = remote_regions(&remote.backend);
+                (Some(conn), dst, remote.backend.worker_or_agent, regions)
+            }
+            Some(x) => (None, x.layout, x.metadata, vec![x.region]),
+        };
         let planner = Planner::new(&cfg.layout, &dst, TpMapping::Identical).map_err(|source| {
             EngineError::Plan {
                 request: None,
                 source,
             }
         })?;
-        let decode_peer = transport.connect(
-            &remote.backend.worker_or_agent,
-            &remote_regions(&remote.backend),
-            notify_key,
-        )?;
+        let decode_peer = transport.connect(&decode_meta, &decode_regions, notify_key)?;
 
         let mut vote_cfg = cfg.vote.clone();
         vote_cfg.pp_size = cfg.pp_size;
@@ -294,22 +349,27 @@ impl PrefillEngine {
             counters: Counters::default(),
             timer: Arc::new(Notify::new()),
         });
-        let (reader, writer) = conn.into_split();
         let (itx, irx) = mpsc::unbounded_channel();
-        let mut tasks = vec![
-            tokio::spawn(write_loop(writer, drx)),
-            tokio::spawn(decode_read_loop(Arc::downgrade(&inner), reader, itx)),
-            tokio::spawn(super::run_timer(
+        let mut tasks = Vec::new();
+        if let Some(conn) = conn {
+            let (reader, writer) = conn.into_split();
+            tasks.push(tokio::spawn(write_loop(writer, drx)));
+            tasks.push(tokio::spawn(decode_read_loop(
                 Arc::downgrade(&inner),
-                inner.timer.clone(),
-                |i: &Inner| {
-                    let mut st = lock(&i.state);
-                    st.board.handle_timeout(Instant::now());
-                    i.flush_board(&mut st);
-                    st.board.poll_timeout()
-                },
-            )),
-        ];
+                reader,
+                itx,
+            )));
+        }
+        tasks.extend([tokio::spawn(super::run_timer(
+            Arc::downgrade(&inner),
+            inner.timer.clone(),
+            |i: &Inner| {
+                let mut st = lock(&i.state);
+                st.board.handle_timeout(Instant::now());
+                i.flush_board(&mut st);
+                st.board.poll_timeout()
+            },
+        ))]);
         if let Some(listener) = listener {
             tasks.extend(form_mesh(&inner, listener, &hello, deadline).await?);
         }
@@ -327,6 +387,32 @@ impl PrefillEngine {
     /// Cancel-safe: an allocation not yet returned stays queued.
     pub async fn next_request(&self) -> Option<IncomingRequest> {
         self.incoming.lock().await.recv().await
+    }
+
+    /// Gives this rank a request's page allocation directly, for a decode side that does not speak
+    /// our control plane (see [`start_external`](Self::start_external)).
+    ///
+    /// # Errors
+    /// The allocation is refused (pages out of range or repeated, a count that does not fit the
+    /// prompt, a request already known), as decode's TransferRequest would be.
+    pub fn add_request(
+        &self,
+        request: RequestId,
+        prompt_tokens: u32,
+        chunk_tokens: u32,
+        dst_pages: Vec<u32>,
+    ) -> Result<(), EngineError> {
+        self.inner
+            .accept_request(control::TransferRequest {
+                request: request.0,
+                prompt_tokens,
+                chunk_tokens,
+                dst_pages,
+                deadline_ms: 0,
+            })
+            .map_err(|reason| {
+                EngineError::Config(format!("request {} refused: {reason}", request.0))
+            })
     }
 
     /// This rank.
@@ -439,7 +525,13 @@ impl PrefillEngine {
         inner.transport.post(
             inner.decode_peer,
             writes,
-            n.encode().to_vec(),
+            match inner.cfg.notify_format {
+                NotifyFormat::SglangText => n
+                    .encode_text(TextForm::WithPpRank)
+                    .map(String::into_bytes)
+                    .unwrap_or_else(|_| n.encode().to_vec()),
+                _ => n.encode().to_vec(),
+            },
             Box::new(move |res: Result<(), TransportError>| {
                 // Runs on the transport's progress thread: the vote is cast right here.
                 if let Some(inner) = weak.upgrade() {
@@ -672,6 +764,26 @@ impl Inner {
     }
 
     fn on_transfer_request(&self, req: control::TransferRequest) -> bool {
+        let request = req.request;
+        match self.accept_request(req) {
+            Ok(()) => true,
+            Err(reason) => {
+                let _ = self
+                    .decode_writer
+                    .send(Msg::TransferReject(control::TransferReject {
+                        request,
+                        reason,
+                    }));
+                false
+            }
+        }
+    }
+
+    /// Validates and records a page allocation, waking `send_chunk`s waiting for it.
+    fn accept_request(
+        &self,
+        req: control::TransferRequest,
+    ) -> Result<(), control::TransferRejectReason> {
         let request = RequestId(req.request);
         let geometry = ChunkGeometry::new(
             u64::from(req.prompt_tokens),
@@ -702,7 +814,7 @@ impl Inner {
                 for w in st.arrivals.remove(&request).unwrap_or_default() {
                     let _ = w.send(());
                 }
-                return true;
+                return Ok(());
             }
             (Ok(_), Some(Ok(()))) => control::TransferRejectReason::DuplicateRequest {
                 request: req.request,
@@ -714,13 +826,7 @@ impl Inner {
         drop(st);
         self.counters.rejected.fetch_add(1, Ordering::Relaxed);
         tracing::warn!(request = req.request, %reason, "transfer request rejected");
-        let _ = self
-            .decode_writer
-            .send(Msg::TransferReject(control::TransferReject {
-                request: req.request,
-                reason,
-            }));
-        false
+        Err(reason)
     }
 
     /// Decode abandoned `request`: post nothing more for it, acknowledge once every chunk already

@@ -379,7 +379,13 @@ async fn duplicated_notifications_complete_once() {
     one_outcome_each(&f, 2, 0);
     let n = u64::from(PP) * u64::from(CHUNKS);
     assert_eq!(f.decode.counters().duplicated, n);
-    // The copy of B's final notification may come after B completed (then it is late, not duplicate).
+    // The copy of B's final notification may come after B completed (then it is late, not duplicate),
+    // and may still be on its way when B's outcome is seen: wait for it, bounded.
+    eventually("every copy handled by the tracker", || {
+        let t = f.c.decode.tracker_counters();
+        t.duplicates + t.late == n
+    })
+    .await;
     let t = f.c.decode.tracker_counters();
     assert!(t.duplicates >= n - 1, "{t:?}");
     assert_eq!(t.duplicates + t.late, n, "{t:?}");

@@ -116,6 +116,21 @@ impl Cluster {
     /// # Errors
     /// Any engine start failure.
     pub async fn start(spec: ClusterSpec) -> Result<Cluster, EngineError> {
+        let kind = spec.backend;
+        Self::start_with(spec, |_, name| BackendConfig::default_for(kind, name)).await
+    }
+
+    /// [`start`](Self::start) with each engine's backend chosen by `backend(rank, name)`: `rank` is
+    /// `None` for decode, the PP rank for prefill; `name` is unique in the process (NIXL agents are
+    /// known by it). Called for decode first, then for ranks in order. Tests use it to put engines
+    /// on fault-injecting transports.
+    ///
+    /// # Errors
+    /// Any engine start failure.
+    pub async fn start_with(
+        spec: ClusterSpec,
+        mut backend: impl FnMut(Option<u16>, &str) -> BackendConfig,
+    ) -> Result<Cluster, EngineError> {
         let s = spec.shape;
         let page_bytes = s.page_bytes();
         let dst_layout = KvLayout::packed(0, s.layers, s.regions, page_bytes, spec.decode_pages);
@@ -124,7 +139,7 @@ impl Cluster {
         // name is how its peers know it.
         let tag = CLUSTER_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let tag = format!("{}-{tag}", std::process::id());
-        dcfg.backend = BackendConfig::default_for(spec.backend, &format!("decode-{tag}"));
+        dcfg.backend = backend(None, &format!("decode-{tag}"));
         dcfg.verify_checksums = spec.checksums;
         let dpool = HostBuffer::new(dst_layout.buffer_len as usize, HostOptions::default())
             .map_err(|e| EngineError::Config(format!("decode pool: {e}")))?;
@@ -159,8 +174,7 @@ impl Cluster {
                 s.page_tokens,
                 layout.clone(),
             );
-            cfg.backend =
-                BackendConfig::default_for(spec.backend, &format!("prefill-{rank}-{tag}"));
+            cfg.backend = backend(Some(rank), &format!("prefill-{rank}-{tag}"));
             cfg.peers = peers.clone();
             cfg.checksums = spec.checksums;
             let mut buf = HostBuffer::new(layout.buffer_len as usize, HostOptions::default())

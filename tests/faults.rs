@@ -12,21 +12,17 @@
 //! Every wait is bounded; nothing sleeps and then asserts.
 
 use futures::FutureExt;
-use kvbench::cluster::{Cluster, ClusterSpec, Shape, free_addrs, pattern};
+use kvbench::cluster::{Cluster, ClusterSpec, Shape};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 use transfer_engine::core::notify;
-use transfer_engine::core::planner::{KvLayout, PpSplit, RegionKind};
+use transfer_engine::core::planner::RegionKind;
 use transfer_engine::core::tracker::FailureReason;
 use transfer_engine::core::vote::Decision;
 use transfer_engine::core::{FailureCode, RequestId};
-use transfer_engine::engine::{
-    BackendConfig, CustomBackend, DecodeConfig, DecodeEngine, EngineError, Outcome, Pool,
-    PrefillConfig, PrefillEngine,
-};
-use transfer_engine::mem::{HostBuffer, HostOptions};
+use transfer_engine::engine::{BackendConfig, CustomBackend, EngineError, Outcome, PrefillEngine};
 use transfer_engine::transport::fault::{
     Corruption, FaultPlan, FaultTransport, Match, NotifyKind, RecvFault, Rule, SendFault,
 };
@@ -100,9 +96,6 @@ async fn start() -> Faulty {
 }
 
 async fn try_start() -> Result<Faulty, EngineError> {
-    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let tag = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let tag = format!("faults-{}-{tag}", std::process::id());
     let spec = ClusterSpec {
         shape: SHAPE,
         pp: PP,
@@ -111,66 +104,21 @@ async fn try_start() -> Result<Faulty, EngineError> {
         backend: BackendKind::Ucx,
         checksums: true,
     };
-    let s = spec.shape;
-    let pb = s.page_bytes();
-    let dst_layout = KvLayout::packed(0, s.layers, s.regions, pb, spec.decode_pages);
-    let mut dcfg = DecodeConfig::new(s.layers, s.page_tokens, dst_layout.clone(), spec.pp);
-    let (backend, dslot) = faulty_backend(format!("decode-{tag}"));
-    dcfg.backend = backend;
-    let dpool = HostBuffer::new(dst_layout.buffer_len as usize, HostOptions::default())
-        .map_err(|e| EngineError::Config(e.to_string()))?;
-    let decode = DecodeEngine::start(dcfg, Pool::Owned(dpool)).await?;
-    let peers = free_addrs(usize::from(spec.pp)).map_err(|e| EngineError::Config(e.to_string()))?;
-    let (mut layers, mut starts, mut slots) = (Vec::new(), Vec::new(), Vec::new());
-    for rank in 0..spec.pp {
-        let range = PpSplit::SglangEven
-            .layer_range(s.layers, spec.pp, rank)
-            .map_err(|source| EngineError::Plan {
-                request: None,
-                source,
-            })?;
-        let layout = KvLayout::packed(
-            range.start,
-            range.len() as u32,
-            s.regions,
-            pb,
-            spec.prefill_pages,
-        );
-        let mut cfg = PrefillConfig::new(
-            decode.local_addr(),
-            rank,
-            spec.pp,
-            s.layers,
-            s.page_tokens,
-            layout.clone(),
-        );
-        let (backend, slot) = faulty_backend(format!("prefill-{rank}-{tag}"));
-        cfg.backend = backend;
-        cfg.peers = peers.clone();
-        let mut buf = HostBuffer::new(layout.buffer_len as usize, HostOptions::default())
-            .map_err(|e| EngineError::Config(e.to_string()))?;
-        for (i, b) in buf.as_mut_slice().iter_mut().enumerate() {
-            *b = pattern(rank, i as u64);
+    let (mut dslot, mut slots) = (None, Vec::new());
+    let c = Cluster::start_with(spec, |rank, name| {
+        let (backend, slot) = faulty_backend(format!("faults-{name}"));
+        match rank {
+            None => dslot = Some(slot),
+            Some(_) => slots.push(slot),
         }
-        layers.push(range);
-        slots.push(slot);
-        starts.push(tokio::spawn(PrefillEngine::start(cfg, Pool::Owned(buf))));
-    }
-    let mut prefill = Vec::new();
-    for s in starts {
-        prefill.push(s.await.map_err(|e| EngineError::Config(e.to_string()))??);
-    }
-    decode.wait_for_ranks(BOUND).await?;
-    let get = |s: &OnceLock<Arc<FaultTransport>>| s.get().cloned().unwrap();
+        backend
+    })
+    .await?;
+    let get = |s: &Arc<OnceLock<Arc<FaultTransport>>>| s.get().cloned().unwrap();
     Ok(Faulty {
-        decode: get(&dslot),
-        prefill: slots.iter().map(|s| get(s)).collect(),
-        c: Cluster {
-            spec,
-            decode,
-            prefill,
-            layers,
-        },
+        decode: get(&dslot.unwrap()),
+        prefill: slots.iter().map(get).collect(),
+        c,
     })
 }
 

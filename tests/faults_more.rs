@@ -12,7 +12,7 @@
 //! return to their baseline. Every wait is bounded; nothing sleeps and then asserts.
 
 use futures::FutureExt;
-use kvbench::cluster::{Cluster, ClusterSpec, Shape, free_addrs, pattern};
+use kvbench::cluster::{Cluster, ClusterSpec, Shape, pattern};
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
@@ -182,59 +182,34 @@ async fn start_gated(gate: Option<(u16, Arc<GateCtl>)>) -> Faulty {
 }
 
 async fn try_start(gate: Option<(u16, Arc<GateCtl>)>) -> Result<Faulty, EngineError> {
-    let tag = tag();
-    let spec = spec();
-    let s = spec.shape;
-    let dst_layout = decode_layout();
-    let mut dcfg = DecodeConfig::new(s.layers, s.page_tokens, dst_layout.clone(), spec.pp);
     let senders: Senders = Arc::default();
-    let (backend, dslot) = faulty_backend(format!("decode-{tag}"), Some(senders.clone()), None);
-    dcfg.backend = backend;
-    let dpool = HostBuffer::new(dst_layout.buffer_len as usize, HostOptions::default())
-        .map_err(|e| EngineError::Config(e.to_string()))?;
-    let decode = DecodeEngine::start(dcfg, Pool::Owned(dpool)).await?;
-    let peers = free_addrs(usize::from(spec.pp)).map_err(|e| EngineError::Config(e.to_string()))?;
-    let (mut layers, mut starts, mut slots) = (Vec::new(), Vec::new(), Vec::new());
-    for rank in 0..spec.pp {
-        let (range, layout) = rank_layout(rank, spec.pp);
-        let mut cfg = PrefillConfig::new(
-            decode.local_addr(),
-            rank,
-            spec.pp,
-            s.layers,
-            s.page_tokens,
-            layout.clone(),
-        );
-        let g = gate
-            .as_ref()
-            .filter(|(r, _)| *r == rank)
-            .map(|(_, g)| g.clone());
-        let (backend, slot) = faulty_backend(format!("prefill-{rank}-{tag}"), None, g);
-        cfg.backend = backend;
-        cfg.peers = peers.clone();
-        layers.push(range);
-        slots.push(slot);
-        starts.push(tokio::spawn(PrefillEngine::start(
-            cfg,
-            patterned_pool(rank, &layout),
-        )));
-    }
-    let mut prefill = Vec::new();
-    for s in starts {
-        prefill.push(s.await.map_err(|e| EngineError::Config(e.to_string()))??);
-    }
-    decode.wait_for_ranks(BOUND).await?;
+    let (mut dslot, mut slots) = (None, Vec::new());
+    let c = Cluster::start_with(spec(), |rank, name| {
+        let name = format!("more-{name}");
+        match rank {
+            None => {
+                let (backend, slot) = faulty_backend(name, Some(senders.clone()), None);
+                dslot = Some(slot);
+                backend
+            }
+            Some(rank) => {
+                let g = gate
+                    .as_ref()
+                    .filter(|(r, _)| *r == rank)
+                    .map(|(_, g)| g.clone());
+                let (backend, slot) = faulty_backend(name, None, g);
+                slots.push(slot);
+                backend
+            }
+        }
+    })
+    .await?;
     let get = |s: &OnceLock<Arc<FaultTransport>>| s.get().cloned().unwrap();
     Ok(Faulty {
-        decode: get(&dslot),
+        decode: get(&dslot.unwrap()),
         prefill: slots.iter().map(|s| get(s)).collect(),
         senders,
-        c: Cluster {
-            spec,
-            decode,
-            prefill,
-            layers,
-        },
+        c,
     })
 }
 

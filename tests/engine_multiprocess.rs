@@ -5,11 +5,11 @@
 //! Every wait is bounded; children are killed (and reaped) when a test fails or panics.
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
+use common::procs::{Children, read};
 use kvbench::cluster::free_addrs;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::time::Duration;
-use tokio::time::Instant;
+use std::time::{Duration, Instant};
 
 /// A small workload: 8 GQA-shaped layers (K and V regions, 16-token pages) at 512 B per token per layer
 /// (the debug-built decode process checks every byte against the pattern, so bytes cost time here), a
@@ -43,74 +43,9 @@ const DECODE_BOUND: Duration = Duration::from_secs(90);
 /// Bound on each prefill process's exit once the decode process is gone.
 const PREFILL_EXIT_BOUND: Duration = Duration::from_secs(20);
 
-/// Children killed and reaped on drop, so a failing test leaves no process behind.
-struct Children {
-    procs: Vec<(String, Child)>,
-    dir: PathBuf,
-}
-
-impl Children {
-    fn spawn(&mut self, name: &str, args: &[String]) {
-        let out = std::fs::File::create(self.dir.join(format!("{name}.out"))).unwrap();
-        let err = std::fs::File::create(self.dir.join(format!("{name}.err"))).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_kvbench"))
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(out)
-            .stderr(err)
-            .spawn()
-            .unwrap();
-        self.procs.push((name.into(), child));
-    }
-
-    /// Polls child `i` until it exits or `deadline` passes; `None` at the deadline.
-    async fn wait(&mut self, i: usize, deadline: Instant) -> Option<ExitStatus> {
-        loop {
-            if let Some(status) = self.procs[i].1.try_wait().unwrap() {
-                return Some(status);
-            }
-            if Instant::now() >= deadline {
-                return None;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    /// Every child's stderr, for failure messages.
-    fn logs(&self) -> String {
-        let mut s = String::new();
-        for (name, _) in &self.procs {
-            let err = std::fs::read_to_string(self.dir.join(format!("{name}.err")));
-            s += &format!("--- {name} stderr:\n{}\n", err.unwrap_or_default());
-        }
-        s
-    }
-}
-
-impl Drop for Children {
-    fn drop(&mut self) {
-        for (_, c) in &mut self.procs {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn read(path: &Path) -> String {
-    std::fs::read_to_string(path).unwrap_or_default()
-}
-
 async fn four_prefill_processes_one_decode(backend: &str) {
-    let dir = std::env::temp_dir().join(format!(
-        "kvbench-multiprocess-{backend}-{}",
-        std::process::id()
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    let mut kids = Children {
-        procs: Vec::new(),
-        dir: dir.clone(),
-    };
+    let mut kids = Children::new(&format!("multiprocess-{backend}"));
+    let dir = kids.dir.clone();
     // The decode listener and the four ranks' vote-mesh listeners.
     let addrs = free_addrs(5).unwrap();
     let (decode, peers) = (addrs[0], &addrs[1..]);
@@ -130,7 +65,7 @@ async fn four_prefill_processes_one_decode(backend: &str) {
     let mut args: Vec<String> = vec!["decode".into(), "--listen".into(), decode.to_string()];
     args.extend(common.iter().cloned());
     args.extend(["--json".into(), json.display().to_string()]);
-    kids.spawn("decode", &args);
+    kids.spawn("decode", &[], &args, &[]);
     for rank in 0..4 {
         let mut args: Vec<String> = vec![
             "prefill".into(),
@@ -144,10 +79,10 @@ async fn four_prefill_processes_one_decode(backend: &str) {
             peers.clone(),
         ];
         args.extend(common.iter().cloned());
-        kids.spawn(&format!("prefill-{rank}"), &args);
+        kids.spawn(&format!("prefill-{rank}"), &[], &args, &[]);
     }
 
-    let Some(status) = kids.wait(0, started + DECODE_BOUND).await else {
+    let Some(status) = kids.wait(0, started + DECODE_BOUND) else {
         panic!(
             "the decode process did not finish within {DECODE_BOUND:?}\n{}",
             kids.logs()
@@ -181,7 +116,7 @@ async fn four_prefill_processes_one_decode(backend: &str) {
     // With the decode process gone, every prefill process sees its connection close and exits.
     let closed = Instant::now();
     for i in 1..kids.procs.len() {
-        let Some(status) = kids.wait(i, closed + PREFILL_EXIT_BOUND).await else {
+        let Some(status) = kids.wait(i, closed + PREFILL_EXIT_BOUND) else {
             panic!(
                 "{} did not exit within {PREFILL_EXIT_BOUND:?} of the decode process\n{}",
                 kids.procs[i].0,

@@ -1,0 +1,3 @@
+//! Helpers shared by the workspace tests.
+
+pub mod procs;

@@ -7,8 +7,7 @@
 //! its last notification is.
 
 use super::{
-    EngineError, Outcome, Pool, Registered, layout_from_info, layout_info, to_wire_kind,
-    wire_regions,
+    EngineError, Outcome, Pool, layout_from_info, layout_info, to_wire_kind, wire_regions,
 };
 use crate::control::{
     self, BackendInfo, Connection, ControlWriter, Hello, Listener, Msg, RejectReason, Role,
@@ -21,7 +20,8 @@ use crate::core::tracker::{
 };
 use crate::core::{ChunkHasher, FailureCode, PeerId, RequestId};
 use crate::engine::BackendConfig;
-use crate::transport::{Incoming, Sender, Sink, Transport};
+use crate::mem::MemKind;
+use crate::transport::{Incoming, Registration, Sender, Sink, Transport};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -165,7 +165,7 @@ struct Inner {
     connected: watch::Sender<u16>,
     /// Set once, after the transport exists (its sink needs a Weak to us first).
     transport: std::sync::OnceLock<Arc<dyn Transport>>,
-    pool: std::sync::OnceLock<Registered>,
+    pool: std::sync::OnceLock<Registration>,
 }
 
 /// The decode side of the engine. Cheap to clone.
@@ -232,7 +232,7 @@ impl DecodeEngine {
             }
         });
         let transport = inner.cfg.backend.build(sink)?;
-        let _ = inner.pool.set(Registered::new(&transport, pool)?);
+        let _ = inner.pool.set(Registration::new(&transport, pool)?);
         let _ = inner.transport.set(transport);
         let listener = Listener::bind(inner.cfg.listen).await?;
         let local_addr = listener.local_addr();
@@ -418,13 +418,25 @@ impl DecodeEngine {
         self.inner.lock().tracker.counters()
     }
 
-    /// The pool's bytes, for callers that verify what arrived (host pools only).
-    pub fn pool_bytes(&self) -> Option<&[u8]> {
-        self.inner
-            .pool
-            .get()
-            .and_then(|r| r.pool())
-            .and_then(Pool::host_bytes)
+    /// Copies `dst.len()` bytes at `offset` out of the pool (host pools), for callers that verify
+    /// what arrived. Read a request's pages after its outcome resolved: before that, its ranks may
+    /// still be writing them.
+    ///
+    /// # Errors
+    /// [`EngineError::Memory`] for a range outside the pool or a device pool.
+    pub fn read_pool(&self, offset: u64, dst: &mut [u8]) -> Result<(), EngineError> {
+        let pool = self.inner.pool.get().ok_or(EngineError::Shutdown)?;
+        Ok(pool.read_at(offset, dst)?)
+    }
+
+    /// Copies `src` into the pool at `offset` (host pools), for instance to poison pages before
+    /// handing them to [`expect`](Self::expect). Write only pages that no live request holds.
+    ///
+    /// # Errors
+    /// [`EngineError::Memory`] for a range outside the pool or a device pool.
+    pub fn write_pool(&self, offset: u64, src: &[u8]) -> Result<(), EngineError> {
+        let pool = self.inner.pool.get().ok_or(EngineError::Shutdown)?;
+        Ok(pool.write_at(offset, src)?)
     }
 
     /// What a prefill that does not speak our control plane needs to write into the pool: the
@@ -438,7 +450,7 @@ impl DecodeEngine {
     ) -> Result<(Vec<u8>, String, crate::transport::RemoteRegion), EngineError> {
         let t = self.inner.transport.get().ok_or(EngineError::Shutdown)?;
         let pool = self.inner.pool.get().ok_or(EngineError::Shutdown)?;
-        Ok((t.metadata()?, t.name(), pool.remote.clone()))
+        Ok((t.metadata()?, t.name(), pool.remote().clone()))
     }
 
     /// Binds PP rank `rank` to a prefill that does not speak our control plane (for instance a
@@ -637,8 +649,7 @@ impl Inner {
             st.ranks.get(usize::from(rank)),
             self.pool
                 .get()
-                .and_then(|p| p.pool())
-                .and_then(Pool::host_bytes),
+                .filter(|p| p.desc().is_some_and(|d| d.kind() == MemKind::Host)),
         ) else {
             // Unknown request (the tracker counts it) or a device pool we cannot read: nothing to hash.
             return true;
@@ -661,10 +672,11 @@ impl Inner {
         }
         let mut h = ChunkHasher::new();
         for w in &writes {
-            let (a, b) = (w.dst_offset as usize, (w.dst_offset + w.len) as usize);
-            match pool.get(a..b) {
-                Some(bytes) => h.update(bytes),
-                None => return false,
+            if pool
+                .read_pieces(w.dst_offset, w.len, |b| h.update(b))
+                .is_err()
+            {
+                return false;
             }
         }
         h.finish() == sum
@@ -767,7 +779,7 @@ fn local_hello(inner: &Inner) -> Result<Hello, EngineError> {
             kind: to_wire_kind(t.kind()),
             worker_or_agent: t.metadata()?,
             agent_name: t.name(),
-            regions: vec![wire_regions(&pool.remote)],
+            regions: vec![wire_regions(pool.remote())],
         },
     )
     .with_pp(0, cfg.pp_size);

@@ -19,10 +19,10 @@ use crate::core::planner::{KvLayout, PlanError, RegionKind};
 use crate::core::tracker::FailureReason;
 use crate::core::vote::VoteError;
 use crate::core::{FailureCode, RequestId};
-use crate::mem::{HostBuffer, MemDesc};
+pub use crate::mem::Pool;
 use crate::transport::nixl::{NixlConfig, NixlTransport};
 use crate::transport::ucx::{UcxConfig, UcxTransport};
-use crate::transport::{BackendKind, RegionId, Sink, Transport, TransportError};
+use crate::transport::{BackendKind, Sink, Transport, TransportError};
 use std::sync::Arc;
 
 /// How a request ended on the decode side.
@@ -90,35 +90,9 @@ pub enum EngineError {
     /// The engine is shutting down.
     #[error("engine is shut down")]
     Shutdown,
-}
-
-/// The memory an engine registers as its KV pool.
-#[derive(Debug)]
-pub enum Pool {
-    /// Host memory the engine owns.
-    Owned(HostBuffer),
-    /// Memory the caller owns (host or CUDA), described through `MemDesc`'s `unsafe` constructors,
-    /// whose promises cover the engine's whole life.
-    Borrowed(MemDesc),
-}
-
-impl Pool {
-    /// The description to register.
-    pub fn desc(&self) -> MemDesc {
-        match self {
-            Pool::Owned(b) => b.desc(),
-            Pool::Borrowed(d) => *d,
-        }
-    }
-
-    /// The bytes, when the engine owns the pool (checksums and verification read them). A borrowed
-    /// pool is the caller's memory, which the engine only hands to the transport.
-    fn host_bytes(&self) -> Option<&[u8]> {
-        match self {
-            Pool::Owned(b) => Some(b.as_slice()),
-            Pool::Borrowed(_) => None,
-        }
-    }
+    /// A copy into or out of the pool was refused.
+    #[error("pool access: {0}")]
+    Memory(#[from] crate::mem::CopyError),
 }
 
 /// Which backend to build, and its settings.
@@ -205,59 +179,6 @@ impl BackendConfig {
             BackendConfig::Nixl(c) => Arc::new(NixlTransport::new(c.clone(), sink)?),
             BackendConfig::Custom(c) => (c.build)(sink)?,
         })
-    }
-}
-
-/// A registration that deregisters itself, and keeps its memory alive until then.
-struct Registered {
-    transport: Arc<dyn Transport>,
-    id: RegionId,
-    remote: crate::transport::RemoteRegion,
-    /// Always `Some` until drop.
-    pool: Option<Pool>,
-}
-
-impl Registered {
-    fn pool(&self) -> Option<&Pool> {
-        self.pool.as_ref()
-    }
-
-    fn new(transport: &Arc<dyn Transport>, pool: Pool) -> Result<Self, TransportError> {
-        let (id, remote) = transport.register(pool.desc())?;
-        Ok(Registered {
-            transport: transport.clone(),
-            id,
-            remote,
-            pool: Some(pool),
-        })
-    }
-}
-
-impl Drop for Registered {
-    fn drop(&mut self) {
-        // Deregistration waits for writes that still use the region, so the pool (dropped right after)
-        // is never freed under a write.
-        let Err(e) = self.transport.deregister(self.id) else {
-            return;
-        };
-        let Some(pool) = self.pool.take() else { return };
-        // The usual cause is that the last handle to the engine went away inside one of the
-        // transport's own callbacks, on its progress thread, which cannot answer itself. A helper
-        // thread asks again once the callback has returned, and frees the pool only if that works;
-        // otherwise the pool is leaked: a leak is safe, memory freed under a registration is not.
-        let (transport, id, first) = (self.transport.clone(), self.id, e.to_string());
-        let reaper = std::thread::Builder::new().name("kvx-dereg".into()).spawn(move || {
-            match transport.deregister(id) {
-                Ok(()) => drop(pool),
-                Err(e2) => {
-                    tracing::warn!(%first, then = %e2, "KV pool deregistration failed; leaking the pool");
-                    std::mem::forget(pool);
-                }
-            }
-        });
-        if let Err(spawn) = reaper {
-            tracing::warn!(error = %e, %spawn, "KV pool deregistration failed; leaking the pool");
-        }
     }
 }
 

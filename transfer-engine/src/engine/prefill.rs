@@ -7,8 +7,7 @@
 //! scheduler. A request's source pages stay owned until [`PrefillEngine::decided`] resolves.
 
 use super::{
-    BackendConfig, EngineError, Pool, Registered, layout_from_info, layout_info, remote_regions,
-    to_wire_kind, wire_regions,
+    BackendConfig, EngineError, Pool, layout_from_info, layout_info, remote_regions, to_wire_kind,
 };
 use crate::control::{
     self, BackendInfo, Connection, ControlWriter, Hello, Listener, Msg, RejectReason, Role,
@@ -17,7 +16,8 @@ use crate::core::notify::{ChunkNotification, ChunkStatus, TextForm};
 use crate::core::planner::{ChunkGeometry, KvLayout, Planner, TpMapping, Write};
 use crate::core::vote::{Decision, Vote, VoteBoard, VoteConfig, VoteMessage};
 use crate::core::{ChunkHasher, FailureCode, RequestId};
-use crate::transport::{PeerId, Sink, Transport, TransportError, WriteOp};
+use crate::mem::MemKind;
+use crate::transport::{PeerId, Registration, Sink, Transport, TransportError, WriteOp};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -184,7 +184,7 @@ struct Counters {
 struct Inner {
     cfg: PrefillConfig,
     transport: Arc<dyn Transport>,
-    pool: Registered,
+    pool: Registration,
     decode_peer: PeerId,
     planner: Planner,
     decode_writer: mpsc::UnboundedSender<Msg>,
@@ -280,7 +280,7 @@ impl PrefillEngine {
         // Prefill receives no notifications; peer failures surface as failed posts.
         let sink: Sink = Arc::new(|_| {});
         let transport = cfg.backend.build(sink)?;
-        let pool = Registered::new(&transport, pool)?;
+        let pool = Registration::new(&transport, pool)?;
         let deadline = tokio::time::Instant::now() + cfg.connect_timeout;
         let notify_key: u64 = rand::random();
 
@@ -299,7 +299,8 @@ impl PrefillEngine {
                 kind: to_wire_kind(transport.kind()),
                 worker_or_agent: transport.metadata()?,
                 agent_name: transport.name(),
-                regions: vec![wire_regions(&pool.remote)],
+                // Nobody writes into a prefill's pool: its registration stays with this process.
+                regions: Vec::new(),
             },
         )
         .with_pp(cfg.pp_rank, cfg.pp_size);
@@ -420,9 +421,22 @@ impl PrefillEngine {
         self.inner.cfg.pp_rank
     }
 
-    /// The pool's bytes, when the engine owns it (for verification; fill a pool before `start`).
-    pub fn pool_bytes(&self) -> Option<&[u8]> {
-        self.inner.pool.pool().and_then(Pool::host_bytes)
+    /// Copies `src` into this rank's pool at `offset` (host pools): how a server (or a benchmark)
+    /// puts a request's KV into pages before sending them. Write only pages that no chunk in flight
+    /// reads.
+    ///
+    /// # Errors
+    /// [`EngineError::Memory`] for a range outside the pool or a device pool.
+    pub fn write_pool(&self, offset: u64, src: &[u8]) -> Result<(), EngineError> {
+        Ok(self.inner.pool.write_at(offset, src)?)
+    }
+
+    /// Copies `dst.len()` bytes at `offset` out of this rank's pool (host pools).
+    ///
+    /// # Errors
+    /// [`EngineError::Memory`] for a range outside the pool or a device pool.
+    pub fn read_pool(&self, offset: u64, dst: &mut [u8]) -> Result<(), EngineError> {
+        Ok(self.inner.pool.read_at(offset, dst)?)
     }
 
     /// Writes chunk `chunk` of `request`: every layer of this rank for the pages the chunk completes
@@ -474,25 +488,20 @@ impl PrefillEngine {
             ChunkStatus::More
         };
         let mut n = ChunkNotification::new(request, inner.cfg.pp_rank, chunk, status);
-        if inner.cfg.checksums
-            && let Some(bytes) = inner.pool.pool().and_then(Pool::host_bytes)
-        {
-            {
-                let mut h = ChunkHasher::new();
-                for w in &plan {
-                    if let Some(b) =
-                        bytes.get(w.src_offset as usize..(w.src_offset + w.len) as usize)
-                    {
-                        h.update(b);
-                    }
-                }
-                n = n.with_checksum(h.finish());
+        if inner.cfg.checksums && inner.pool.desc().is_some_and(|d| d.kind() == MemKind::Host) {
+            let mut h = ChunkHasher::new();
+            for w in &plan {
+                // The planner bounds-checked every range against the layout, which fits the pool.
+                inner
+                    .pool
+                    .read_pieces(w.src_offset, w.len, |b| h.update(b))?;
             }
+            n = n.with_checksum(h.finish());
         }
         let writes: Vec<WriteOp> = plan
             .iter()
             .map(|w| WriteOp {
-                local: inner.pool.id,
+                local: inner.pool.id(),
                 local_offset: w.src_offset,
                 remote: 0,
                 remote_offset: w.dst_offset,

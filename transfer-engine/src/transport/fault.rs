@@ -788,8 +788,9 @@ impl Transport for FaultTransport {
         self.inner.name()
     }
 
-    fn register(&self, mem: MemDesc) -> Result<(RegionId, RemoteRegion), TransportError> {
-        self.inner.register(mem)
+    unsafe fn register(&self, mem: MemDesc) -> Result<(RegionId, RemoteRegion), TransportError> {
+        // SAFETY: our caller made `Transport::register`'s promise for `mem`; we pass it on unchanged.
+        unsafe { self.inner.register(mem) }
     }
 
     /// Deferred while a stuck post names the region (see [`SendFault::Stuck`]); forwarded otherwise.

@@ -5,8 +5,9 @@
 //! [`Sink`]. The notification of a chunk is sent only after the chunk's writes are remotely complete, so
 //! a receiver that sees the notification can read the bytes.
 
-use crate::mem::MemDesc;
+use crate::mem::{CopyError, MemDesc, Pool};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 pub mod fault;
 pub mod nixl;
@@ -181,15 +182,23 @@ pub trait Transport: Send + Sync + 'static {
     /// A name peers can use for us (NIXL agent name; empty for UCX).
     fn name(&self) -> String;
 
-    /// Registers memory; returns its id and what a peer needs to write into it.
+    /// Registers memory; returns its id and what a peer needs to write into it. [`Registration`] is
+    /// the safe way to call it.
+    ///
+    /// # Safety
+    /// `mem` must stay live memory of its kind, not freed, unmapped or reused, until
+    /// [`deregister`](Self::deregister) of the returned id has returned `Ok`, and after that for as
+    /// long as any peer that was given the returned [`RemoteRegion`] may still write into it (a peer
+    /// that holds an address can write into a mapping that is still there even after
+    /// deregistration, on shared-memory and cma transports). No Rust reference may cover the memory
+    /// while a peer may write into it.
     ///
     /// # Errors
     /// The library's error.
-    fn register(&self, mem: MemDesc) -> Result<(RegionId, RemoteRegion), TransportError>;
+    unsafe fn register(&self, mem: MemDesc) -> Result<(RegionId, RemoteRegion), TransportError>;
 
-    /// Deregisters memory. While posted writes still reference it, the deregistration is deferred
-    /// until they are over; the memory must stay valid until [`TransportStats::deferred_deregistrations`]
-    /// no longer counts it (the engine owns buffers inside registrations to make that automatic).
+    /// Deregisters memory. While posted writes still reference it, the call waits until they are
+    /// over (counted in [`TransportStats::deferred_deregistrations`] meanwhile).
     ///
     /// # Errors
     /// Unknown region.
@@ -223,4 +232,199 @@ pub trait Transport: Send + Sync + 'static {
     /// seen within microseconds instead of within its idle back-off; it yields the core between
     /// polls. The default ignores the hint.
     fn set_active(&self, _active: bool) {}
+}
+
+/// Pools whose memory was leaked rather than freed while a write could still land in it (process-wide).
+static LEAKED_POOLS: AtomicU64 = AtomicU64::new(0);
+
+/// How many pools this process leaked because it could not confirm that no write still lands in them
+/// (an engine dropped without shutdown, a shutdown past its bound, a deregistration that failed).
+pub fn leaked_pools() -> u64 {
+    LEAKED_POOLS.load(Ordering::Relaxed)
+}
+
+/// Registered memory that owns (or, for caller memory, carries the promise of) what it registered,
+/// so safe code cannot free memory while it is registered.
+///
+/// The memory is reached only by copies ([`read_at`](Self::read_at), [`write_at`](Self::write_at)),
+/// never as a slice, because peers write into it concurrently.
+///
+/// # Resource cleanup
+/// Dropping it deregisters (waiting for this process's writes that use it) and then frees the
+/// memory, unless [`leak_on_drop`](Self::leak_on_drop) was called or deregistration fails: the
+/// memory is then leaked and counted in [`leaked_pools`]; a leak is safe, memory freed while a peer
+/// may write into it is not. [`into_inner`](Self::into_inner) hands the memory back instead.
+pub struct Registration {
+    transport: Arc<dyn Transport>,
+    id: RegionId,
+    remote: RemoteRegion,
+    /// `Some` until drop or `into_inner`.
+    pool: Option<Pool>,
+    leak: bool,
+}
+
+impl std::fmt::Debug for Registration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registration")
+            .field("id", &self.id)
+            .field("pool", &self.pool)
+            .field("leak", &self.leak)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Registration {
+    /// Registers `pool` with `transport`.
+    ///
+    /// # Errors
+    /// The transport's error (the pool is dropped with it).
+    pub fn new(transport: &Arc<dyn Transport>, pool: Pool) -> Result<Self, TransportError> {
+        // SAFETY: the registration owns the pool (or, for `Pool::Borrowed`, carries the promise its
+        // `unsafe` constructor took) and frees it only after deregistration returned Ok and only when
+        // no peer can still write (`leak_on_drop` otherwise); nothing hands out references to it.
+        let (id, remote) = unsafe { transport.register(pool.desc()) }?;
+        Ok(Registration {
+            transport: transport.clone(),
+            id,
+            remote,
+            pool: Some(pool),
+            leak: false,
+        })
+    }
+
+    /// The transport's id for it, as [`WriteOp::local`] names it.
+    pub fn id(&self) -> RegionId {
+        self.id
+    }
+
+    /// What a peer needs to write into it. Send it only to an authenticated peer.
+    pub fn remote(&self) -> &RemoteRegion {
+        &self.remote
+    }
+
+    /// The memory's description.
+    pub fn desc(&self) -> Option<MemDesc> {
+        self.pool.as_ref().map(Pool::desc)
+    }
+
+    /// Copies bytes out; see [`Pool::read_at`].
+    ///
+    /// # Errors
+    /// As [`Pool::read_at`].
+    pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<(), CopyError> {
+        match &self.pool {
+            Some(p) => p.read_at(offset, dst),
+            None => Err(CopyError::NotHost),
+        }
+    }
+
+    /// Copies bytes in; see [`Pool::write_at`].
+    ///
+    /// # Errors
+    /// As [`Pool::write_at`].
+    pub fn write_at(&self, offset: u64, src: &[u8]) -> Result<(), CopyError> {
+        match &self.pool {
+            Some(p) => p.write_at(offset, src),
+            None => Err(CopyError::NotHost),
+        }
+    }
+
+    /// Reads a range piece by piece; see [`Pool::read_pieces`].
+    ///
+    /// # Errors
+    /// As [`Pool::read_pieces`].
+    pub fn read_pieces(
+        &self,
+        offset: u64,
+        len: u64,
+        f: impl FnMut(&[u8]),
+    ) -> Result<(), CopyError> {
+        match &self.pool {
+            Some(p) => p.read_pieces(offset, len, f),
+            None => Err(CopyError::NotHost),
+        }
+    }
+
+    /// Sets bytes; see [`Pool::fill_at`].
+    ///
+    /// # Errors
+    /// As [`Pool::fill_at`].
+    pub fn fill_at(&self, offset: u64, len: usize, byte: u8) -> Result<(), CopyError> {
+        match &self.pool {
+            Some(p) => p.fill_at(offset, len, byte),
+            None => Err(CopyError::NotHost),
+        }
+    }
+
+    /// Never free the memory: on drop it is deregistered and then leaked (counted in
+    /// [`leaked_pools`]). For memory a peer may still write into.
+    pub fn leak_on_drop(&mut self) {
+        self.leak = true;
+    }
+
+    /// Deregisters and hands the memory back. Only call it when no peer can write into it any more
+    /// (no peer was given [`remote`](Self::remote), or every such peer confirmed it stopped).
+    ///
+    /// # Errors
+    /// The deregistration failed; the registration is returned with the error and still holds the
+    /// memory.
+    pub fn into_inner(mut self) -> Result<Pool, Box<(Self, TransportError)>> {
+        if let Err(e) = self.transport.deregister(self.id) {
+            return Err(Box::new((self, e)));
+        }
+        match self.pool.take() {
+            Some(p) => Ok(p),
+            // `pool` is `Some` until drop or here; kept as an error rather than a panic.
+            None => Err(Box::new((self, TransportError::Shutdown))),
+        }
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        let Some(pool) = self.pool.take() else { return };
+        let first = match self.transport.deregister(self.id) {
+            Ok(()) if !self.leak => return drop(pool),
+            Ok(()) => return leak(pool, "a peer may still write into it"),
+            Err(e) => e,
+        };
+        if self.leak {
+            return leak(pool, "a peer may still write into it");
+        }
+        // The usual cause is that the last handle to an engine went away inside one of the
+        // transport's own callbacks, on its progress thread, which cannot answer itself. A helper
+        // thread asks again once the callback has returned, and frees the memory only if that works.
+        // The pool waits in a slot, so that a failed spawn (which drops the closure unrun) leaves it
+        // to be leaked here rather than freed with the closure.
+        let slot = Arc::new(std::sync::Mutex::new(Some(pool)));
+        let (transport, id, theirs) = (self.transport.clone(), self.id, slot.clone());
+        let spawned = std::thread::Builder::new()
+            .name("kvx-dereg".into())
+            .spawn(move || {
+                let pool = theirs.lock().unwrap_or_else(|e| e.into_inner()).take();
+                match (transport.deregister(id), pool) {
+                    (Ok(()), pool) => drop(pool),
+                    (Err(then), Some(p)) => {
+                        tracing::warn!(%first, %then, "deregistration failed");
+                        leak(p, "its deregistration failed");
+                    }
+                    (Err(_), None) => {}
+                }
+            });
+        if spawned.is_err()
+            && let Some(p) = slot.lock().unwrap_or_else(|e| e.into_inner()).take()
+        {
+            leak(p, "its deregistration failed and could not be retried");
+        }
+    }
+}
+
+fn leak(pool: Pool, why: &str) {
+    LEAKED_POOLS.fetch_add(1, Ordering::Relaxed);
+    tracing::warn!(
+        bytes = pool.len(),
+        why,
+        "leaking registered memory instead of freeing it"
+    );
+    std::mem::forget(pool);
 }

@@ -253,7 +253,8 @@ impl Transport for NixlTransport {
         self.name.clone()
     }
 
-    fn register(&self, mem: MemDesc) -> Result<(RegionId, RemoteRegion), TransportError> {
+    unsafe fn register(&self, mem: MemDesc) -> Result<(RegionId, RemoteRegion), TransportError> {
+        // The caller's promise (`Transport::register`'s `# Safety`) travels with the command.
         self.call(|tx| Cmd::Register(mem, tx))
     }
 
@@ -643,7 +644,7 @@ impl Worker {
             )
         }
         .result("nixl_capi_reg_dlist_add_desc")?;
-        // SAFETY: MemDesc's constructors make the caller promise the range is live memory of that kind
+        // SAFETY: `Transport::register`'s caller promised the range is live memory of that kind
         // (on that device) for the registration's life; the agent, list and arguments are live.
         unsafe { ffi::nixl_capi_register_mem(self.agent.raw, reg.0, self.args.0) }
             .result("nixl_capi_register_mem")?;

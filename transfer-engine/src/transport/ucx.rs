@@ -261,7 +261,8 @@ impl Transport for UcxTransport {
         String::new()
     }
 
-    fn register(&self, mem: MemDesc) -> Result<(RegionId, RemoteRegion), TransportError> {
+    unsafe fn register(&self, mem: MemDesc) -> Result<(RegionId, RemoteRegion), TransportError> {
+        // The caller's promise (`Transport::register`'s `# Safety`) travels with the command.
         self.call(|tx| Cmd::Register(mem, tx))
     }
 
@@ -671,7 +672,7 @@ impl Worker {
             ..Default::default()
         };
         let mut memh = ptr::null_mut();
-        // SAFETY: MemDesc's constructors make the caller promise the range is live memory of that kind
+        // SAFETY: `Transport::register`'s caller promised the range is live memory of that kind
         // for the registration's life; ctx is live; memh is an out pointer.
         unsafe { ffi::ucp_mem_map(self.ctx, &params, &mut memh) }.result("ucp_mem_map")?;
         let mut buf = ptr::null_mut();

@@ -119,6 +119,9 @@ pub struct TransportStats {
     pub notifications: u64,
     /// Bytes posted.
     pub bytes_posted: u64,
+    /// Library handles (endpoints, remote keys, memory handles, worker, context) left allocated at
+    /// shutdown because operations that might use them had not finished within the bound.
+    pub leaked_handles: u64,
 }
 
 /// A transport error, keeping the library's raw status where there is one.

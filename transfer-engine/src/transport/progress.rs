@@ -18,6 +18,7 @@ pub(crate) struct Counters {
     pub(crate) deferred: AtomicU64,
     pub(crate) notifications: AtomicU64,
     pub(crate) bytes_posted: AtomicU64,
+    pub(crate) leaked: AtomicU64,
 }
 
 /// State shared between a progress thread and the threads that talk to it.
@@ -86,6 +87,7 @@ impl Shared {
             peers: c.peers.load(Ordering::Relaxed),
             in_flight: c.in_flight.load(Ordering::Relaxed),
             deferred_deregistrations: c.deferred.load(Ordering::Relaxed),
+            leaked_handles: c.leaked.load(Ordering::Relaxed),
             notifications: c.notifications.load(Ordering::Relaxed),
             bytes_posted: c.bytes_posted.load(Ordering::Relaxed),
         }

@@ -34,6 +34,20 @@ use ucx_sys as ffi;
 
 /// Active message id of chunk notifications.
 const NOTIFY_AM_ID: u32 = 0x4b56;
+/// Largest worker address or packed rkey accepted from a peer (UCX's are hundreds of bytes).
+const MAX_PEER_BLOB: usize = 64 << 10;
+/// Zeroed bytes after a peer's address or rkey, read instead of foreign memory if it lies about its
+/// own length.
+const PEER_BLOB_SLACK: usize = 4 << 10;
+
+/// A copy of a peer's blob with [`PEER_BLOB_SLACK`] zeroed bytes after it.
+fn padded(blob: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(blob.len() + PEER_BLOB_SLACK);
+    v.extend_from_slice(blob);
+    v.resize(blob.len() + PEER_BLOB_SLACK, 0);
+    v
+}
+
 /// How long shutdown waits for posted chunks before closing endpoints under them.
 const SHUTDOWN_BOUND: Duration = Duration::from_secs(5);
 
@@ -747,11 +761,27 @@ impl Worker {
         regions: &[RemoteRegion],
         key: u64,
     ) -> Result<PeerId, TransportError> {
-        if meta.is_empty() {
-            return Err(TransportError::BadMetadata(
-                "empty UCX worker address".into(),
-            ));
+        // UCX parses worker addresses and packed rkeys by lengths written inside them; its API takes no
+        // buffer length. These bytes come only from a peer that proved the shared secret (the control
+        // handshake authenticates before any Hello), and they are bounded here and copied into buffers
+        // with zeroed slack, so a truncated one makes UCX read zeros of ours, not foreign memory.
+        if meta.is_empty() || meta.len() > MAX_PEER_BLOB {
+            return Err(TransportError::BadMetadata(format!(
+                "UCX worker address of {} bytes (1 to {MAX_PEER_BLOB} accepted)",
+                meta.len()
+            )));
         }
+        if let Some(r) = regions.iter().find(|r| {
+            r.rkey.is_empty() || r.rkey.len() > MAX_PEER_BLOB || r.addr.checked_add(r.len).is_none()
+        }) {
+            return Err(TransportError::BadMetadata(format!(
+                "remote region at {:#x} of {} bytes with a packed rkey of {} bytes",
+                r.addr,
+                r.len,
+                r.rkey.len()
+            )));
+        }
+        let meta = padded(meta);
         let id = self.next_id;
         self.next_id += 1;
         let err_arg = Box::into_raw(Box::new(ErrArg {
@@ -776,8 +806,9 @@ impl Worker {
             ..Default::default()
         };
         let mut ep = ptr::null_mut();
-        // SAFETY: the worker is live; `meta` is the peer's worker address bytes, which UCX parses and
-        // validates (a malformed one yields an error status); err_arg lives until the ep is closed.
+        // SAFETY: the worker is live; `meta` is an authenticated peer's worker address, bounded and
+        // zero-padded above (UCX reads it by its own embedded lengths); err_arg lives until the ep is
+        // closed.
         let st = unsafe { ffi::ucp_ep_create(self.worker, &params, &mut ep) };
         if let Err(e) = st.result("ucp_ep_create") {
             // SAFETY: the endpoint was not created, so nothing else holds err_arg.
@@ -795,16 +826,12 @@ impl Worker {
             err_arg,
         };
         for r in regions {
-            if r.rkey.is_empty() {
-                self.peers.insert(id, peer);
-                self.maybe_close_peer(id);
-                return Err(TransportError::BadMetadata("empty rkey".into()));
-            }
+            let packed = padded(&r.rkey);
             let mut rkey = ptr::null_mut();
-            // SAFETY: ep is live; the packed key bytes are read by UCX within the length it encoded,
-            // and `r.rkey` is a live buffer for the call.
+            // SAFETY: ep is live; the packed key is an authenticated peer's, bounded and zero-padded
+            // above (UCX reads it by its own encoded lengths), and `packed` lives for the call.
             let st =
-                unsafe { ffi::ucp_ep_rkey_unpack(ep, r.rkey.as_ptr() as *const c_void, &mut rkey) };
+                unsafe { ffi::ucp_ep_rkey_unpack(ep, packed.as_ptr() as *const c_void, &mut rkey) };
             if let Err(e) = st.result("ucp_ep_rkey_unpack") {
                 self.peers.insert(id, peer);
                 self.maybe_close_peer(id);
@@ -1120,11 +1147,15 @@ impl Worker {
             unsafe { ffi::ucp_worker_progress(self.worker) };
             self.drain_events();
         }
+        if self.shared.counters.in_flight.load(Ordering::Relaxed) > 0 {
+            // UCX still owns operations that use our endpoints, rkeys and memory handles; destroying any
+            // of them (or the worker) now is what UCX forbids. Leak them all instead.
+            return self.leak("operations still in flight past the shutdown bound");
+        }
         let ids: Vec<u64> = self.peers.keys().copied().collect();
         for id in ids {
             if let Some(p) = self.peers.get_mut(&id) {
                 p.closing = true;
-                p.in_flight = 0;
             }
             self.maybe_close_peer(id);
         }
@@ -1134,6 +1165,9 @@ impl Worker {
             unsafe { ffi::ucp_worker_progress(self.worker) };
             self.drain_events();
         }
+        if !self.closes.is_empty() {
+            return self.leak("endpoint closes still pending past the shutdown bound");
+        }
         let ids: Vec<u64> = self.regions.keys().copied().collect();
         for id in ids {
             if let Some(reply) = self.regions.get_mut(&id).and_then(|r| r.deregister.take()) {
@@ -1141,12 +1175,37 @@ impl Worker {
             }
             let _ = self.unmap(id);
         }
-        // Ops still owned by UCX after the bound are leaked with the worker rather than freed under it.
-        // SAFETY: every endpoint is closed and every region unmapped; the worker is destroyed once.
+        // SAFETY: no operation is in flight, every endpoint is closed (its close completed) and every
+        // region unmapped; the worker is destroyed once.
         unsafe { ffi::ucp_worker_destroy(self.worker) };
         // SAFETY: the worker was the last user of the AM argument.
         drop(unsafe { Box::from_raw(self.am_arg) });
         // SAFETY: the context's only worker is destroyed.
         unsafe { ffi::ucp_cleanup(self.ctx) };
+    }
+
+    /// Gives up on an orderly close: every endpoint, rkey, memory handle, the worker and the context
+    /// stay allocated for the rest of the process, counted in `TransportStats::leaked_handles`.
+    /// Owners waiting on a deregistration hear `Shutdown`, so they leak their memory too.
+    fn leak(mut self: Box<Self>, why: &'static str) {
+        let rkeys: usize = self.peers.values().map(|p| p.remote.len()).sum();
+        let handles = self.peers.len() + rkeys + self.regions.len() + 2;
+        self.shared
+            .counters
+            .leaked
+            .fetch_add(handles as u64, Ordering::Relaxed);
+        tracing::warn!(
+            why,
+            endpoints = self.peers.len(),
+            rkeys,
+            memory_handles = self.regions.len(),
+            "leaking UCX handles instead of destroying them under possible operations"
+        );
+        for r in self.regions.values_mut() {
+            if let Some(reply) = r.deregister.take() {
+                let _ = reply.send(Err(TransportError::Shutdown));
+            }
+        }
+        std::mem::forget(self);
     }
 }

@@ -10,6 +10,7 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
 use tokio::time::Instant;
 
+use super::auth::{Challenge, Secret, Side};
 use super::frame::{
     DEFAULT_MAX_FRAME_LEN, FrameDecoder, FrameError, MsgKind, PROTOCOL_VERSION, encode_frame,
 };
@@ -123,6 +124,23 @@ pub enum ControlError {
         /// The peer.
         peer: SocketAddr,
     },
+}
+
+impl ControlError {
+    /// Whether the handshake failed on authentication: we refused the peer's proof, or it
+    /// refused ours.
+    pub fn is_auth_failure(&self) -> bool {
+        matches!(
+            self,
+            ControlError::RejectedPeer {
+                reason: RejectReason::AuthFailed,
+                ..
+            } | ControlError::PeerRejected {
+                reason: RejectReason::AuthFailed,
+                ..
+            }
+        )
+    }
 }
 
 /// Connection errors worth retrying until the deadline: the peer may not be listening yet, or
@@ -314,6 +332,7 @@ impl ControlWriter {
 pub struct Connection {
     reader: ControlReader,
     writer: ControlWriter,
+    side: Side,
 }
 
 impl Connection {
@@ -339,9 +358,11 @@ impl Connection {
             match tokio::time::timeout_at(deadline, TcpStream::connect(&addr)).await {
                 Ok(Ok(stream)) => {
                     tracing::debug!(%addr, attempts, "control connection established");
-                    return Self::from_stream(stream).map_err(|source| ControlError::Connect {
-                        addr: addr.to_string(),
-                        source,
+                    return Self::from_stream(stream, Side::Dialer).map_err(|source| {
+                        ControlError::Connect {
+                            addr: addr.to_string(),
+                            source,
+                        }
                     });
                 }
                 Ok(Err(e)) if retryable(e.kind()) => {
@@ -370,11 +391,12 @@ impl Connection {
         })
     }
 
-    /// Wraps an established stream, with the default frame cap.
+    /// Wraps an established stream, with the default frame cap. `side` says which end connected
+    /// (it enters the authentication transcript).
     ///
     /// # Errors
     /// The OS error if the peer address cannot be read (the socket is not connected).
-    pub fn from_stream(stream: TcpStream) -> io::Result<Self> {
+    pub fn from_stream(stream: TcpStream, side: Side) -> io::Result<Self> {
         let peer = stream.peer_addr()?;
         // Control messages are small and latency-bound; do not let Nagle hold them back.
         stream.set_nodelay(true)?;
@@ -393,7 +415,13 @@ impl Connection {
                 max_len: DEFAULT_MAX_FRAME_LEN,
                 peer,
             },
+            side,
         })
+    }
+
+    /// Which end of the TCP connection this side is.
+    pub fn side(&self) -> Side {
+        self.side
     }
 
     /// Sets the payload cap for both directions (a frame above it is refused unread, and we
@@ -500,7 +528,8 @@ impl Listener {
             .accept()
             .await
             .map_err(|source| ControlError::Accept { local, source })?;
-        Connection::from_stream(stream).map_err(|source| ControlError::Accept { local, source })
+        Connection::from_stream(stream, Side::Listener)
+            .map_err(|source| ControlError::Accept { local, source })
     }
 }
 
@@ -517,26 +546,39 @@ impl Listener {
 pub async fn handshake(
     conn: &mut Connection,
     local: &Hello,
+    secret: &Secret,
     deadline: Instant,
 ) -> Result<Hello, ControlError> {
-    handshake_with(conn, local, deadline, |_| Ok(())).await
+    handshake_with(conn, local, secret, deadline, |_| Ok(())).await
 }
 
-/// Runs the symmetric handshake and returns the peer's Hello once both sides accepted.
+/// Largest frame accepted before the peer is authenticated: a challenge, a proof or a reject.
+const AUTH_MAX_FRAME: u32 = 1024;
+
+/// Authenticates the peer, then runs the symmetric Hello exchange, and returns the peer's Hello
+/// once both sides accepted.
 ///
-/// Both sides: send Hello; read the peer's Hello; check it with [`check_hello`] and then with
-/// `accept` (for what only the application knows, such as a rank already connected); send
-/// HelloAck or Reject; read the peer's verdict. A side that rejects still reads the peer's
-/// verdict before returning, so its Reject is not lost to a reset when the caller drops the
-/// connection. A frame with another protocol version is answered with
-/// [`RejectReason::VersionMismatch`], since the header layout and the Reject kind are the same
-/// in every version.
+/// Both sides:
+/// 1. send a [`Challenge`] (fresh nonce, role) and read the peer's; frames above 1 KiB are refused
+///    until step 3 is done, so an unauthenticated peer cannot make us buffer more;
+/// 2. send a proof of `secret` over both challenges ([`Secret::prove`]) and read the peer's;
+/// 3. check the peer's proof: a wrong one is answered with [`RejectReason::AuthFailed`]. Nothing
+///    but the challenge and the proof has been sent so far;
+/// 4. send Hello; read the peer's Hello; check that it claims the role of its challenge, then check
+///    it with [`check_hello`] and with `accept` (for what only the application knows, such as a rank
+///    already connected); send HelloAck or Reject; read the peer's verdict.
+///
+/// A side that rejects still reads the peer's verdict before returning, so its Reject is not lost
+/// to a reset when the caller drops the connection. A frame with another protocol version is
+/// answered with [`RejectReason::VersionMismatch`], since the header layout and the Reject kind are
+/// the same in every version.
 ///
 /// # Errors
-/// [`ControlError::RejectedPeer`] if we refused the peer (our reason is sent to it);
-/// [`ControlError::PeerRejected`] if it refused us (its reason); [`ControlError::HandshakeTimeout`]
-/// at the deadline; [`ControlError::PeerClosed`], [`ControlError::Unexpected`],
-/// [`ControlError::Frame`] or [`ControlError::Io`] when the peer misbehaves or goes away.
+/// [`ControlError::RejectedPeer`] if we refused the peer (our reason is sent to it; a failed proof
+/// is [`RejectReason::AuthFailed`]); [`ControlError::PeerRejected`] if it refused us (its reason);
+/// [`ControlError::HandshakeTimeout`] at the deadline; [`ControlError::PeerClosed`],
+/// [`ControlError::Unexpected`], [`ControlError::Frame`] or [`ControlError::Io`] when the peer
+/// misbehaves or goes away.
 ///
 /// # Cancel safety
 /// Not cancel-safe: a dropped handshake leaves the connection mid-protocol; drop the connection
@@ -544,6 +586,7 @@ pub async fn handshake(
 pub async fn handshake_with<F>(
     conn: &mut Connection,
     local: &Hello,
+    secret: &Secret,
     deadline: Instant,
     accept: F,
 ) -> Result<Hello, ControlError>
@@ -551,7 +594,7 @@ where
     F: FnOnce(&Hello) -> Result<(), RejectReason>,
 {
     let peer = conn.peer_addr();
-    match tokio::time::timeout_at(deadline, handshake_inner(conn, local, accept)).await {
+    match tokio::time::timeout_at(deadline, handshake_inner(conn, local, secret, accept)).await {
         Ok(Ok(remote)) => {
             tracing::debug!(%peer, remote_engine = %remote.engine_id, role = %remote.role, pp_rank = remote.pp_rank, "control handshake accepted");
             Ok(remote)
@@ -564,34 +607,32 @@ where
     }
 }
 
-async fn handshake_inner<F>(
+/// Reads the first message of a handshake step, turning what is not `want` into the right error.
+async fn expect_step<T>(
     conn: &mut Connection,
-    local: &Hello,
-    accept: F,
-) -> Result<Hello, ControlError>
-where
-    F: FnOnce(&Hello) -> Result<(), RejectReason>,
-{
+    want: &'static str,
+    pick: impl FnOnce(Msg) -> Option<T>,
+) -> Result<T, ControlError> {
     let peer = conn.peer_addr();
-    conn.send(&Msg::Hello(local.clone())).await?;
-    let remote = match conn.recv().await {
-        Ok(Some(Msg::Hello(h))) => h,
-        Ok(Some(Msg::Reject(r))) => {
-            return Err(ControlError::PeerRejected {
-                peer,
-                reason: r.reason,
-            });
+    match conn.recv().await {
+        Ok(Some(Msg::Reject(r))) => Err(ControlError::PeerRejected {
+            peer,
+            reason: r.reason,
+        }),
+        Ok(Some(msg)) => {
+            let got = msg.kind();
+            match pick(msg) {
+                Some(t) => Ok(t),
+                None => {
+                    let reason = RejectReason::Protocol(format!("expected {want}, got {got}"));
+                    refuse(conn, reason, true).await
+                }
+            }
         }
-        Ok(Some(other)) => {
-            let reason = RejectReason::Protocol(format!("expected Hello, got {}", other.kind()));
-            return refuse(conn, reason, true).await;
-        }
-        Ok(None) => {
-            return Err(ControlError::PeerClosed {
-                peer,
-                waiting_for: "Hello",
-            });
-        }
+        Ok(None) => Err(ControlError::PeerClosed {
+            peer,
+            waiting_for: want,
+        }),
         Err(ControlError::Frame {
             source: FrameError::UnsupportedVersion { got, .. },
             ..
@@ -601,11 +642,68 @@ where
                 remote: got,
             };
             // The stream is out of step, so do not wait for a verdict we could not read.
-            return refuse(conn, reason, false).await;
+            refuse(conn, reason, false).await
         }
-        Err(e) => return Err(e),
+        Err(e) => Err(e),
+    }
+}
+
+async fn handshake_inner<F>(
+    conn: &mut Connection,
+    local: &Hello,
+    secret: &Secret,
+    accept: F,
+) -> Result<Hello, ControlError>
+where
+    F: FnOnce(&Hello) -> Result<(), RejectReason>,
+{
+    let peer = conn.peer_addr();
+    let side = conn.side;
+    let cap = conn.reader.decoder.max_len();
+    conn.reader.decoder.set_max_len(AUTH_MAX_FRAME.min(cap));
+    let ours = Challenge::fresh(local.role, side);
+    conn.send(&Msg::Challenge(ours.clone())).await?;
+    let theirs = expect_step(conn, "Challenge", |m| match m {
+        Msg::Challenge(c) => Some(c),
+        _ => None,
+    })
+    .await?;
+    if theirs.side != side.peer() || theirs.nonce == ours.nonce {
+        // Both ends claiming one side, or our own nonce sent back: a reflection, not a peer.
+        let reason = RejectReason::Protocol("the peer's challenge mirrors ours".into());
+        return refuse(conn, reason, true).await;
+    }
+    let (dialer, listener) = match side {
+        Side::Dialer => (&ours, &theirs),
+        Side::Listener => (&theirs, &ours),
     };
-    let verdict = check_hello(local, &remote).and_then(|()| accept(&remote));
+    conn.send(&Msg::Proof(secret.prove(side, dialer, listener)))
+        .await?;
+    let proof = expect_step(conn, "Proof", |m| match m {
+        Msg::Proof(p) => Some(p),
+        _ => None,
+    })
+    .await?;
+    if !secret.verify(side.peer(), dialer, listener, &proof) {
+        return refuse(conn, RejectReason::AuthFailed, true).await;
+    }
+    conn.reader.decoder.set_max_len(cap);
+
+    // Authenticated: from here on the peer may learn how to reach our memory.
+    conn.send(&Msg::Hello(local.clone())).await?;
+    let remote = expect_step(conn, "Hello", |m| match m {
+        Msg::Hello(h) => Some(h),
+        _ => None,
+    })
+    .await?;
+    let verdict = if remote.role == theirs.role {
+        check_hello(local, &remote).and_then(|()| accept(&remote))
+    } else {
+        Err(RejectReason::Protocol(format!(
+            "the peer's challenge said {}, its hello says {}",
+            theirs.role, remote.role
+        )))
+    };
     match verdict {
         Ok(()) => {
             conn.send(&Msg::HelloAck(HelloAck {

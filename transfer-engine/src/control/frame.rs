@@ -13,6 +13,7 @@
 //! The header layout and the `Reject` kind number are frozen across protocol versions, so a peer
 //! that speaks another version can still read why it was turned away.
 
+use super::auth::{Challenge, Proof};
 use super::msg::{
     Abort, AbortAck, Hello, HelloAck, Msg, Reject, TransferReject, TransferRequest, Vote,
 };
@@ -24,7 +25,7 @@ pub const MAGIC: [u8; 4] = *b"KVCP";
 pub const HEADER_LEN: usize = 12;
 
 /// The protocol version this build speaks (header field and [`Hello::protocol_version`]).
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 
 /// Default cap on one frame's payload: 16 MiB, far above any Hello with a few thousand rkeys.
 pub const DEFAULT_MAX_FRAME_LEN: u32 = 16 << 20;
@@ -52,6 +53,10 @@ pub enum MsgKind {
     Close = 8,
     /// [`Msg::AbortAck`].
     AbortAck = 9,
+    /// [`Msg::Challenge`].
+    Challenge = 10,
+    /// [`Msg::Proof`].
+    Proof = 11,
 }
 
 impl MsgKind {
@@ -67,6 +72,8 @@ impl MsgKind {
             7 => Self::Vote,
             8 => Self::Close,
             9 => Self::AbortAck,
+            10 => Self::Challenge,
+            11 => Self::Proof,
             _ => return None,
         })
     }
@@ -257,6 +264,8 @@ pub fn encode_frame(msg: &Msg, max_len: u32, out: &mut Vec<u8>) -> Result<(), Fr
         Msg::Abort(m) => postcard::to_extend(m, Sink(out)),
         Msg::Vote(m) => postcard::to_extend(m, Sink(out)),
         Msg::AbortAck(m) => postcard::to_extend(m, Sink(out)),
+        Msg::Challenge(m) => postcard::to_extend(m, Sink(out)),
+        Msg::Proof(m) => postcard::to_extend(m, Sink(out)),
         Msg::Close => Ok(Sink(out)),
     };
     if let Err(source) = body {
@@ -330,6 +339,8 @@ pub fn decode_payload(kind: MsgKind, payload: &[u8]) -> Result<Msg, FrameError> 
         MsgKind::Abort => Msg::Abort(body::<Abort>(kind, payload)?),
         MsgKind::Vote => Msg::Vote(body::<Vote>(kind, payload)?),
         MsgKind::AbortAck => Msg::AbortAck(body::<AbortAck>(kind, payload)?),
+        MsgKind::Challenge => Msg::Challenge(body::<Challenge>(kind, payload)?),
+        MsgKind::Proof => Msg::Proof(body::<Proof>(kind, payload)?),
         MsgKind::Close => {
             if !payload.is_empty() {
                 return Err(FrameError::TrailingBytes {

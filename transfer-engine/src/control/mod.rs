@@ -6,7 +6,7 @@
 //! use std::time::Duration;
 //! use tokio::time::Instant;
 //! use transfer_engine::control::{
-//!     BackendInfo, BackendKind, Connection, Hello, LayoutInfo, Listener, Msg, Role, TpMode,
+//!     BackendInfo, BackendKind, Connection, Hello, LayoutInfo, Listener, Msg, Role, Secret, TpMode,
 //!     TransferRequest, handshake,
 //! };
 //!
@@ -22,19 +22,21 @@
 //! let decode = Hello::new("decode-0", Role::Decode, layout.clone(), backend.clone());
 //! let prefill = Hello::new("prefill-0", Role::Prefill, layout, backend);
 //!
+//! let secret = Secret::new(b"shared by every engine of the deployment");
+//! let server_secret = secret.clone();
 //! let listener = Listener::bind("127.0.0.1:0").await?;
 //! let addr = listener.local_addr();
 //! let deadline = Instant::now() + Duration::from_secs(5);
 //! let server = tokio::spawn(async move {
 //!     let mut conn = listener.accept().await?;
-//!     let peer = handshake(&mut conn, &prefill, deadline).await?;
+//!     let peer = handshake(&mut conn, &prefill, &server_secret, deadline).await?;
 //!     assert_eq!(peer.role, Role::Decode);
 //!     let msg = conn.recv().await?;
 //!     Ok::<_, transfer_engine::control::ControlError>(msg)
 //! });
 //!
 //! let mut conn = Connection::connect(addr, deadline).await?;
-//! handshake(&mut conn, &decode, deadline).await?;
+//! handshake(&mut conn, &decode, &secret, deadline).await?;
 //! let req = TransferRequest { request: 7, prompt_tokens: 32, chunk_tokens: 16, dst_pages: vec![3, 4], deadline_ms: 1000 };
 //! conn.send(&Msg::TransferRequest(req.clone())).await?;
 //! let Some(Msg::TransferRequest(got)) = server.await?? else { panic!("expected a transfer request") };
@@ -58,10 +60,12 @@
 //! send [`Msg::Close`] and shut down the sending direction first, so the peer sees a clean end
 //! (`recv` returns `None`) rather than a reset.
 
+mod auth;
 mod conn;
 mod frame;
 mod msg;
 
+pub use auth::{Challenge, Proof, Secret, Side};
 pub use conn::{
     Connection, ControlError, ControlReader, ControlWriter, Listener, handshake, handshake_with,
 };
@@ -71,6 +75,6 @@ pub use frame::{
 };
 pub use msg::{
     Abort, AbortAck, BackendInfo, BackendKind, Hello, HelloAck, LayoutInfo, Msg, Reject,
-    RejectReason, RemoteRegion, Role, Token, TpMode, TransferReject, TransferRejectReason,
+    RejectReason, RemoteRegion, Role, TpMode, TransferReject, TransferRejectReason,
     TransferRequest, Vote, check_hello, validate_transfer_request,
 };

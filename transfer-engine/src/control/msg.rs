@@ -104,59 +104,8 @@ pub struct BackendInfo {
     pub regions: Vec<RemoteRegion>,
 }
 
-/// A shared secret proving that a peer belongs to the same deployment.
-///
-/// Its `Debug` never shows the bytes, so a `Hello` can be traced safely. It is sent in clear
-/// over the control connection: it keeps misconfigured or stray peers out, and does not stand
-/// against an attacker who can read the network (use a private network or a tunnel for that).
-#[derive(Clone, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct Token(Vec<u8>);
-
-impl Token {
-    /// Wraps secret bytes.
-    pub fn new(secret: impl Into<Vec<u8>>) -> Self {
-        Self(secret.into())
-    }
-
-    /// Compares in time that depends only on the lengths, not on where the bytes differ.
-    pub fn ct_eq(&self, other: &Token) -> bool {
-        constant_time_eq(&self.0, &other.0)
-    }
-
-    /// The secret bytes; do not log them.
-    pub fn expose(&self) -> &[u8] {
-        &self.0
-    }
-}
-
-/// Constant-time, like [`Token::ct_eq`], so comparing Hellos never leaks the secret by timing.
-impl PartialEq for Token {
-    fn eq(&self, other: &Self) -> bool {
-        self.ct_eq(other)
-    }
-}
-
-impl Eq for Token {}
-
-impl std::fmt::Debug for Token {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Token(<redacted>)")
-    }
-}
-
-/// Equality whose running time does not reveal the position of the first difference.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    // The length is not secret enough to hide (the peer chose its own); the contents are.
-    if a.len() != b.len() {
-        return false;
-    }
-    let diff = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
-    // black_box keeps the optimiser from turning the fold into an early-exit compare.
-    std::hint::black_box(diff) == 0
-}
-
-/// The first message on every connection, sent by both sides.
+/// The first message after authentication, sent by both sides: everything the peer needs to talk
+/// to this side, backend metadata included, so it travels only to a peer that proved the secret.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Hello {
     /// Protocol version the sender speaks ([`PROTOCOL_VERSION`]).
@@ -177,9 +126,6 @@ pub struct Hello {
     pub layout: LayoutInfo,
     /// The sender's transfer library and its metadata.
     pub backend: BackendInfo,
-    /// The shared secret, if the deployment uses one. A side that holds a token requires the
-    /// peer to present the same one.
-    pub token: Option<Token>,
     /// A random 64-bit key the prefill side carries with every UCX notification it sends, so the
     /// decode side can tell which connection (and so which PP rank) sent it. Zero when unused.
     pub notify_key: u64,
@@ -203,7 +149,6 @@ impl Hello {
             tp_size: 1,
             layout,
             backend,
-            token: None,
             notify_key: 0,
         }
     }
@@ -221,13 +166,6 @@ impl Hello {
     pub fn with_tp(mut self, rank: u16, size: u16) -> Self {
         self.tp_rank = rank;
         self.tp_size = size;
-        self
-    }
-
-    /// Sets the shared secret.
-    #[must_use]
-    pub fn with_token(mut self, token: Token) -> Self {
-        self.token = Some(token);
         self
     }
 }
@@ -279,9 +217,15 @@ pub enum RejectReason {
         /// TP rank announced.
         tp_rank: u16,
     },
-    /// The peer's token is missing or wrong.
-    #[error("missing or wrong token")]
-    BadToken,
+    /// Another connection is already bound to the notification sender this peer announced (its
+    /// notify key or NIXL agent name); a second binding would let one peer's notifications count
+    /// for another's rank.
+    #[error("duplicate sender: {0} is already bound to a connected rank")]
+    DuplicateSender(String),
+    /// The peer did not prove that it holds this side's shared secret (a wrong secret, or one side
+    /// has a secret and the other none).
+    #[error("authentication failed: the peer does not hold this side's shared secret")]
+    AuthFailed,
     /// The Hello contradicts itself (a rank not below its size, layers past the model's end).
     #[error("invalid hello: {0}")]
     InvalidHello(String),
@@ -415,6 +359,10 @@ pub enum Msg {
     Close,
     /// A prefill rank's writes for an aborted request are over.
     AbortAck(AbortAck),
+    /// Opening of the authentication: a nonce and a role.
+    Challenge(super::auth::Challenge),
+    /// Proof of the shared secret over both challenges.
+    Proof(super::auth::Proof),
 }
 
 impl Msg {
@@ -430,6 +378,8 @@ impl Msg {
             Self::AbortAck(_) => MsgKind::AbortAck,
             Self::Vote(_) => MsgKind::Vote,
             Self::Close => MsgKind::Close,
+            Self::Challenge(_) => MsgKind::Challenge,
+            Self::Proof(_) => MsgKind::Proof,
         }
     }
 }
@@ -534,11 +484,10 @@ fn check_tp(local: &Hello, remote: &Hello) -> Result<(), RejectReason> {
 /// 1. same protocol version;
 /// 2. the remote Hello is self-consistent (ranks below sizes, layers inside the model,
 ///    1 or 2 KV regions, positive page size);
-/// 3. if this side holds a token, the peer presents the same one (compared in constant time);
-/// 4. roles: prefill with decode, or two prefill ranks of one pipeline (same `pp_size` and
+/// 3. roles: prefill with decode, or two prefill ranks of one pipeline (same `pp_size` and
 ///    `tp_size`, different ranks, disjoint layers); two decode sides never;
-/// 5. same model layer count, page size and number of KV regions; same backend;
-/// 6. prefill to decode: the prefill rank's layers lie within the decode side's, and the TP
+/// 4. same model layer count, page size and number of KV regions; same backend;
+/// 5. prefill to decode: the prefill rank's layers lie within the decode side's, and the TP
 ///    layouts map (see [`TpMode`]).
 ///
 /// # Errors
@@ -551,12 +500,6 @@ pub fn check_hello(local: &Hello, remote: &Hello) -> Result<(), RejectReason> {
         });
     }
     check_self_consistent(remote)?;
-    if let Some(want) = &local.token {
-        match &remote.token {
-            Some(got) if want.ct_eq(got) => {}
-            _ => return Err(RejectReason::BadToken),
-        }
-    }
     let (l, r) = (&local.layout, &remote.layout);
     let pp_peers = match (local.role, remote.role) {
         (Role::Decode, Role::Decode) => {

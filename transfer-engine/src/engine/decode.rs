@@ -46,7 +46,10 @@ pub struct DecodeConfig {
     pub layout: KvLayout,
     /// Prefill PP size: a request is complete when this many ranks delivered.
     pub pp_size: u16,
-    /// A shared secret every prefill must present.
+    /// The deployment's shared secret: a prefill must prove it holds it before this side sends
+    /// anything but a challenge (see `control`'s handshake). `None` means the empty secret, which
+    /// any peer can prove: a warning is logged at start, since any process that reaches the
+    /// control port can then write into the pool.
     pub token: Option<Vec<u8>>,
     /// Verify each chunk's checksum against the bytes in the pool before counting it.
     pub verify_checksums: bool,
@@ -113,6 +116,11 @@ pub struct DecodeStats {
     pub abort_ack_timeouts: u64,
     /// Bytes registered by the transport.
     pub registered_bytes: u64,
+    /// Control connections refused because the peer did not prove the shared secret (or refused
+    /// our proof).
+    pub auth_failures: u64,
+    /// Other failed handshakes (mismatched layouts, a rank or sender already bound, timeouts...).
+    pub handshake_failures: u64,
 }
 
 struct RankConn {
@@ -155,10 +163,13 @@ struct Counters {
     refused: AtomicU64,
     checksum_mismatch: AtomicU64,
     abort_ack_timeouts: AtomicU64,
+    auth_failures: AtomicU64,
+    handshake_failures: AtomicU64,
 }
 
 struct Inner {
     cfg: DecodeConfig,
+    secret: crate::control::Secret,
     state: Mutex<State>,
     counters: Counters,
     timer: Arc<tokio::sync::Notify>,
@@ -198,8 +209,41 @@ impl DecodeEngine {
     /// Registers `pool`, starts the transport and listens for prefill ranks.
     ///
     /// # Errors
-    /// Transport or listener failures, or a pool smaller than the layout.
+    /// Transport or listener failures, a pool smaller than the layout, or a layout that is not
+    /// packed (`KvLayout::packed`: prefill ranks learn only its packed numbers from the Hello).
     pub async fn start(cfg: DecodeConfig, pool: Pool) -> Result<Self, EngineError> {
+        let l = &cfg.layout;
+        let packed = KvLayout::packed(
+            l.first_layer,
+            l.num_layers,
+            l.regions,
+            l.page_bytes,
+            l.num_pages,
+        );
+        if (l.layer_stride, l.region_stride, l.base_offset)
+            != (
+                packed.layer_stride,
+                packed.region_stride,
+                packed.base_offset,
+            )
+        {
+            // Prefill ranks rebuild our layout from the Hello's numbers, which describe only a packed
+            // one: any other stride or offset would put their writes at the wrong places.
+            return Err(EngineError::Config(format!(
+                "the decode layout must be packed ([region][layer][page] from offset 0): layer stride {} (packed {}), region stride {} (packed {}), base offset {} (packed 0)",
+                l.layer_stride,
+                packed.layer_stride,
+                l.region_stride,
+                packed.region_stride,
+                l.base_offset
+            )));
+        }
+        if cfg.token.is_none() {
+            tracing::warn!(
+                listen = %cfg.listen,
+                "no shared secret configured: any process that reaches the control port can write into the KV pool"
+            );
+        }
         if pool.desc().len() < cfg.layout.buffer_len {
             return Err(EngineError::Config(format!(
                 "pool of {} bytes is smaller than its layout ({} bytes)",
@@ -218,6 +262,7 @@ impl DecodeEngine {
                 completed_at: super::Stamps::default(),
                 unacked: HashMap::new(),
             }),
+            secret: crate::control::Secret::from_config(cfg.token.as_deref()),
             cfg,
             counters: Counters::default(),
             timer: Arc::new(tokio::sync::Notify::new()),
@@ -398,6 +443,8 @@ impl DecodeEngine {
             in_flight,
             awaiting_abort_ack,
             abort_ack_timeouts: c.abort_ack_timeouts.load(Ordering::Relaxed),
+            auth_failures: c.auth_failures.load(Ordering::Relaxed),
+            handshake_failures: c.handshake_failures.load(Ordering::Relaxed),
             registered_bytes: self
                 .inner
                 .transport
@@ -459,7 +506,9 @@ impl DecodeEngine {
     /// exactly as a connected rank's do; it gets no TransferRequest or Abort messages.
     ///
     /// # Errors
-    /// The rank is out of range or taken, or its layout does not plan against the pool.
+    /// [`EngineError::SenderTaken`] if `sender` already counts for a rank (a second binding would
+    /// let one peer's notifications count for another rank); [`EngineError::Config`] if the rank is
+    /// out of range or taken; [`EngineError::Plan`] if its layout does not plan against the pool.
     pub fn bind_external_rank(
         &self,
         rank: u16,
@@ -474,6 +523,12 @@ impl DecodeEngine {
                 }
             })?;
         let mut st = self.inner.lock();
+        if let Some(&(bound, _)) = st.senders.get(&sender) {
+            return Err(EngineError::SenderTaken {
+                sender,
+                rank: bound,
+            });
+        }
         match st.ranks.get(usize::from(rank)) {
             Some(None) => {}
             Some(Some(_)) => {
@@ -771,7 +826,7 @@ fn local_hello(inner: &Inner) -> Result<Hello, EngineError> {
     let t = inner.transport.get().ok_or(EngineError::Shutdown)?;
     let pool = inner.pool.get().ok_or(EngineError::Shutdown)?;
     let cfg = &inner.cfg;
-    let mut hello = Hello::new(
+    let hello = Hello::new(
         cfg.engine_id.clone(),
         Role::Decode,
         layout_info(cfg.total_layers, cfg.page_tokens, &cfg.layout),
@@ -783,9 +838,6 @@ fn local_hello(inner: &Inner) -> Result<Hello, EngineError> {
         },
     )
     .with_pp(0, cfg.pp_size);
-    if let Some(tok) = &cfg.token {
-        hello = hello.with_token(control::Token::new(tok.clone()));
-    }
     Ok(hello)
 }
 
@@ -801,6 +853,7 @@ async fn serve_rank(inner: Weak<Inner>, mut conn: Connection) {
         }
     };
     let pp_size = hello.pp_size;
+    let mut bound = None;
     let taken = |remote: &Hello| -> Result<(), RejectReason> {
         let Some(i) = inner.upgrade() else {
             return Err(RejectReason::Refused("shutting down".into()));
@@ -816,6 +869,20 @@ async fn serve_rank(inner: Weak<Inner>, mut conn: Connection) {
                 remote.pp_size
             )));
         }
+        let planner = layout_from_info(&remote.layout)
+            .and_then(|src| {
+                Planner::new(&src, &i.cfg.layout, TpMapping::Identical).map_err(|source| {
+                    EngineError::Plan {
+                        request: None,
+                        source,
+                    }
+                })
+            })
+            .map_err(|e| RejectReason::LayoutMismatch(e.to_string()))?;
+        let sender = match remote.backend.kind {
+            control::BackendKind::Nixl => Sender::Agent(remote.backend.agent_name.clone()),
+            _ => Sender::Key(remote.notify_key),
+        };
         let st = i.lock();
         if st
             .ranks
@@ -827,41 +894,43 @@ async fn serve_rank(inner: Weak<Inner>, mut conn: Connection) {
                 tp_rank: remote.tp_rank,
             });
         }
+        if st.senders.contains_key(&sender) {
+            return Err(RejectReason::DuplicateSender(format!("{sender:?}")));
+        }
+        bound = Some((planner, sender));
         Ok(())
     };
-    let remote = match control::handshake_with(&mut conn, &hello, deadline, taken).await {
-        Ok(r) => r,
-        Err(e) => {
+    let secret = match inner.upgrade() {
+        Some(i) => i.secret.clone(),
+        None => return,
+    };
+    let result = control::handshake_with(&mut conn, &hello, &secret, deadline, taken).await;
+    let Some(i) = inner.upgrade() else { return };
+    let (remote, (planner, sender)) = match (result, bound) {
+        (Ok(r), Some(b)) => (r, b),
+        (Ok(_), None) => return,
+        (Err(e), _) => {
+            let counter = if e.is_auth_failure() {
+                &i.counters.auth_failures
+            } else {
+                &i.counters.handshake_failures
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(error = %e, "prefill handshake failed");
             return;
         }
     };
-    let Some(i) = inner.upgrade() else { return };
     let rank = remote.pp_rank;
-    let planner = match layout_from_info(&remote.layout).and_then(|src| {
-        Planner::new(&src, &i.cfg.layout, TpMapping::Identical).map_err(|source| {
-            EngineError::Plan {
-                request: None,
-                source,
-            }
-        })
-    }) {
-        Ok(p) => p,
-        Err(e) => {
-            tracing::warn!(rank, error = %e, "prefill layout does not plan against the pool");
-            return;
-        }
-    };
-    let sender = match remote.backend.kind {
-        control::BackendKind::Nixl => Sender::Agent(remote.backend.agent_name.clone()),
-        _ => Sender::Key(remote.notify_key),
-    };
     let (reader, writer) = conn.into_split();
     let (tx, rx) = mpsc::unbounded_channel();
     let peer = {
         let mut st = i.lock();
-        if st.ranks[usize::from(rank)].is_some() {
-            return; // lost a race with another connection for the same rank
+        if st.ranks[usize::from(rank)].is_some() || st.senders.contains_key(&sender) {
+            // Lost a race with another connection for the same rank or sender.
+            i.counters
+                .handshake_failures
+                .fetch_add(1, Ordering::Relaxed);
+            return;
         }
         let peer = PeerId(st.next_peer);
         st.next_peer += 1;

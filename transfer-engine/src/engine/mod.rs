@@ -90,6 +90,14 @@ pub enum EngineError {
     /// The engine is shutting down.
     #[error("engine is shut down")]
     Shutdown,
+    /// The notification sender is already bound to a rank.
+    #[error("sender {sender:?} is already bound to rank {rank}")]
+    SenderTaken {
+        /// The sender that was to be bound.
+        sender: crate::transport::Sender,
+        /// The rank it counts for.
+        rank: u16,
+    },
     /// A copy into or out of the pool was refused.
     #[error("pool access: {0}")]
     Memory(#[from] crate::mem::CopyError),

@@ -10,7 +10,7 @@ use super::{
     BackendConfig, EngineError, Pool, layout_from_info, layout_info, remote_regions, to_wire_kind,
 };
 use crate::control::{
-    self, BackendInfo, Connection, ControlWriter, Hello, Listener, Msg, RejectReason, Role,
+    self, BackendInfo, Connection, ControlWriter, Hello, Listener, Msg, RejectReason, Role, Secret,
 };
 use crate::core::notify::{ChunkNotification, ChunkStatus, TextForm};
 use crate::core::planner::{ChunkGeometry, KvLayout, Planner, TpMapping, Write};
@@ -47,7 +47,9 @@ pub struct PrefillConfig {
     pub page_tokens: u32,
     /// This rank's pool layout (its layers only).
     pub layout: KvLayout,
-    /// Shared secret for the decode side and the PP peers.
+    /// The deployment's shared secret: the decode side and the PP peers must prove they hold it
+    /// before this rank sends them anything else (see `control`'s handshake). `None` means the
+    /// empty secret, which any peer can prove; a warning is logged at start.
     pub token: Option<Vec<u8>>,
     /// Send a checksum of each chunk's bytes (the decode side verifies it).
     pub checksums: bool,
@@ -183,6 +185,7 @@ struct Counters {
 
 struct Inner {
     cfg: PrefillConfig,
+    secret: Secret,
     transport: Arc<dyn Transport>,
     pool: Registration,
     decode_peer: PeerId,
@@ -291,27 +294,32 @@ impl PrefillEngine {
             None
         };
 
+        let secret = Secret::from_config(cfg.token.as_deref());
+        if secret.is_none() {
+            tracing::warn!(
+                pp_rank = cfg.pp_rank,
+                "no shared secret configured: any process that reaches the PP peers' ports can forge votes"
+            );
+        }
         let mut hello = Hello::new(
             cfg.engine_id.clone(),
             Role::Prefill,
             layout_info(cfg.total_layers, cfg.page_tokens, &cfg.layout),
             BackendInfo {
                 kind: to_wire_kind(transport.kind()),
-                worker_or_agent: transport.metadata()?,
+                // Nobody connects to a prefill's transport or writes into its pool: its address and
+                // registration stay in this process. NIXL names the sender of a notification itself.
+                worker_or_agent: Vec::new(),
                 agent_name: transport.name(),
-                // Nobody writes into a prefill's pool: its registration stays with this process.
                 regions: Vec::new(),
             },
         )
         .with_pp(cfg.pp_rank, cfg.pp_size);
         hello.notify_key = notify_key;
-        if let Some(tok) = &cfg.token {
-            hello = hello.with_token(control::Token::new(tok.clone()));
-        }
         let (conn, dst, decode_meta, decode_regions) = match external {
             None => {
                 let mut conn = Connection::connect(cfg.decode, deadline).await?;
-                let remote = control::handshake(&mut conn, &hello, deadline).await?;
+                let remote = control::handshake(&mut conn, &hello, &secret, deadline).await?;
                 let dst = layout_from_info(&remote.layout)?;
                 let regions = remote_regions(&remote.backend);
                 (Some(conn), dst, remote.backend.worker_or_agent, regions)
@@ -342,6 +350,7 @@ impl PrefillEngine {
                 last_done_at: super::Stamps::default(),
             }),
             cfg,
+            secret,
             transport,
             pool,
             decode_peer,
@@ -954,7 +963,7 @@ async fn form_mesh(
     let mut conns: Vec<(u16, Connection)> = Vec::new();
     for rank in 0..me {
         let mut c = Connection::connect(cfg.peers[usize::from(rank)], deadline).await?;
-        let remote = control::handshake(&mut c, &hello, deadline).await?;
+        let remote = control::handshake(&mut c, &hello, &inner.secret, deadline).await?;
         if remote.pp_rank != rank {
             return Err(EngineError::Config(format!(
                 "peer at rank {rank}'s address says it is rank {}",
@@ -985,7 +994,7 @@ async fn form_mesh(
             }
             Ok(())
         };
-        match control::handshake_with(&mut c, &hello, deadline, check).await {
+        match control::handshake_with(&mut c, &hello, &inner.secret, deadline, check).await {
             Ok(remote) => {
                 seen[usize::from(remote.pp_rank)] = true;
                 conns.push((remote.pp_rank, c));

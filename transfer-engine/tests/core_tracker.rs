@@ -90,6 +90,152 @@ fn last_first_then_the_rest() {
     assert_eq!(t.counters().late, 1);
 }
 
+fn last(req: u64, rank: u16, id: u32, count: u32) -> ChunkNotification {
+    ChunkNotification::new(RequestId(req), rank, id, ChunkStatus::Last { count })
+}
+
+fn more(req: u64, rank: u16, id: u32) -> ChunkNotification {
+    ChunkNotification::new(RequestId(req), rank, id, ChunkStatus::More)
+}
+
+/// Issue 10, item 5: every chunk `0..count` arrived as `More`, and only then a `LAST` came that
+/// names a chunk already present (a repeat of chunk 2, or chunk 0 carrying the count). The rank
+/// is done at that point; it once never became done, and the request timed out.
+#[test]
+fn last_after_every_chunk_completes_once() {
+    let t0 = Instant::now();
+    let dl = t0 + Duration::from_secs(1);
+    let p = peers(1);
+    for (req, last_id) in [(1u64, 2u32), (2, 0), (3, 1)] {
+        let mut t = CompletionTracker::new(TrackerConfig::default());
+        t.expect(t0, RequestId(req), 1, &p, dl).unwrap();
+        for id in 0..3 {
+            assert_eq!(
+                t.handle_notification(t0, p[0], &more(req, 0, id)),
+                Ok(Accepted::NewChunk)
+            );
+        }
+        assert_eq!(t.poll_event(), None, "complete before any LAST");
+        assert_eq!(
+            t.handle_notification(t0, p[0], &last(req, 0, last_id, 3)),
+            Ok(Accepted::Duplicate),
+            "LAST on chunk {last_id}"
+        );
+        assert_eq!(
+            drain(&mut t),
+            vec![TrackerEvent::Complete {
+                request: RequestId(req)
+            }],
+            "LAST on chunk {last_id}"
+        );
+        assert_eq!(
+            t.handle_notification(t0, p[0], &last(req, 0, last_id, 3)),
+            Ok(Accepted::Late)
+        );
+        t.handle_timeout(dl);
+        assert_eq!(t.poll_event(), None, "a second terminal event");
+        let c = t.counters();
+        assert_eq!((c.new_chunks, c.duplicates, c.late), (3, 1, 1), "{c:?}");
+        assert!(t.is_idle());
+    }
+}
+
+/// The same with PP=2, plus the other side of the fix: a rank that is already done stays counted
+/// once however often its `LAST` repeats, so repeats cannot stand in for a missing rank.
+#[test]
+fn repeated_last_counts_a_rank_once() {
+    let t0 = Instant::now();
+    let dl = t0 + Duration::from_secs(1);
+    let mut t = CompletionTracker::new(TrackerConfig::default());
+    let p = peers(2);
+    t.expect(t0, RequestId(7), 2, &p, dl).unwrap();
+    for id in 0..3 {
+        t.handle_notification(t0, p[0], &chunk(7, 0, id, 3))
+            .unwrap();
+    }
+    for id in [2, 0, 1, 2] {
+        assert_eq!(
+            t.handle_notification(t0, p[0], &last(7, 0, id, 3)),
+            Ok(Accepted::Duplicate)
+        );
+    }
+    assert_eq!(t.poll_event(), None, "rank 0 alone completed it");
+    for id in [1, 0, 2] {
+        t.handle_notification(t0, p[1], &more(7, 1, id)).unwrap();
+    }
+    assert_eq!(t.poll_event(), None, "complete before rank 1's LAST");
+    assert_eq!(
+        t.handle_notification(t0, p[1], &last(7, 1, 0, 3)),
+        Ok(Accepted::Duplicate)
+    );
+    assert_eq!(
+        drain(&mut t),
+        vec![TrackerEvent::Complete {
+            request: RequestId(7)
+        }]
+    );
+    t.handle_timeout(dl);
+    assert_eq!(t.poll_event(), None);
+    assert!(t.is_idle());
+}
+
+/// `LAST` may name any chunk below its count, new or not; the count must still agree and still
+/// bound every chunk.
+#[test]
+fn last_on_an_earlier_chunk() {
+    let t0 = Instant::now();
+    let dl = t0 + Duration::from_secs(1);
+    let mut t = CompletionTracker::new(TrackerConfig::default());
+    let p = peers(1);
+    for r in 1..=3 {
+        t.expect(t0, RequestId(r), 1, &p, dl).unwrap();
+    }
+    // 1: the count comes first, on chunk 0; chunks 1 and 2 finish the rank.
+    assert_eq!(
+        t.handle_notification(t0, p[0], &last(1, 0, 0, 3)),
+        Ok(Accepted::NewChunk)
+    );
+    t.handle_notification(t0, p[0], &more(1, 0, 2)).unwrap();
+    assert_eq!(t.poll_event(), None);
+    t.handle_notification(t0, p[0], &more(1, 0, 1)).unwrap();
+    assert_eq!(
+        drain(&mut t),
+        vec![TrackerEvent::Complete {
+            request: RequestId(1)
+        }]
+    );
+    // 2: a LAST on an earlier chunk whose count is below a chunk already seen.
+    t.handle_notification(t0, p[0], &more(2, 0, 3)).unwrap();
+    assert!(matches!(
+        t.handle_notification(t0, p[0], &last(2, 0, 1, 3)),
+        Err(NotifyError::Violation {
+            kind: ViolationKind::ChunkBeyondCount {
+                chunk_id: 3,
+                count: 3
+            },
+            ..
+        })
+    ));
+    // 3: a repeat of the LAST with a different count.
+    for id in 0..3 {
+        t.handle_notification(t0, p[0], &more(3, 0, id)).unwrap();
+    }
+    assert!(t.handle_notification(t0, p[0], &last(3, 0, 1, 4)).is_ok());
+    assert!(matches!(
+        t.handle_notification(t0, p[0], &last(3, 0, 2, 3)),
+        Err(NotifyError::Violation {
+            kind: ViolationKind::CountChanged {
+                first: 4,
+                second: 3
+            },
+            ..
+        })
+    ));
+    let ev = drain(&mut t);
+    assert_eq!(ev.len(), 2, "{ev:?}");
+    assert!(ev.iter().all(|e| matches!(e, TrackerEvent::Failed { .. })));
+}
+
 #[test]
 fn wrong_peer_cannot_complete_or_fail() {
     let t0 = Instant::now();

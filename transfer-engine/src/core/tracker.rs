@@ -14,6 +14,12 @@
 //! - From the bound peer, duplicates are idempotent. A `FAILURE` fails the request. A protocol
 //!   violation fails it too ([`ViolationKind`]): a second, different count; a chunk id at or above
 //!   the rank's count; a chunk id or count above [`TrackerConfig::max_chunks_per_rank`].
+//! - `LAST` carries the rank's chunk count and may name any chunk id below it, new or already
+//!   seen, and may repeat. Senders mark whichever chunk they finish last (SGLang sets `is_last`
+//!   on the chunk it sends last), and a retransmitted or re-sent `LAST` may arrive after every
+//!   chunk did; what must hold is that all of them state one count. A rank is done as soon as
+//!   its count is known and every chunk below it is present, whichever notification made that
+//!   so; a done rank stays counted once, however often its `LAST` repeats.
 //! - The deadline given to `expect` fails the request with [`FailureReason::Timeout`] at the
 //!   first [`CompletionTracker::handle_timeout`] at or after it.
 //! - Each request yields exactly one terminal [`TrackerEvent`]. Its id is then remembered (up to
@@ -172,7 +178,8 @@ pub enum TrackerEvent {
 pub enum Accepted {
     /// A chunk not seen before (it may have completed the request: see `poll_event`).
     NewChunk,
-    /// Already seen; nothing changed.
+    /// The chunk was already seen. Its bitset is unchanged, but a repeated `LAST` may have
+    /// supplied the rank's count and so completed the request (see `poll_event`).
     Duplicate,
     /// The request is not expected yet; the notification waits.
     Buffered,
@@ -337,8 +344,11 @@ struct Early {
 }
 
 enum Step {
-    New { done: bool },
-    Duplicate,
+    /// `new`: the chunk was not seen before. `done`: the request is now complete.
+    Accept {
+        new: bool,
+        done: bool,
+    },
     Fail(FailureReason, Result<Accepted, NotifyError>),
     Reject(NotifyError),
 }
@@ -472,16 +482,20 @@ impl CompletionTracker {
             return self.not_in_flight(now, from, n);
         };
         match apply(entry, from, n, cap) {
-            Step::New { done } => {
-                self.counters.new_chunks += 1;
+            Step::Accept { new, done } => {
+                if new {
+                    self.counters.new_chunks += 1;
+                } else {
+                    self.counters.duplicates += 1;
+                }
                 if done {
                     self.finish(n.request, None);
                 }
-                Ok(Accepted::NewChunk)
-            }
-            Step::Duplicate => {
-                self.counters.duplicates += 1;
-                Ok(Accepted::Duplicate)
+                Ok(if new {
+                    Accepted::NewChunk
+                } else {
+                    Accepted::Duplicate
+                })
             }
             Step::Fail(reason, ret) => {
                 if matches!(reason, FailureReason::ProtocolViolation { .. }) {
@@ -781,6 +795,10 @@ fn apply(e: &mut InFlight, from: PeerId, n: &ChunkNotification, cap: u32) -> Ste
     if let Some(kind) = static_violation(n, cap) {
         return violation(kind);
     }
+    // Taken before the count can change: a LAST that arrives after every chunk (repeating one,
+    // or naming an earlier one) finishes the rank without adding a bit, so only the state before
+    // the whole notification tells whether this one finished it.
+    let was_done = rank_done(rs);
     let id = n.chunk_id;
     if let ChunkStatus::Last { count } = n.status {
         if rs.count == 0 {
@@ -815,24 +833,23 @@ fn apply(e: &mut InFlight, from: PeerId, n: &ChunkNotification, cap: u32) -> Ste
         rs.bits
             .resize(want.min(cap.div_ceil(64) as usize).max(w + 1), 0);
     }
-    let was_done = rs.count != 0 && rs.received == rs.count;
     let dup = rs.bits[w] & mask != 0;
     if !dup {
         rs.bits[w] |= mask;
         rs.received += 1;
         rs.high = rs.high.max(id + 1);
     }
-    let now_done = rs.count != 0 && rs.received == rs.count;
-    if now_done && !was_done {
+    let mut done = false;
+    if rank_done(rs) && !was_done {
         e.ranks_done += 1;
-        let done = e.ranks_done == pp_size;
-        return Step::New { done };
+        done = e.ranks_done == pp_size;
     }
-    if dup {
-        // A duplicate LAST can still be the one that supplied the count (and so finish the rank)
-        // above; otherwise it changes nothing.
-        Step::Duplicate
-    } else {
-        Step::New { done: false }
-    }
+    Step::Accept { new: !dup, done }
+}
+
+/// Every chunk below a known count is present. `received` counts distinct ids, all below the
+/// count (a larger one is a violation whether it comes before the count or after), so equality
+/// means all of `0..count`.
+fn rank_done(rs: &RankState) -> bool {
+    rs.count != 0 && rs.received == rs.count
 }

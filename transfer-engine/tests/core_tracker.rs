@@ -1,5 +1,6 @@
 //! Completion tracker: the seed regression, rules one by one, and properties over any order,
-//! duplication, loss and corruption of notifications.
+//! duplication, loss and corruption of notifications, with `LAST` on any chunk, repeated, and
+//! after the rest.
 #![allow(clippy::unwrap_used)]
 
 use std::collections::HashSet;
@@ -547,15 +548,49 @@ fn run(s: &Scenario) -> Result<(), TestCaseError> {
     )
     .unwrap();
     let expect_at = rng.random_range(0..4usize);
-    let mut msgs: Vec<(PeerId, ChunkNotification, bool)> = Vec::new();
+    let mut msgs: Vec<(PeerId, ChunkNotification)> = Vec::new();
+    // Sent after every other notification of every rank, so they find ranks (and the request)
+    // already done, or bring the count only once every chunk is there.
+    let mut trailing: Vec<(PeerId, ChunkNotification)> = Vec::new();
     for rank in 0..s.pp {
         let count = s.counts[usize::from(rank)];
+        let from = p[usize::from(rank)];
+        let with_count = |id| last(req, rank, id, count);
+        // Where the count travels: on the final chunk's own notification (the usual sender), on
+        // any other chunk's, only in separate LASTs mixed in with the chunks, or only in LASTs
+        // sent after everything else (issue 10, item 5). LASTs of the first two kinds may repeat.
+        let style = rng.random_range(0..4u8);
+        let marked = match style {
+            0 => Some(count - 1),
+            1 => Some(rng.random_range(0..count)),
+            _ => None,
+        };
         for id in 0..count {
-            msgs.push((p[usize::from(rank)], chunk(req, rank, id, count), true));
+            let n = if marked == Some(id) {
+                with_count(id)
+            } else {
+                more(req, rank, id)
+            };
+            msgs.push((from, n));
+        }
+        let (mixed, after) = match style {
+            2 => (rng.random_range(1..=3), rng.random_range(0..=1)),
+            3 => (0, rng.random_range(1..=2)),
+            _ => (rng.random_range(0..=2), rng.random_range(0..=1)),
+        };
+        for _ in 0..mixed {
+            msgs.push((from, with_count(rng.random_range(0..count))));
+        }
+        for _ in 0..after {
+            trailing.push((from, with_count(rng.random_range(0..count))));
         }
     }
     msgs.shuffle(&mut rng);
+    trailing.shuffle(&mut rng);
+    msgs.extend(trailing);
     let mut delivered: Vec<HashSet<u32>> = vec![HashSet::new(); usize::from(s.pp)];
+    // Whether an intact LAST (so the rank's true count) got through, per rank.
+    let mut count_delivered = vec![false; usize::from(s.pp)];
     // What the tracker was actually told by bound peers (real or corrupted), per rank.
     let mut told: Vec<HashSet<u32>> = vec![HashSet::new(); usize::from(s.pp)];
     let mut first_count: Vec<Option<u32>> = vec![None; usize::from(s.pp)];
@@ -563,7 +598,7 @@ fn run(s: &Scenario) -> Result<(), TestCaseError> {
     let mut expected = false;
     let mut events = Vec::new();
     let total = msgs.len();
-    for (i, (from, mut n, _)) in msgs.into_iter().enumerate() {
+    for (i, (from, mut n)) in msgs.into_iter().enumerate() {
         if !expected && i * 4 >= total * expect_at {
             t.expect(t0, RequestId(req), s.pp, &p, t0 + Duration::from_secs(60))
                 .unwrap();
@@ -592,11 +627,18 @@ fn run(s: &Scenario) -> Result<(), TestCaseError> {
             }
         } else {
             delivered[usize::from(n.pp_rank)].insert(n.chunk_id);
+            if matches!(n.status, ChunkStatus::Last { .. }) {
+                count_delivered[usize::from(n.pp_rank)] = true;
+            }
         }
         let r = usize::from(n.pp_rank);
         told[r].insert(n.chunk_id);
         if let ChunkStatus::Last { count } = n.status {
-            first_count[r].get_or_insert(count);
+            // One invalid on its face is dropped unseen if it comes early, so it cannot be the
+            // count the tracker went by.
+            if count > n.chunk_id {
+                first_count[r].get_or_insert(count);
+            }
         }
         for _ in 0..copies {
             let _ = t.handle_notification(t0, from, &n);
@@ -619,8 +661,8 @@ fn run(s: &Scenario) -> Result<(), TestCaseError> {
         })
         .collect();
     prop_assert_eq!(mine.len(), 1, "exactly one terminal event: {:?}", events);
-    let all_delivered =
-        (0..s.pp).all(|r| delivered[usize::from(r)].len() == s.counts[usize::from(r)] as usize);
+    let all_delivered = (0..usize::from(s.pp))
+        .all(|r| count_delivered[r] && delivered[r].len() == s.counts[r] as usize);
     match mine[0] {
         TrackerEvent::Complete { .. } => {
             // A corrupted record that still decodes is a claim the tracker cannot tell from a

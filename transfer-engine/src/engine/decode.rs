@@ -24,7 +24,7 @@ use crate::mem::MemKind;
 use crate::transport::{Incoming, Registration, Sender, Sink, Transport};
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot, watch};
@@ -114,6 +114,9 @@ pub struct DecodeStats {
     pub awaiting_abort_ack: u64,
     /// Failed requests resolved without every rank's confirmation, after `abort_ack_timeout`.
     pub abort_ack_timeouts: u64,
+    /// Failed requests whose outcome went out without every rank's confirmation and whose pages
+    /// are therefore still quarantined.
+    pub quarantined: u64,
     /// Bytes registered by the transport.
     pub registered_bytes: u64,
     /// Control connections refused because the peer did not prove the shared secret (or refused
@@ -142,14 +145,40 @@ struct State {
     senders: HashMap<Sender, (u16, PeerId)>,
     next_peer: u64,
     completed_at: super::Stamps,
-    /// Failed requests whose outcome is held until the ranks named confirm their writes are over.
+    /// Failed requests whose pages wait until the ranks named confirm their writes are over; the
+    /// outcome is held until then, or until the deadline, after which the pages are quarantined.
     unacked: HashMap<RequestId, Unacked>,
+    /// Every page a live, unacknowledged or quarantined request holds: `expect` refuses them.
+    held_pages: HashMap<u32, RequestId>,
+    /// Waiters for a quarantined request's pages to become safe.
+    released_waiters: HashMap<RequestId, Vec<oneshot::Sender<()>>>,
+    /// `shutdown` began: no new requests.
+    closing: bool,
+    /// Ranks whose connection ended with their Close: their writes are over.
+    closed_ranks: std::collections::HashSet<u16>,
 }
 
 struct Unacked {
     ranks: Vec<u16>,
-    outcome: Outcome,
+    /// `None` once the outcome was handed out (the request is quarantined).
+    outcome: Option<Outcome>,
     deadline: Instant,
+    pages: Arc<Vec<u32>>,
+}
+
+/// What [`DecodeEngine::shutdown`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShutdownReport {
+    /// Ranks that confirmed (by their Close) that none of their writes into the pool still runs.
+    pub confirmed: Vec<u16>,
+    /// Ranks whose connection was gone, or went away, instead: they write nothing more either.
+    pub gone: Vec<u16>,
+    /// Ranks that did not confirm before the deadline, and external ranks (bound with
+    /// [`DecodeEngine::bind_external_rank`]), which cannot: while any is listed, the pool is leaked
+    /// rather than freed.
+    pub unconfirmed: Vec<u16>,
+    /// Whether the pool will be freed when the last handle to the engine is dropped.
+    pub pool_freed: bool,
 }
 
 #[derive(Default)]
@@ -177,6 +206,26 @@ struct Inner {
     /// Set once, after the transport exists (its sink needs a Weak to us first).
     transport: std::sync::OnceLock<Arc<dyn Transport>>,
     pool: std::sync::OnceLock<Registration>,
+    /// Peers may have learned how to write into the pool (a Hello went out, or `backend_info`).
+    exported: AtomicBool,
+    /// Every peer that could write into the pool confirmed it stopped (`shutdown`): the pool may be
+    /// freed.
+    pool_safe: AtomicBool,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // Without a confirmation from every rank, a write may still land in the pool: leak it.
+        if self.exported.load(Ordering::Acquire)
+            && !self.pool_safe.load(Ordering::Acquire)
+            && let Some(pool) = self.pool.get_mut()
+        {
+            tracing::warn!(
+                "decode engine dropped without a completed shutdown: its KV pool is leaked, not freed"
+            );
+            pool.leak_on_drop();
+        }
+    }
 }
 
 /// The decode side of the engine. Cheap to clone.
@@ -261,6 +310,10 @@ impl DecodeEngine {
                 next_peer: 1,
                 completed_at: super::Stamps::default(),
                 unacked: HashMap::new(),
+                held_pages: HashMap::new(),
+                released_waiters: HashMap::new(),
+                closing: false,
+                closed_ranks: std::collections::HashSet::new(),
             }),
             secret: crate::control::Secret::from_config(cfg.token.as_deref()),
             cfg,
@@ -269,6 +322,8 @@ impl DecodeEngine {
             connected: watch::channel(0).0,
             transport: std::sync::OnceLock::new(),
             pool: std::sync::OnceLock::new(),
+            exported: AtomicBool::new(false),
+            pool_safe: AtomicBool::new(false),
         });
         let weak = Arc::downgrade(&inner);
         let sink: Sink = Arc::new(move |ev| {
@@ -330,13 +385,18 @@ impl DecodeEngine {
     /// page index per page of the prompt), and returns a future that resolves once the request is
     /// complete or failed. `timeout` bounds the whole transfer.
     ///
-    /// The pages belong to the transfer until the future resolves. After `Failed`, a prefill rank may
-    /// still have writes in flight into them until it has processed the abort: reuse them only after
-    /// that, or give them a grace period (see the README).
+    /// The pages belong to the transfer until the future resolves, and `expect` refuses them to any
+    /// other request meanwhile. A `Failed` outcome normally resolves only once every connected rank
+    /// confirmed that none of its writes into the pages still runs (its AbortAck, or its connection
+    /// ended). If a rank does not confirm within `abort_ack_timeout`, the outcome resolves anyway
+    /// and the pages stay **quarantined**: [`quarantined`](Self::quarantined) lists such requests,
+    /// `expect` keeps refusing their pages, and [`released`](Self::released) resolves once the late
+    /// confirmation (or the rank's disconnection) makes them safe.
     ///
     /// # Errors
-    /// A request id already tracked, a page list that does not fit the prompt or the pool, or a rank
-    /// not connected.
+    /// A request id already tracked, a page list that does not fit the prompt or the pool, a page
+    /// another request holds ([`EngineError::PageHeld`]), a rank not connected, or
+    /// [`EngineError::Shutdown`] once [`shutdown`](Self::shutdown) began.
     ///
     /// # Cancel safety
     /// The returned future may be dropped: the request stays tracked until it ends (or
@@ -375,6 +435,15 @@ impl DecodeEngine {
         let (tx, rx) = oneshot::channel();
         {
             let mut st = self.inner.lock();
+            if st.closing {
+                return Err(EngineError::Shutdown);
+            }
+            if let Some((&page, &by)) = dst_pages
+                .iter()
+                .find_map(|p| st.held_pages.get_key_value(p))
+            {
+                return Err(EngineError::PageHeld { page, by });
+            }
             let mut peers = Vec::with_capacity(st.ranks.len());
             for (rank, r) in st.ranks.iter().enumerate() {
                 match r {
@@ -399,6 +468,9 @@ impl DecodeEngine {
             for r in st.ranks.iter().flatten() {
                 let _ = r.writer.send(msg.clone());
             }
+            for &p in &dst_pages {
+                st.held_pages.insert(p, request);
+            }
             st.requests.insert(
                 request,
                 ReqInfo {
@@ -421,12 +493,135 @@ impl DecodeEngine {
         self.inner.drain(&mut st);
     }
 
+    /// Failed requests whose pages are quarantined: a rank did not confirm, within
+    /// `abort_ack_timeout`, that its writes into them are over. Their pages are not reusable until
+    /// [`released`](Self::released) resolves.
+    pub fn quarantined(&self) -> Vec<RequestId> {
+        let st = self.inner.lock();
+        st.unacked
+            .iter()
+            .filter(|(_, u)| u.outcome.is_none())
+            .map(|(r, _)| *r)
+            .collect()
+    }
+
+    /// Resolves once no page of `request` is held any more: the request completed, or failed and
+    /// every rank confirmed its writes are over or is gone. At once for a request the engine does
+    /// not hold.
+    ///
+    /// # Cancel safety
+    /// Cancel-safe.
+    pub fn released(
+        &self,
+        request: RequestId,
+    ) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let rx = {
+            let mut st = self.inner.lock();
+            if st.requests.contains_key(&request) || st.unacked.contains_key(&request) {
+                let (tx, rx) = oneshot::channel();
+                st.released_waiters.entry(request).or_default().push(tx);
+                Some(rx)
+            } else {
+                None
+            }
+        };
+        async move {
+            if let Some(rx) = rx {
+                let _ = rx.await;
+            }
+        }
+    }
+
+    /// Stops the engine and decides whether its pool may be freed.
+    ///
+    /// Every live request fails (`Aborted`, its ranks are told), no new request is accepted, and
+    /// every connected rank is sent Close. A prefill rank answers Close with its own Close once none
+    /// of its writes into the pool still runs and it will post no more. The pool is freed (when the
+    /// last handle to the engine is dropped) only if every rank confirmed or its connection ended
+    /// before `timeout`; otherwise it is leaked, and counted in
+    /// [`leaked_pools`](crate::transport::leaked_pools), since a write could still land in it. An
+    /// engine dropped without `shutdown` leaks its pool the same way once a peer could have learned
+    /// its address.
+    ///
+    /// # Cancel safety
+    /// Cancel-safe in effect: dropping the future leaves the engine closing and its pool leaked.
+    pub async fn shutdown(self, timeout: Duration) -> ShutdownReport {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut pending = Vec::new();
+        let mut unconfirmed = Vec::new();
+        {
+            let mut st = self.inner.lock();
+            st.closing = true;
+            let live: Vec<RequestId> = st.requests.keys().copied().collect();
+            for request in live {
+                let _ = st.tracker.abort(request);
+            }
+            self.inner.drain(&mut st);
+            for (rank, r) in st.ranks.iter().enumerate() {
+                if let Some(r) = r {
+                    // An external rank's channel has no reader: it cannot confirm anything.
+                    if r.writer.send(Msg::Close).is_ok() {
+                        pending.push(rank as u16);
+                    } else {
+                        unconfirmed.push(rank as u16);
+                    }
+                }
+            }
+        }
+        let mut changes = self.inner.connected.subscribe();
+        loop {
+            let waiting = {
+                let st = self.inner.lock();
+                pending
+                    .iter()
+                    .any(|&r| st.ranks.get(usize::from(r)).is_some_and(Option::is_some))
+            };
+            if !waiting {
+                break;
+            }
+            match tokio::time::timeout_at(deadline, changes.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) | Err(_) => break,
+            }
+        }
+        let (mut confirmed, mut gone) = (Vec::new(), Vec::new());
+        {
+            let st = self.inner.lock();
+            for r in pending {
+                if st.ranks.get(usize::from(r)).is_some_and(Option::is_some) {
+                    unconfirmed.push(r);
+                } else if st.closed_ranks.contains(&r) {
+                    confirmed.push(r);
+                } else {
+                    gone.push(r);
+                }
+            }
+        }
+        let pool_freed = unconfirmed.is_empty();
+        if pool_freed {
+            self.inner.pool_safe.store(true, Ordering::Release);
+        } else {
+            tracing::warn!(
+                ?unconfirmed,
+                "ranks did not confirm shutdown: the KV pool will be leaked"
+            );
+        }
+        ShutdownReport {
+            confirmed,
+            gone,
+            unconfirmed,
+            pool_freed,
+        }
+    }
+
     /// Counters.
     pub fn stats(&self) -> DecodeStats {
         let c = &self.inner.counters;
-        let (in_flight, awaiting_abort_ack) = {
+        let (in_flight, awaiting_abort_ack, quarantined) = {
             let st = self.inner.lock();
-            (st.tracker.in_flight() as u64, st.unacked.len() as u64)
+            let held = st.unacked.values().filter(|u| u.outcome.is_some()).count() as u64;
+            let quarantined = st.unacked.len() as u64 - held;
+            (st.tracker.in_flight() as u64, held, quarantined)
         };
         DecodeStats {
             completed: c.completed.load(Ordering::Relaxed),
@@ -443,6 +638,7 @@ impl DecodeEngine {
             in_flight,
             awaiting_abort_ack,
             abort_ack_timeouts: c.abort_ack_timeouts.load(Ordering::Relaxed),
+            quarantined,
             auth_failures: c.auth_failures.load(Ordering::Relaxed),
             handshake_failures: c.handshake_failures.load(Ordering::Relaxed),
             registered_bytes: self
@@ -497,6 +693,7 @@ impl DecodeEngine {
     ) -> Result<(Vec<u8>, String, crate::transport::RemoteRegion), EngineError> {
         let t = self.inner.transport.get().ok_or(EngineError::Shutdown)?;
         let pool = self.inner.pool.get().ok_or(EngineError::Shutdown)?;
+        self.inner.exported.store(true, Ordering::Release);
         Ok((t.metadata()?, t.name(), pool.remote().clone()))
     }
 
@@ -613,17 +810,22 @@ impl Inner {
                         }
                     }
                     let outcome = Outcome::Failed(reason);
-                    if !ranks.is_empty() && st.waiters.contains_key(&request) {
+                    if !ranks.is_empty() {
                         let deadline = Instant::now() + self.cfg.abort_ack_timeout;
+                        let pages = st
+                            .requests
+                            .remove(&request)
+                            .map(|r| r.dst_pages)
+                            .unwrap_or_default();
                         st.unacked.insert(
                             request,
                             Unacked {
                                 ranks,
-                                outcome,
+                                outcome: Some(outcome),
                                 deadline,
+                                pages,
                             },
                         );
-                        st.requests.remove(&request);
                         // The timer must learn this deadline.
                         self.timer.notify_one();
                         continue;
@@ -631,7 +833,9 @@ impl Inner {
                     (request, outcome)
                 }
             };
-            st.requests.remove(&request);
+            if let Some(info) = st.requests.remove(&request) {
+                release_pages(st, request, &info.dst_pages);
+            }
             if let Some(w) = st.waiters.remove(&request) {
                 let _ = w.send(outcome);
             }
@@ -747,37 +951,55 @@ impl Inner {
             None => false,
         };
         if done {
-            self.resolve_unacked(st, request);
+            self.settle(st, request);
         }
     }
 
-    fn resolve_unacked(&self, st: &mut State, request: RequestId) {
-        if let Some(u) = st.unacked.remove(&request)
-            && let Some(w) = st.waiters.remove(&request)
-        {
-            let _ = w.send(u.outcome);
+    /// No write into `request`'s pages can land any more: its outcome goes out if still held, and
+    /// its pages become free.
+    fn settle(&self, st: &mut State, request: RequestId) {
+        let Some(u) = st.unacked.remove(&request) else {
+            return;
+        };
+        match u.outcome {
+            Some(outcome) => {
+                if let Some(w) = st.waiters.remove(&request) {
+                    let _ = w.send(outcome);
+                }
+            }
+            None => tracing::info!(request = request.0, "quarantined pages released"),
         }
+        release_pages(st, request, &u.pages);
     }
 
-    /// Resolves failed requests whose ranks did not confirm in time; returns the next such deadline.
+    /// Hands out the outcome of failed requests whose ranks did not confirm in time, keeping their
+    /// pages quarantined; returns the next such deadline.
     fn expire_unacked(&self, st: &mut State, now: Instant) -> Option<Instant> {
-        let late: Vec<RequestId> = st
-            .unacked
-            .iter()
-            .filter(|(_, u)| u.deadline <= now)
-            .map(|(r, _)| *r)
-            .collect();
-        for request in late {
+        let mut next: Option<Instant> = None;
+        let mut late = Vec::new();
+        for (request, u) in st.unacked.iter_mut() {
+            if u.outcome.is_none() {
+                continue;
+            }
+            if u.deadline <= now {
+                late.push((*request, u.outcome.take()));
+            } else {
+                next = Some(next.map_or(u.deadline, |n| n.min(u.deadline)));
+            }
+        }
+        for (request, outcome) in late {
             self.counters
                 .abort_ack_timeouts
                 .fetch_add(1, Ordering::Relaxed);
             tracing::warn!(
                 request = request.0,
-                "ranks did not confirm the abort in time"
+                "ranks did not confirm the abort in time: the request's pages are quarantined"
             );
-            self.resolve_unacked(st, request);
+            if let (Some(o), Some(w)) = (outcome, st.waiters.remove(&request)) {
+                let _ = w.send(o);
+            }
         }
-        st.unacked.values().map(|u| u.deadline).min()
+        next
     }
 
     fn peer_lost(&self, rank: u16, peer: PeerId, sender: &Sender) {
@@ -805,6 +1027,18 @@ impl Inner {
         for request in waiting {
             self.acked(&mut st, request, rank);
         }
+    }
+}
+
+/// Frees `request`'s pages for new requests and wakes whoever waits for that.
+fn release_pages(st: &mut State, request: RequestId, pages: &[u32]) {
+    for p in pages {
+        if st.held_pages.get(p) == Some(&request) {
+            st.held_pages.remove(p);
+        }
+    }
+    for w in st.released_waiters.remove(&request).unwrap_or_default() {
+        let _ = w.send(());
     }
 }
 
@@ -904,6 +1138,10 @@ async fn serve_rank(inner: Weak<Inner>, mut conn: Connection) {
         Some(i) => i.secret.clone(),
         None => return,
     };
+    if let Some(i) = inner.upgrade() {
+        // The Hello goes out once the peer is authenticated, inside the handshake.
+        i.exported.store(true, Ordering::Release);
+    }
     let result = control::handshake_with(&mut conn, &hello, &secret, deadline, taken).await;
     let Some(i) = inner.upgrade() else { return };
     let (remote, (planner, sender)) = match (result, bound) {
@@ -946,9 +1184,12 @@ async fn serve_rank(inner: Weak<Inner>, mut conn: Connection) {
     tracing::info!(rank, peer = peer.0, "prefill rank connected");
     drop(i);
     let write_task = tokio::spawn(write_loop(writer, rx));
-    read_loop(&inner, reader, rank).await;
+    let closed = read_loop(&inner, reader, rank).await;
     write_task.abort();
     if let Some(i) = inner.upgrade() {
+        if closed {
+            i.lock().closed_ranks.insert(rank);
+        }
         i.peer_lost(rank, peer, &sender);
     }
 }
@@ -961,17 +1202,21 @@ async fn write_loop(mut writer: ControlWriter, mut rx: mpsc::UnboundedReceiver<M
     }
 }
 
-async fn read_loop(inner: &Weak<Inner>, mut reader: control::ControlReader, rank: u16) {
+/// Handles a rank's messages until its connection ends; true if it ended with the rank's Close
+/// (which a rank sends only once none of its writes into the pool still runs).
+async fn read_loop(inner: &Weak<Inner>, mut reader: control::ControlReader, rank: u16) -> bool {
     loop {
         let msg = match reader.recv().await {
             Ok(Some(m)) => m,
-            Ok(None) => return,
+            Ok(None) => return false,
             Err(e) => {
                 tracing::warn!(rank, error = %e, "control connection failed");
-                return;
+                return false;
             }
         };
-        let Some(i) = inner.upgrade() else { return };
+        let Some(i) = inner.upgrade() else {
+            return false;
+        };
         match msg {
             Msg::TransferReject(r) => {
                 tracing::warn!(rank, request = r.request, reason = %r.reason, "prefill rejected a transfer request");
@@ -996,7 +1241,7 @@ async fn read_loop(inner: &Weak<Inner>, mut reader: control::ControlReader, rank
                 let mut st = i.lock();
                 i.acked(&mut st, RequestId(a.request), rank);
             }
-            Msg::Close => return,
+            Msg::Close => return true,
             _ => {}
         }
     }

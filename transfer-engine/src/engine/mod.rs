@@ -9,7 +9,7 @@
 mod decode;
 mod prefill;
 
-pub use decode::{DecodeConfig, DecodeEngine, DecodeStats};
+pub use decode::{DecodeConfig, DecodeEngine, DecodeStats, ShutdownReport};
 pub use prefill::{
     ExternalDecode, IncomingRequest, NotifyFormat, PrefillConfig, PrefillEngine, PrefillStats,
 };
@@ -90,6 +90,15 @@ pub enum EngineError {
     /// The engine is shutting down.
     #[error("engine is shut down")]
     Shutdown,
+    /// A destination page is held by another request (live, awaiting its ranks' confirmation, or
+    /// quarantined).
+    #[error("page {page} is held by request {by:?}")]
+    PageHeld {
+        /// The page.
+        page: u32,
+        /// The request that holds it.
+        by: RequestId,
+    },
     /// The notification sender is already bound to a rank.
     #[error("sender {sender:?} is already bound to rank {rank}")]
     SenderTaken {

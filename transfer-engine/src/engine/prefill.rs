@@ -161,6 +161,8 @@ struct ReqState {
     posted: u32,
     /// Decode aborted the request while chunks were posted: acknowledge once they are over.
     ack_pending: bool,
+    /// The LAST chunk's writes and notification completed.
+    last_done: bool,
 }
 
 struct State {
@@ -171,6 +173,11 @@ struct State {
     decided_waiters: HashMap<RequestId, Vec<oneshot::Sender<Decision>>>,
     peer_writers: Vec<Option<mpsc::UnboundedSender<Msg>>>,
     last_done_at: super::Stamps,
+    /// Chunks posted to decode and not yet over, all requests together.
+    posted_total: u32,
+    /// Decode closed: nothing more is posted, and our Close answers once `posted_total` is 0.
+    decode_closed: bool,
+    close_pending: bool,
 }
 
 #[derive(Default)]
@@ -348,6 +355,9 @@ impl PrefillEngine {
                 decided_waiters: HashMap::new(),
                 peer_writers: (0..cfg.pp_size).map(|_| None).collect(),
                 last_done_at: super::Stamps::default(),
+                posted_total: 0,
+                decode_closed: false,
+                close_pending: false,
             }),
             cfg,
             secret,
@@ -531,14 +541,24 @@ impl PrefillEngine {
         // waits for it before acknowledging) or stops it here.
         {
             let mut st = lock(&inner.state);
+            if st.decode_closed {
+                return Err(EngineError::Shutdown);
+            }
             match st.requests.get_mut(&request) {
-                Some(r) if r.failed.is_none() => r.posted += 1,
+                Some(r) if r.failed.is_none() && !r.voted => r.posted += 1,
+                Some(r) if r.failed.is_none() => {
+                    return Err(EngineError::Config(format!(
+                        "request {} already finished on this rank (its LAST chunk is over)",
+                        request.0
+                    )));
+                }
                 Some(r) => {
                     let code = r.failed.unwrap_or(FailureCode::Aborted);
                     return Err(EngineError::RequestFailed { request, code });
                 }
                 None => return Err(EngineError::UnknownRequest(request)),
             }
+            st.posted_total += 1;
         }
         inner.transport.post(
             inner.decode_peer,
@@ -671,11 +691,17 @@ impl Inner {
         bytes: u64,
         res: &Result<(), TransportError>,
     ) {
-        let ack = {
+        let (ack, close) = {
             let mut st = lock(&self.state);
-            match st.requests.get_mut(&request) {
+            st.posted_total = st.posted_total.saturating_sub(1);
+            let close = st.posted_total == 0 && st.close_pending;
+            if close {
+                st.close_pending = false;
+            }
+            let ack = match st.requests.get_mut(&request) {
                 Some(r) => {
                     r.posted = r.posted.saturating_sub(1);
+                    r.last_done |= last && res.is_ok();
                     let ack = r.posted == 0 && r.ack_pending;
                     if ack {
                         r.ack_pending = false;
@@ -683,7 +709,11 @@ impl Inner {
                     ack
                 }
                 None => false,
+            };
+            if last && res.is_ok() {
+                st.last_done_at.record(request, Instant::now());
             }
+            (ack, close)
         };
         if ack {
             self.ack_abort(request);
@@ -692,18 +722,17 @@ impl Inner {
             Ok(()) => {
                 self.counters.chunks.fetch_add(1, Ordering::Relaxed);
                 self.counters.bytes.fetch_add(bytes, Ordering::Relaxed);
-                if last {
-                    lock(&self.state)
-                        .last_done_at
-                        .record(request, Instant::now());
-                    self.vote(request, Vote::Completed);
-                }
+                self.settle_vote(request, None);
             }
             Err(e) => {
                 self.counters.failed_chunks.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(request = request.0, error = %e, "chunk failed");
                 self.fail_local(request, FailureCode::WriteFailed);
             }
+        }
+        if close {
+            // Decode closed and this was our last write into its pool: say so.
+            let _ = self.decode_writer.send(Msg::Close);
         }
     }
 
@@ -736,17 +765,29 @@ impl Inner {
                 Box::new(|_| {}),
             );
         }
-        self.vote(request, Vote::Failed(code));
+        self.settle_vote(request, Some(Vote::Failed(code)));
     }
 
-    fn vote(&self, request: RequestId, vote: Vote) {
+    /// Casts this rank's vote on `request` once it is terminal here (failed, or its LAST chunk is
+    /// over) and none of its chunks is still posted, so a vote always means "this rank's writes are
+    /// over". `unknown` is the vote for a request this rank never got an allocation for (nothing of
+    /// it was posted).
+    fn settle_vote(&self, request: RequestId, unknown: Option<Vote>) {
         let mut st = lock(&self.state);
-        if let Some(r) = st.requests.get_mut(&request) {
-            if r.voted {
-                return;
+        let vote = match st.requests.get_mut(&request) {
+            Some(r) if r.voted || r.posted > 0 => return,
+            Some(r) => {
+                let v = match (r.failed, r.last_done) {
+                    (Some(code), _) => Some(Vote::Failed(code)),
+                    (None, true) => Some(Vote::Completed),
+                    (None, false) => None,
+                };
+                r.voted = v.is_some();
+                v
             }
-            r.voted = true;
-        }
+            None => unknown,
+        };
+        let Some(vote) = vote else { return };
         if let Err(e) = st.board.handle_local_vote(Instant::now(), request, vote) {
             tracing::debug!(request = request.0, error = %e, "local vote refused");
         }
@@ -827,6 +868,7 @@ impl Inner {
                         voted: false,
                         posted: 0,
                         ack_pending: false,
+                        last_done: false,
                     },
                 );
                 for w in st.arrivals.remove(&request).unwrap_or_default() {
@@ -866,7 +908,7 @@ impl Inner {
         if ack_now {
             self.ack_abort(request);
         }
-        self.vote(request, Vote::Failed(code));
+        self.settle_vote(request, Some(Vote::Failed(code)));
     }
 
     fn ack_abort(&self, request: RequestId) {
@@ -933,16 +975,28 @@ async fn decode_read_loop(
             _ => {}
         }
     }
-    // The decode side is gone: every request not yet voted fails here.
+    // The decode side closed or is gone: nothing more is posted, every request not yet voted fails
+    // here, and once no write into decode's pool runs our Close tells decode so.
     if let Some(i) = inner.upgrade() {
-        let pending: Vec<RequestId> = lock(&i.state)
-            .requests
-            .iter()
-            .filter(|(_, r)| !r.voted)
-            .map(|(k, _)| *k)
-            .collect();
+        let pending: Vec<RequestId> = {
+            let mut st = lock(&i.state);
+            st.decode_closed = true;
+            st.requests
+                .iter()
+                .filter(|(_, r)| !r.voted)
+                .map(|(k, _)| *k)
+                .collect()
+        };
         for r in pending {
             i.on_abort(r, FailureCode::PeerLost);
+        }
+        let close_now = {
+            let mut st = lock(&i.state);
+            st.close_pending = st.posted_total > 0;
+            st.posted_total == 0
+        };
+        if close_now {
+            let _ = i.decode_writer.send(Msg::Close);
         }
     }
 }

@@ -6,8 +6,9 @@ use proptest::prelude::*;
 use transfer_engine::control::{
     Abort, AbortAck, BackendInfo, BackendKind, DEFAULT_MAX_FRAME_LEN, FrameDecoder, FrameError,
     FrameHeader, HEADER_LEN, Hello, HelloAck, LayoutInfo, MAGIC, Msg, MsgKind, PROTOCOL_VERSION,
-    Reject, RejectReason, RemoteRegion, Role, Token, TpMode, TransferReject, TransferRejectReason,
-    TransferRequest, Vote, check_hello, encode_to_vec, validate_transfer_request,
+    Reject, RejectReason, RemoteRegion, Role, Secret, Side, TpMode, TransferReject,
+    TransferRejectReason, TransferRequest, Vote, check_hello, encode_to_vec,
+    validate_transfer_request,
 };
 
 fn layout(first_layer: u32, layers: u32) -> LayoutInfo {
@@ -57,11 +58,13 @@ fn prefill_hello(rank: u16, size: u16) -> Hello {
 
 fn every_message() -> Vec<Msg> {
     vec![
-        Msg::Hello(
-            prefill_hello(1, 4)
-                .with_tp(1, 2)
-                .with_token(Token::new(b"s3cret".to_vec())),
-        ),
+        Msg::Hello(prefill_hello(1, 4).with_tp(1, 2)),
+        Msg::Challenge(transfer_engine::control::Challenge {
+            nonce: [0xc4; 32],
+            role: Role::Prefill,
+            side: Side::Dialer,
+        }),
+        Msg::Proof(transfer_engine::control::Proof { mac: [0x9f; 32] }),
         Msg::HelloAck(HelloAck {
             engine_id: "decode-0".into(),
         }),
@@ -134,29 +137,39 @@ fn every_kind_round_trips_whole_and_byte_by_byte() {
 }
 
 #[test]
-fn token_survives_the_wire_and_is_never_printed() {
-    let h = decode_hello().with_token(Token::new(b"hunter2".to_vec()));
-    let wire = encode_to_vec(&Msg::Hello(h), DEFAULT_MAX_FRAME_LEN).unwrap();
-    let mut d = FrameDecoder::default();
-    d.extend(&wire);
-    let Some(Msg::Hello(back)) = d.decode_next().unwrap() else {
-        panic!("not a hello")
+fn proofs_depend_on_secret_side_roles_and_both_nonces_and_the_secret_is_never_printed() {
+    use transfer_engine::control::Challenge;
+    let key = Secret::new(b"hunter2");
+    let dialer = Challenge {
+        nonce: [1; 32],
+        role: Role::Prefill,
+        side: Side::Dialer,
     };
-    assert_eq!(back.token.as_ref().unwrap().expose(), b"hunter2");
-    assert!(
-        back.token
-            .as_ref()
-            .unwrap()
-            .ct_eq(&Token::new(b"hunter2".to_vec()))
-    );
-    assert!(
-        !back
-            .token
-            .as_ref()
-            .unwrap()
-            .ct_eq(&Token::new(b"hunter3".to_vec()))
-    );
-    assert!(!format!("{back:?}").contains("hunter2"));
+    let listener = Challenge {
+        nonce: [2; 32],
+        role: Role::Decode,
+        side: Side::Listener,
+    };
+    let proof = key.prove(Side::Dialer, &dialer, &listener);
+    assert!(key.verify(Side::Dialer, &dialer, &listener, &proof));
+    // Every input changes the proof.
+    assert!(!key.verify(Side::Listener, &dialer, &listener, &proof));
+    assert!(!Secret::new(b"hunter3").verify(Side::Dialer, &dialer, &listener, &proof));
+    assert!(!Secret::none().verify(Side::Dialer, &dialer, &listener, &proof));
+    let mut other = dialer.clone();
+    other.nonce[31] ^= 1;
+    assert!(!key.verify(Side::Dialer, &other, &listener, &proof));
+    let mut other = listener.clone();
+    other.nonce[0] ^= 1;
+    assert!(!key.verify(Side::Dialer, &dialer, &other, &proof));
+    let mut other = listener.clone();
+    other.role = Role::Prefill;
+    assert!(!key.verify(Side::Dialer, &dialer, &other, &proof));
+    // Swapping the challenges is a different transcript.
+    assert!(!key.verify(Side::Dialer, &listener, &dialer, &proof));
+    assert!(!format!("{key:?}").contains("hunter2"));
+    assert!(Secret::none().is_none());
+    assert!(!key.is_none());
 }
 
 #[test]
@@ -482,30 +495,6 @@ fn backend_mismatch() {
             remote: BackendKind::Nixl
         }
     );
-}
-
-#[test]
-fn token_rules() {
-    let tok = || Token::new(b"secret".to_vec());
-    let d = decode_hello().with_token(tok());
-    assert_eq!(reject(&d, &prefill_hello(0, 1)), RejectReason::BadToken);
-    assert_eq!(
-        reject(
-            &d,
-            &prefill_hello(0, 1).with_token(Token::new(b"secreT".to_vec()))
-        ),
-        RejectReason::BadToken
-    );
-    assert_eq!(
-        reject(
-            &d,
-            &prefill_hello(0, 1).with_token(Token::new(b"secret!".to_vec()))
-        ),
-        RejectReason::BadToken
-    );
-    check_hello(&d, &prefill_hello(0, 1).with_token(tok())).unwrap();
-    // A side without a token does not require one.
-    check_hello(&decode_hello(), &prefill_hello(0, 1).with_token(tok())).unwrap();
 }
 
 #[test]

@@ -12,9 +12,9 @@ use tokio::time::{Instant, timeout};
 use transfer_engine::control::{
     Abort, BackendInfo, BackendKind, Connection, ControlError, DEFAULT_MAX_FRAME_LEN, FrameDecoder,
     FrameError, HEADER_LEN, Hello, HelloAck, LayoutInfo, Listener, MAGIC, Msg, MsgKind,
-    PROTOCOL_VERSION, Reject, RejectReason, RemoteRegion, Role, Token, TpMode, TransferReject,
-    TransferRejectReason, TransferRequest, Vote, encode_to_vec, handshake, handshake_with,
-    validate_transfer_request,
+    PROTOCOL_VERSION, Reject, RejectReason, RemoteRegion, Role, Secret, Side, TpMode,
+    TransferReject, TransferRejectReason, TransferRequest, Vote, encode_to_vec, handshake,
+    handshake_with, validate_transfer_request,
 };
 
 /// Upper bound on any single wait; generous so a loaded CI machine never flakes.
@@ -28,6 +28,11 @@ async fn bounded<T>(f: impl Future<Output = T>) -> T {
 
 fn deadline() -> Instant {
     Instant::now() + BOUND
+}
+
+/// The secret most tests share on both sides.
+fn secret() -> Secret {
+    Secret::new(b"the deployment's shared secret")
 }
 
 fn layout(first_layer: u32, layers: u32) -> LayoutInfo {
@@ -84,16 +89,26 @@ async fn pair() -> (Connection, Connection) {
     (a.unwrap(), b.unwrap())
 }
 
-/// Runs the handshake on both sides at once.
+/// Runs the handshake on both sides at once, both holding [`secret`].
 async fn handshake_both(
     server: Hello,
     client: Hello,
 ) -> (Result<Hello, ControlError>, Result<Hello, ControlError>) {
+    handshake_both_with(server, &secret(), client, &secret()).await
+}
+
+/// Runs the handshake on both sides at once, each with its own secret.
+async fn handshake_both_with(
+    server: Hello,
+    server_secret: &Secret,
+    client: Hello,
+    client_secret: &Secret,
+) -> (Result<Hello, ControlError>, Result<Hello, ControlError>) {
     let (mut s, mut c) = pair().await;
     bounded(async {
         tokio::join!(
-            handshake(&mut s, &server, deadline()),
-            handshake(&mut c, &client, deadline())
+            handshake(&mut s, &server, server_secret, deadline()),
+            handshake(&mut c, &client, client_secret, deadline())
         )
     })
     .await
@@ -126,11 +141,12 @@ async fn handshake_success_both_sides_learn_the_peer() {
 }
 
 #[tokio::test]
-async fn handshake_with_token() {
-    let tok = || Token::new(b"shared".to_vec());
-    let (s, c) = handshake_both(
-        decode_hello().with_token(tok()),
-        prefill_hello(0, 1).with_token(tok()),
+async fn handshake_without_a_secret_on_either_side() {
+    let (s, c) = handshake_both_with(
+        decode_hello(),
+        &Secret::none(),
+        prefill_hello(0, 1),
+        &Secret::none(),
     )
     .await;
     s.unwrap();
@@ -178,15 +194,16 @@ async fn pp_mismatch() {
 async fn application_rejects_a_duplicate_rank() {
     let (mut s, mut c) = pair().await;
     let (d, p) = (decode_hello(), prefill_hello(1, 2));
+    let key = secret();
     let (sr, cr) = bounded(async {
         tokio::join!(
-            handshake_with(&mut s, &d, deadline(), |h| Err(
+            handshake_with(&mut s, &d, &key, deadline(), |h| Err(
                 RejectReason::DuplicateRank {
                     pp_rank: h.pp_rank,
                     tp_rank: h.tp_rank
                 }
             )),
-            handshake(&mut c, &p, deadline())
+            handshake(&mut c, &p, &key, deadline())
         )
     })
     .await;
@@ -199,26 +216,194 @@ async fn application_rejects_a_duplicate_rank() {
 }
 
 #[tokio::test]
-async fn missing_token_is_rejected_and_the_peer_is_told() {
-    let (s, c) = handshake_both(
-        decode_hello().with_token(Token::new(b"shared".to_vec())),
-        prefill_hello(0, 1),
-    )
-    .await;
-    assert_eq!(rejected_peer(s), RejectReason::BadToken);
-    // The client requires no token, so it accepted; it learns of the rejection from the server.
-    assert_eq!(peer_rejected(c), RejectReason::BadToken);
+async fn a_missing_or_wrong_secret_fails_authentication_on_both_sides() {
+    for (what, client_secret) in [
+        ("missing", Secret::none()),
+        ("wrong", Secret::new(b"a guess")),
+    ] {
+        let (s, c) = handshake_both_with(
+            decode_hello(),
+            &secret(),
+            prefill_hello(0, 1),
+            &client_secret,
+        )
+        .await;
+        // Each side checks the other's proof, so each refuses it.
+        assert_eq!(rejected_peer(s), RejectReason::AuthFailed, "{what}");
+        assert_eq!(rejected_peer(c), RejectReason::AuthFailed, "{what}");
+    }
+}
+
+/// Reads every frame a peer sends within `for_`, without sending anything.
+async fn frames_from(raw: &mut TcpStream, for_: Duration) -> (Vec<u8>, Vec<Msg>) {
+    let mut bytes = Vec::new();
+    let _ = timeout(for_, raw.read_to_end(&mut bytes)).await;
+    let mut d = FrameDecoder::default();
+    d.extend(&bytes);
+    let mut msgs = Vec::new();
+    while let Ok(Some(m)) = d.decode_next() {
+        msgs.push(m);
+    }
+    (bytes, msgs)
+}
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle)
 }
 
 #[tokio::test]
-async fn wrong_token_is_rejected() {
-    let (s, c) = handshake_both(
-        decode_hello().with_token(Token::new(b"shared".to_vec())),
-        prefill_hello(0, 1).with_token(Token::new(b"guess".to_vec())),
-    )
+async fn before_authentication_a_peer_gets_only_a_challenge() {
+    let (mut server, mut raw) = raw_pair().await;
+    let hello = decode_hello();
+    let run =
+        tokio::spawn(async move { handshake(&mut server, &hello, &secret(), deadline()).await });
+    // A client that says nothing: it gets the challenge and nothing else.
+    let (bytes, msgs) = frames_from(&mut raw, Duration::from_millis(300)).await;
+    assert_eq!(msgs.len(), 1, "{msgs:?}");
+    let Msg::Challenge(challenge) = &msgs[0] else {
+        panic!("{msgs:?}")
+    };
+    assert_eq!(
+        (challenge.role, challenge.side),
+        (Role::Decode, Side::Listener)
+    );
+    let b = backend();
+    assert!(
+        !contains(&bytes, &b.worker_or_agent[..16]),
+        "worker address leaked"
+    );
+    assert!(!contains(&bytes, &b.regions[0].rkey[..16]), "rkey leaked");
+    assert!(
+        !contains(&bytes, b"the deployment's shared secret"),
+        "secret leaked"
+    );
+    // A client that answers with a challenge and a made-up proof is refused, and still learns
+    // nothing more.
+    let mine = transfer_engine::control::Challenge::fresh(Role::Prefill, Side::Dialer);
+    for m in [
+        Msg::Challenge(mine),
+        Msg::Proof(transfer_engine::control::Proof { mac: [0x5a; 32] }),
+    ] {
+        raw.write_all(&encode_to_vec(&m, DEFAULT_MAX_FRAME_LEN).unwrap())
+            .await
+            .unwrap();
+    }
+    let r = bounded(run).await.unwrap();
+    assert_eq!(rejected_peer(r), RejectReason::AuthFailed);
+    let (bytes, msgs) = frames_from(&mut raw, BOUND).await;
+    assert!(
+        matches!(
+            msgs.as_slice(),
+            [
+                Msg::Proof(_),
+                Msg::Reject(Reject {
+                    reason: RejectReason::AuthFailed
+                })
+            ]
+        ),
+        "{msgs:?}"
+    );
+    assert!(
+        !contains(&bytes, &b.worker_or_agent[..16]),
+        "worker address leaked"
+    );
+    assert!(!contains(&bytes, &b.regions[0].rkey[..16]), "rkey leaked");
+}
+
+/// Drives the client side of the authentication by hand: the right secret, but `prover` as the
+/// side named in the proof and `nonce` (if given) instead of a fresh one.
+async fn hand_made_client(prover: Side, reflect: bool) -> (RejectReason, Vec<Msg>) {
+    let (mut server, mut raw) = raw_pair().await;
+    let hello = decode_hello();
+    let run =
+        tokio::spawn(async move { handshake(&mut server, &hello, &secret(), deadline()).await });
+    let mut d = FrameDecoder::default();
+    let theirs = loop {
+        let mut buf = [0u8; 256];
+        let n = bounded(raw.read(&mut buf)).await.unwrap();
+        d.extend(&buf[..n]);
+        if let Ok(Some(Msg::Challenge(c))) = d.decode_next() {
+            break c;
+        }
+    };
+    let mut mine = transfer_engine::control::Challenge::fresh(Role::Prefill, Side::Dialer);
+    if reflect {
+        mine.nonce = theirs.nonce;
+    }
+    let proof = secret().prove(prover, &mine, &theirs);
+    for m in [Msg::Challenge(mine), Msg::Proof(proof)] {
+        raw.write_all(&encode_to_vec(&m, DEFAULT_MAX_FRAME_LEN).unwrap())
+            .await
+            .unwrap();
+    }
+    let reason = rejected_peer(bounded(run).await.unwrap());
+    let (_, msgs) = frames_from(&mut raw, BOUND).await;
+    (reason, msgs)
+}
+
+#[tokio::test]
+async fn a_proof_is_bound_to_its_side_and_a_reflected_nonce_is_refused() {
+    // The right secret over the right challenges, but claiming the listener's side: a proof the
+    // listener itself could have produced, so it must not count for the dialer.
+    let (reason, msgs) = hand_made_client(Side::Listener, false).await;
+    assert_eq!(reason, RejectReason::AuthFailed);
+    assert!(!msgs.iter().any(|m| matches!(m, Msg::Hello(_))), "{msgs:?}");
+    // Our own nonce sent back.
+    let (reason, msgs) = hand_made_client(Side::Dialer, true).await;
+    assert!(matches!(reason, RejectReason::Protocol(_)), "{reason:?}");
+    assert!(!msgs.iter().any(|m| matches!(m, Msg::Hello(_))), "{msgs:?}");
+    // The control: done right, the same hand-made client gets the Hello.
+    let (mut server, mut raw) = raw_pair().await;
+    let hello = decode_hello();
+    let run =
+        tokio::spawn(async move { handshake(&mut server, &hello, &secret(), deadline()).await });
+    let (_, msgs) = frames_from(&mut raw, Duration::from_millis(200)).await;
+    let Some(Msg::Challenge(theirs)) = msgs.first() else {
+        panic!("{msgs:?}")
+    };
+    let mine = transfer_engine::control::Challenge::fresh(Role::Prefill, Side::Dialer);
+    let proof = secret().prove(Side::Dialer, &mine, theirs);
+    for m in [Msg::Challenge(mine), Msg::Proof(proof)] {
+        raw.write_all(&encode_to_vec(&m, DEFAULT_MAX_FRAME_LEN).unwrap())
+            .await
+            .unwrap();
+    }
+    let (_, msgs) = frames_from(&mut raw, Duration::from_millis(500)).await;
+    assert!(
+        matches!(msgs.as_slice(), [Msg::Proof(_), Msg::Hello(_), ..]),
+        "{msgs:?}"
+    );
+    run.abort();
+}
+
+#[tokio::test]
+async fn a_large_frame_before_authentication_is_refused_from_its_header() {
+    let (mut server, mut raw) = raw_pair().await;
+    // 2 KiB claimed: far below the connection's cap, above what authentication allows.
+    raw.write_all(&header(2048, PROTOCOL_VERSION, MsgKind::Hello))
+        .await
+        .unwrap();
+    let r = bounded(handshake(
+        &mut server,
+        &decode_hello(),
+        &secret(),
+        deadline(),
+    ))
     .await;
-    assert_eq!(rejected_peer(s), RejectReason::BadToken);
-    assert_eq!(rejected_peer(c), RejectReason::BadToken);
+    assert!(
+        matches!(
+            r,
+            Err(ControlError::Frame {
+                source: FrameError::TooLarge {
+                    len: 2048,
+                    max: 1024,
+                    ..
+                },
+                ..
+            })
+        ),
+        "{r:?}"
+    );
 }
 
 #[tokio::test]
@@ -249,7 +434,13 @@ async fn version_mismatch_in_frame_header_is_answered_with_a_reject() {
     let mut frame = header(3, PROTOCOL_VERSION + 1, MsgKind::Hello);
     frame.extend([1, 2, 3]);
     raw.write_all(&frame).await.unwrap();
-    let err = bounded(handshake(&mut server, &decode_hello(), deadline())).await;
+    let err = bounded(handshake(
+        &mut server,
+        &decode_hello(),
+        &secret(),
+        deadline(),
+    ))
+    .await;
     assert_eq!(
         rejected_peer(err),
         RejectReason::VersionMismatch {
@@ -258,12 +449,13 @@ async fn version_mismatch_in_frame_header_is_answered_with_a_reject() {
         }
     );
     drop(server);
-    // The raw peer reads our Hello, then our Reject, then the end of the stream.
+    // The raw peer reads our Challenge (nothing more before authentication), then our Reject, then
+    // the end of the stream.
     let mut bytes = Vec::new();
     bounded(raw.read_to_end(&mut bytes)).await.unwrap();
     let mut d = FrameDecoder::default();
     d.extend(&bytes);
-    assert!(matches!(d.decode_next(), Ok(Some(Msg::Hello(_)))));
+    assert!(matches!(d.decode_next(), Ok(Some(Msg::Challenge(_)))));
     let Ok(Some(Msg::Reject(Reject { reason }))) = d.decode_next() else {
         panic!("no reject")
     };
@@ -286,16 +478,16 @@ async fn unexpected_message_during_handshake() {
         }))
         .await
         .unwrap();
-        // Read what the server sends: its Hello, then its Reject.
+        // Read what the server sends: its Challenge, then its Reject.
         let first = c.recv().await.unwrap();
         let second = c.recv().await.unwrap();
         (first, second)
     };
-    let d = decode_hello();
+    let (d, key) = (decode_hello(), secret());
     let (sr, (first, second)) =
-        bounded(async { tokio::join!(handshake(&mut s, &d, deadline()), client) }).await;
+        bounded(async { tokio::join!(handshake(&mut s, &d, &key, deadline()), client) }).await;
     assert!(matches!(rejected_peer(sr), RejectReason::Protocol(_)));
-    assert!(matches!(first, Some(Msg::Hello(_))));
+    assert!(matches!(first, Some(Msg::Challenge(_))));
     assert!(matches!(
         second,
         Some(Msg::Reject(Reject {
@@ -311,6 +503,7 @@ async fn handshake_times_out_on_a_silent_peer() {
     let r = bounded(handshake(
         &mut server,
         &decode_hello(),
+        &secret(),
         Instant::now() + Duration::from_millis(200),
     ))
     .await;
@@ -411,7 +604,13 @@ async fn garbage_bytes_give_a_typed_error() {
 async fn garbage_during_handshake_gives_a_typed_error() {
     let (mut server, mut raw) = raw_pair().await;
     raw.write_all(&[0xFF; 64]).await.unwrap();
-    let r = bounded(handshake(&mut server, &decode_hello(), deadline())).await;
+    let r = bounded(handshake(
+        &mut server,
+        &decode_hello(),
+        &secret(),
+        deadline(),
+    ))
+    .await;
     assert!(
         matches!(
             r,
@@ -498,14 +697,19 @@ async fn connect_retries_until_the_listener_appears() {
         tokio::time::sleep(Duration::from_millis(300)).await;
         let listener = Listener::bind(addr).await.unwrap();
         let mut conn = listener.accept().await.unwrap();
-        handshake(&mut conn, &decode_hello(), deadline()).await
+        handshake(&mut conn, &decode_hello(), &secret(), deadline()).await
     });
     let mut conn = bounded(Connection::connect(addr, deadline()))
         .await
         .unwrap();
-    let remote = bounded(handshake(&mut conn, &prefill_hello(0, 1), deadline()))
-        .await
-        .unwrap();
+    let remote = bounded(handshake(
+        &mut conn,
+        &prefill_hello(0, 1),
+        &secret(),
+        deadline(),
+    ))
+    .await
+    .unwrap();
     assert_eq!(remote.role, Role::Decode);
     bounded(server).await.unwrap().unwrap();
 }
@@ -569,6 +773,12 @@ fn every_message() -> Vec<Msg> {
             bytes: (0..=255u8).cycle().take(3 << 20).collect(),
         }),
         Msg::Close,
+        Msg::Challenge(transfer_engine::control::Challenge {
+            nonce: [8; 32],
+            role: Role::Decode,
+            side: Side::Listener,
+        }),
+        Msg::Proof(transfer_engine::control::Proof { mac: [4; 32] }),
     ]
 }
 
@@ -607,7 +817,12 @@ async fn every_kind_round_trips_over_split_halves() {
     for got in [a.unwrap(), b.unwrap()] {
         // Not assert_eq: a failure would print a 3 MiB vote.
         assert_eq!(got.len(), expected.len());
-        assert!(got == expected, "messages differ");
+        let first = got.iter().zip(&expected).position(|(g, e)| g != e);
+        assert!(
+            first.is_none(),
+            "message {first:?} differs: {:?}",
+            first.map(|i| got[i].kind())
+        );
     }
 }
 

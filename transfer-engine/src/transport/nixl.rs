@@ -1186,9 +1186,27 @@ impl Worker {
             self.poll_transfers();
             self.poll_notifications();
         }
-        for op in std::mem::take(&mut self.active) {
-            // finish() releases the request, which cancels it where the backend can.
-            self.finish(op, Err(TransportError::Shutdown));
+        if !self.active.is_empty() {
+            // The agent may still be moving bytes for these requests, from our registrations to the
+            // peers' memory: releasing the requests, unregistering the memory or destroying the agent
+            // under them is not safe. Leak it all instead.
+            let handles = self.active.len() + self.peers.len() + self.regions.len() + 1;
+            self.shared
+                .counters
+                .leaked
+                .fetch_add(handles as u64, Ordering::Relaxed);
+            tracing::warn!(
+                requests = self.active.len(),
+                regions = self.regions.len(),
+                "transfers still active past the shutdown bound: leaking the NIXL agent, its requests and registrations"
+            );
+            for r in self.regions.values_mut() {
+                if let Some(reply) = r.deregister.take() {
+                    let _ = reply.send(Err(TransportError::Shutdown));
+                }
+            }
+            std::mem::forget(self);
+            return;
         }
         let ids: Vec<u64> = self.peers.keys().copied().collect();
         for id in ids {

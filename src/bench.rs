@@ -7,9 +7,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use transfer_engine::core::{FailureCode, RequestId};
 use transfer_engine::engine::{EngineError, Outcome};
-use transfer_engine::mem::{HostBuffer, HostOptions};
+use transfer_engine::mem::{HostBuffer, HostOptions, Pool};
 use transfer_engine::transport::ucx::{UcxConfig, UcxTransport};
-use transfer_engine::transport::{BackendKind, Transport, WriteOp};
+use transfer_engine::transport::{BackendKind, Registration, Transport, WriteOp};
 
 /// Which requests `kvbench` checks byte for byte against their source.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -405,28 +405,21 @@ pub fn inprocess_put_bw(size: u64, batch: u32, span: u64, secs: f64) -> Result<f
     let step = size * u64::from(batch);
     let slots = (span / step).max(2);
     let len = (step * slots) as usize;
-    let dst = HostBuffer::new(
-        len,
-        HostOptions {
-            prefault: true,
-            ..Default::default()
-        },
-    )
-    .map_err(|e| EngineError::Config(e.to_string()))?;
-    let mut src = HostBuffer::new(
-        len,
-        HostOptions {
-            prefault: true,
-            ..Default::default()
-        },
-    )
-    .map_err(|e| EngineError::Config(e.to_string()))?;
+    let opts = HostOptions {
+        prefault: true,
+        ..Default::default()
+    };
+    let dst = HostBuffer::new(len, opts).map_err(|e| EngineError::Config(e.to_string()))?;
+    let mut src = HostBuffer::new(len, opts).map_err(|e| EngineError::Config(e.to_string()))?;
     src.as_mut_slice().fill(1);
-    let rx = UcxTransport::new(UcxConfig::default(), Arc::new(|_| {}))?;
-    let tx = UcxTransport::new(UcxConfig::default(), Arc::new(|_| {}))?;
-    let (_d, remote) = rx.register(dst.desc())?;
-    let (s, _) = tx.register(src.desc())?;
-    let peer = tx.connect(&rx.metadata()?, &[remote], 0)?;
+    let rx: Arc<dyn Transport> =
+        Arc::new(UcxTransport::new(UcxConfig::default(), Arc::new(|_| {}))?);
+    let tx: Arc<dyn Transport> =
+        Arc::new(UcxTransport::new(UcxConfig::default(), Arc::new(|_| {}))?);
+    let dst = Registration::new(&rx, Pool::Owned(dst))?;
+    let src = Registration::new(&tx, Pool::Owned(src))?;
+    let s = src.id();
+    let peer = tx.connect(&rx.metadata()?, &[dst.remote().clone()], 0)?;
     let batch_at = |slot: u64| -> Vec<WriteOp> {
         (0..u64::from(batch))
             .map(|i| {

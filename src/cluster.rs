@@ -360,38 +360,36 @@ impl Cluster {
         dst_pages: &[u32],
     ) -> Result<u64, String> {
         let s = self.spec.shape;
-        let pool = self.decode.pool_bytes().ok_or("decode pool not readable")?;
         let pb = s.page_bytes() as usize;
         let n = s.pages_for(prompt_tokens) as usize;
         let (dp, sp) = (
             self.spec.decode_pages as usize,
             self.spec.prefill_pages as usize,
         );
+        let (mut src, mut dst) = (vec![0u8; pb], vec![0u8; pb]);
         let mut checked = 0u64;
         for (rank, range) in self.layers.iter().enumerate() {
-            let src_pool = self.prefill[rank]
-                .pool_bytes()
-                .ok_or("prefill pool not readable")?;
             let held = range.len();
             for layer in range.clone() {
                 let local = (layer - range.start) as usize;
                 for region in 0..s.regions.count() as usize {
                     for i in 0..n {
-                        let src_off = ((region * held + local) * sp + src_pages[i] as usize) * pb;
-                        let dst_off = ((region * s.layers as usize + layer as usize) * dp
-                            + dst_pages[i] as usize)
-                            * pb;
-                        let (Some(src), Some(dst)) = (
-                            src_pool.get(src_off..src_off + pb),
-                            pool.get(dst_off..dst_off + pb),
-                        ) else {
-                            return Err(format!("page {i} of layer {layer} is outside a pool"));
+                        let (Some(&sp_i), Some(&dp_i)) = (src_pages.get(i), dst_pages.get(i))
+                        else {
+                            return Err(format!("page {i} is missing from a page list"));
                         };
+                        let src_off = ((region * held + local) * sp + sp_i as usize) * pb;
+                        let dst_off = ((region * s.layers as usize + layer as usize) * dp
+                            + dp_i as usize)
+                            * pb;
+                        self.prefill[rank]
+                            .read_pool(src_off as u64, &mut src)
+                            .and_then(|()| self.decode.read_pool(dst_off as u64, &mut dst))
+                            .map_err(|e| format!("page {i} of layer {layer}: {e}"))?;
                         if src != dst {
-                            let j = src.iter().zip(dst).position(|(a, b)| a != b).unwrap_or(0);
+                            let j = src.iter().zip(&dst).position(|(a, b)| a != b).unwrap_or(0);
                             return Err(format!(
-                                "rank {rank} layer {layer} region {region} page {i} (src {} dst {}) differs at byte {j}",
-                                src_pages[i], dst_pages[i]
+                                "rank {rank} layer {layer} region {region} page {i} (src {sp_i} dst {dp_i}) differs at byte {j}"
                             ));
                         }
                         checked += pb as u64;
@@ -414,7 +412,7 @@ pub fn verify_pattern(
     shape: Shape,
     ranks: &[std::ops::Range<u32>],
     prefill_pages: u32,
-    decode_pool: &[u8],
+    decode: &DecodeEngine,
     decode_pages: u32,
     prompt_tokens: u32,
     src_pages: &[u32],
@@ -423,20 +421,23 @@ pub fn verify_pattern(
     let pb = shape.page_bytes() as usize;
     let n = shape.pages_for(prompt_tokens) as usize;
     let (dp, sp) = (decode_pages as usize, prefill_pages as usize);
+    let mut dst = vec![0u8; pb];
     let mut checked = 0u64;
     for (rank, range) in ranks.iter().enumerate() {
         for layer in range.clone() {
             let local = (layer - range.start) as usize;
             for region in 0..shape.regions.count() as usize {
                 for i in 0..n {
-                    let src_off =
-                        ((region * range.len() + local) * sp + src_pages[i] as usize) * pb;
+                    let (Some(&sp_i), Some(&dp_i)) = (src_pages.get(i), dst_pages.get(i)) else {
+                        return Err(format!("page {i} is missing from a page list"));
+                    };
+                    let src_off = ((region * range.len() + local) * sp + sp_i as usize) * pb;
                     let dst_off = ((region * shape.layers as usize + layer as usize) * dp
-                        + dst_pages[i] as usize)
+                        + dp_i as usize)
                         * pb;
-                    let dst = decode_pool
-                        .get(dst_off..dst_off + pb)
-                        .ok_or("page outside the decode pool")?;
+                    decode
+                        .read_pool(dst_off as u64, &mut dst)
+                        .map_err(|e| format!("page {i} of layer {layer}: {e}"))?;
                     if let Some(j) =
                         (0..pb).find(|&j| dst[j] != pattern(rank as u16, (src_off + j) as u64))
                     {

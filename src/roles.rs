@@ -97,12 +97,11 @@ pub async fn run_decode(
                 latencies.push(latency.as_secs_f64() * 1e6);
                 if w.verify != Verify::None {
                     let dst = w.dst_pages(slot);
-                    let pool = decode.pool_bytes().ok_or("decode pool not readable")?;
                     if let Err(e) = verify_pattern(
                         w.shape,
                         &ranks,
                         pages,
-                        pool,
+                        &decode,
                         decode_pages,
                         w.prompt_tokens,
                         &src,

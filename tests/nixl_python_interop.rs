@@ -25,7 +25,9 @@ use transfer_engine::core::planner::{ChunkGeometry, KvLayout, PpSplit, RegionKin
 use transfer_engine::engine::{BackendConfig, DecodeConfig, DecodeEngine, Outcome, Pool};
 use transfer_engine::mem::{HostBuffer, HostOptions};
 use transfer_engine::transport::nixl::{NixlConfig, NixlTransport};
-use transfer_engine::transport::{BackendKind, RemoteRegion, Sender, Transport, WriteOp};
+use transfer_engine::transport::{
+    BackendKind, Registration, RemoteRegion, Sender, Transport, WriteOp,
+};
 
 /// Bound on a whole transfer, on a Python process's own waits, and on any single wait here.
 const BOUND: Duration = Duration::from_secs(60);
@@ -362,12 +364,13 @@ async fn two_python_ranks(shape: Shape, tag: &str) {
         d.engine.stats()
     );
     let ranks: Vec<_> = (0..w.pp).map(|r| w.layer_range(r)).collect();
-    let pool = d.engine.pool_bytes().unwrap();
+    let mut pool = vec![0u8; w.dst_layout().buffer_len as usize];
+    d.engine.read_pool(0, &mut pool).unwrap();
     let checked = verify_pattern(
         shape,
         &ranks,
         w.src_pool_pages,
-        pool,
+        &d.engine,
         w.decode_pages,
         w.prompt_tokens,
         &w.src_pages,
@@ -495,7 +498,7 @@ async fn python_rank0_last_alone_does_not_complete_rust_decode() {
         shape,
         &[w.layer_range(0)],
         w.src_pool_pages,
-        d.engine.pool_bytes().unwrap(),
+        &d.engine,
         w.decode_pages,
         w.prompt_tokens,
         &w.src_pages,
@@ -565,19 +568,23 @@ async fn rust_nixl_transport_writes_into_python_agent() {
     let md = &blob[16..];
 
     let sink = Arc::new(|_: transfer_engine::transport::Incoming<'_>| {});
-    let t = NixlTransport::new(
-        NixlConfig {
-            name: name.clone(),
-            ..NixlConfig::default()
-        },
-        sink,
-    )
-    .unwrap();
+    let t = Arc::new(
+        NixlTransport::new(
+            NixlConfig {
+                name: name.clone(),
+                ..NixlConfig::default()
+            },
+            sink,
+        )
+        .unwrap(),
+    );
     let mut src = HostBuffer::new(len as usize, HostOptions::default()).unwrap();
     for (i, b) in src.as_mut_slice().iter_mut().enumerate() {
         *b = pattern(rank, i as u64);
     }
-    let (local, _) = t.register(src.desc()).unwrap();
+    let dyn_t: Arc<dyn Transport> = t.clone();
+    let src = Registration::new(&dyn_t, Pool::Owned(src)).unwrap();
+    let local = src.id();
     let peer = t
         .connect(
             md,
@@ -617,9 +624,8 @@ async fn rust_nixl_transport_writes_into_python_agent() {
     }
     procs[0].wait_ok(BOUND).await;
     t.disconnect(peer);
-    t.deregister(local).unwrap();
+    src.into_inner().unwrap();
     t.shutdown();
-    drop(src);
 }
 
 /// Our `PrefillEngine` (NIXL backend, SGLang notification format) writes a request into a Python

@@ -94,8 +94,9 @@ struct Opts {
     /// Backend(s).
     #[arg(long, value_enum, default_value = "all", global = true)]
     backend: Backend,
-    /// Byte-for-byte verification: none; last (after the run, every byte of the last request in each
-    /// destination slot); all (every request as it completes, inside the timed run).
+    /// Byte-for-byte verification, each checked request with its own pattern on poisoned pages,
+    /// prepared and checked outside the timed windows: none; last (the last request of each
+    /// destination slot, run as a final wave); all (every request, in waves of --concurrency).
     #[arg(long, value_enum, default_value = "last", global = true)]
     verify: VerifyArg,
     /// Send and check per-chunk checksums.

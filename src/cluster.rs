@@ -95,6 +95,15 @@ pub struct Cluster {
 
 static CLUSTER_SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
+/// A fresh 32-byte secret from the kernel's generator, for the engines of one cluster: on loopback
+/// too, any local process could otherwise connect to a listening engine and write into its pool.
+fn fresh_secret() -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut secret = vec![0u8; 32];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut secret)?;
+    Ok(secret)
+}
+
 /// `n` loopback addresses whose ports were free a moment ago (bound, then released).
 ///
 /// # Errors
@@ -108,8 +117,8 @@ pub fn free_addrs(n: usize) -> std::io::Result<Vec<SocketAddr>> {
 }
 
 impl Cluster {
-    /// Starts the decode engine and every prefill rank. The pools start zeroed: a request's bytes are
-    /// written by [`prepare`](Self::prepare).
+    /// Starts the decode engine and every prefill rank, sharing a secret drawn for this cluster. The
+    /// pools start zeroed: a request's bytes are written by [`prepare`](Self::prepare).
     ///
     /// # Errors
     /// Any engine start failure.
@@ -139,6 +148,9 @@ impl Cluster {
         let tag = format!("{}-{tag}", std::process::id());
         dcfg.backend = backend(None, &format!("decode-{tag}"));
         dcfg.verify_checksums = spec.checksums;
+        let secret =
+            fresh_secret().map_err(|e| EngineError::Config(format!("drawing a secret: {e}")))?;
+        dcfg.token = Some(secret.clone());
         let dpool = HostBuffer::new(dst_layout.buffer_len as usize, HostOptions::default())
             .map_err(|e| EngineError::Config(format!("decode pool: {e}")))?;
         let decode = DecodeEngine::start(dcfg, Pool::Owned(dpool)).await?;
@@ -175,6 +187,7 @@ impl Cluster {
             cfg.backend = backend(Some(rank), &format!("prefill-{rank}-{tag}"));
             cfg.peers = peers.clone();
             cfg.checksums = spec.checksums;
+            cfg.token = Some(secret.clone());
             let buf = HostBuffer::new(layout.buffer_len as usize, HostOptions::default())
                 .map_err(|e| EngineError::Config(format!("prefill pool: {e}")))?;
             layers.push(range);

@@ -34,7 +34,8 @@ fn ranks_of(w: &Workload) -> Result<Vec<std::ops::Range<u32>>, String> {
         .collect()
 }
 
-/// Runs the decode role and returns its report.
+/// Runs the decode role and returns its report. Only prefill processes holding `token` (the
+/// shared secret; `None` admits anyone) are let in.
 ///
 /// # Errors
 /// Engine failures, as text.
@@ -42,6 +43,7 @@ pub async fn run_decode(
     listen: SocketAddr,
     w: &Workload,
     backend: BackendKind,
+    token: Option<Vec<u8>>,
 ) -> Result<Report, String> {
     let pages = w.pages();
     let decode_pages = pages * w.concurrency.max(1);
@@ -56,6 +58,7 @@ pub async fn run_decode(
     cfg.listen = listen;
     cfg.backend = BackendConfig::default_for(backend, "decode");
     cfg.verify_checksums = w.checksums;
+    cfg.token = token;
     let pool = HostBuffer::new(layout.buffer_len as usize, HostOptions::default())
         .map_err(|e| e.to_string())?;
     let decode = Arc::new(
@@ -131,7 +134,8 @@ pub async fn run_decode(
     Ok(report)
 }
 
-/// Runs one prefill rank until the decode process closes.
+/// Runs one prefill rank until the decode process closes, presenting `token` (the shared secret, if
+/// any) to its peers.
 ///
 /// # Errors
 /// Engine failures, as text.
@@ -141,6 +145,7 @@ pub async fn run_prefill(
     peers: Vec<SocketAddr>,
     w: &Workload,
     backend: BackendKind,
+    token: Option<Vec<u8>>,
 ) -> Result<(), String> {
     let ranks = ranks_of(w)?;
     let range = ranks
@@ -170,6 +175,7 @@ pub async fn run_prefill(
     cfg.peers = peers;
     cfg.checksums = w.checksums;
     cfg.connect_timeout = Duration::from_secs(60);
+    cfg.token = token;
     let buf = HostBuffer::new(layout.buffer_len as usize, HostOptions::default())
         .map_err(|e| e.to_string())?;
     let engine = PrefillEngine::start(cfg, Pool::Owned(buf))

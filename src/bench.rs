@@ -1,26 +1,33 @@
 //! The measurements `kvbench` makes: a workload through the engine, and raw baselines to divide by.
 
 use crate::cluster::{Cluster, ClusterSpec, Shape};
+use crate::verify::VerifyError;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use transfer_engine::core::{FailureCode, RequestId};
 use transfer_engine::engine::{EngineError, Outcome};
-use transfer_engine::mem::{HostBuffer, HostOptions};
+use transfer_engine::mem::{HostBuffer, HostOptions, Pool};
 use transfer_engine::transport::ucx::{UcxConfig, UcxTransport};
-use transfer_engine::transport::{BackendKind, Transport, WriteOp};
+use transfer_engine::transport::{BackendKind, Registration, Transport, WriteOp};
 
-/// Which requests `kvbench` checks byte for byte against their source.
+/// Which requests `kvbench` checks byte for byte.
+///
+/// A checked request is prepared before its timed window opens (each rank writes the request's own
+/// pattern into its source pages, decode poisons the destination pages; see [`crate::verify`]) and
+/// checked, by copies out of the decode pool, after the window closed; neither is timed. Requests
+/// that are not checked run without either, streaming through `concurrency` slots.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verify {
-    /// None.
+    /// Nothing is written or checked.
     None,
-    /// After the timed run, the last request of every destination slot (every byte of it): the
-    /// check costs no bandwidth during the run.
+    /// The last request of every slot is checked: the others stream, then the last `concurrency`
+    /// requests run as one prepared, timed and checked wave.
     Last,
-    /// Every request, as it completes, inside the timed run (a full read of both sides per request,
-    /// which competes with the transfers for memory bandwidth).
+    /// Every request is checked: requests run in waves of `concurrency`, each prepared before and
+    /// checked after its timed window. The gaps between waves (a slot idles until its whole wave is
+    /// over) are not timed, but a wave's tail is, so this measures a little below `None`.
     All,
 }
 
@@ -133,8 +140,11 @@ pub struct Report {
     /// Requests that completed after the last failed one, counted in the order their outcomes
     /// arrived (every completed request when none failed): shows that a run recovered from a fault.
     pub completed_after_last_failure: u64,
-    /// Every byte of every request was verified and matched (false when not verified).
+    /// Every byte of every checked request matched, at least one was checked, and none failed (false
+    /// with `--verify none`).
     pub verified: bool,
+    /// Requests checked byte for byte.
+    pub verified_requests: u64,
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -145,151 +155,304 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[i.min(sorted.len() - 1)]
 }
 
-/// Runs `w` on a fresh in-process cluster of `backend`.
+/// How one request ended, as [`drive`] records it.
+#[derive(Debug)]
+pub(crate) struct Ran {
+    pub outcome: Outcome,
+    /// Decode's `expect` to its outcome.
+    pub latency: Duration,
+    /// Last rank's final chunk over to decode seeing Complete, where measured.
+    pub complete: Option<Duration>,
+}
+
+/// What [`drive`] tells its caller as it happens (for logs a test may be watching).
+#[derive(Debug)]
+pub(crate) enum Event<'a> {
+    /// A request ended; `done` requests have ended so far, of `total` (at least) to run.
+    Ended {
+        request: RequestId,
+        outcome: &'a Outcome,
+        done: u64,
+        total: u64,
+    },
+    /// A completed request's bytes are wrong.
+    VerifyFailed {
+        request: RequestId,
+        error: &'a VerifyError,
+    },
+}
+
+/// What a run measured.
+#[derive(Debug, Default)]
+pub(crate) struct Tally {
+    pub latencies_us: Vec<f64>,
+    pub completes_us: Vec<f64>,
+    pub done: u64,
+    pub failed: u64,
+    pub after_failure: u64,
+    pub verified_requests: u64,
+    pub mismatches: u64,
+    /// The timed windows, summed: preparing and checking requests are outside them.
+    pub timed: Duration,
+}
+
+impl Tally {
+    fn record(
+        &mut self,
+        request: RequestId,
+        ran: &Ran,
+        on: &(dyn Fn(Event<'_>) + Sync),
+        total: u64,
+    ) {
+        self.done += 1;
+        match ran.outcome {
+            Outcome::Complete => {
+                self.after_failure += 1;
+                self.latencies_us.push(ran.latency.as_secs_f64() * 1e6);
+                if let Some(c) = ran.complete {
+                    self.completes_us.push(c.as_secs_f64() * 1e6);
+                }
+            }
+            Outcome::Failed(_) => {
+                self.failed += 1;
+                self.after_failure = 0;
+            }
+        }
+        on(Event::Ended {
+            request,
+            outcome: &ran.outcome,
+            done: self.done,
+            total,
+        });
+    }
+
+    /// What was measured, as a report whose baseline fields are left at zero.
+    pub(crate) fn report(mut self, w: &Workload, backend: BackendKind) -> Report {
+        let secs = self.timed.as_secs_f64().max(f64::MIN_POSITIVE);
+        let ok = (self.done - self.failed) as f64;
+        self.latencies_us.sort_by(f64::total_cmp);
+        self.completes_us.sort_by(f64::total_cmp);
+        let chunks = w.prompt_tokens.div_ceil(w.chunk_tokens);
+        Report {
+            backend: backend.to_string(),
+            gbps: ok * w.shape.request_bytes(w.prompt_tokens) as f64 / secs / 1e9,
+            baseline_gbps: 0.0,
+            baseline: String::new(),
+            ratio: 0.0,
+            stream_gbps: 0.0,
+            stream_ratio: 0.0,
+            memcpy_gbps: 0.0,
+            requests_per_s: ok / secs,
+            latency_p50_us: percentile(&self.latencies_us, 0.5),
+            latency_p99_us: percentile(&self.latencies_us, 0.99),
+            complete_p50_us: percentile(&self.completes_us, 0.5),
+            complete_p99_us: percentile(&self.completes_us, 0.99),
+            chunks_per_s: ok * f64::from(chunks) * f64::from(w.pp) / secs,
+            writes_per_s: ok * w.writes_per_request() as f64 / secs,
+            baseline_msg_rate: 0.0,
+            requests: self.done,
+            failed: self.failed,
+            completed_after_last_failure: self.after_failure,
+            verified: self.verified_requests > 0 && self.mismatches == 0 && self.failed == 0,
+            verified_requests: self.verified_requests,
+        }
+    }
+}
+
+/// The driver both the in-process run and the decode role share: issues `w`'s requests through
+/// `start(request, slot)` (which begins a request in destination slot `slot` and returns the future
+/// of its end), `concurrency` slots at a time, and checks those [`Verify`] asks for: `prepare` before
+/// and `check` after their timed window. `id(index, checked)` names the `index`-th request.
 ///
 /// # Errors
-/// Engine errors, or a verification failure.
+/// The first error `start`, `prepare` or a request's future returns, or a request task's panic
+/// (through `join_err`).
+pub(crate) async fn drive<E, Fut>(
+    w: &Workload,
+    id: impl Fn(u64, bool) -> RequestId,
+    mut start: impl FnMut(RequestId, u32) -> Result<Fut, E>,
+    mut prepare: impl FnMut(RequestId, u32) -> Result<(), E>,
+    mut check: impl FnMut(RequestId, u32) -> Result<u64, VerifyError>,
+    join_err: impl Fn(tokio::task::JoinError) -> E,
+    on: &(dyn Fn(Event<'_>) + Sync),
+) -> Result<Tally, E>
+where
+    E: Send + 'static,
+    Fut: std::future::Future<Output = Result<Ran, E>> + Send + 'static,
+{
+    let slots = w.concurrency.max(1);
+    let total = u64::from(w.requests);
+    let started = Instant::now();
+    let running = || w.duration.is_some_and(|d| started.elapsed() < d);
+    let mut t = Tally::default();
+    let mut issued = 0u64;
+
+    // Unchecked requests stream: a slot takes its next request as soon as its last one ended. With
+    // `Last`, the final wave's requests are held back for the checked wave below.
+    if w.verify != Verify::All {
+        let held = if w.verify == Verify::Last {
+            u64::from(slots).min(total.max(1))
+        } else {
+            0
+        };
+        let more = |issued: u64| issued + held < total || running();
+        let mut set = tokio::task::JoinSet::new();
+        let t0 = Instant::now();
+        for slot in 0..slots {
+            if !more(issued) {
+                break;
+            }
+            let request = id(issued, false);
+            let fut = start(request, slot)?;
+            set.spawn(async move { (slot, request, fut.await) });
+            issued += 1;
+        }
+        while let Some(r) = set.join_next().await {
+            let (slot, request, ran) = r.map_err(&join_err)?;
+            t.record(request, &ran?, on, total.max(issued + held));
+            if more(issued) {
+                let request = id(issued, false);
+                let fut = start(request, slot)?;
+                set.spawn(async move { (slot, request, fut.await) });
+                issued += 1;
+            }
+        }
+        t.timed += t0.elapsed();
+        if held == 0 {
+            return Ok(t);
+        }
+    }
+
+    // Checked requests run in waves: prepared, timed, then checked.
+    let mut first = true;
+    while first || (w.verify == Verify::All && (issued < total || running())) {
+        first = false;
+        let k = if issued < total {
+            (total - issued).min(u64::from(slots))
+        } else {
+            u64::from(slots)
+        };
+        let wave: Vec<(u32, RequestId)> =
+            (0..k).map(|i| (i as u32, id(issued + i, true))).collect();
+        issued += k;
+        for &(slot, request) in &wave {
+            prepare(request, slot)?;
+        }
+        let mut set = tokio::task::JoinSet::new();
+        let t0 = Instant::now();
+        for &(slot, request) in &wave {
+            let fut = start(request, slot)?;
+            set.spawn(async move { (slot, request, fut.await) });
+        }
+        let mut ended = Vec::with_capacity(wave.len());
+        while let Some(r) = set.join_next().await {
+            ended.push(r.map_err(&join_err)?);
+        }
+        t.timed += t0.elapsed();
+        for (slot, request, ran) in ended {
+            let ran = ran?;
+            t.record(request, &ran, on, total.max(issued));
+            if ran.outcome != Outcome::Complete {
+                continue;
+            }
+            match check(request, slot) {
+                Ok(_) => t.verified_requests += 1,
+                Err(error) => {
+                    t.mismatches += 1;
+                    on(Event::VerifyFailed {
+                        request,
+                        error: &error,
+                    });
+                }
+            }
+        }
+    }
+    Ok(t)
+}
+
+/// Runs `w` on a fresh in-process cluster of `backend`.
+///
+/// Each destination slot has its own source pages on every rank, so that preparing a slot's next
+/// request never writes pages a chunk in flight reads.
+///
+/// # Errors
+/// Engine errors.
 pub async fn run_workload(
     w: &Workload,
     backend: BackendKind,
     progress: Option<&(dyn Fn(u64, u64) + Sync)>,
 ) -> Result<Report, EngineError> {
     let pages = w.pages();
+    let slots = w.concurrency.max(1);
     let spec = ClusterSpec {
         shape: w.shape,
         pp: w.pp,
-        decode_pages: pages * w.concurrency.max(1),
-        prefill_pages: pages,
+        decode_pages: pages * slots,
+        prefill_pages: pages * slots,
         backend,
         checksums: w.checksums,
     };
     let cluster = Arc::new(Cluster::start(spec).await?);
-    let src: Arc<Vec<u32>> = Arc::new((0..pages).collect());
+    let src = |slot: u32| -> Vec<u32> { (slot * pages..(slot + 1) * pages).collect() };
     let chunks = w.prompt_tokens.div_ceil(w.chunk_tokens);
-    let started = Instant::now();
-    let mut latencies = Vec::new();
-    let mut completes = Vec::new();
-    let (mut failed, mut after_failure) = (0u64, 0u64);
-    let mut verified = w.verify != Verify::None;
-    let mut issued = 0u64;
-    let slots = w.concurrency.max(1);
-    let mut set = tokio::task::JoinSet::new();
-    let total = u64::from(w.requests);
-    let keep_going =
-        |issued: u64| issued < total || w.duration.is_some_and(|d| started.elapsed() < d);
-    for slot in 0..slots {
-        if !keep_going(issued) {
-            break;
-        }
-        set.spawn(one_request(
-            cluster.clone(),
-            issued,
-            slot,
-            src.clone(),
-            w.dst_pages(slot),
-            w.prompt_tokens,
-            w.chunk_tokens,
-            chunks,
-            w.request_timeout,
-        ));
-        issued += 1;
-    }
-    let mut done = 0u64;
-    while let Some(r) = set.join_next().await {
-        let (slot, outcome, latency, complete) =
-            r.map_err(|e| EngineError::Config(format!("request task: {e}")))??;
-        done += 1;
-        match outcome {
-            Outcome::Complete => {
-                after_failure += 1;
-                latencies.push(latency.as_secs_f64() * 1e6);
-                completes.push(complete.as_secs_f64() * 1e6);
-                if w.verify == Verify::All {
-                    let dst = w.dst_pages(slot);
-                    if let Err(e) = cluster.verify(w.prompt_tokens, &src, &dst) {
-                        tracing::error!(%e, "verification failed");
-                        verified = false;
-                    }
-                }
-            }
-            Outcome::Failed(reason) => {
+    let on = |e: Event<'_>| match e {
+        Event::Ended {
+            outcome,
+            done,
+            total,
+            ..
+        } => {
+            if let Outcome::Failed(reason) = outcome {
                 tracing::warn!(?reason, "request failed");
-                failed += 1;
-                after_failure = 0;
-                verified = false;
+            }
+            if let Some(p) = progress {
+                p(done, total);
             }
         }
-        if let Some(p) = progress {
-            p(done, total.max(issued));
+        Event::VerifyFailed { request, error } => {
+            tracing::error!(%error, ?request, "verification failed");
         }
-        if keep_going(issued) {
-            set.spawn(one_request(
+    };
+    let tally = drive(
+        w,
+        |i, _| RequestId(i + 1),
+        |request, slot| {
+            Ok(one_request(
                 cluster.clone(),
-                issued,
-                slot,
-                src.clone(),
+                request,
+                src(slot),
                 w.dst_pages(slot),
                 w.prompt_tokens,
                 w.chunk_tokens,
                 chunks,
                 w.request_timeout,
-            ));
-            issued += 1;
-        }
-    }
-    let elapsed = started.elapsed().as_secs_f64();
-    if w.verify == Verify::Last {
-        for slot in 0..slots.min(issued as u32) {
-            let dst = w.dst_pages(slot);
-            if let Err(e) = cluster.verify(w.prompt_tokens, &src, &dst) {
-                tracing::error!(%e, slot, "verification failed");
-                verified = false;
-            }
-        }
-    }
-    let ok = (done - failed) as f64;
-    latencies.sort_by(f64::total_cmp);
-    completes.sort_by(f64::total_cmp);
-    let bytes = ok * w.shape.request_bytes(w.prompt_tokens) as f64;
-    Ok(Report {
-        backend: backend.to_string(),
-        gbps: bytes / elapsed / 1e9,
-        baseline_gbps: 0.0,
-        baseline: String::new(),
-        ratio: 0.0,
-        stream_gbps: 0.0,
-        stream_ratio: 0.0,
-        memcpy_gbps: 0.0,
-        requests_per_s: ok / elapsed,
-        latency_p50_us: percentile(&latencies, 0.5),
-        latency_p99_us: percentile(&latencies, 0.99),
-        complete_p50_us: percentile(&completes, 0.5),
-        complete_p99_us: percentile(&completes, 0.99),
-        chunks_per_s: ok * f64::from(chunks) * f64::from(w.pp) / elapsed,
-        writes_per_s: ok * w.writes_per_request() as f64 / elapsed,
-        baseline_msg_rate: 0.0,
-        requests: done,
-        failed,
-        completed_after_last_failure: after_failure,
-        verified: verified && failed == 0,
-    })
+            ))
+        },
+        |request, slot| {
+            cluster
+                .prepare(request, &src(slot), &w.dst_pages(slot))
+                .map_err(|e| EngineError::Config(format!("preparing {request:?}: {e}")))
+        },
+        |request, slot| cluster.verify(request, &w.dst_pages(slot)),
+        |e| EngineError::Config(format!("request task: {e}")),
+        &on,
+    )
+    .await?;
+    Ok(tally.report(w, backend))
 }
-
-type RequestResult = Result<(u32, Outcome, Duration, Duration), EngineError>;
 
 #[allow(clippy::too_many_arguments)] // one request's whole description, passed to a spawned task
 async fn one_request(
     cluster: Arc<Cluster>,
-    id: u64,
-    slot: u32,
-    src: Arc<Vec<u32>>,
+    request: RequestId,
+    src: Vec<u32>,
     dst: Vec<u32>,
     prompt_tokens: u32,
     chunk_tokens: u32,
     chunks: u32,
     timeout: Duration,
-) -> RequestResult {
-    let request = RequestId(id + 1);
+) -> Result<Ran, EngineError> {
+    let src = Arc::new(src);
     let t0 = Instant::now();
     let outcome = cluster
         .decode
@@ -327,7 +490,11 @@ async fn one_request(
         .completed_at(request)
         .map(|t| t.saturating_duration_since(last_done))
         .unwrap_or_default();
-    Ok((slot, outcome, latency, complete))
+    Ok(Ran {
+        outcome,
+        latency,
+        complete: Some(complete),
+    })
 }
 
 /// Where `ucx_perftest` is: `KVBENCH_UCX_PERFTEST`, else the provisioned copy next to the build.
@@ -405,28 +572,21 @@ pub fn inprocess_put_bw(size: u64, batch: u32, span: u64, secs: f64) -> Result<f
     let step = size * u64::from(batch);
     let slots = (span / step).max(2);
     let len = (step * slots) as usize;
-    let dst = HostBuffer::new(
-        len,
-        HostOptions {
-            prefault: true,
-            ..Default::default()
-        },
-    )
-    .map_err(|e| EngineError::Config(e.to_string()))?;
-    let mut src = HostBuffer::new(
-        len,
-        HostOptions {
-            prefault: true,
-            ..Default::default()
-        },
-    )
-    .map_err(|e| EngineError::Config(e.to_string()))?;
+    let opts = HostOptions {
+        prefault: true,
+        ..Default::default()
+    };
+    let dst = HostBuffer::new(len, opts).map_err(|e| EngineError::Config(e.to_string()))?;
+    let mut src = HostBuffer::new(len, opts).map_err(|e| EngineError::Config(e.to_string()))?;
     src.as_mut_slice().fill(1);
-    let rx = UcxTransport::new(UcxConfig::default(), Arc::new(|_| {}))?;
-    let tx = UcxTransport::new(UcxConfig::default(), Arc::new(|_| {}))?;
-    let (_d, remote) = rx.register(dst.desc())?;
-    let (s, _) = tx.register(src.desc())?;
-    let peer = tx.connect(&rx.metadata()?, &[remote], 0)?;
+    let rx: Arc<dyn Transport> =
+        Arc::new(UcxTransport::new(UcxConfig::default(), Arc::new(|_| {}))?);
+    let tx: Arc<dyn Transport> =
+        Arc::new(UcxTransport::new(UcxConfig::default(), Arc::new(|_| {}))?);
+    let dst = Registration::new(&rx, Pool::Owned(dst))?;
+    let src = Registration::new(&tx, Pool::Owned(src))?;
+    let s = src.id();
+    let peer = tx.connect(&rx.metadata()?, &[dst.remote().clone()], 0)?;
     let batch_at = |slot: u64| -> Vec<WriteOp> {
         (0..u64::from(batch))
             .map(|i| {

@@ -1,5 +1,6 @@
-//! A loopback cluster in one process: one decode engine and `pp` prefill engines, with source pools
-//! filled with a pattern that names every byte, so a destination can be checked byte for byte.
+//! A loopback cluster in one process: one decode engine and `pp` prefill engines, whose requests are
+//! prepared and checked byte for byte with [`crate::verify`]: each request's sources hold its own
+//! pattern and its destination pages are poisoned before it starts.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -11,6 +12,8 @@ use transfer_engine::engine::{
 };
 use transfer_engine::mem::{HostBuffer, HostOptions};
 use transfer_engine::transport::BackendKind;
+
+use crate::verify::{self, VerifyError};
 
 /// A model's KV geometry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,13 +93,16 @@ pub struct Cluster {
     pub layers: Vec<std::ops::Range<u32>>,
 }
 
-/// The pattern byte of (rank's pool, offset): distinct per rank and position, cheap to compute.
-pub fn pattern(rank: u16, offset: u64) -> u8 {
-    let x = offset.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (u64::from(rank) << 56) ^ (offset >> 13);
-    (x >> 32) as u8 ^ (x as u8)
-}
-
 static CLUSTER_SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// A fresh 32-byte secret from the kernel's generator, for the engines of one cluster: on loopback
+/// too, any local process could otherwise connect to a listening engine and write into its pool.
+fn fresh_secret() -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut secret = vec![0u8; 32];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut secret)?;
+    Ok(secret)
+}
 
 /// `n` loopback addresses whose ports were free a moment ago (bound, then released).
 ///
@@ -111,7 +117,8 @@ pub fn free_addrs(n: usize) -> std::io::Result<Vec<SocketAddr>> {
 }
 
 impl Cluster {
-    /// Starts the decode engine and every prefill rank, and fills the prefill pools with [`pattern`].
+    /// Starts the decode engine and every prefill rank, sharing a secret drawn for this cluster. The
+    /// pools start zeroed: a request's bytes are written by [`prepare`](Self::prepare).
     ///
     /// # Errors
     /// Any engine start failure.
@@ -141,6 +148,9 @@ impl Cluster {
         let tag = format!("{}-{tag}", std::process::id());
         dcfg.backend = backend(None, &format!("decode-{tag}"));
         dcfg.verify_checksums = spec.checksums;
+        let secret =
+            fresh_secret().map_err(|e| EngineError::Config(format!("drawing a secret: {e}")))?;
+        dcfg.token = Some(secret.clone());
         let dpool = HostBuffer::new(dst_layout.buffer_len as usize, HostOptions::default())
             .map_err(|e| EngineError::Config(format!("decode pool: {e}")))?;
         let decode = DecodeEngine::start(dcfg, Pool::Owned(dpool)).await?;
@@ -177,11 +187,9 @@ impl Cluster {
             cfg.backend = backend(Some(rank), &format!("prefill-{rank}-{tag}"));
             cfg.peers = peers.clone();
             cfg.checksums = spec.checksums;
-            let mut buf = HostBuffer::new(layout.buffer_len as usize, HostOptions::default())
+            cfg.token = Some(secret.clone());
+            let buf = HostBuffer::new(layout.buffer_len as usize, HostOptions::default())
                 .map_err(|e| EngineError::Config(format!("prefill pool: {e}")))?;
-            for (i, b) in buf.as_mut_slice().iter_mut().enumerate() {
-                *b = pattern(rank, i as u64);
-            }
             layers.push(range);
             starts.push(tokio::spawn(PrefillEngine::start(cfg, Pool::Owned(buf))));
         }
@@ -201,11 +209,11 @@ impl Cluster {
         })
     }
 
-    /// Runs one request: decode expects it, every rank sends every chunk, waits for the outcome and
-    /// every rank's decision.
+    /// Runs one request: [`prepare`](Self::prepare)s it, decode expects it, every rank sends every
+    /// chunk; waits for the outcome and every rank's decision.
     ///
     /// # Errors
-    /// Engine errors on either side.
+    /// Engine errors on either side, or a page list outside a pool.
     pub async fn run_request(
         &self,
         request: RequestId,
@@ -214,6 +222,8 @@ impl Cluster {
         src_pages: &[u32],
         dst_pages: &[u32],
     ) -> Result<Outcome, EngineError> {
+        self.prepare(request, src_pages, dst_pages)
+            .map_err(|e| EngineError::Config(format!("preparing {request:?}: {e}")))?;
         let done = self.decode.expect(
             request,
             prompt_tokens,
@@ -246,8 +256,8 @@ impl Cluster {
         Ok(outcome)
     }
 
-    /// Bytes of the decode pool (what the decode transport registers).
-    pub fn decode_pool_len(&self) -> u64 {
+    /// The decode pool's layout.
+    pub fn decode_layout(&self) -> KvLayout {
         let s = self.spec.shape;
         KvLayout::packed(
             0,
@@ -256,11 +266,13 @@ impl Cluster {
             s.page_bytes(),
             self.spec.decode_pages,
         )
-        .buffer_len
     }
 
-    /// Bytes of rank `rank`'s pool (what its transport registers).
-    pub fn prefill_pool_len(&self, rank: u16) -> u64 {
+    /// Rank `rank`'s pool layout.
+    ///
+    /// # Panics
+    /// `rank` is not below the PP size.
+    pub fn prefill_layout(&self, rank: u16) -> KvLayout {
         let s = self.spec.shape;
         let range = &self.layers[usize::from(rank)];
         KvLayout::packed(
@@ -270,7 +282,40 @@ impl Cluster {
             s.page_bytes(),
             self.spec.prefill_pages,
         )
-        .buffer_len
+    }
+
+    /// Bytes of the decode pool (what the decode transport registers).
+    pub fn decode_pool_len(&self) -> u64 {
+        self.decode_layout().buffer_len
+    }
+
+    /// Bytes of rank `rank`'s pool (what its transport registers).
+    pub fn prefill_pool_len(&self, rank: u16) -> u64 {
+        self.prefill_layout(rank).buffer_len
+    }
+
+    /// Readies `request` for sending: every rank writes the request's pattern into its `src_pages`
+    /// (one per page of the prompt), and decode poisons `dst_pages`. Call it before decode's
+    /// `expect`, while no chunk in flight reads those source pages and no live request holds those
+    /// destination pages.
+    ///
+    /// # Errors
+    /// A page outside a pool.
+    pub fn prepare(
+        &self,
+        request: RequestId,
+        src_pages: &[u32],
+        dst_pages: &[u32],
+    ) -> Result<(), VerifyError> {
+        for (rank, p) in self.prefill.iter().enumerate() {
+            let layout = self.prefill_layout(rank as u16);
+            verify::write_source(&layout, request, rank as u16, src_pages, |at, b| {
+                p.write_pool(at, b)
+            })?;
+        }
+        verify::poison(&self.decode_layout(), dst_pages, |at, b| {
+            self.decode.write_pool(at, b)
+        })
     }
 
     /// Sends chunks `chunks` of `request` from `rank`, one after the other, marking chunk
@@ -348,106 +393,18 @@ impl Cluster {
         left
     }
 
-    /// Checks every byte of a completed request in the decode pool against the prefill pools it came
-    /// from. Returns the number of bytes checked, or where the first difference is.
+    /// Checks every byte of a completed request in `dst_pages` of the decode pool against the pattern
+    /// [`prepare`](Self::prepare) wrote for it, copying the pages out. Returns the bytes checked.
     ///
     /// # Errors
-    /// A description of the first page that differs.
-    pub fn verify(
-        &self,
-        prompt_tokens: u32,
-        src_pages: &[u32],
-        dst_pages: &[u32],
-    ) -> Result<u64, String> {
-        let s = self.spec.shape;
-        let pool = self.decode.pool_bytes().ok_or("decode pool not readable")?;
-        let pb = s.page_bytes() as usize;
-        let n = s.pages_for(prompt_tokens) as usize;
-        let (dp, sp) = (
-            self.spec.decode_pages as usize,
-            self.spec.prefill_pages as usize,
-        );
-        let mut checked = 0u64;
-        for (rank, range) in self.layers.iter().enumerate() {
-            let src_pool = self.prefill[rank]
-                .pool_bytes()
-                .ok_or("prefill pool not readable")?;
-            let held = range.len();
-            for layer in range.clone() {
-                let local = (layer - range.start) as usize;
-                for region in 0..s.regions.count() as usize {
-                    for i in 0..n {
-                        let src_off = ((region * held + local) * sp + src_pages[i] as usize) * pb;
-                        let dst_off = ((region * s.layers as usize + layer as usize) * dp
-                            + dst_pages[i] as usize)
-                            * pb;
-                        let (Some(src), Some(dst)) = (
-                            src_pool.get(src_off..src_off + pb),
-                            pool.get(dst_off..dst_off + pb),
-                        ) else {
-                            return Err(format!("page {i} of layer {layer} is outside a pool"));
-                        };
-                        if src != dst {
-                            let j = src.iter().zip(dst).position(|(a, b)| a != b).unwrap_or(0);
-                            return Err(format!(
-                                "rank {rank} layer {layer} region {region} page {i} (src {} dst {}) differs at byte {j}",
-                                src_pages[i], dst_pages[i]
-                            ));
-                        }
-                        checked += pb as u64;
-                    }
-                }
-            }
-        }
-        Ok(checked)
+    /// The first page that differs.
+    pub fn verify(&self, request: RequestId, dst_pages: &[u32]) -> Result<u64, VerifyError> {
+        verify::check(
+            &self.decode_layout(),
+            &self.layers,
+            request,
+            dst_pages,
+            |at, b| self.decode.read_pool(at, b),
+        )
     }
-}
-
-/// Checks a request in a decode pool against the pattern the prefill ranks filled their pools with
-/// (for separate processes, where the prefill pools cannot be read). `ranks` are the ranks' global
-/// layer ranges; prefill pools are packed with `prefill_pages` pages.
-///
-/// # Errors
-/// A description of the first byte that differs.
-#[allow(clippy::too_many_arguments)]
-pub fn verify_pattern(
-    shape: Shape,
-    ranks: &[std::ops::Range<u32>],
-    prefill_pages: u32,
-    decode_pool: &[u8],
-    decode_pages: u32,
-    prompt_tokens: u32,
-    src_pages: &[u32],
-    dst_pages: &[u32],
-) -> Result<u64, String> {
-    let pb = shape.page_bytes() as usize;
-    let n = shape.pages_for(prompt_tokens) as usize;
-    let (dp, sp) = (decode_pages as usize, prefill_pages as usize);
-    let mut checked = 0u64;
-    for (rank, range) in ranks.iter().enumerate() {
-        for layer in range.clone() {
-            let local = (layer - range.start) as usize;
-            for region in 0..shape.regions.count() as usize {
-                for i in 0..n {
-                    let src_off =
-                        ((region * range.len() + local) * sp + src_pages[i] as usize) * pb;
-                    let dst_off = ((region * shape.layers as usize + layer as usize) * dp
-                        + dst_pages[i] as usize)
-                        * pb;
-                    let dst = decode_pool
-                        .get(dst_off..dst_off + pb)
-                        .ok_or("page outside the decode pool")?;
-                    if let Some(j) =
-                        (0..pb).find(|&j| dst[j] != pattern(rank as u16, (src_off + j) as u64))
-                    {
-                        return Err(format!(
-                            "rank {rank} layer {layer} region {region} page {i} differs at byte {j}"
-                        ));
-                    }
-                    checked += pb as u64;
-                }
-            }
-        }
-    }
-    Ok(checked)
 }

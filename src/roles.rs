@@ -1,11 +1,13 @@
 //! `kvbench decode` and `kvbench prefill`: the same workload with every engine in its own process.
 //!
 //! The decode process drives: it waits for every rank, issues the requests (`--concurrency` at a time)
-//! and verifies each against the pattern the prefill processes filled their pools with. A prefill
-//! process serves whatever page allocations arrive, and exits when the decode process closes.
+//! and checks those `--verify` asks for against their pattern ([`crate::verify`]), poisoning their
+//! destination pages first. A prefill process serves whatever page allocations arrive, each from
+//! source pages no other request in flight uses, writing the pattern of the requests decode will
+//! check before sending them; it exits when the decode process closes.
 
-use crate::bench::{Report, Verify, Workload};
-use crate::cluster::{pattern, verify_pattern};
+use crate::bench::{Event, Ran, Report, Workload, drive};
+use crate::verify;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -17,6 +19,11 @@ use transfer_engine::engine::{
 use transfer_engine::mem::{HostBuffer, HostOptions};
 use transfer_engine::transport::BackendKind;
 
+/// Set in the id of every request the decode process will check: a prefill process learns nothing
+/// else about a request, and writes the pattern (which costs as much as the transfer) only for
+/// these, so that unchecked requests measure the transfer alone.
+pub const CHECKED_REQUEST: u64 = 1 << 63;
+
 fn ranks_of(w: &Workload) -> Result<Vec<std::ops::Range<u32>>, String> {
     (0..w.pp)
         .map(|r| {
@@ -27,7 +34,8 @@ fn ranks_of(w: &Workload) -> Result<Vec<std::ops::Range<u32>>, String> {
         .collect()
 }
 
-/// Runs the decode role and returns its report.
+/// Runs the decode role and returns its report. Only prefill processes holding `token` (the
+/// shared secret; `None` admits anyone) are let in.
 ///
 /// # Errors
 /// Engine failures, as text.
@@ -35,9 +43,10 @@ pub async fn run_decode(
     listen: SocketAddr,
     w: &Workload,
     backend: BackendKind,
+    token: Option<Vec<u8>>,
 ) -> Result<Report, String> {
     let pages = w.pages();
-    let decode_pages = pages * w.concurrency;
+    let decode_pages = pages * w.concurrency.max(1);
     let layout = KvLayout::packed(
         0,
         w.shape.layers,
@@ -49,6 +58,7 @@ pub async fn run_decode(
     cfg.listen = listen;
     cfg.backend = BackendConfig::default_for(backend, "decode");
     cfg.verify_checksums = w.checksums;
+    cfg.token = token;
     let pool = HostBuffer::new(layout.buffer_len as usize, HostOptions::default())
         .map_err(|e| e.to_string())?;
     let decode = Arc::new(
@@ -62,104 +72,70 @@ pub async fn run_decode(
         .await
         .map_err(|e| e.to_string())?;
     let ranks = ranks_of(w)?;
-    let src: Vec<u32> = (0..pages).collect();
-    let started = Instant::now();
-    let mut latencies = Vec::new();
-    let (mut failed, mut verified, mut issued) = (0u64, w.verify != Verify::None, 0u64);
-    let mut after_failure = 0u64;
-    let mut set = tokio::task::JoinSet::new();
-    let spawn = |set: &mut tokio::task::JoinSet<_>, id: u64, slot: u32| -> Result<(), String> {
-        let dst = w.dst_pages(slot);
-        let t0 = Instant::now();
-        let fut = decode
-            .expect(
-                RequestId(id + 1),
-                w.prompt_tokens,
-                w.chunk_tokens,
-                dst,
-                w.request_timeout,
-            )
-            .map_err(|e| e.to_string())?;
-        set.spawn(async move { (slot, fut.await, t0.elapsed()) });
-        Ok(())
-    };
-    for slot in 0..w.concurrency.min(w.requests) {
-        spawn(&mut set, issued, slot)?;
-        issued += 1;
-    }
-    while let Some(r) = set.join_next().await {
-        let (slot, outcome, latency) = r.map_err(|e| e.to_string())?;
-        match outcome {
-            Outcome::Complete => {
-                after_failure += 1;
-                // Progress, for tests that inject a fault mid-run (KVBENCH_LOG=kvbench::roles=debug).
-                tracing::debug!(completed = latencies.len() + 1, "request complete");
-                latencies.push(latency.as_secs_f64() * 1e6);
-                if w.verify != Verify::None {
-                    let dst = w.dst_pages(slot);
-                    let pool = decode.pool_bytes().ok_or("decode pool not readable")?;
-                    if let Err(e) = verify_pattern(
-                        w.shape,
-                        &ranks,
-                        pages,
-                        pool,
-                        decode_pages,
-                        w.prompt_tokens,
-                        &src,
-                        &dst,
-                    ) {
-                        eprintln!("kvbench decode: verification failed: {e}");
-                        verified = false;
-                    }
-                }
-            }
-            Outcome::Failed(reason) => {
-                eprintln!("kvbench decode: request failed: {reason:?}");
-                failed += 1;
-                after_failure = 0;
-                verified = false;
-            }
+    let on = |e: Event<'_>| match e {
+        Event::Ended {
+            request,
+            outcome: Outcome::Complete,
+            done,
+            ..
+        } => {
+            // Progress, for tests that inject a fault mid-run (KVBENCH_LOG=kvbench::roles=debug).
+            tracing::debug!(done, request = request.0, "request complete");
         }
-        if issued < u64::from(w.requests) {
-            spawn(&mut set, issued, slot)?;
-            issued += 1;
+        Event::Ended {
+            outcome: Outcome::Failed(reason),
+            ..
+        } => eprintln!("kvbench decode: request failed: {reason:?}"),
+        Event::VerifyFailed { request, error } => {
+            let n = request.0 & !CHECKED_REQUEST;
+            eprintln!("kvbench decode: verification failed: request {n}: {error}");
         }
-    }
-    let elapsed = started.elapsed().as_secs_f64();
-    latencies.sort_by(f64::total_cmp);
-    let ok = (issued - failed) as f64;
-    let pct = |p: f64| {
-        latencies
-            .get(((latencies.len().max(1) - 1) as f64 * p).round() as usize)
-            .copied()
-            .unwrap_or(0.0)
     };
-    Ok(Report {
-        backend: backend.to_string(),
-        gbps: ok * w.shape.request_bytes(w.prompt_tokens) as f64 / elapsed / 1e9,
-        baseline_gbps: 0.0,
-        baseline: "none (multi-process)".into(),
-        ratio: 0.0,
-        stream_gbps: 0.0,
-        stream_ratio: 0.0,
-        memcpy_gbps: 0.0,
-        requests_per_s: ok / elapsed,
-        latency_p50_us: pct(0.5),
-        latency_p99_us: pct(0.99),
-        complete_p50_us: 0.0,
-        complete_p99_us: 0.0,
-        chunks_per_s: ok * f64::from(w.prompt_tokens.div_ceil(w.chunk_tokens)) * f64::from(w.pp)
-            / elapsed,
-        writes_per_s: ok * w.writes_per_request() as f64 / elapsed,
-        baseline_msg_rate: 0.0,
-        requests: issued,
-        failed,
-        completed_after_last_failure: after_failure,
-        verified: verified && failed == 0,
-    })
+    let tally = drive(
+        w,
+        |i, checked| RequestId((i + 1) | if checked { CHECKED_REQUEST } else { 0 }),
+        |request, slot| {
+            let t0 = Instant::now();
+            let fut = decode
+                .expect(
+                    request,
+                    w.prompt_tokens,
+                    w.chunk_tokens,
+                    w.dst_pages(slot),
+                    w.request_timeout,
+                )
+                .map_err(|e| e.to_string())?;
+            Ok(async move {
+                let outcome = fut.await;
+                Ok(Ran {
+                    outcome,
+                    latency: t0.elapsed(),
+                    complete: None,
+                })
+            })
+        },
+        |_, slot| {
+            verify::poison(&layout, &w.dst_pages(slot), |at, b| {
+                decode.write_pool(at, b)
+            })
+            .map_err(|e| e.to_string())
+        },
+        |request, slot| {
+            verify::check(&layout, &ranks, request, &w.dst_pages(slot), |at, b| {
+                decode.read_pool(at, b)
+            })
+        },
+        |e| format!("request task: {e}"),
+        &on,
+    )
+    .await?;
+    let mut report = tally.report(w, backend);
+    report.baseline = "none (multi-process)".into();
+    Ok(report)
 }
 
-/// Runs one prefill rank until the decode process closes.
+/// Runs one prefill rank until the decode process closes, presenting `token` (the shared secret, if
+/// any) to its peers.
 ///
 /// # Errors
 /// Engine failures, as text.
@@ -169,18 +145,22 @@ pub async fn run_prefill(
     peers: Vec<SocketAddr>,
     w: &Workload,
     backend: BackendKind,
+    token: Option<Vec<u8>>,
 ) -> Result<(), String> {
     let ranks = ranks_of(w)?;
     let range = ranks
         .get(usize::from(rank))
         .ok_or(format!("--pp-rank {rank} is not below --pp-size {}", w.pp))?;
     let pages = w.pages();
+    // A rank holds a request's source pages until every rank decided it, which can be a moment
+    // after decode saw it complete and issued the next one: one slot more than decode's.
+    let slots = w.concurrency.max(1) + 1;
     let layout = KvLayout::packed(
         range.start,
         range.len() as u32,
         w.shape.regions,
         w.shape.page_bytes(),
-        pages,
+        pages * slots,
     );
     let mut cfg = PrefillConfig::new(
         connect,
@@ -195,29 +175,55 @@ pub async fn run_prefill(
     cfg.peers = peers;
     cfg.checksums = w.checksums;
     cfg.connect_timeout = Duration::from_secs(60);
-    let mut buf = HostBuffer::new(layout.buffer_len as usize, HostOptions::default())
+    cfg.token = token;
+    let buf = HostBuffer::new(layout.buffer_len as usize, HostOptions::default())
         .map_err(|e| e.to_string())?;
-    for (i, b) in buf.as_mut_slice().iter_mut().enumerate() {
-        *b = pattern(rank, i as u64);
-    }
     let engine = PrefillEngine::start(cfg, Pool::Owned(buf))
         .await
         .map_err(|e| e.to_string())?;
-    let src: Arc<Vec<u32>> = Arc::new((0..pages).collect());
+    let layout = Arc::new(layout);
+    // Free source slots, taken in the order requests arrive (the same on every rank), so a rank
+    // waiting for a slot only ever waits on older requests, which never wait on it.
+    let (free_tx, mut free) = tokio::sync::mpsc::unbounded_channel::<u32>();
+    for slot in 0..slots {
+        let _ = free_tx.send(slot);
+    }
     while let Some(req) = engine.next_request().await {
-        let (e, src) = (engine.clone(), src.clone());
+        let Some(slot) = free.recv().await else { break };
+        let (e, layout, free_tx) = (engine.clone(), layout.clone(), free_tx.clone());
         tokio::spawn(async move {
-            let chunks = req.prompt_tokens.div_ceil(req.chunk_tokens);
-            for c in 0..chunks {
-                if let Err(err) = e.send_chunk(req.request, c, &src, c + 1 == chunks).await {
-                    eprintln!("kvbench prefill {}: {err}", e.pp_rank());
-                    e.fail(req.request, FailureCode::WriteFailed);
-                    return;
-                }
-            }
-            e.decided(req.request).await;
-            e.release(req.request);
+            let src: Vec<u32> = (slot * pages..(slot + 1) * pages).collect();
+            serve(&e, &layout, &req, &src).await;
+            let _ = free_tx.send(slot);
         });
     }
     Ok(())
+}
+
+/// Sends one request from `src` (pages no other request in flight uses) and waits for its decision.
+async fn serve(
+    e: &PrefillEngine,
+    layout: &KvLayout,
+    req: &transfer_engine::engine::IncomingRequest,
+    src: &[u32],
+) {
+    if req.request.0 & CHECKED_REQUEST != 0
+        && let Err(err) = verify::write_source(layout, req.request, e.pp_rank(), src, |at, b| {
+            e.write_pool(at, b)
+        })
+    {
+        eprintln!("kvbench prefill {}: {err}", e.pp_rank());
+        e.fail(req.request, FailureCode::WriteFailed);
+        return;
+    }
+    let chunks = req.prompt_tokens.div_ceil(req.chunk_tokens);
+    for c in 0..chunks {
+        if let Err(err) = e.send_chunk(req.request, c, src, c + 1 == chunks).await {
+            eprintln!("kvbench prefill {}: {err}", e.pp_rank());
+            e.fail(req.request, FailureCode::WriteFailed);
+            return;
+        }
+    }
+    e.decided(req.request).await;
+    e.release(req.request);
 }

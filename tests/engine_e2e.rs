@@ -102,6 +102,7 @@ async fn last_of_one_rank_is_not_completion(backend: BackendKind) {
     let (request, chunk_tokens) = (RequestId(7), 256);
     let chunks = PROMPT.div_ceil(chunk_tokens);
     let (src, dst) = pages(shape, 0);
+    c.prepare(request, &src, &dst).unwrap();
     let fut = c
         .decode
         .expect(
@@ -165,7 +166,7 @@ async fn last_of_one_rank_is_not_completion(backend: BackendKind) {
         vec![Decision::Completed; 4],
         "every rank decides Completed"
     );
-    let checked = c.verify(PROMPT, &src, &dst).unwrap();
+    let checked = c.verify(request, &dst).unwrap();
     assert_eq!(checked, shape.request_bytes(PROMPT));
     let s = c.decode.stats();
     assert_eq!((s.completed, s.failed, s.checksum_mismatch), (1, 0, 0));
@@ -194,6 +195,8 @@ async fn abort_leaves_other_requests_intact(backend: BackendKind) {
     let (aborted, kept) = (RequestId(20), RequestId(21));
     let (a_src, a_dst) = pages(shape, 0);
     let (k_src, k_dst) = pages(shape, 1);
+    c.prepare(aborted, &a_src, &a_dst).unwrap();
+    c.prepare(kept, &k_src, &k_dst).unwrap();
     let a_fut = c
         .decode
         .expect(
@@ -276,10 +279,7 @@ async fn abort_leaves_other_requests_intact(backend: BackendKind) {
         .expect("the other request did not resolve");
     assert_eq!(outcome, Outcome::Complete);
     assert_eq!(decisions(&c, kept).await, vec![Decision::Completed; 4]);
-    assert_eq!(
-        c.verify(PROMPT, &k_src, &k_dst).unwrap(),
-        shape.request_bytes(PROMPT)
-    );
+    assert_eq!(c.verify(kept, &k_dst).unwrap(), shape.request_bytes(PROMPT));
     let s = c.decode.stats();
     assert_eq!((s.completed, s.failed, s.checksum_mismatch), (1, 1, 0));
     for p in &c.prefill {
@@ -312,6 +312,8 @@ async fn failed_rank_fails_request_at_once(backend: BackendKind) {
     let (failing, healthy) = (RequestId(30), RequestId(31));
     let (f_src, f_dst) = pages(shape, 0);
     let (h_src, h_dst) = pages(shape, 1);
+    c.prepare(failing, &f_src, &f_dst).unwrap();
+    c.prepare(healthy, &h_src, &h_dst).unwrap();
     let f_fut = c
         .decode
         .expect(
@@ -403,7 +405,7 @@ async fn failed_rank_fails_request_at_once(backend: BackendKind) {
     assert_eq!(outcome, Outcome::Complete);
     assert_eq!(decisions(&c, healthy).await, vec![Decision::Completed; 4]);
     assert_eq!(
-        c.verify(PROMPT, &h_src, &h_dst).unwrap(),
+        c.verify(healthy, &h_dst).unwrap(),
         shape.request_bytes(PROMPT)
     );
     let s = c.decode.stats();

@@ -13,7 +13,7 @@ fn spec(shape: Shape, backend: BackendKind) -> ClusterSpec {
     ClusterSpec {
         shape,
         pp: 4,
-        // The three prompts below use destination pages 7..61 and source pages 0..29; the pools are
+        // The three prompts below use destination pages 7..61 and source pages 0..28; the pools are
         // kept near that so the pattern fill stays cheap in debug builds.
         decode_pages: 64,
         prefill_pages: 32,
@@ -40,26 +40,28 @@ async fn three_prompts(shape: Shape, backend: BackendKind) {
     ];
     let mut runs = Vec::new();
     let mut pages = Vec::new();
-    let mut next_dst = 7u32;
+    let (mut next_src, mut next_dst) = (1u32, 7u32);
     for (i, &tokens) in prompts.iter().enumerate() {
         let n = shape.pages_for(tokens);
-        // Source pages in reverse and destination pages strided, so nothing lines up by accident.
-        let src: Vec<u32> = (0..n).rev().map(|p| p + 10 * i as u32).collect();
+        // Source pages in reverse and destination pages strided, so nothing lines up by accident;
+        // no two requests share a source page, since each writes its own pattern into them while
+        // the others are in flight.
+        let src: Vec<u32> = (0..n).rev().map(|p| next_src + p).collect();
         let dst: Vec<u32> = (0..n).map(|p| next_dst + 2 * p).collect();
+        next_src += n;
         next_dst += 2 * n + 1;
-        pages.push((tokens, src.clone(), dst.clone()));
+        let request = RequestId(100 + i as u64);
+        pages.push((request, tokens, dst.clone()));
         let c = &c;
-        runs.push(async move {
-            c.run_request(RequestId(100 + i as u64), tokens, chunk, &src, &dst)
-                .await
-        });
+        // run_request writes each request's own pattern and poisons its pages first.
+        runs.push(async move { c.run_request(request, tokens, chunk, &src, &dst).await });
     }
     let outcomes = tokio::time::timeout(Duration::from_secs(30), futures::future::join_all(runs))
         .await
         .expect("three requests did not end within 30 s");
-    for (o, (tokens, src, dst)) in outcomes.into_iter().zip(&pages) {
+    for (o, (request, tokens, dst)) in outcomes.into_iter().zip(&pages) {
         assert_eq!(o.unwrap(), Outcome::Complete);
-        let checked = c.verify(*tokens, src, dst).unwrap();
+        let checked = c.verify(*request, dst).unwrap();
         assert_eq!(checked, shape.request_bytes(*tokens));
     }
     let stats = c.decode.stats();

@@ -141,3 +141,83 @@ async fn four_prefill_processes_one_decode_ucx() {
 async fn four_prefill_processes_one_decode_nixl() {
     four_prefill_processes_one_decode("nixl").await;
 }
+
+/// The roles admit only processes holding the run's secret: a prefill whose `KVX_TOKEN` is wrong is
+/// refused and exits non-zero saying so, while decode waits on; one whose `--token-file` holds the
+/// secret (with a trailing newline, and a wrong `KVX_TOKEN` beside it: the file wins) gets in and the
+/// run completes, verified. No process prints the secret.
+#[test]
+fn roles_admit_only_the_shared_secret() {
+    let mut kids = Children::new("token");
+    let dir = kids.dir.clone();
+    let decode = free_addrs(1).unwrap()[0].to_string();
+    let mut workload: Vec<String> = WORKLOAD.iter().map(|s| s.to_string()).collect();
+    let at = workload.iter().position(|a| a == "--pp").unwrap();
+    workload[at + 1] = "1".into();
+    workload.extend(["--backend".into(), "ucx".into()]);
+    let json = dir.join("report.json");
+    let started = Instant::now();
+
+    let mut args: Vec<String> = vec!["decode".into(), "--listen".into(), decode.clone()];
+    args.extend(workload.iter().cloned());
+    args.extend(["--json".into(), json.display().to_string()]);
+    kids.spawn("decode", &[], &args, &[]);
+    let mut prefill: Vec<String> = vec!["prefill".into(), "--connect".into(), decode];
+    prefill.extend(["--pp-rank", "0", "--pp-size", "1"].map(String::from));
+    prefill.extend(workload.iter().cloned());
+
+    let wrong = [("KVX_TOKEN", "not the secret")];
+    kids.spawn("prefill-wrong", &[], &prefill, &wrong);
+    let Some(status) = kids.wait(1, started + DECODE_BOUND) else {
+        panic!(
+            "a prefill with a wrong secret is still running\n{}",
+            kids.logs()
+        );
+    };
+    let refused = kids.stderr(1).to_lowercase();
+    assert!(
+        !status.success() && (refused.contains("token") || refused.contains("auth")),
+        "a prefill with a wrong secret exited with {status} without saying it was refused\n{}",
+        kids.logs()
+    );
+    assert!(
+        kids.procs[0].1.try_wait().unwrap().is_none(),
+        "decode did not wait on after refusing a rank\n{}",
+        kids.logs()
+    );
+
+    let file = dir.join("token");
+    std::fs::write(&file, format!("{}\n", kids.token)).unwrap();
+    let mut args = prefill.clone();
+    args.extend(["--token-file".into(), file.display().to_string()]);
+    kids.spawn("prefill", &[], &args, &wrong);
+    let Some(status) = kids.wait(0, started + DECODE_BOUND) else {
+        panic!(
+            "decode did not finish within {DECODE_BOUND:?}\n{}",
+            kids.logs()
+        );
+    };
+    assert!(
+        status.success(),
+        "decode exited with {status}\n{}",
+        kids.logs()
+    );
+    let report: serde_json::Value = serde_json::from_str(&read(&json)).unwrap();
+    assert_eq!(report[0]["verified"], true, "{report}");
+    let Some(status) = kids.wait(2, Instant::now() + PREFILL_EXIT_BOUND) else {
+        panic!("the admitted prefill did not exit\n{}", kids.logs());
+    };
+    assert!(
+        status.success(),
+        "the admitted prefill exited with {status}\n{}",
+        kids.logs()
+    );
+    for i in 0..kids.procs.len() {
+        let out = kids.stdout(i) + &kids.stderr(i);
+        assert!(
+            !out.contains(&kids.token),
+            "{} printed the secret",
+            kids.procs[i].0
+        );
+    }
+}

@@ -162,6 +162,8 @@ struct Pair {
 /// `fail.0` fails B with `fail.1` right after its chunk 0.
 fn start_pair(f: &Faulty, b_deadline: Duration, fail: Option<(u16, FailureCode)>) -> Pair {
     let d = &f.c.decode;
+    f.c.prepare(A, &SRC_A, &DST_A).unwrap();
+    f.c.prepare(B, &SRC_B, &DST_B).unwrap();
     let a = d
         .expect(A, PROMPT, CHUNK, DST_A.to_vec(), LONG)
         .unwrap()
@@ -231,7 +233,7 @@ impl Pair {
                 .unwrap()
                 .unwrap();
         }
-        let checked = f.c.verify(PROMPT, &SRC_A, &DST_A).unwrap();
+        let checked = f.c.verify(A, &DST_A).unwrap();
         assert_eq!(checked, SHAPE.request_bytes(PROMPT));
     }
 }
@@ -320,7 +322,7 @@ async fn duplicated_notifications_complete_once() {
         r.unwrap();
     }
     p.a_complete(&f).await;
-    let checked = f.c.verify(PROMPT, &SRC_B, &DST_B).unwrap();
+    let checked = f.c.verify(B, &DST_B).unwrap();
     assert_eq!(checked, SHAPE.request_bytes(PROMPT));
     let decisions = settle(&f).await;
     assert!(decisions.iter().all(|d| *d == Decision::Completed));
@@ -371,7 +373,7 @@ async fn reordered_and_delayed_across_ranks_complete() {
     assert!(f.decode.release_held() >= 1);
     let (o, _) = p.b_outcome().await;
     assert_eq!(o, Outcome::Complete);
-    let checked = f.c.verify(PROMPT, &SRC_B, &DST_B).unwrap();
+    let checked = f.c.verify(B, &DST_B).unwrap();
     assert_eq!(checked, SHAPE.request_bytes(PROMPT));
     settle(&f).await;
     one_outcome_each(&f, 2, 0);

@@ -12,7 +12,7 @@
 //! return to their baseline. Every wait is bounded; nothing sleeps and then asserts.
 
 use futures::FutureExt;
-use kvbench::cluster::{Cluster, ClusterSpec, Shape, pattern};
+use kvbench::cluster::{Cluster, ClusterSpec, Shape};
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
@@ -160,12 +160,8 @@ fn rank_layout(rank: u16, pp: u16) -> (std::ops::Range<u32>, KvLayout) {
     (range, layout)
 }
 
-fn patterned_pool(rank: u16, layout: &KvLayout) -> Pool {
-    let mut buf = HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).unwrap();
-    for (i, b) in buf.as_mut_slice().iter_mut().enumerate() {
-        *b = pattern(rank, i as u64);
-    }
-    Pool::Owned(buf)
+fn zeroed_pool(layout: &KvLayout) -> Pool {
+    Pool::Owned(HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).unwrap())
 }
 
 /// What `kvbench::cluster::Cluster::start` does, with fault transports under every engine.
@@ -242,6 +238,7 @@ async fn join_sends(sends: Vec<SendTask>, what: &str) -> Vec<Result<(), EngineEr
 
 /// Runs `request` on every rank of `prefill` to completion and checks its bytes.
 async fn run_healthy(f: &Faulty, request: RequestId, src: &'static [u32], dst: &[u32]) {
+    f.c.prepare(request, src, dst).unwrap();
     let o =
         f.c.decode
             .expect(request, PROMPT, CHUNK, dst.to_vec(), LONG)
@@ -259,7 +256,7 @@ async fn run_healthy(f: &Faulty, request: RequestId, src: &'static [u32], dst: &
         r.unwrap();
     }
     assert_eq!(
-        f.c.verify(PROMPT, src, dst).unwrap(),
+        f.c.verify(request, dst).unwrap(),
         SHAPE.request_bytes(PROMPT)
     );
     for p in &f.c.prefill {
@@ -612,7 +609,7 @@ async fn prefill_with_token(
     cfg.backend = BackendConfig::default_for(BackendKind::Ucx, &format!("prefill-{}", tag()));
     cfg.token = token.map(<[u8]>::to_vec);
     cfg.connect_timeout = Duration::from_secs(5);
-    tokio::time::timeout(BOUND, PrefillEngine::start(cfg, patterned_pool(0, &layout)))
+    tokio::time::timeout(BOUND, PrefillEngine::start(cfg, zeroed_pool(&layout)))
         .await
         .expect("prefill start hung")
 }
@@ -684,6 +681,7 @@ async fn forged_notifications_change_nothing() {
         .find(|s| !senders.values().any(|v| v == s))
         .unwrap();
 
+    f.c.prepare(B, &SRC_B, &DST_B).unwrap();
     let mut b =
         f.c.decode
             .expect(B, PROMPT, CHUNK, DST_B.to_vec(), LONG)
@@ -762,10 +760,7 @@ async fn forged_notifications_change_nothing() {
     for r in join_sends(sends, "B").await {
         r.unwrap();
     }
-    assert_eq!(
-        f.c.verify(PROMPT, &SRC_B, &DST_B).unwrap(),
-        SHAPE.request_bytes(PROMPT)
-    );
+    assert_eq!(f.c.verify(B, &DST_B).unwrap(), SHAPE.request_bytes(PROMPT));
     for p in &f.c.prefill {
         let d = tokio::time::timeout(BOUND, p.decided(B)).await.unwrap();
         assert_eq!(d, Decision::Completed);
@@ -797,6 +792,7 @@ async fn out_of_range_pages_are_refused_before_anything_is_sent() {
     assert_eq!((s.in_flight, s.completed, s.failed), (0, 0, 0), "{s:?}");
     // Nothing reached a rank: the first allocation each rank sees is the valid request that follows
     // (same id, so the refused ones were not tracked either), and no rank rejected anything.
+    f.c.prepare(A, &SRC_A, &DST_A).unwrap();
     let o = d.expect(A, PROMPT, CHUNK, DST_A.to_vec(), LONG).unwrap();
     for p in &f.c.prefill {
         let n = tokio::time::timeout(BOUND, p.next_request())
@@ -818,10 +814,7 @@ async fn out_of_range_pages_are_refused_before_anything_is_sent() {
     for r in join_sends(sends, "A").await {
         r.unwrap();
     }
-    assert_eq!(
-        f.c.verify(PROMPT, &SRC_A, &DST_A).unwrap(),
-        SHAPE.request_bytes(PROMPT)
-    );
+    assert_eq!(f.c.verify(A, &DST_A).unwrap(), SHAPE.request_bytes(PROMPT));
     for p in &f.c.prefill {
         assert_eq!(
             tokio::time::timeout(BOUND, p.decided(A)).await.unwrap(),

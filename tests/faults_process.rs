@@ -1,6 +1,7 @@
 //! Multi-process faults over real UCX: a prefill PP process SIGKILLed mid-request, the decode process
-//! SIGKILLed mid-run, and (where the machine allows it) decode and prefill on separate "hosts": two
-//! network namespaces joined by a veth pair, UCX over TCP.
+//! SIGKILLed mid-run, and decode and prefill on separate "hosts": two network namespaces joined by a
+//! veth pair, UCX over TCP. The namespace tests need root, iproute2 and iptables; where they cannot
+//! run they fail, unless `KVX_SKIP_NETNS=1` asks to skip them (they then print `SKIPPED` and pass).
 //!
 //! Every wait is bounded; children are killed (SIGKILL) and reaped when a test fails or panics, and the
 //! namespaces are deleted whatever happens.
@@ -231,6 +232,27 @@ fn sigkill_decode_mid_run() {
     );
 }
 
+/// Set to `1` to skip the namespace tests on purpose (a machine without root or iproute2).
+const SKIP_NETNS: &str = "KVX_SKIP_NETNS";
+
+/// Whether the namespace tests were asked to skip; says so (stdout and stderr) when they were.
+fn netns_skip_requested(test: &str) -> bool {
+    let skip = std::env::var(SKIP_NETNS).is_ok_and(|v| v == "1");
+    if skip {
+        eprintln!("SKIPPED: {test}: {SKIP_NETNS}=1");
+        println!("SKIPPED: {test}: {SKIP_NETNS}=1");
+    }
+    skip
+}
+
+/// Fails `test`, which cannot run here, saying why and how to skip it on purpose.
+fn cannot_run(test: &str, reason: &str) -> ! {
+    panic!(
+        "{test} cannot run here: {reason}. It needs root, iproute2 and iptables; set \
+         {SKIP_NETNS}=1 to skip it on purpose"
+    )
+}
+
 /// Runs `ip args..`; the error names the command and what it printed.
 fn ip(args: &[&str]) -> Result<(), String> {
     run_cmd("ip", args)
@@ -311,19 +333,16 @@ fn two_hosts(guard: &mut Netns) -> Result<(String, String), String> {
 }
 
 /// Separate hosts: decode in one network namespace, the four prefill ranks in another, UCX over TCP on
-/// the veth pair between them; every byte verified. Skipped, with `SKIPPED: <reason>` printed, where
-/// namespaces cannot be made (not root, no `ip`).
+/// the veth pair between them; every byte verified. Fails where namespaces cannot be made (not root,
+/// no `ip`), unless [`SKIP_NETNS`] asks to skip it.
 #[test]
-fn separate_hosts_netns_ucx_tcp_or_skipped() {
+fn separate_hosts_netns_ucx_tcp() {
+    const NAME: &str = "separate_hosts_netns_ucx_tcp";
+    if netns_skip_requested(NAME) {
+        return;
+    }
     let mut guard = Netns { names: Vec::new() };
-    let (dns, pns) = match two_hosts(&mut guard) {
-        Ok(v) => v,
-        Err(reason) => {
-            eprintln!("SKIPPED: separate_hosts_netns_ucx_tcp_or_skipped: {reason}");
-            println!("SKIPPED: separate_hosts_netns_ucx_tcp_or_skipped: {reason}");
-            return;
-        }
-    };
+    let (dns, pns) = two_hosts(&mut guard).unwrap_or_else(|reason| cannot_run(NAME, &reason));
     // Declared after the guard, so dropped (children killed and reaped) before the namespaces go.
     let mut kids = Children::new("netns");
     // Fresh namespaces: every port is free in them.
@@ -431,22 +450,18 @@ fn partition_rules(ns: &str, dev: &str, op: &str) -> Result<(), String> {
 /// keeps issuing requests, and every request after the heal completes and verifies; decode then
 /// exits non-zero (some requests failed) within its bound, and the prefills exit cleanly.
 ///
-/// Skipped, with `SKIPPED: <reason>` printed, where namespaces or iptables cannot be used.
+/// Fails where namespaces or iptables cannot be used, unless [`SKIP_NETNS`] asks to skip it.
 #[test]
 fn partition_fails_affected_requests_within_bound_then_heals() {
     const NAME: &str = "partition_fails_affected_requests_within_bound_then_heals";
+    if netns_skip_requested(NAME) {
+        return;
+    }
     let mut guard = Netns { names: Vec::new() };
-    let skip = |reason: &str| {
-        eprintln!("SKIPPED: {NAME}: {reason}");
-        println!("SKIPPED: {NAME}: {reason}");
-    };
-    let (dns, pns) = match two_hosts(&mut guard) {
-        Ok(v) => v,
-        Err(reason) => return skip(&reason),
-    };
+    let (dns, pns) = two_hosts(&mut guard).unwrap_or_else(|reason| cannot_run(NAME, &reason));
     // Probe iptables (binary, kernel support) in the decode namespace before anything runs.
     if let Err(reason) = run_cmd("ip", &["netns", "exec", &dns, "iptables", "-L", "-n"]) {
-        return skip(&format!("iptables unusable in a namespace: {reason}"));
+        cannot_run(NAME, &format!("iptables unusable in a namespace: {reason}"));
     }
     // Declared after the guard, so dropped (children killed and reaped) before the namespaces go
     // (and the rules with them).

@@ -11,10 +11,15 @@
 //!   (`tests/py/nixl_receiver.py`) with a binary v1 notification and an SGLang text one; Python decodes
 //!   both and checks the bytes.
 //!
+//! The Python side computes no pattern of its own: the Rust side writes the bytes a Python process
+//! sends, or must receive, into a file with `kvbench::verify`, which also poisons and checks the Rust
+//! decode's pages.
+//!
 //! Every wait is bounded and every Python process is killed if the test fails.
 #![allow(clippy::unwrap_used)]
 
-use kvbench::cluster::{Shape, pattern, verify_pattern};
+use kvbench::cluster::Shape;
+use kvbench::verify;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Arc;
@@ -25,7 +30,9 @@ use transfer_engine::core::planner::{ChunkGeometry, KvLayout, PpSplit, RegionKin
 use transfer_engine::engine::{BackendConfig, DecodeConfig, DecodeEngine, Outcome, Pool};
 use transfer_engine::mem::{HostBuffer, HostOptions};
 use transfer_engine::transport::nixl::{NixlConfig, NixlTransport};
-use transfer_engine::transport::{BackendKind, RemoteRegion, Sender, Transport, WriteOp};
+use transfer_engine::transport::{
+    BackendKind, Registration, RemoteRegion, Sender, Transport, WriteOp,
+};
 
 /// Bound on a whole transfer, on a Python process's own waits, and on any single wait here.
 const BOUND: Duration = Duration::from_secs(60);
@@ -214,6 +221,19 @@ impl Workload {
         )
     }
 
+    /// Rank `rank`'s whole source pool holding `request`'s pattern in its source pages.
+    fn src_bytes(&self, request: RequestId, rank: u16) -> Vec<u8> {
+        let layout = self.src_layout(rank);
+        let mut pool = vec![0u8; layout.buffer_len as usize];
+        verify::write_source(&layout, request, rank, &self.src_pages, |at, b| {
+            let at = at as usize;
+            pool[at..at + b.len()].copy_from_slice(b);
+            Ok::<(), std::convert::Infallible>(())
+        })
+        .unwrap();
+        pool
+    }
+
     /// The positions of the pages each chunk sends, as our planner assigns them.
     fn chunks(&self) -> Vec<[u64; 2]> {
         let g = ChunkGeometry::new(
@@ -267,6 +287,8 @@ fn agent_name(tag: &str, rank: u16) -> String {
 }
 
 /// Writes rank `rank`'s config for `sglang_prefill.py` and starts it.
+/// Writes rank `rank`'s source pool for `request` to a file `sglang_prefill.py` loads, and its
+/// config, and starts it.
 fn spawn_rank(
     w: &Workload,
     d: &Decode,
@@ -278,6 +300,8 @@ fn spawn_rank(
 ) -> (Py, PathBuf) {
     let layers = w.layer_range(rank);
     let sent = scratch.path(&format!("sent-{rank}"));
+    let src_file = scratch.path(&format!("src-{rank}.bin"));
+    std::fs::write(&src_file, w.src_bytes(request, rank)).unwrap();
     let cfg = serde_json::json!({
         "agent_name": agent_name(tag, rank),
         "pp_rank": rank,
@@ -293,6 +317,7 @@ fn spawn_rank(
         "page_bytes": w.page_bytes(),
         "decode_pages": w.decode_pages,
         "src_pool_pages": w.src_pool_pages,
+        "src_file": src_file,
         "src_pages": w.src_pages,
         "dst_pages": w.dst_pages,
         "chunks": w.chunks(),
@@ -327,6 +352,10 @@ async fn two_python_ranks(shape: Shape, tag: &str) {
             .unwrap();
     }
     let request = RequestId(0x5ea1_0000 + u64::from(shape.layers));
+    verify::poison(&w.dst_layout(), &w.dst_pages, |at, b| {
+        d.engine.write_pool(at, b)
+    })
+    .unwrap();
     let done = d
         .engine
         .expect(
@@ -362,20 +391,14 @@ async fn two_python_ranks(shape: Shape, tag: &str) {
         d.engine.stats()
     );
     let ranks: Vec<_> = (0..w.pp).map(|r| w.layer_range(r)).collect();
-    let pool = d.engine.pool_bytes().unwrap();
-    let checked = verify_pattern(
-        shape,
-        &ranks,
-        w.src_pool_pages,
-        pool,
-        w.decode_pages,
-        w.prompt_tokens,
-        &w.src_pages,
-        &w.dst_pages,
-    )
+    let checked = verify::check(&w.dst_layout(), &ranks, request, &w.dst_pages, |at, b| {
+        d.engine.read_pool(at, b)
+    })
     .unwrap();
     assert_eq!(checked, shape.request_bytes(w.prompt_tokens));
     // Nothing landed outside the request's pages.
+    let mut pool = vec![0u8; w.dst_layout().buffer_len as usize];
+    d.engine.read_pool(0, &mut pool).unwrap();
     let pb = w.page_bytes() as usize;
     let dst_page_of = |off: usize| (off / pb) % w.decode_pages as usize;
     let stray =
@@ -456,6 +479,10 @@ async fn python_rank0_last_alone_does_not_complete_rust_decode() {
             .unwrap();
     }
     let request = RequestId(0x0e9a);
+    verify::poison(&w.dst_layout(), &w.dst_pages, |at, b| {
+        d.engine.write_pool(at, b)
+    })
+    .unwrap();
     let done = d
         .engine
         .expect(
@@ -490,19 +517,36 @@ async fn python_rank0_last_alone_does_not_complete_rust_decode() {
         (0, 0, 0),
         "{stats:?}"
     );
-    // Rank 0's bytes did arrive.
-    let checked = verify_pattern(
-        shape,
-        &[w.layer_range(0)],
-        w.src_pool_pages,
-        d.engine.pool_bytes().unwrap(),
-        w.decode_pages,
-        w.prompt_tokens,
-        &w.src_pages,
+    // Rank 0's bytes did arrive; rank 1's pages are still poisoned.
+    let layout = w.dst_layout();
+    let read = |at: u64, b: &mut [u8]| d.engine.read_pool(at, b);
+    let checked = verify::check(&layout, &[w.layer_range(0)], request, &w.dst_pages, read).unwrap();
+    assert_eq!(
+        checked,
+        u64::from(w.layer_range(0).len() as u32)
+            * u64::from(shape.regions.count())
+            * w.dst_pages.len() as u64
+            * w.page_bytes()
+    );
+    // Rank 1's layers alone (rank 0's range left empty).
+    let rank1 = verify::check(
+        &layout,
+        &[0..0, w.layer_range(1)],
+        request,
         &w.dst_pages,
-    )
-    .unwrap();
-    assert!(checked > 0);
+        read,
+    );
+    assert!(
+        matches!(
+            rank1,
+            Err(verify::VerifyError::Mismatch {
+                rank: 1,
+                still_poisoned: true,
+                ..
+            })
+        ),
+        "{rank1:?}"
+    );
 
     d.engine.abort(request);
     let outcome = tokio::time::timeout(Duration::from_secs(5), done)
@@ -535,6 +579,11 @@ async fn rust_nixl_transport_writes_into_python_agent() {
     let request = RequestId(0x00c0_ffee_1234_5678);
     let name = format!("kvx-prefill-{}-recv", std::process::id());
     let md_file = scratch.path("python.md");
+    // What we send, and what Python must find in its buffer.
+    let mut bytes = vec![0u8; len as usize];
+    verify::fill(request, rank, 0, &mut bytes);
+    let expected_file = scratch.path("expected.bin");
+    std::fs::write(&expected_file, &bytes).unwrap();
     let args = serde_json::json!({
         "agent_name": format!("python-decode-{}", std::process::id()),
         "len": len,
@@ -542,7 +591,7 @@ async fn rust_nixl_transport_writes_into_python_agent() {
         "sender": name,
         "request": request.0,
         "pp_rank": rank,
-        "pattern_rank": rank,
+        "expected_file": expected_file,
         "timeout_s": BOUND.as_secs(),
     });
     let cfg = scratch.path("recv.json");
@@ -565,19 +614,21 @@ async fn rust_nixl_transport_writes_into_python_agent() {
     let md = &blob[16..];
 
     let sink = Arc::new(|_: transfer_engine::transport::Incoming<'_>| {});
-    let t = NixlTransport::new(
-        NixlConfig {
-            name: name.clone(),
-            ..NixlConfig::default()
-        },
-        sink,
-    )
-    .unwrap();
+    let t = Arc::new(
+        NixlTransport::new(
+            NixlConfig {
+                name: name.clone(),
+                ..NixlConfig::default()
+            },
+            sink,
+        )
+        .unwrap(),
+    );
     let mut src = HostBuffer::new(len as usize, HostOptions::default()).unwrap();
-    for (i, b) in src.as_mut_slice().iter_mut().enumerate() {
-        *b = pattern(rank, i as u64);
-    }
-    let (local, _) = t.register(src.desc()).unwrap();
+    src.as_mut_slice().copy_from_slice(&bytes);
+    let dyn_t: Arc<dyn Transport> = t.clone();
+    let src = Registration::new(&dyn_t, Pool::Owned(src)).unwrap();
+    let local = src.id();
     let peer = t
         .connect(
             md,
@@ -617,9 +668,8 @@ async fn rust_nixl_transport_writes_into_python_agent() {
     }
     procs[0].wait_ok(BOUND).await;
     t.disconnect(peer);
-    t.deregister(local).unwrap();
+    src.into_inner().unwrap();
     t.shutdown();
-    drop(src);
 }
 
 /// Our `PrefillEngine` (NIXL backend, SGLang notification format) writes a request into a Python
@@ -643,6 +693,18 @@ async fn rust_prefill_engine_writes_into_python_agent() {
     let request = RequestId(0x5eed_0000_0042);
     let name = format!("kvx-prefill-engine-{}", std::process::id());
     let md_file = scratch.path("python.md");
+    // The same layout on both sides and identity page lists: prefill byte i lands at decode byte i,
+    // so Python must find exactly the pool the prefill engine holds.
+    let all: Vec<u32> = (0..pages).collect();
+    let mut bytes = vec![0u8; len as usize];
+    verify::write_source(&layout, request, rank, &all, |at, b| {
+        let at = at as usize;
+        bytes[at..at + b.len()].copy_from_slice(b);
+        Ok::<(), std::convert::Infallible>(())
+    })
+    .unwrap();
+    let expected_file = scratch.path("expected.bin");
+    std::fs::write(&expected_file, &bytes).unwrap();
     let args = serde_json::json!({
         "agent_name": format!("python-sglang-decode-{}", std::process::id()),
         "len": len,
@@ -650,7 +712,7 @@ async fn rust_prefill_engine_writes_into_python_agent() {
         "sender": name,
         "request": request.0,
         "pp_rank": rank,
-        "pattern_rank": rank,
+        "expected_file": expected_file,
         "timeout_s": BOUND.as_secs(),
         "all_text": true,
     });
@@ -670,11 +732,7 @@ async fn rust_prefill_engine_writes_into_python_agent() {
     let addr = u64::from_le_bytes(blob[..8].try_into().unwrap());
     assert_eq!(u64::from_le_bytes(blob[8..16].try_into().unwrap()), len);
 
-    // The same layout on both sides and identity page lists: prefill byte i lands at decode byte i.
-    let mut pool = HostBuffer::new(len as usize, HostOptions::default()).unwrap();
-    for (i, b) in pool.as_mut_slice().iter_mut().enumerate() {
-        *b = pattern(rank, i as u64);
-    }
+    let pool = HostBuffer::new(len as usize, HostOptions::default()).unwrap();
     let unused = std::net::SocketAddr::from(([127, 0, 0, 1], 9));
     let mut cfg = PrefillConfig::new(unused, rank, 1, layers, page_tokens, layout.clone());
     cfg.backend = BackendConfig::Nixl(NixlConfig {
@@ -694,7 +752,8 @@ async fn rust_prefill_engine_writes_into_python_agent() {
     let engine = PrefillEngine::start_external(cfg, Pool::Owned(pool), decode)
         .await
         .unwrap();
-    let all: Vec<u32> = (0..pages).collect();
+    // As a server puts a request's KV into its pages: by copies into the registered pool.
+    engine.write_pool(0, &bytes).unwrap();
     let prompt = pages * page_tokens;
     // An allocation that does not fit is refused, and nothing is sent for it.
     assert!(

@@ -18,6 +18,9 @@ use std::time::Duration;
 use transfer_engine::core::planner::RegionKind;
 use transfer_engine::transport::BackendKind;
 
+/// The environment variable holding the roles' shared secret when `--token-file` is not given.
+const TOKEN_ENV: &str = "KVX_TOKEN";
+
 /// The largest `--request-timeout` accepted, seconds (about 11.6 days).
 const MAX_REQUEST_TIMEOUT_S: f64 = 1e6;
 
@@ -94,8 +97,9 @@ struct Opts {
     /// Backend(s).
     #[arg(long, value_enum, default_value = "all", global = true)]
     backend: Backend,
-    /// Byte-for-byte verification: none; last (after the run, every byte of the last request in each
-    /// destination slot); all (every request as it completes, inside the timed run).
+    /// Byte-for-byte verification, each checked request with its own pattern on poisoned pages,
+    /// prepared and checked outside the timed windows: none; last (the last request of each
+    /// destination slot, run as a final wave); all (every request, in waves of --concurrency).
     #[arg(long, value_enum, default_value = "last", global = true)]
     verify: VerifyArg,
     /// Send and check per-chunk checksums.
@@ -116,6 +120,11 @@ struct Opts {
     /// Destination pages in reverse order: no coalescing, one write per page (page-rate workload).
     #[arg(long, global = true)]
     scatter: bool,
+    /// `decode` and `prefill`: a file holding the secret every process of a run shares (a trailing
+    /// newline is not part of it). Without it, the `KVX_TOKEN` environment variable. The loopback
+    /// run draws a fresh secret of its own.
+    #[arg(long, global = true)]
+    token_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -221,6 +230,31 @@ impl Opts {
             scatter: self.scatter,
             request_timeout,
         })
+    }
+
+    /// The shared secret of the multi-process roles: `--token-file`, else `KVX_TOKEN`, else none.
+    /// Errors name where the secret came from, never the secret.
+    fn token(&self) -> Result<Option<Vec<u8>>, String> {
+        let (mut secret, from) = if let Some(path) = &self.token_file {
+            let bytes = std::fs::read(path)
+                .map_err(|e| format!("cannot read --token-file {}: {e}", path.display()))?;
+            (bytes, format!("--token-file {}", path.display()))
+        } else if let Some(v) = std::env::var_os(TOKEN_ENV) {
+            (v.into_encoded_bytes(), TOKEN_ENV.to_string())
+        } else {
+            return Ok(None);
+        };
+        // Files written by `echo` or an editor end in a newline that is not part of the secret.
+        if secret.last() == Some(&b'\n') {
+            secret.pop();
+            if secret.last() == Some(&b'\r') {
+                secret.pop();
+            }
+        }
+        if secret.is_empty() {
+            return Err(format!("the secret from {from} is empty"));
+        }
+        Ok(Some(secret))
     }
 
     fn backends(&self) -> Vec<BackendKind> {
@@ -358,10 +392,26 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let token = match cli.role {
+        None => Ok(None),
+        Some(_) => cli.opts.token(),
+    };
+    let token = match token {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("kvbench: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if cli.role.is_some() && token.is_none() {
+        eprintln!(
+            "kvbench: no --token-file or {TOKEN_ENV}: this process accepts and trusts any peer"
+        );
+    }
     let result = match cli.role {
         None => rt.block_on(run_local(&cli.opts, &w)),
         Some(Role::Decode { listen }) => rt
-            .block_on(roles::run_decode(listen, &w, cli.opts.backends()[0]))
+            .block_on(roles::run_decode(listen, &w, cli.opts.backends()[0], token))
             .map(|r| vec![r]),
         Some(Role::Prefill {
             connect,
@@ -377,6 +427,7 @@ fn main() -> ExitCode {
                 peers,
                 &w,
                 cli.opts.backends()[0],
+                token,
             ))
             .map(|_| Vec::new())
         }

@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 pub struct Children {
     pub procs: Vec<(String, Child)>,
     pub dir: PathBuf,
+    /// The secret every child gets in `KVX_TOKEN`, fresh for each set of children.
+    pub token: String,
 }
 
 impl Children {
@@ -21,14 +23,19 @@ impl Children {
             rand::random::<u32>()
         ));
         std::fs::create_dir_all(&dir).unwrap();
+        let token = (0..4)
+            .map(|_| format!("{:016x}", rand::random::<u64>()))
+            .collect();
         Self {
             procs: Vec::new(),
             dir,
+            token,
         }
     }
 
     /// Spawns `prefix.. kvbench args..` (prefix: for instance `ip netns exec NS`, which execs, so the
-    /// child's pid is kvbench's) with `KVBENCH_LOG=info` and then `envs` added.
+    /// child's pid is kvbench's) with `KVBENCH_LOG=info`, `KVX_TOKEN` set to [`Self::token`], and
+    /// then `envs` added.
     pub fn spawn(&mut self, name: &str, prefix: &[&str], args: &[String], envs: &[(&str, &str)]) {
         let out = std::fs::File::create(self.dir.join(format!("{name}.out"))).unwrap();
         let err = std::fs::File::create(self.dir.join(format!("{name}.err"))).unwrap();
@@ -41,9 +48,10 @@ impl Children {
             }
             None => Command::new(bin),
         };
-        // KVBENCH_LOG first, so that `envs` may override it.
+        // KVBENCH_LOG and KVX_TOKEN first, so that `envs` may override them.
         cmd.args(args)
             .env("KVBENCH_LOG", "info")
+            .env("KVX_TOKEN", &self.token)
             .envs(envs.iter().copied())
             .stdin(Stdio::null())
             .stdout(out)

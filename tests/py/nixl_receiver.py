@@ -5,7 +5,7 @@ Usage: ``nixl_receiver.py CONFIG.json``. It registers a zeroed buffer, publishes
 until the Rust agent ``sender`` has sent two: chunk 0 as our binary v1 record (docs/wire-format.md)
 and chunk 1 as SGLang's text ``{room}_kv_1_1_{pp_rank}`` (or, with ``all_text``, both chunks as text,
 as our PrefillEngine sends them in SGLang mode). It decodes them, checks every byte of the buffer
-against ``kvx_pattern.pattern(pattern_rank, ...)`` and exits 0; 1 on any mismatch or timeout.
+against ``expected_file`` (written by the Rust side) and exits 0; 1 on any mismatch or timeout.
 """
 
 import json
@@ -17,7 +17,6 @@ import time
 import numpy as np
 from nixl_cu12._api import nixl_agent, nixl_agent_config
 
-from kvx_pattern import pattern
 
 # The binary v1 chunk notification: magic, version, flags, request_id, chunk_id, chunk_count,
 # checksum, pp_rank, failure_code, reserved; all little-endian, 40 bytes.
@@ -28,6 +27,14 @@ FLAG_LAST, FLAG_FAILURE, FLAG_HAS_CHECKSUM = 1, 2, 4
 
 def log(msg: str) -> None:
     print(f"[nixl_receiver] {msg}", flush=True)
+
+
+def expected_bytes(cfg: dict, length: int) -> np.ndarray:
+    """What the buffer must hold: written by the Rust side with ``kvbench::verify``."""
+    expected = np.fromfile(cfg["expected_file"], dtype=np.uint8)
+    if expected.size != length:
+        raise ValueError(f"{cfg['expected_file']} holds {expected.size} bytes, expected {length}")
+    return expected
 
 
 def main() -> int:
@@ -70,7 +77,7 @@ def main() -> int:
         if set(got) != want:
             log(f"text notifications {got!r}, expected {sorted(want)!r}")
             return 1
-        expected = pattern(cfg["pattern_rank"], length)
+        expected = expected_bytes(cfg, length)
         bad = np.flatnonzero(buf != expected)
         if bad.size:
             log(f"{bad.size} bytes differ, first at offset {bad[0]}")
@@ -99,7 +106,7 @@ def main() -> int:
         return 1
 
     # NIXL delivers a transfer's notification after its writes, so the bytes are in place.
-    expected = pattern(cfg["pattern_rank"], length)
+    expected = expected_bytes(cfg, length)
     bad = np.flatnonzero(buf != expected)
     if bad.size:
         log(f"{bad.size} bytes differ, first at offset {bad[0]}")

@@ -7,9 +7,9 @@ transfer, as SGLang's NIXL connector does after its PP fix.
 Usage: ``sglang_prefill.py CONFIG.json``. The config (written by the Rust test) carries the decode
 agent's metadata file, its pool address, both layouts, this rank's layer range, the request's page
 lists and, for each chunk, the positions of the pages it sends (computed by the Rust planner, so this
-script needs no chunking logic). The source pool is packed ``[region][local layer][page]`` and filled
-with ``kvx_pattern.pattern(pp_rank, ...)``; the destination pool is packed ``[region][layer][page]``
-over all layers.
+script needs no chunking logic). The source pool is packed ``[region][local layer][page]`` and loaded
+from ``src_file``, which the Rust side wrote with the request's pattern (``kvbench::verify``); the
+destination pool is packed ``[region][layer][page]`` over all layers.
 
 Exit status: 0 done; 1 a NIXL transfer failed or timed out; 2 bad setup; 3 the Rust side never said
 it was done with us (linger file) within the timeout.
@@ -22,8 +22,6 @@ import time
 
 import numpy as np
 from nixl_cu12._api import nixl_agent, nixl_agent_config
-
-from kvx_pattern import pattern
 
 
 def log(msg: str) -> None:
@@ -50,8 +48,11 @@ def main() -> int:
     send = cfg["send_chunks"]
 
     src_len = regions * num_layers * src_pool_pages * page_bytes
-    # The source pool: this rank's layers, filled with a pattern the Rust side recomputes.
-    src = pattern(rank, src_len)
+    # The source pool: this rank's layers, holding the pattern the Rust side checks against.
+    src = np.fromfile(cfg["src_file"], dtype=np.uint8)
+    if src.size != src_len:
+        log(f"{cfg['src_file']} holds {src.size} bytes, expected {src_len}")
+        return 2
     src_addr = src.ctypes.data
 
     # NIXL's progress thread stays on, so the Rust agent makes progress on our requests without us

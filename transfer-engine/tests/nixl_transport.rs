@@ -8,12 +8,12 @@
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use transfer_engine::mem::{HostBuffer, HostOptions};
+use transfer_engine::mem::{HostBuffer, HostOptions, Pool};
 use transfer_engine::transport::nixl::{NixlConfig, NixlTransport};
 use transfer_engine::transport::ucx::{self, UcxConfig, UcxTransport};
 use transfer_engine::transport::{
-    BackendKind, Done, Incoming, PeerId, Sender, Sink, Transport, TransportError, TransportStats,
-    WriteOp,
+    BackendKind, Done, Incoming, PeerId, Registration, Sender, Sink, Transport, TransportError,
+    TransportStats, WriteOp,
 };
 
 const BOUND: Duration = Duration::from_secs(10);
@@ -21,13 +21,44 @@ const BOUND: Duration = Duration::from_secs(10);
 /// What a receiver's sink saw: sender, bytes, whether the expected bytes were in place then, and when
 /// it arrived.
 type Seen = Arc<Mutex<Vec<(Sender, Vec<u8>, bool, Instant)>>>;
-/// The destination range a sink checks when a notification arrives: address, length, byte value.
-type Expect = Arc<Mutex<Option<(u64, usize, u8)>>>;
+/// The destination a sink checks when a notification arrives, and the byte every one of it must be.
+/// Cleared before the registration goes: the sink's copy would otherwise keep the receiving
+/// transport alive through the registration's handle on it.
+type Expect = Arc<Mutex<Option<(Arc<Registration>, u8)>>>;
 
 /// Whether every byte is `val` (slice comparisons, which stay fast in debug builds).
 fn all_eq(b: &[u8], val: u8) -> bool {
     let block = [val; 4096];
     b.chunks(block.len()).all(|c| c == &block[..c.len()])
+}
+
+/// Whether every byte of the registration is `val`, read by copies (peers write into it).
+fn all_bytes(reg: &Registration, val: u8) -> bool {
+    let len = reg.desc().map_or(0, |d| d.len());
+    let mut ok = true;
+    reg.read_pieces(0, len, |p| ok &= all_eq(p, val)).unwrap();
+    ok
+}
+
+fn host(len: usize) -> Pool {
+    Pool::Owned(HostBuffer::new(len, HostOptions::default()).unwrap())
+}
+
+fn prefaulted(len: usize) -> Pool {
+    let opts = HostOptions {
+        prefault: true,
+        ..Default::default()
+    };
+    Pool::Owned(HostBuffer::new(len, opts).unwrap())
+}
+
+fn nixl(name: &str, sink: Sink) -> Arc<NixlTransport> {
+    Arc::new(NixlTransport::new(config(name), sink).unwrap())
+}
+
+/// The trait object a [`Registration`] holds.
+fn dynamic<T: Transport>(t: &Arc<T>) -> Arc<dyn Transport> {
+    t.clone()
 }
 
 fn config(name: &str) -> NixlConfig {
@@ -45,20 +76,20 @@ fn recording_sink(expect: Expect) -> (Sink, Seen) {
         if let Incoming::Notification { sender, bytes } = ev {
             let at = Instant::now();
             // The check the engine relies on: when the notification is here, so are the bytes.
-            let ok = expect.lock().unwrap().is_some_and(|(addr, len, val)| {
-                // SAFETY: the tests keep the destination buffer alive until the transports are dropped.
-                let b = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
-                all_eq(b, val)
-            });
+            let ok = expect
+                .lock()
+                .unwrap()
+                .as_ref()
+                .is_some_and(|(reg, val)| all_bytes(reg, *val));
             s.lock().unwrap().push((sender, bytes.to_vec(), ok, at));
         }
     });
     (sink, seen)
 }
 
-fn receiver(name: &str, expect: Expect) -> (NixlTransport, Seen) {
+fn receiver(name: &str, expect: Expect) -> (Arc<NixlTransport>, Seen) {
     let (sink, seen) = recording_sink(expect);
-    (NixlTransport::new(config(name), sink).unwrap(), seen)
+    (nixl(name, sink), seen)
 }
 
 fn noop_sink() -> Sink {
@@ -106,31 +137,32 @@ fn mib_writes(src: transfer_engine::transport::RegionId, count: u64) -> Vec<Writ
 #[test]
 fn notification_follows_its_bytes_with_our_bytes_and_the_sender_name() {
     let len = 8 << 20;
-    let dst = HostBuffer::new(len, HostOptions::default()).unwrap();
-    let mut src = HostBuffer::new(len, HostOptions::default()).unwrap();
     let expect: Expect = Arc::default();
     let (rx_t, seen) = receiver("follow-rx", expect.clone());
-    let tx_t = NixlTransport::new(config("follow-tx"), noop_sink()).unwrap();
+    let tx_t = nixl("follow-tx", noop_sink());
     assert_eq!(tx_t.kind(), BackendKind::Nixl);
     assert_eq!(tx_t.name(), config("follow-tx").name);
-    let (_dst_id, remote) = rx_t.register(dst.desc()).unwrap();
+    let dst = Arc::new(Registration::new(&dynamic(&rx_t), host(len)).unwrap());
+    let remote = dst.remote().clone();
     assert!(remote.rkey.is_empty());
-    assert_eq!((remote.addr, remote.len), (dst.desc().addr(), len as u64));
-    let (src_id, _) = tx_t.register(src.desc()).unwrap();
+    let dst_addr = dst.desc().unwrap().addr();
+    assert_eq!((remote.addr, remote.len), (dst_addr, len as u64));
+    let src = Registration::new(&dynamic(&tx_t), host(len)).unwrap();
+    let src_id = src.id();
     // Metadata is fetched after the destination is registered: NIXL's metadata carries registrations.
     let peer = tx_t
         .connect(&rx_t.metadata().unwrap(), &[remote], 0)
         .unwrap();
 
     for round in 1..=3u8 {
-        src.as_mut_slice().fill(round);
-        *expect.lock().unwrap() = Some((dst.desc().addr(), len, round));
+        src.fill_at(0, len, round).unwrap();
+        *expect.lock().unwrap() = Some((dst.clone(), round));
         // Eight writes of 1 MiB, scattered in reverse order, then the notification: raw bytes with a
         // NUL and no prefix of ours, as a Python NIXL peer must see them.
         let mut writes = mib_writes(src_id, 8);
         writes.reverse();
         let note = vec![b'k', round, 0, b'v', 0xff];
-        post_and_wait(&tx_t, peer, writes, note.clone()).unwrap();
+        post_and_wait(&*tx_t, peer, writes, note.clone()).unwrap();
         wait_until(&format!("notification {round}"), || {
             seen.lock().unwrap().len() >= round as usize
         });
@@ -139,7 +171,8 @@ fn notification_follows_its_bytes_with_our_bytes_and_the_sender_name() {
         assert_eq!(bytes, note);
         assert!(in_place, "notification {round} arrived before its bytes");
     }
-    assert!(all_eq(dst.as_slice(), 3));
+    *expect.lock().unwrap() = None;
+    assert!(all_bytes(&dst, 3));
     assert_eq!(tx_t.stats().in_flight, 0);
     assert_eq!(tx_t.stats().bytes_posted, 3 * len as u64);
     assert_eq!(rx_t.stats().notifications, 3);
@@ -148,18 +181,17 @@ fn notification_follows_its_bytes_with_our_bytes_and_the_sender_name() {
 
 #[test]
 fn notification_only_posts() {
-    let dst = HostBuffer::new(1 << 16, HostOptions::default()).unwrap();
-    let src = HostBuffer::new(1 << 16, HostOptions::default()).unwrap();
     let (rx_t, seen) = receiver("notify-rx", Arc::default());
-    let tx_t = NixlTransport::new(config("notify-tx"), noop_sink()).unwrap();
-    let (_, remote) = rx_t.register(dst.desc()).unwrap();
-    let (src_id, _) = tx_t.register(src.desc()).unwrap();
+    let tx_t = nixl("notify-tx", noop_sink());
+    let dst = Registration::new(&dynamic(&rx_t), host(1 << 16)).unwrap();
+    let src = Registration::new(&dynamic(&tx_t), host(1 << 16)).unwrap();
+    let src_id = src.id();
     let peer = tx_t
-        .connect(&rx_t.metadata().unwrap(), &[remote], 0)
+        .connect(&rx_t.metadata().unwrap(), &[dst.remote().clone()], 0)
         .unwrap();
 
     // No writes at all: the notification goes alone (gen_notif), before any connection exists.
-    post_and_wait(&tx_t, peer, vec![], b"only\0a note".to_vec()).unwrap();
+    post_and_wait(&*tx_t, peer, vec![], b"only\0a note".to_vec()).unwrap();
     // Zero-length writes move nothing, so they too send just the notification.
     let empty = WriteOp {
         local: src_id,
@@ -168,10 +200,10 @@ fn notification_only_posts() {
         remote_offset: 0,
         len: 0,
     };
-    post_and_wait(&tx_t, peer, vec![empty, empty], b"zero-length".to_vec()).unwrap();
+    post_and_wait(&*tx_t, peer, vec![empty, empty], b"zero-length".to_vec()).unwrap();
     // Nothing to move and nothing to say: done at once, nothing sent.
-    post_and_wait(&tx_t, peer, vec![], vec![]).unwrap();
-    post_and_wait(&tx_t, peer, vec![], b"last".to_vec()).unwrap();
+    post_and_wait(&*tx_t, peer, vec![], vec![]).unwrap();
+    post_and_wait(&*tx_t, peer, vec![], b"last".to_vec()).unwrap();
 
     wait_until("three notifications", || seen.lock().unwrap().len() >= 3);
     let got: Vec<(Sender, Vec<u8>)> = seen
@@ -191,19 +223,18 @@ fn notification_only_posts() {
     );
     assert_eq!(tx_t.stats().bytes_posted, 0);
     assert_eq!(tx_t.stats().in_flight, 0);
-    assert!(all_eq(dst.as_slice(), 0));
+    assert!(all_bytes(&dst, 0));
 }
 
 #[test]
 fn bad_writes_are_refused_before_posting() {
-    let dst = HostBuffer::new(1 << 16, HostOptions::default()).unwrap();
-    let src = HostBuffer::new(1 << 16, HostOptions::default()).unwrap();
     let (rx_t, seen) = receiver("bad-rx", Arc::default());
-    let tx_t = NixlTransport::new(config("bad-tx"), noop_sink()).unwrap();
-    let (_, remote) = rx_t.register(dst.desc()).unwrap();
-    let (src_id, _) = tx_t.register(src.desc()).unwrap();
+    let tx_t = nixl("bad-tx", noop_sink());
+    let dst = Registration::new(&dynamic(&rx_t), host(1 << 16)).unwrap();
+    let src = Registration::new(&dynamic(&tx_t), host(1 << 16)).unwrap();
+    let src_id = src.id();
     let peer = tx_t
-        .connect(&rx_t.metadata().unwrap(), &[remote], 0)
+        .connect(&rx_t.metadata().unwrap(), &[dst.remote().clone()], 0)
         .unwrap();
     let good = WriteOp {
         local: src_id,
@@ -241,7 +272,7 @@ fn bad_writes_are_refused_before_posting() {
     ];
     for w in bad {
         // A good write ahead of the bad one must not go out either.
-        let res = post_and_wait(&tx_t, peer, vec![good, w], vec![1]);
+        let res = post_and_wait(&*tx_t, peer, vec![good, w], vec![1]);
         assert!(
             matches!(res, Err(TransportError::OutOfBounds(_))),
             "{w:?}: {res:?}"
@@ -249,7 +280,7 @@ fn bad_writes_are_refused_before_posting() {
     }
     let unknown = transfer_engine::transport::RegionId(9999);
     let res = post_and_wait(
-        &tx_t,
+        &*tx_t,
         peer,
         vec![WriteOp {
             local: unknown,
@@ -258,13 +289,13 @@ fn bad_writes_are_refused_before_posting() {
         vec![1],
     );
     assert_eq!(res, Err(TransportError::UnknownRegion(unknown)));
-    let res = post_and_wait(&tx_t, PeerId(9999), vec![good], vec![1]);
+    let res = post_and_wait(&*tx_t, PeerId(9999), vec![good], vec![1]);
     assert_eq!(res, Err(TransportError::UnknownPeer(PeerId(9999))));
     assert_eq!(tx_t.stats().bytes_posted, 0);
     assert_eq!(tx_t.stats().in_flight, 0);
 
     // A marker sent after the refused posts arrives alone: none of them sent anything.
-    post_and_wait(&tx_t, peer, vec![], b"marker".to_vec()).unwrap();
+    post_and_wait(&*tx_t, peer, vec![], b"marker".to_vec()).unwrap();
     wait_until("the marker", || !seen.lock().unwrap().is_empty());
     let got: Vec<Vec<u8>> = seen
         .lock()
@@ -277,14 +308,13 @@ fn bad_writes_are_refused_before_posting() {
         vec![b"marker".to_vec()],
         "a refused post still sent its notification"
     );
-    assert!(all_eq(dst.as_slice(), 0), "a refused post still wrote");
+    assert!(all_bytes(&dst, 0), "a refused post still wrote");
 }
 
 #[test]
 fn garbage_metadata_is_a_typed_error() {
-    let dst = HostBuffer::new(1 << 16, HostOptions::default()).unwrap();
     let (rx_t, _) = receiver("garbage-rx", Arc::default());
-    let tx_t = NixlTransport::new(config("garbage-tx"), noop_sink()).unwrap();
+    let tx_t = nixl("garbage-tx", noop_sink());
     let res = tx_t.connect(b"this is not NIXL metadata", &[], 0);
     assert!(
         matches!(res, Err(TransportError::BadMetadata(_))),
@@ -299,7 +329,8 @@ fn garbage_metadata_is_a_typed_error() {
     // Metadata fetched before the region was registered does not cover it: refused at connect, not at
     // the first write.
     let early = rx_t.metadata().unwrap();
-    let (dst_id, remote) = rx_t.register(dst.desc()).unwrap();
+    let dst = Registration::new(&dynamic(&rx_t), host(1 << 16)).unwrap();
+    let remote = dst.remote().clone();
     let res = tx_t.connect(&early, std::slice::from_ref(&remote), 0);
     assert!(
         matches!(res, Err(TransportError::BadMetadata(_))),
@@ -319,22 +350,22 @@ fn garbage_metadata_is_a_typed_error() {
     assert_eq!(tx_t.stats().peers, 1);
     tx_t.disconnect(peer);
     wait_until("disconnect", || tx_t.stats().peers == 0);
-    let res = post_and_wait(&tx_t, peer, vec![], b"x".to_vec());
+    let res = post_and_wait(&*tx_t, peer, vec![], b"x".to_vec());
     assert_eq!(res, Err(TransportError::UnknownPeer(peer)));
-    rx_t.deregister(dst_id).unwrap();
+    dst.into_inner().unwrap();
 }
 
 #[test]
 fn deregistration_waits_for_in_flight_writes_and_counters_return_to_baseline() {
     let len = 64 << 20;
-    let dst = HostBuffer::new(len, HostOptions::default()).unwrap();
-    let src = HostBuffer::new(len, HostOptions::default()).unwrap();
     let (rx_t, seen) = receiver("dereg-rx", Arc::default());
-    let tx_t = NixlTransport::new(config("dereg-tx"), noop_sink()).unwrap();
+    let tx_t = nixl("dereg-tx", noop_sink());
     let baseline = TransportStats::default();
     assert_eq!(tx_t.stats(), baseline);
-    let (dst_id, remote) = rx_t.register(dst.desc()).unwrap();
-    let (src_id, _) = tx_t.register(src.desc()).unwrap();
+    let dst = Registration::new(&dynamic(&rx_t), host(len)).unwrap();
+    let remote = dst.remote().clone();
+    let src = Registration::new(&dynamic(&tx_t), host(len)).unwrap();
+    let src_id = src.id();
     assert_eq!(tx_t.stats().registered_bytes, len as u64);
     assert_eq!(tx_t.stats().regions, 1);
     let peer = tx_t
@@ -353,8 +384,9 @@ fn deregistration_waits_for_in_flight_writes_and_counters_return_to_baseline() {
         tx_t.post(peer, vec![w], vec![i], done);
         rxs.push(rx);
     }
-    // Returns only once the writes from it are over, and their Done callbacks ran first.
-    tx_t.deregister(src_id).unwrap();
+    // Returns only once the writes from it are over, and their Done callbacks ran first
+    // (`into_inner` is the transport's deregister, then hands the memory back).
+    let _src = src.into_inner().unwrap();
     for rx in rxs {
         rx.try_recv()
             .expect("deregister returned before a write from it was over")
@@ -366,7 +398,7 @@ fn deregistration_waits_for_in_flight_writes_and_counters_return_to_baseline() {
     ));
     wait_until("four notifications", || seen.lock().unwrap().len() == 4);
     tx_t.disconnect(peer);
-    rx_t.deregister(dst_id).unwrap();
+    let _dst = dst.into_inner().unwrap();
     wait_until("disconnect", || tx_t.stats().peers == 0);
     let after = TransportStats {
         bytes_posted: 0,
@@ -387,8 +419,6 @@ fn deregistration_waits_for_in_flight_writes_and_counters_return_to_baseline() {
 #[test]
 fn a_failed_peer_is_reported_once_and_refused_after() {
     let len = 1 << 20;
-    let dst = HostBuffer::new(len, HostOptions::default()).unwrap();
-    let src = HostBuffer::new(len, HostOptions::default()).unwrap();
     let failures = Arc::new(Mutex::new(Vec::new()));
     let f = failures.clone();
     let sink: Sink = Arc::new(move |ev| {
@@ -397,19 +427,22 @@ fn a_failed_peer_is_reported_once_and_refused_after() {
         }
     });
     let (rx_t, _) = receiver("fail-rx", Arc::default());
-    let tx_t = NixlTransport::new(config("fail-tx"), sink).unwrap();
-    let (_, remote) = rx_t.register(dst.desc()).unwrap();
-    let (src_id, _) = tx_t.register(src.desc()).unwrap();
+    let tx_t = nixl("fail-tx", sink);
+    let mut dst = Registration::new(&dynamic(&rx_t), host(len)).unwrap();
+    let src = Registration::new(&dynamic(&tx_t), host(len)).unwrap();
+    let src_id = src.id();
     let peer = tx_t
-        .connect(&rx_t.metadata().unwrap(), &[remote], 0)
+        .connect(&rx_t.metadata().unwrap(), &[dst.remote().clone()], 0)
         .unwrap();
-    post_and_wait(&tx_t, peer, mib_writes(src_id, 1), b"alive".to_vec()).unwrap();
+    post_and_wait(&*tx_t, peer, mib_writes(src_id, 1), b"alive".to_vec()).unwrap();
 
-    // The peer's agent goes away (its memory stays, so nothing we write can land on freed memory).
+    // The peer's agent goes away (its memory stays, so nothing we write can land on freed memory:
+    // a shut-down agent cannot confirm that deregistration, so the registration leaks it).
+    dst.leak_on_drop();
     rx_t.shutdown();
     let deadline = Instant::now() + BOUND;
     let first = loop {
-        match post_and_wait(&tx_t, peer, mib_writes(src_id, 1), b"anyone?".to_vec()) {
+        match post_and_wait(&*tx_t, peer, mib_writes(src_id, 1), b"anyone?".to_vec()) {
             Ok(()) => assert!(
                 Instant::now() < deadline,
                 "posts to a dead peer keep succeeding"
@@ -418,12 +451,12 @@ fn a_failed_peer_is_reported_once_and_refused_after() {
         }
     };
     assert!(matches!(first, TransportError::Library { .. }), "{first:?}");
-    let res = post_and_wait(&tx_t, peer, mib_writes(src_id, 1), b"again".to_vec());
+    let res = post_and_wait(&*tx_t, peer, mib_writes(src_id, 1), b"again".to_vec());
     assert!(
         matches!(res, Err(TransportError::PeerFailed { peer: p, .. }) if p == peer),
         "{res:?}"
     );
-    let res = post_and_wait(&tx_t, peer, vec![], b"note".to_vec());
+    let res = post_and_wait(&*tx_t, peer, vec![], b"note".to_vec());
     assert!(
         matches!(res, Err(TransportError::PeerFailed { .. })),
         "{res:?}"
@@ -439,36 +472,23 @@ fn a_failed_peer_is_reported_once_and_refused_after() {
 /// Moves `len` bytes in 1 MiB writes plus one notification from `tx` to `rx`, `rounds` times; returns
 /// the fastest round (post to notification seen).
 fn move_bytes(
-    tx: &dyn Transport,
-    rx: &dyn Transport,
+    tx: &Arc<dyn Transport>,
+    rx: &Arc<dyn Transport>,
     seen: &Seen,
     expect: &Expect,
     len: usize,
     rounds: u8,
 ) -> Duration {
-    let dst = HostBuffer::new(
-        len,
-        HostOptions {
-            prefault: true,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    let mut src = HostBuffer::new(
-        len,
-        HostOptions {
-            prefault: true,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    let (dst_id, remote) = rx.register(dst.desc()).unwrap();
-    let (src_id, _) = tx.register(src.desc()).unwrap();
-    let peer = tx.connect(&rx.metadata().unwrap(), &[remote], 7).unwrap();
+    let dst = Arc::new(Registration::new(rx, prefaulted(len)).unwrap());
+    let src = Registration::new(tx, prefaulted(len)).unwrap();
+    let src_id = src.id();
+    let peer = tx
+        .connect(&rx.metadata().unwrap(), &[dst.remote().clone()], 7)
+        .unwrap();
     let mut best = Duration::MAX;
     for round in 1..=rounds {
-        src.as_mut_slice().fill(round);
-        *expect.lock().unwrap() = Some((dst.desc().addr(), len, round));
+        src.fill_at(0, len, round).unwrap();
+        *expect.lock().unwrap() = Some((dst.clone(), round));
         let before = seen.lock().unwrap().len();
         let start = Instant::now();
         let (done, done_rx) = wait_done();
@@ -489,10 +509,11 @@ fn move_bytes(
             tx.kind()
         );
     }
-    assert!(all_eq(dst.as_slice(), rounds));
+    *expect.lock().unwrap() = None;
+    assert!(all_bytes(&dst, rounds));
     tx.disconnect(peer);
-    tx.deregister(src_id).unwrap();
-    rx.deregister(dst_id).unwrap();
+    src.into_inner().unwrap();
+    Arc::into_inner(dst).unwrap().into_inner().unwrap();
     best
 }
 
@@ -502,11 +523,14 @@ fn ucx_and_nixl_transports_share_one_ucx_library() {
     // UCX first, then NIXL's UCX plugin: NixlTransport::new itself refuses a second libucp.
     let ucx_expect: Expect = Arc::default();
     let (ucx_sink, ucx_seen) = recording_sink(ucx_expect.clone());
-    let ucx_rx = UcxTransport::new(UcxConfig::default(), ucx_sink).unwrap();
-    let ucx_tx = UcxTransport::new(UcxConfig::default(), noop_sink()).unwrap();
+    let ucx_rx: Arc<dyn Transport> =
+        Arc::new(UcxTransport::new(UcxConfig::default(), ucx_sink).unwrap());
+    let ucx_tx: Arc<dyn Transport> =
+        Arc::new(UcxTransport::new(UcxConfig::default(), noop_sink()).unwrap());
     let nixl_expect: Expect = Arc::default();
     let (nixl_rx, nixl_seen) = receiver("shared-rx", nixl_expect.clone());
-    let nixl_tx = NixlTransport::new(config("shared-tx"), noop_sink()).unwrap();
+    let nixl_tx = nixl("shared-tx", noop_sink());
+    let (nixl_rx, nixl_tx) = (dynamic(&nixl_rx), dynamic(&nixl_tx));
     let libs = ucx::loaded_ucp_libraries();
     assert_eq!(libs.len(), 1, "{libs:?}");
     ucx::check_single_ucx().unwrap();
@@ -533,19 +557,19 @@ fn ucx_and_nixl_transports_share_one_ucx_library() {
 
 #[test]
 fn two_peer_ids_for_one_agent_are_independent() {
-    let dst = HostBuffer::new(2 << 20, HostOptions::default()).unwrap();
-    let mut src = HostBuffer::new(2 << 20, HostOptions::default()).unwrap();
-    src.as_mut_slice().fill(9);
     let (rx_t, seen) = receiver("twice-rx", Arc::default());
-    let tx_t = NixlTransport::new(config("twice-tx"), noop_sink()).unwrap();
-    let (_, remote) = rx_t.register(dst.desc()).unwrap();
-    let (src_id, _) = tx_t.register(src.desc()).unwrap();
+    let tx_t = nixl("twice-tx", noop_sink());
+    let dst = Registration::new(&dynamic(&rx_t), host(2 << 20)).unwrap();
+    let remote = dst.remote().clone();
+    let src = Registration::new(&dynamic(&tx_t), host(2 << 20)).unwrap();
+    src.fill_at(0, 2 << 20, 9).unwrap();
+    let src_id = src.id();
     let md = rx_t.metadata().unwrap();
     let a = tx_t.connect(&md, std::slice::from_ref(&remote), 0).unwrap();
     let b = tx_t.connect(&md, &[remote], 0).unwrap();
     assert_ne!(a, b);
     assert_eq!(tx_t.stats().peers, 2);
-    post_and_wait(&tx_t, a, mib_writes(src_id, 1), b"a".to_vec()).unwrap();
+    post_and_wait(&*tx_t, a, mib_writes(src_id, 1), b"a".to_vec()).unwrap();
     // Forgetting one id keeps the agent's metadata for the other.
     tx_t.disconnect(a);
     wait_until("disconnect", || tx_t.stats().peers == 1);
@@ -556,9 +580,9 @@ fn two_peer_ids_for_one_agent_are_independent() {
         remote_offset: 1 << 20,
         len: 1 << 20,
     };
-    post_and_wait(&tx_t, b, vec![w], b"b".to_vec()).unwrap();
+    post_and_wait(&*tx_t, b, vec![w], b"b".to_vec()).unwrap();
     wait_until("two notifications", || seen.lock().unwrap().len() == 2);
-    assert!(all_eq(dst.as_slice(), 9));
+    assert!(all_bytes(&dst, 9));
     tx_t.disconnect(b);
     wait_until("disconnect", || tx_t.stats().peers == 0);
 }

@@ -4,33 +4,54 @@
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use transfer_engine::mem::{HostBuffer, HostOptions};
+use transfer_engine::mem::{HostBuffer, HostOptions, Pool};
 use transfer_engine::transport::ucx::{UcxConfig, UcxTransport};
 use transfer_engine::transport::{
-    Done, Incoming, Sender, Sink, Transport, TransportError, WriteOp,
+    Done, Incoming, Registration, Sender, Sink, Transport, TransportError, WriteOp,
 };
 
 const BOUND: Duration = Duration::from_secs(10);
 
 type Seen = Arc<Mutex<Vec<(Sender, Vec<u8>, bool)>>>;
+/// The destination a sink checks when a notification arrives, and the byte every one of it must be.
+/// Cleared before the registration is dropped: the sink's copy would otherwise keep the receiving
+/// transport alive through the registration's handle on it.
+type Expect = Arc<Mutex<Option<(Arc<Registration>, u8)>>>;
+
+/// Whether every byte of the registration is `val`, read by copies (peers write into it).
+fn all_bytes(reg: &Registration, val: u8) -> bool {
+    let len = reg.desc().map_or(0, |d| d.len());
+    let mut ok = true;
+    reg.read_pieces(0, len, |p| ok &= p.iter().all(|&b| b == val))
+        .unwrap();
+    ok
+}
+
+fn transport(sink: Sink) -> Arc<dyn Transport> {
+    Arc::new(UcxTransport::new(UcxConfig::default(), sink).unwrap())
+}
+
+fn host(len: usize) -> Pool {
+    Pool::Owned(HostBuffer::new(len, HostOptions::default()).unwrap())
+}
 
 /// A receiving transport whose sink records each notification and whether the bytes were already
 /// in place when it arrived.
-fn receiver(dst: Arc<Mutex<Option<(u64, usize, u8)>>>) -> (UcxTransport, Seen) {
+fn receiver(dst: Expect) -> (Arc<dyn Transport>, Seen) {
     let seen: Seen = Arc::default();
     let s = seen.clone();
     let sink: Sink = Arc::new(move |ev| {
         if let Incoming::Notification { sender, bytes } = ev {
             // The check the engine relies on: when the notification is here, so are the bytes.
-            let ok = dst.lock().unwrap().is_some_and(|(addr, len, val)| {
-                // SAFETY: the test keeps the destination buffer alive until the transports are dropped.
-                let b = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
-                b.iter().all(|&x| x == val)
-            });
+            let ok = dst
+                .lock()
+                .unwrap()
+                .as_ref()
+                .is_some_and(|(reg, val)| all_bytes(reg, *val));
             s.lock().unwrap().push((sender, bytes.to_vec(), ok));
         }
     });
-    (UcxTransport::new(UcxConfig::default(), sink).unwrap(), seen)
+    (transport(sink), seen)
 }
 
 fn noop_sink() -> Sink {
@@ -45,20 +66,19 @@ fn wait_done() -> (Done, std::sync::mpsc::Receiver<Result<(), TransportError>>) 
 #[test]
 fn notification_follows_its_bytes() {
     let len = 8 << 20;
-    let mut dst = HostBuffer::new(len, HostOptions::default()).unwrap();
-    let mut src = HostBuffer::new(len, HostOptions::default()).unwrap();
-    let expect = Arc::new(Mutex::new(None));
+    let expect: Expect = Arc::default();
     let (rx_t, seen) = receiver(expect.clone());
-    let tx_t = UcxTransport::new(UcxConfig::default(), noop_sink()).unwrap();
-    let (_dst_id, remote) = rx_t.register(dst.desc()).unwrap();
-    let (src_id, _) = tx_t.register(src.desc()).unwrap();
+    let tx_t = transport(noop_sink());
+    let dst = Arc::new(Registration::new(&rx_t, host(len)).unwrap());
+    let src = Registration::new(&tx_t, host(len)).unwrap();
+    let src_id = src.id();
     let peer = tx_t
-        .connect(&rx_t.metadata().unwrap(), &[remote], 0xfeed)
+        .connect(&rx_t.metadata().unwrap(), &[dst.remote().clone()], 0xfeed)
         .unwrap();
 
     for round in 1..=3u8 {
-        src.as_mut_slice().fill(round);
-        *expect.lock().unwrap() = Some((dst.desc().addr(), len, round));
+        src.fill_at(0, len, round).unwrap();
+        *expect.lock().unwrap() = Some((dst.clone(), round));
         // Eight writes of 1 MiB, scattered in reverse order, then the notification.
         let writes: Vec<WriteOp> = (0..8u64)
             .rev()
@@ -86,21 +106,21 @@ fn notification_follows_its_bytes() {
         assert_eq!(bytes, vec![round; 5]);
         assert!(in_place, "notification {round} arrived before its bytes");
     }
-    assert!(dst.as_mut_slice().iter().all(|&b| b == 3));
+    *expect.lock().unwrap() = None;
+    assert!(all_bytes(&dst, 3));
     assert_eq!(tx_t.stats().in_flight, 0);
     assert_eq!(tx_t.stats().bytes_posted, 3 * len as u64);
 }
 
 #[test]
 fn bad_writes_are_refused_before_posting() {
-    let mut dst = HostBuffer::new(1 << 16, HostOptions::default()).unwrap();
-    let src = HostBuffer::new(1 << 16, HostOptions::default()).unwrap();
     let (rx_t, seen) = receiver(Arc::default());
-    let tx_t = UcxTransport::new(UcxConfig::default(), noop_sink()).unwrap();
-    let (_, remote) = rx_t.register(dst.desc()).unwrap();
-    let (src_id, _) = tx_t.register(src.desc()).unwrap();
+    let tx_t = transport(noop_sink());
+    let dst = Registration::new(&rx_t, host(1 << 16)).unwrap();
+    let src = Registration::new(&tx_t, host(1 << 16)).unwrap();
+    let src_id = src.id();
     let peer = tx_t
-        .connect(&rx_t.metadata().unwrap(), &[remote], 1)
+        .connect(&rx_t.metadata().unwrap(), &[dst.remote().clone()], 1)
         .unwrap();
     let bad = [
         WriteOp {
@@ -147,22 +167,21 @@ fn bad_writes_are_refused_before_posting() {
         seen.lock().unwrap().is_empty(),
         "a refused post still sent its notification"
     );
-    assert!(dst.as_mut_slice().iter().all(|&b| b == 0));
+    assert!(all_bytes(&dst, 0));
     assert!(rx_t.connect(b"", &[], 0).is_err());
 }
 
 #[test]
 fn deregistration_waits_for_in_flight_writes_and_counters_return_to_baseline() {
     let len = 64 << 20;
-    let dst = HostBuffer::new(len, HostOptions::default()).unwrap();
-    let src = HostBuffer::new(len, HostOptions::default()).unwrap();
     let (rx_t, _seen) = receiver(Arc::default());
-    let tx_t = UcxTransport::new(UcxConfig::default(), noop_sink()).unwrap();
-    let (dst_id, remote) = rx_t.register(dst.desc()).unwrap();
-    let (src_id, _) = tx_t.register(src.desc()).unwrap();
+    let tx_t = transport(noop_sink());
+    let dst = Registration::new(&rx_t, host(len)).unwrap();
+    let src = Registration::new(&tx_t, host(len)).unwrap();
+    let (dst_id, src_id) = (dst.id(), src.id());
     assert_eq!(tx_t.stats().registered_bytes, len as u64);
     let peer = tx_t
-        .connect(&rx_t.metadata().unwrap(), &[remote], 1)
+        .connect(&rx_t.metadata().unwrap(), &[dst.remote().clone()], 1)
         .unwrap();
     let mut rxs = Vec::new();
     for _ in 0..4 {
@@ -181,8 +200,9 @@ fn deregistration_waits_for_in_flight_writes_and_counters_return_to_baseline() {
         );
         rxs.push(rx);
     }
-    // Returns only once the writes from it are over.
-    tx_t.deregister(src_id).unwrap();
+    // Returns only once the writes from it are over (`into_inner` is the transport's deregister,
+    // then hands the memory back).
+    let _src = src.into_inner().unwrap();
     for rx in rxs {
         // Each post finished before (or as) the region went away, never after.
         rx.try_recv()
@@ -192,8 +212,12 @@ fn deregistration_waits_for_in_flight_writes_and_counters_return_to_baseline() {
     assert_eq!(tx_t.stats().regions, 0);
     assert_eq!(tx_t.stats().registered_bytes, 0);
     assert_eq!(tx_t.stats().in_flight, 0);
+    assert!(matches!(
+        tx_t.deregister(src_id),
+        Err(TransportError::UnknownRegion(_))
+    ));
     tx_t.disconnect(peer);
-    rx_t.deregister(dst_id).unwrap();
+    let _dst = dst.into_inner().unwrap();
     assert!(matches!(
         rx_t.deregister(dst_id),
         Err(TransportError::UnknownRegion(_))

@@ -1,6 +1,7 @@
 //! A seeded fault-injecting [`Transport`] for tests: [`FaultTransport`] wraps a real transport, lets it
 //! move the bytes, and on the way drops, duplicates, reorders, delays or corrupts incoming
-//! notifications, and fails, stalls or strips outgoing posts, as a [`FaultPlan`] says.
+//! notifications, and fails, stalls or strips outgoing posts (of their notification, or of one of
+//! their writes), as a [`FaultPlan`] says.
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -211,6 +212,14 @@ pub enum SendFault {
     /// Post the writes but not the notification: the `Done` gets the writes' result. The same empty
     /// record as for [`SendFault::Stuck`] reaches a UCX receiver.
     DropNotification,
+    /// Post the notification and every write but write number `index` (in the post's order; nothing
+    /// is dropped from a post with fewer writes): the receiver is told a chunk is in place while part
+    /// of it never left, as a lost write would look. The `Done` gets the other writes' result. Only a
+    /// checksum or a check of the bytes can tell.
+    DropWrite {
+        /// Which write of the post to drop, from 0.
+        index: u32,
+    },
 }
 
 /// One fault, when it applies, and how often.
@@ -318,6 +327,8 @@ pub struct FaultCounters {
     pub released_stuck: u64,
     /// Posts whose notification was dropped by [`SendFault::DropNotification`].
     pub dropped_notifications: u64,
+    /// Writes dropped by [`SendFault::DropWrite`].
+    pub dropped_writes: u64,
 }
 
 struct Armed<F> {
@@ -820,7 +831,7 @@ impl Transport for FaultTransport {
         self.inner.disconnect(peer);
     }
 
-    fn post(&self, peer: PeerId, writes: Vec<WriteOp>, notification: Vec<u8>, done: Done) {
+    fn post(&self, peer: PeerId, mut writes: Vec<WriteOp>, notification: Vec<u8>, done: Done) {
         let n = decode_chunk(&notification);
         let fault = {
             let mut st = self.shared.lock();
@@ -834,12 +845,22 @@ impl Transport for FaultTransport {
                 }
                 Some(SendFault::DropNotification) => st.counters.dropped_notifications += 1,
                 Some(SendFault::Stuck) => st.counters.stuck += 1,
+                Some(SendFault::DropWrite { index }) => {
+                    if let Ok(i) = usize::try_from(index)
+                        && i < writes.len()
+                    {
+                        writes.remove(i);
+                        st.counters.dropped_writes += 1;
+                    }
+                }
                 None => {}
             }
             fault
         };
         match fault {
-            None => self.inner.post(peer, writes, notification, done),
+            None | Some(SendFault::DropWrite { .. }) => {
+                self.inner.post(peer, writes, notification, done)
+            }
             Some(SendFault::DropNotification) => self.inner.post(peer, writes, Vec::new(), done),
             Some(SendFault::FailPost) => {
                 let shared = self.shared.clone();

@@ -438,8 +438,16 @@ pub async fn run_workload(
         &on,
     )
     .await?;
+    // Frees decode's pool only once every rank confirmed its writes are over.
+    let closed = cluster.decode.clone().shutdown(SHUTDOWN).await;
+    if !closed.pool_freed {
+        eprintln!("kvbench: decode pool leaked, ranks did not confirm shutdown: {closed:?}");
+    }
     Ok(tally.report(w, backend))
 }
+
+/// How long a finished run waits for every rank to confirm that its writes are over.
+pub const SHUTDOWN: Duration = Duration::from_secs(10);
 
 #[allow(clippy::too_many_arguments)] // one request's whole description, passed to a spawned task
 async fn one_request(

@@ -14,10 +14,14 @@ use std::time::{Duration, Instant};
 use transfer_engine::core::planner::{KvLayout, PpSplit};
 use transfer_engine::core::{FailureCode, RequestId};
 use transfer_engine::engine::{
-    BackendConfig, DecodeConfig, DecodeEngine, Outcome, Pool, PrefillConfig, PrefillEngine,
+    BackendConfig, DecodeConfig, DecodeEngine, EngineError, Outcome, Pool, PrefillConfig,
+    PrefillEngine,
 };
 use transfer_engine::mem::{HostBuffer, HostOptions};
 use transfer_engine::transport::BackendKind;
+
+/// How long a request waits for its slot's quarantined pages before the run gives up.
+const QUARANTINE_WAIT: Duration = Duration::from_secs(60);
 
 /// Set in the id of every request the decode process will check: a prefill process learns nothing
 /// else about a request, and writes the pattern (which costs as much as the transfer) only for
@@ -96,16 +100,28 @@ pub async fn run_decode(
         |i, checked| RequestId((i + 1) | if checked { CHECKED_REQUEST } else { 0 }),
         |request, slot| {
             let t0 = Instant::now();
-            let fut = decode
-                .expect(
-                    request,
-                    w.prompt_tokens,
-                    w.chunk_tokens,
-                    w.dst_pages(slot),
-                    w.request_timeout,
-                )
-                .map_err(|e| e.to_string())?;
+            let decode = decode.clone();
+            let dst = w.dst_pages(slot);
+            let (prompt, chunk, timeout) = (w.prompt_tokens, w.chunk_tokens, w.request_timeout);
             Ok(async move {
+                // A slot whose last request failed without every rank's confirmation is quarantined:
+                // wait (bounded) until its pages are released rather than fail the run.
+                let fut = loop {
+                    match decode.expect(request, prompt, chunk, dst.clone(), timeout) {
+                        Err(EngineError::PageHeld { by, .. }) => {
+                            eprintln!(
+                                "kvbench decode: waiting for quarantined pages of request {}",
+                                by.0
+                            );
+                            tokio::time::timeout(QUARANTINE_WAIT, decode.released(by))
+                                .await
+                                .map_err(|_| {
+                                    format!("pages of request {} stayed quarantined", by.0)
+                                })?;
+                        }
+                        other => break other.map_err(|e| e.to_string())?,
+                    }
+                };
                 let outcome = fut.await;
                 Ok(Ran {
                     outcome,
@@ -129,6 +145,14 @@ pub async fn run_decode(
         &on,
     )
     .await?;
+    let closed = decode
+        .as_ref()
+        .clone()
+        .shutdown(crate::bench::SHUTDOWN)
+        .await;
+    if !closed.pool_freed {
+        eprintln!("kvbench decode: pool leaked, ranks did not confirm shutdown: {closed:?}");
+    }
     let mut report = tally.report(w, backend);
     report.baseline = "none (multi-process)".into();
     Ok(report)

@@ -624,23 +624,18 @@ async fn wrong_or_missing_token_is_rejected_and_binds_nothing() {
             .err()
             .unwrap_or_else(|| panic!("a prefill with a {what} token started"));
         let msg = e.to_string();
-        // Decode refuses it (or, when the prefill holds a token too, either side may refuse first).
+        // Each side checks the other's proof of the secret, so the prefill refuses decode's too.
         assert!(
             matches!(
                 e,
-                EngineError::Control(
-                    ControlError::PeerRejected {
-                        reason: RejectReason::BadToken,
-                        ..
-                    } | ControlError::RejectedPeer {
-                        reason: RejectReason::BadToken,
-                        ..
-                    }
-                )
+                EngineError::Control(ControlError::RejectedPeer {
+                    reason: RejectReason::AuthFailed,
+                    ..
+                })
             ),
             "{what} token: {e:?}"
         );
-        assert!(msg.contains("token"), "{what} token: {msg}");
+        assert!(msg.contains("authentication"), "{what} token: {msg}");
         assert!(
             t.elapsed() < Duration::from_secs(3),
             "rejection took {:?}",

@@ -4,7 +4,7 @@
 //! around a real `UcxTransport`. Every wait is bounded.
 #![allow(clippy::unwrap_used)]
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
@@ -35,9 +35,9 @@ const BOUND: Duration = Duration::from_secs(10);
 const LONG: Duration = Duration::from_secs(20);
 
 /// The tests read the process-wide leak counter, so they run one at a time.
-fn serial() -> MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+async fn serial() -> tokio::sync::MutexGuard<'static, ()> {
+    static LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    LOCK.lock().await
 }
 
 fn layout() -> KvLayout {
@@ -118,7 +118,7 @@ async fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unauthenticated_client_gets_only_a_challenge_and_a_wrong_secret_binds_nothing() {
-    let _s = serial();
+    let _s = serial().await;
     let d = decode(Some(SECRET), 1).await;
     // A raw TCP client that says nothing.
     let mut raw = TcpStream::connect(d.local_addr()).await.unwrap();
@@ -147,8 +147,7 @@ async fn an_unauthenticated_client_gets_only_a_challenge_and_a_wrong_secret_bind
     for secret in [Some(&b"not the secret"[..]), None] {
         let e = prefill(&d, secret)
             .await
-            .err()
-            .expect("a prefill without the secret started");
+            .expect_err("a prefill without the secret started");
         match &e {
             EngineError::Control(c) => assert!(c.is_auth_failure(), "{e:?}"),
             other => panic!("{other:?}"),
@@ -170,7 +169,7 @@ async fn an_unauthenticated_client_gets_only_a_challenge_and_a_wrong_secret_bind
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sender_is_bound_once() {
-    let _s = serial();
+    let _s = serial().await;
     let d = decode(None, 2).await;
     d.bind_external_rank(0, Sender::Key(5), &layout()).unwrap();
     match d.bind_external_rank(1, Sender::Key(5), &layout()) {
@@ -187,7 +186,7 @@ async fn a_sender_is_bound_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decode_layout_that_the_hello_cannot_describe_is_refused() {
-    let _s = serial();
+    let _s = serial().await;
     let mut l = layout();
     l.base_offset = 4096;
     l.buffer_len += 4096;
@@ -202,7 +201,7 @@ async fn a_decode_layout_that_the_hello_cannot_describe_is_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_pool_is_freed_only_once_every_rank_confirmed_and_leaked_otherwise() {
-    let _s = serial();
+    let _s = serial().await;
     // A clean shutdown: the rank confirms with its Close, the pool is freed, nothing is leaked.
     let d = decode(Some(SECRET), 1).await;
     let (p, _t) = prefill(&d, Some(SECRET)).await.unwrap();
@@ -264,7 +263,7 @@ async fn the_pool_is_freed_only_once_every_rank_confirmed_and_leaked_otherwise()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pages_whose_ranks_do_not_confirm_are_quarantined_until_they_do() {
-    let _s = serial();
+    let _s = serial().await;
     let d = decode(Some(SECRET), 1).await;
     let (p, t) = prefill(&d, Some(SECRET)).await.unwrap();
     d.wait_for_ranks(BOUND).await.unwrap();
@@ -310,7 +309,7 @@ async fn pages_whose_ranks_do_not_confirm_are_quarantined_until_they_do() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rank_votes_only_once_none_of_its_chunks_is_posted() {
-    let _s = serial();
+    let _s = serial().await;
     let d = decode(Some(SECRET), 1).await;
     let (p, t) = prefill(&d, Some(SECRET)).await.unwrap();
     d.wait_for_ranks(BOUND).await.unwrap();

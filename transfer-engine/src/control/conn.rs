@@ -103,7 +103,7 @@ pub enum ControlError {
         got: MsgKind,
     },
     /// The peer refused our Hello.
-    #[error("{peer} rejected our hello: {reason}")]
+    #[error("{peer} refused us during the handshake: {reason}")]
     PeerRejected {
         /// The peer.
         peer: SocketAddr,
@@ -111,7 +111,7 @@ pub enum ControlError {
         reason: RejectReason,
     },
     /// We refused the peer's Hello (and told it why).
-    #[error("rejected the hello of {peer}: {reason}")]
+    #[error("refused {peer} during the handshake: {reason}")]
     RejectedPeer {
         /// The peer.
         peer: SocketAddr,

@@ -514,12 +514,16 @@ async fn stuck_transfer_times_out_and_its_late_notification_changes_nothing() {
     assert!(!stuck_sender.is_finished());
     assert_eq!(f.prefill[3].stuck(), 1);
     assert_eq!(f.c.prefill[3].transport_stats().in_flight, 1);
-    // The abort decode sent on the timeout decides B on every rank, stuck or not.
+    // Rank 3 cannot vote while its write is posted (a vote means "this rank's writes are over"), so
+    // no rank has decided B: every rank keeps B's source pages.
     for pr in &f.c.prefill {
-        let d = tokio::time::timeout(BOUND, pr.decided(B))
-            .await
-            .expect("B undecided while stuck");
-        assert!(matches!(d, Decision::Failed { .. }), "{d:?}");
+        assert!(
+            tokio::time::timeout(Duration::from_millis(200), pr.decided(B))
+                .await
+                .is_err(),
+            "B decided on rank {} while rank 3's write was still posted",
+            pr.pp_rank()
+        );
     }
     assert!(futures::FutureExt::now_or_never(&mut p.b).is_none());
     let late = f.c.decode.tracker_counters().late;
@@ -529,7 +533,15 @@ async fn stuck_transfer_times_out_and_its_late_notification_changes_nothing() {
         .expect("stuck send did not return after release")
         .unwrap()
         .unwrap();
-    // Rank 3's writes are over and it acknowledged: B's outcome arrives, the one it always had.
+    // Rank 3's writes are over: it votes, and the abort decode sent on the timeout decides B on
+    // every rank.
+    for pr in &f.c.prefill {
+        let d = tokio::time::timeout(BOUND, pr.decided(B))
+            .await
+            .expect("B undecided after the stuck write ended");
+        assert!(matches!(d, Decision::Failed { .. }), "{d:?}");
+    }
+    // Rank 3 acknowledged too: B's outcome arrives, the one it always had.
     let o = tokio::time::timeout(BOUND, &mut p.b)
         .await
         .expect("B never resolved after release");

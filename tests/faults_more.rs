@@ -434,14 +434,16 @@ async fn rank_dies_before_voting_fails_promptly_everywhere() {
 // ---------------------------------------------------------------------------------------------------
 // 2. Shutdown during traffic.
 
-/// Expects `n` requests (ids from 10, pages reused; their bytes are not checked) and starts every
-/// rank's senders for them.
+/// Expects `n` requests (ids from 10; their bytes are not checked) on pages that no other request
+/// holds (B keeps `DST_B`; `expect` refuses a held page), and starts every rank's senders for them.
 fn start_traffic(f: &Faulty, n: u64) -> (Vec<OutcomeFut>, Vec<SendTask>) {
+    let free: Vec<u32> = (0..DECODE_PAGES).filter(|p| !DST_B.contains(p)).collect();
+    assert!(n as usize * DST_A.len() <= free.len(), "not enough free pages for {n} requests");
     let mut outs = Vec::new();
     let mut sends = Vec::new();
-    for i in 0..n {
+    for (i, dst) in free.chunks(DST_A.len()).take(n as usize).enumerate() {
+        let i = i as u64;
         let r = RequestId(10 + i);
-        let dst = if i % 2 == 0 { DST_A } else { DST_B };
         outs.push(
             f.c.decode
                 .expect(r, PROMPT, CHUNK, dst.to_vec(), LONG)
@@ -477,7 +479,7 @@ async fn dropping_decode_mid_traffic_ends_everything_within_bound() {
         r.unwrap();
     }
     eventually(BOUND, "rank 1's LAST of B held", || f.decode.held() == 1).await;
-    let (outs, sends) = start_traffic(&f, 4);
+    let (outs, sends) = start_traffic(&f, 3);
 
     // Drop decode (the engine and the test's handle on its transport) with all that in flight.
     let Faulty {
@@ -523,7 +525,7 @@ async fn dropping_decode_mid_traffic_ends_everything_within_bound() {
 async fn dropping_every_engine_mid_traffic_ends_within_bound() {
     let f = start().await;
     run_healthy(&f, A, &SRC_A, &DST_A).await;
-    let (outs, sends) = start_traffic(&f, 6);
+    let (outs, sends) = start_traffic(&f, 3);
     let t = Instant::now();
     // Every handle the test holds goes at once; the senders still hold clones of the prefill engines
     // until their sends return.

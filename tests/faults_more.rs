@@ -438,7 +438,10 @@ async fn rank_dies_before_voting_fails_promptly_everywhere() {
 /// holds (B keeps `DST_B`; `expect` refuses a held page), and starts every rank's senders for them.
 fn start_traffic(f: &Faulty, n: u64) -> (Vec<OutcomeFut>, Vec<SendTask>) {
     let free: Vec<u32> = (0..DECODE_PAGES).filter(|p| !DST_B.contains(p)).collect();
-    assert!(n as usize * DST_A.len() <= free.len(), "not enough free pages for {n} requests");
+    assert!(
+        n as usize * DST_A.len() <= free.len(),
+        "not enough free pages for {n} requests"
+    );
     let mut outs = Vec::new();
     let mut sends = Vec::new();
     for (i, dst) in free.chunks(DST_A.len()).take(n as usize).enumerate() {

@@ -454,7 +454,11 @@ fn start_traffic(f: &Faulty, n: u64) -> (Vec<OutcomeFut>, Vec<SendTask>) {
                 .boxed(),
         );
         for p in &f.c.prefill {
-            sends.push(spawn_sender(p, r, if i.is_multiple_of(2) { &SRC_A } else { &SRC_B }));
+            sends.push(spawn_sender(
+                p,
+                r,
+                if i.is_multiple_of(2) { &SRC_A } else { &SRC_B },
+            ));
         }
     }
     (outs, sends)

@@ -1002,8 +1002,12 @@ impl Inner {
         next
     }
 
-    fn peer_lost(&self, rank: u16, peer: PeerId, sender: &Sender) {
+    /// `rank`'s connection ended: with its Close (`closed`, its writes are over) or without.
+    fn peer_lost(&self, rank: u16, peer: PeerId, sender: &Sender, closed: bool) {
         let mut st = self.lock();
+        if closed {
+            st.closed_ranks.insert(rank);
+        }
         if st
             .ranks
             .get(usize::from(rank))
@@ -1015,7 +1019,11 @@ impl Inner {
             self.connected.send_modify(|n| *n = n.saturating_sub(1));
         }
         let failed = st.tracker.handle_peer_lost(Instant::now(), peer);
-        tracing::warn!(rank, failed, "prefill rank lost");
+        if closed && st.closing {
+            tracing::info!(rank, "prefill rank closed");
+        } else {
+            tracing::warn!(rank, failed, "prefill rank lost");
+        }
         self.drain(&mut st);
         // A rank that is gone writes nothing more (its process or its connection ended).
         let waiting: Vec<RequestId> = st
@@ -1187,10 +1195,7 @@ async fn serve_rank(inner: Weak<Inner>, mut conn: Connection) {
     let closed = read_loop(&inner, reader, rank).await;
     write_task.abort();
     if let Some(i) = inner.upgrade() {
-        if closed {
-            i.lock().closed_ranks.insert(rank);
-        }
-        i.peer_lost(rank, peer, &sender);
+        i.peer_lost(rank, peer, &sender, closed);
     }
 }
 

@@ -247,6 +247,15 @@ async fn frames_from(raw: &mut TcpStream, for_: Duration) -> (Vec<u8>, Vec<Msg>)
     (bytes, msgs)
 }
 
+/// Writes messages as frames on a raw stream.
+async fn send_frames(raw: &mut TcpStream, msgs: impl IntoIterator<Item = Msg>) {
+    for m in msgs {
+        raw.write_all(&encode_to_vec(&m, DEFAULT_MAX_FRAME_LEN).unwrap())
+            .await
+            .unwrap();
+    }
+}
+
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
     hay.windows(needle.len()).any(|w| w == needle)
 }
@@ -280,14 +289,14 @@ async fn before_authentication_a_peer_gets_only_a_challenge() {
     // A client that answers with a challenge and a made-up proof is refused, and still learns
     // nothing more.
     let mine = transfer_engine::control::Challenge::fresh(Role::Prefill, Side::Dialer);
-    for m in [
-        Msg::Challenge(mine),
-        Msg::Proof(transfer_engine::control::Proof { mac: [0x5a; 32] }),
-    ] {
-        raw.write_all(&encode_to_vec(&m, DEFAULT_MAX_FRAME_LEN).unwrap())
-            .await
-            .unwrap();
-    }
+    send_frames(
+        &mut raw,
+        [
+            Msg::Challenge(mine),
+            Msg::Proof(transfer_engine::control::Proof { mac: [0x5a; 32] }),
+        ],
+    )
+    .await;
     let r = bounded(run).await.unwrap();
     assert_eq!(rejected_peer(r), RejectReason::AuthFailed);
     let (bytes, msgs) = frames_from(&mut raw, BOUND).await;
@@ -331,11 +340,7 @@ async fn hand_made_client(prover: Side, reflect: bool) -> (RejectReason, Vec<Msg
         mine.nonce = theirs.nonce;
     }
     let proof = secret().prove(prover, &mine, &theirs);
-    for m in [Msg::Challenge(mine), Msg::Proof(proof)] {
-        raw.write_all(&encode_to_vec(&m, DEFAULT_MAX_FRAME_LEN).unwrap())
-            .await
-            .unwrap();
-    }
+    send_frames(&mut raw, [Msg::Challenge(mine), Msg::Proof(proof)]).await;
     let reason = rejected_peer(bounded(run).await.unwrap());
     let (_, msgs) = frames_from(&mut raw, BOUND).await;
     (reason, msgs)
@@ -363,11 +368,7 @@ async fn a_proof_is_bound_to_its_side_and_a_reflected_nonce_is_refused() {
     };
     let mine = transfer_engine::control::Challenge::fresh(Role::Prefill, Side::Dialer);
     let proof = secret().prove(Side::Dialer, &mine, theirs);
-    for m in [Msg::Challenge(mine), Msg::Proof(proof)] {
-        raw.write_all(&encode_to_vec(&m, DEFAULT_MAX_FRAME_LEN).unwrap())
-            .await
-            .unwrap();
-    }
+    send_frames(&mut raw, [Msg::Challenge(mine), Msg::Proof(proof)]).await;
     let (_, msgs) = frames_from(&mut raw, Duration::from_millis(500)).await;
     assert!(
         matches!(msgs.as_slice(), [Msg::Proof(_), Msg::Hello(_), ..]),

@@ -116,6 +116,25 @@ async fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
     }
 }
 
+/// Decode expects `r`; the rank sends its chunk 0, whose writes land but whose completion the fault
+/// transport holds: the chunk stays posted until `release_stuck`.
+async fn expect_with_chunk_0_stuck(
+    d: &DecodeEngine,
+    p: &PrefillEngine,
+    t: &FaultTransport,
+    r: RequestId,
+) -> (
+    std::pin::Pin<Box<dyn std::future::Future<Output = Outcome> + Send>>,
+    tokio::task::JoinHandle<Result<(), EngineError>>,
+) {
+    t.add_send(Rule::new(Match::request(r).chunk(0), SendFault::Stuck));
+    let outcome = d.expect(r, PROMPT, CHUNK, DST.to_vec(), LONG).unwrap();
+    let p2 = p.clone();
+    let sending = tokio::spawn(async move { p2.send_chunk(r, 0, &SRC, false).await });
+    wait_until("chunk 0 is stuck", || t.stuck() == 1).await;
+    (Box::pin(outcome), sending)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unauthenticated_client_gets_only_a_challenge_and_a_wrong_secret_binds_nothing() {
     let _s = serial().await;
@@ -268,11 +287,7 @@ async fn pages_whose_ranks_do_not_confirm_are_quarantined_until_they_do() {
     let (p, t) = prefill(&d, Some(SECRET)).await.unwrap();
     d.wait_for_ranks(BOUND).await.unwrap();
     let r = RequestId(3);
-    t.add_send(Rule::new(Match::request(r).chunk(0), SendFault::Stuck));
-    let outcome = d.expect(r, PROMPT, CHUNK, DST.to_vec(), LONG).unwrap();
-    let p2 = p.clone();
-    let sending = tokio::spawn(async move { p2.send_chunk(r, 0, &SRC, false).await });
-    wait_until("the chunk is stuck", || t.stuck() == 1).await;
+    let (outcome, sending) = expect_with_chunk_0_stuck(&d, &p, &t, r).await;
     d.abort(r);
     // The outcome waits for the rank's confirmation, then gives up at abort_ack_timeout (300 ms).
     assert_eq!(
@@ -314,11 +329,7 @@ async fn a_rank_votes_only_once_none_of_its_chunks_is_posted() {
     let (p, t) = prefill(&d, Some(SECRET)).await.unwrap();
     d.wait_for_ranks(BOUND).await.unwrap();
     let r = RequestId(6);
-    t.add_send(Rule::new(Match::request(r).chunk(0), SendFault::Stuck));
-    let outcome = d.expect(r, PROMPT, CHUNK, DST.to_vec(), LONG).unwrap();
-    let p2 = p.clone();
-    let first = tokio::spawn(async move { p2.send_chunk(r, 0, &SRC, false).await });
-    wait_until("chunk 0 is stuck", || t.stuck() == 1).await;
+    let (outcome, first) = expect_with_chunk_0_stuck(&d, &p, &t, r).await;
     // The LAST chunk is over while chunk 0 is still posted: no vote yet.
     bounded(p.send_chunk(r, 1, &SRC, true)).await.unwrap();
     assert!(

@@ -514,6 +514,17 @@ pub fn find_perftest() -> Option<PathBuf> {
     here.exists().then_some(here)
 }
 
+/// A command for one of UCX's own tools, keeping UCX's EFA module out of it as the engine keeps it out
+/// of its own processes (it crashes at exit wherever rdma-core is installed), unless the environment
+/// sets `UCX_MODULES`.
+fn ucx_tool(tool: &Path) -> Command {
+    let mut c = Command::new(tool);
+    if std::env::var_os("UCX_MODULES").is_none() {
+        c.env("UCX_MODULES", "^efa");
+    }
+    c
+}
+
 /// `ucx_perftest -t ucp_put_bw` at `size` bytes between two processes on loopback: GB/s (10^9) and
 /// messages per second.
 /// `None` when the tool fails; the reason is logged.
@@ -523,7 +534,7 @@ pub fn perftest_put_bw(tool: &Path, size: u64, iters: u32) -> Option<(f64, f64)>
         .local_addr()
         .ok()?
         .port();
-    let mut server = Command::new(tool)
+    let mut server = ucx_tool(tool)
         .args(["-p", &port.to_string()])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -533,7 +544,7 @@ pub fn perftest_put_bw(tool: &Path, size: u64, iters: u32) -> Option<(f64, f64)>
     let mut out = None;
     // The server needs a moment to listen; the client retries until it connects or the deadline.
     while Instant::now() < deadline {
-        let o = Command::new(tool)
+        let o = ucx_tool(tool)
             .args([
                 "127.0.0.1",
                 "-p",

@@ -160,6 +160,7 @@ fn generate(include_dir: &Path, out: &Path) {
         .clang_arg(format!("-I{}", include_dir.display()))
         .allowlist_function("ucp_.*")
         .allowlist_function("ucs_status_string")
+        .allowlist_function("ucs_global_opts_set_value")
         .allowlist_function("kvx_.*")
         .allowlist_type("ucp_.*")
         .allowlist_type("ucs_status_t")

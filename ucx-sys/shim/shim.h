@@ -4,6 +4,9 @@
 
 #include <stdint.h>
 #include <ucp/api/ucp.h>
+/* For ucs_global_opts_set_value: process-wide UCX options (such as MODULES) set before the first
+   ucp_init, for processes whose environment the library cannot choose. */
+#include <ucs/config/global_opts.h>
 
 /* ucp_init (static inline): binds the API version of the headers we were built with. */
 ucs_status_t kvx_ucp_init(const ucp_params_t *params, const ucp_config_t *config, ucp_context_h *context_p);

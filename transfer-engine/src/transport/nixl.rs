@@ -199,7 +199,7 @@ impl NixlTransport {
     pub fn new(config: NixlConfig, sink: Sink) -> Result<Self, TransportError> {
         // Before NIXL starts its UCX: with a second UCX already loaded, the plugin's ucp_init spins
         // for ever, so the check after the plugin is in would never be reached.
-        super::ucx::check_single_ucx()?;
+        super::ucx::prepare_process()?;
         let name = config.name.clone();
         let thread_name = format!("nixl-{}", config.name);
         let (thread, ()) = Handle::spawn(

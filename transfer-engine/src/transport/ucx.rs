@@ -179,6 +179,42 @@ pub fn check_single_ucx() -> Result<(), TransportError> {
     }
 }
 
+/// UCX modules kept out of this process unless the user's own `UCX_MODULES` says otherwise.
+///
+/// Wherever rdma-core is installed (every RDMA host), UCX loads its EFA transport module, which in the
+/// wheels we run on brings its own copy of libnl: at process exit that copy's destructor crashes
+/// (SIGSEGV in `rtnl_tc_unregister`), so every process that had loaded it ended with status 139.
+/// EFA devices exist only on AWS instances, which can set `UCX_MODULES` themselves.
+const DEFAULT_MODULES: &std::ffi::CStr = c"^efa";
+
+/// Prepares this process for UCX, before the first `ucp_init` (ours or NIXL's UCX plugin's): fails if
+/// two UCX libraries are loaded, and sets UCX's `MODULES` option to [`DEFAULT_MODULES`] unless the
+/// environment sets `UCX_MODULES`.
+///
+/// # Errors
+/// [`TransportError::TwoUcxLibraries`].
+pub(crate) fn prepare_process() -> Result<(), TransportError> {
+    check_single_ucx()?;
+    static MODULES: std::sync::Once = std::sync::Once::new();
+    MODULES.call_once(|| {
+        if std::env::var_os("UCX_MODULES").is_some() {
+            return;
+        }
+        // SAFETY: both arguments are NUL-terminated strings that live for the call.
+        // `ucs_global_opts_set_value` writes UCX's process-wide options, which UCX reads when it loads
+        // its transport modules during the first context's initialisation; every path of this crate
+        // into UCX (UcxTransport::new, NixlTransport::new) comes through here first, and the `Once`
+        // makes any concurrent caller wait until the write is done.
+        let st = unsafe {
+            ffi::ucs_global_opts_set_value(c"MODULES".as_ptr(), DEFAULT_MODULES.as_ptr())
+        };
+        if let Err(e) = st.result("ucs_global_opts_set_value(MODULES)") {
+            tracing::warn!(error = %e, "could not keep UCX's EFA module out of the process");
+        }
+    });
+    Ok(())
+}
+
 /// The library version this process runs (not the headers' version).
 pub fn library_version() -> (u32, u32, u32) {
     let (mut major, mut minor, mut release) = (0, 0, 0);
@@ -225,7 +261,7 @@ impl UcxTransport {
     /// # Errors
     /// Two UCX libraries in the process, or UCX failing to start.
     pub fn new(config: UcxConfig, sink: Sink) -> Result<Self, TransportError> {
-        check_single_ucx()?;
+        prepare_process()?;
         let name = format!("ucx-{}", config.name);
         let (thread, address) = Handle::spawn(
             name,

@@ -86,6 +86,12 @@ impl Py {
             .env("PYTHONUNBUFFERED", "1")
             // No __pycache__ left in the source tree.
             .env("PYTHONDONTWRITEBYTECODE", "1")
+            // NIXL's own Python agent loads UCX's EFA module too where rdma-core is installed, and
+            // crashes at exit with it, as our processes did before they kept it out.
+            .env(
+                "UCX_MODULES",
+                std::env::var("UCX_MODULES").unwrap_or_else(|_| "^efa".into()),
+            )
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)

@@ -22,6 +22,21 @@ unsafe extern "C" {
 
 const WAIT: Duration = Duration::from_secs(10);
 
+/// Keeps UCX's EFA module out of this test process, as the engine does for its own (where rdma-core is
+/// installed, the module NIXL's UCX plugin loads crashes the process at exit), unless `UCX_MODULES` is
+/// set. UCX reads it when NIXL loads the plugin, so it is set before `main`, from the ELF initialisers.
+#[used]
+#[unsafe(link_section = ".init_array")]
+static KEEP_EFA_OUT: extern "C" fn() = keep_efa_out;
+
+extern "C" fn keep_efa_out() {
+    if std::env::var_os("UCX_MODULES").is_none() {
+        // SAFETY: the ELF initialisers run before `main`, when no other thread exists to read the
+        // environment concurrently.
+        unsafe { std::env::set_var("UCX_MODULES", "^efa") };
+    }
+}
+
 #[track_caller]
 fn ok(status: ffi::nixl_capi_status_t, what: &str) {
     assert_eq!(

@@ -18,8 +18,23 @@ fn check(status: ffi::ucs_status_t, what: &str) {
 
 struct Context(ffi::ucp_context_h);
 
+/// Keeps UCX's EFA module out of this test process, as the engine does for its own (where rdma-core
+/// is installed, that module crashes the process at exit), unless `UCX_MODULES` is set.
+fn keep_efa_out() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if std::env::var_os("UCX_MODULES").is_none() {
+            check(
+                unsafe { ffi::ucs_global_opts_set_value(c"MODULES".as_ptr(), c"^efa".as_ptr()) },
+                "ucs_global_opts_set_value",
+            );
+        }
+    });
+}
+
 impl Context {
     fn new() -> Self {
+        keep_efa_out();
         let params = ffi::ucp_params_t {
             field_mask: ffi::ucp_params_field::UCP_PARAM_FIELD_FEATURES.0 as u64,
             features: (ffi::ucp_feature::UCP_FEATURE_RMA | ffi::ucp_feature::UCP_FEATURE_AM).0

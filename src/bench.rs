@@ -648,8 +648,15 @@ pub fn inprocess_put_bw(size: u64, batch: u32, span: u64, secs: f64) -> Result<f
         next += 1;
     }
     let gbps = bytes as f64 / start.elapsed().as_secs_f64() / 1e9;
+    let mut over = 0;
     for _ in 0..2 {
-        let _ = done_rx.recv_timeout(Duration::from_secs(10));
+        over += usize::from(done_rx.recv_timeout(Duration::from_secs(10)).is_ok());
+    }
+    tx.disconnect(peer);
+    if over == 2 {
+        // SAFETY: the only peer given `dst`'s registration is `tx`, whose two last posts have
+        // ended (their Done ran) and which is disconnected: nothing writes into `dst` any more.
+        unsafe { dst.assume_quiesced() };
     }
     Ok(gbps)
 }

@@ -633,11 +633,11 @@ async fn wrong_or_missing_token_is_rejected_and_binds_nothing() {
             .err()
             .unwrap_or_else(|| panic!("a prefill with a {what} token started"));
         let msg = e.to_string();
-        // Each side checks the other's proof of the secret, so the prefill refuses decode's too.
+        // Decode, the listener, checks the prefill's proof first and refuses it.
         assert!(
             matches!(
                 e,
-                EngineError::Control(ControlError::RejectedPeer {
+                EngineError::Control(ControlError::PeerRejected {
                     reason: RejectReason::AuthFailed,
                     ..
                 })

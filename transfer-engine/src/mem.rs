@@ -3,12 +3,13 @@
 //! A [`MemDesc`] is the plain description a transport registers (address, length, kind). Registering
 //! one directly is `unsafe` ([`Transport::register`](crate::transport::Transport::register)); the safe
 //! way is a [`Pool`] moved into a [`Registration`](crate::transport::Registration), which owns the
-//! memory (a [`HostBuffer`]) or carries the promise of a caller who described their own memory through
-//! the `unsafe` constructors below. Registered memory is never handed out as `&[u8]` or `&mut [u8]`,
-//! since peers write into it behind Rust's back: it is read and written by copies ([`Pool::read_at`],
-//! [`Pool::write_at`]).
+//! memory (a [`HostBuffer`]) or carries the promise of a caller who lent their own memory through the
+//! `unsafe` [`Pool::borrowed`]. Registered memory is never handed out as `&[u8]` or `&mut [u8]`,
+//! since peers write into it behind Rust's back: it is read and written by copies made of 8-byte
+//! atomic loads and stores ([`Pool::read_at`], [`Pool::write_at`]).
 
 use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Where a region lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -32,16 +33,10 @@ pub struct MemDesc {
 }
 
 impl MemDesc {
-    /// Describes caller-owned host memory.
-    ///
-    /// # Safety
-    /// `ptr..ptr+len` must be one live allocation of readable and writable host memory that stays
-    /// allocated, and is not unmapped or freed, for as long as any registration made from this
-    /// description lives, and after that for as long as a peer may still write into it (an engine
-    /// that cannot confirm its peers stopped writing never gives the memory back; see
-    /// `DecodeEngine::shutdown`). Remote peers may write into it at any time while it is registered,
-    /// so the caller must not hold Rust references (`&[u8]`, `&mut [u8]`) to it during that time.
-    pub unsafe fn host_raw(ptr: *mut u8, len: usize) -> Self {
+    /// Describes caller-owned host memory. Describing is harmless; what the memory must satisfy is
+    /// promised where it is used: [`Pool::borrowed`] or
+    /// [`Transport::register`](crate::transport::Transport::register), both `unsafe`.
+    pub fn host_raw(ptr: *mut u8, len: usize) -> Self {
         MemDesc {
             addr: ptr as u64,
             len: len as u64,
@@ -49,14 +44,8 @@ impl MemDesc {
         }
     }
 
-    /// Describes CUDA device memory.
-    ///
-    /// # Safety
-    /// `ptr..ptr+len` must be one live device allocation on CUDA device `device` (as returned by
-    /// `cudaMalloc` or the driver API on that device), kept allocated for as long as any registration
-    /// made from this description lives and, after that, for as long as a peer may still write into
-    /// it (as for [`host_raw`](Self::host_raw)).
-    pub unsafe fn cuda_raw(ptr: u64, len: usize, device: u32) -> Self {
+    /// Describes CUDA device memory of device `device`; see [`host_raw`](Self::host_raw).
+    pub fn cuda_raw(ptr: u64, len: usize, device: u32) -> Self {
         MemDesc {
             addr: ptr,
             len: len as u64,
@@ -101,13 +90,15 @@ pub struct HostBuffer {
 }
 
 impl HostBuffer {
-    /// Maps `len` bytes of zeroed, page-aligned host memory.
+    /// Maps `len` bytes (rounded up to a multiple of 8, at least 8) of zeroed, page-aligned host
+    /// memory.
     ///
     /// # Errors
     /// The operating system's error when the mapping fails (no memory, no huge pages reserved).
     pub fn new(len: usize, opts: HostOptions) -> io::Result<Self> {
         let mut o = memmap2::MmapOptions::new();
-        o.len(len.max(1));
+        // Whole words, so that pool copies (which move 8-byte words) reach every byte.
+        o.len(len.max(1).next_multiple_of(WORD as usize));
         if opts.huge_pages {
             o.huge(None);
         }
@@ -155,9 +146,20 @@ impl HostBuffer {
 pub enum Pool {
     /// Host memory the registration owns.
     Owned(HostBuffer),
-    /// Memory the caller owns (host or CUDA), described through `MemDesc`'s `unsafe` constructors,
+    /// Memory the caller owns (host or CUDA), made only through the `unsafe` [`Pool::borrowed`],
     /// whose promises cover the registration's whole life and every peer write after it.
-    Borrowed(MemDesc),
+    Borrowed(Borrowed),
+}
+
+/// Caller-owned memory inside a [`Pool`]; see [`Pool::borrowed`].
+#[derive(Debug)]
+pub struct Borrowed(MemDesc);
+
+impl Borrowed {
+    /// The memory's description.
+    pub fn desc(&self) -> MemDesc {
+        self.0
+    }
 }
 
 /// Why a copy into or out of a [`Pool`] was refused.
@@ -177,14 +179,41 @@ pub enum CopyError {
     /// The pool is device memory, which host copies cannot reach.
     #[error("the pool is device memory; copy it with the device's own API")]
     NotHost,
+    /// The pool's start or length is not a multiple of 8 bytes, which host copies need (they move
+    /// whole 8-byte words; see [`Pool::read_at`]).
+    #[error("the pool at {addr:#x} of {len} bytes is not 8-byte aligned in start and length")]
+    Unaligned {
+        /// The pool's start.
+        addr: u64,
+        /// Its length.
+        len: u64,
+    },
 }
 
+/// Word size of the atomic copies.
+const WORD: u64 = 8;
+
 impl Pool {
+    /// Memory the caller owns, to register.
+    ///
+    /// # Safety
+    /// `desc` must describe one live allocation of its kind (host memory readable and writable; CUDA
+    /// memory on that device, as `cudaMalloc` or the driver API returned it), and the caller must
+    /// keep it allocated, not unmapped, freed or reused, for as long as the pool (or a
+    /// [`Registration`](crate::transport::Registration) holding it) lives, and after that for as
+    /// long as a peer that was given its registration may still write into it (an engine that
+    /// cannot confirm its peers stopped writing leaks the pool instead of dropping it; see
+    /// `DecodeEngine::shutdown`). Peers write into it at any time while it is registered, so the
+    /// caller must not access it through Rust references (`&[u8]`, `&mut [u8]`) meanwhile.
+    pub unsafe fn borrowed(desc: MemDesc) -> Pool {
+        Pool::Borrowed(Borrowed(desc))
+    }
+
     /// The description to register.
     pub fn desc(&self) -> MemDesc {
         match self {
             Pool::Owned(b) => b.desc(),
-            Pool::Borrowed(d) => *d,
+            Pool::Borrowed(b) => b.0,
         }
     }
 
@@ -198,52 +227,99 @@ impl Pool {
         self.len() == 0
     }
 
-    /// The host address of `offset..offset+len`, checked against the pool.
-    fn host_range(&self, offset: u64, len: usize) -> Result<*mut u8, CopyError> {
+    /// The pool's start, after checking that `offset..offset+len` lies inside it and that host copies
+    /// can reach it.
+    fn host_range(&self, offset: u64, len: u64) -> Result<u64, CopyError> {
         let d = self.desc();
         if d.kind != MemKind::Host {
             return Err(CopyError::NotHost);
         }
-        let len64 = len as u64;
-        match offset.checked_add(len64) {
-            Some(end) if end <= d.len => Ok((d.addr + offset) as usize as *mut u8),
+        if !d.addr.is_multiple_of(WORD) || !d.len.is_multiple_of(WORD) {
+            return Err(CopyError::Unaligned {
+                addr: d.addr,
+                len: d.len,
+            });
+        }
+        match offset.checked_add(len) {
+            Some(end) if end <= d.len => Ok(d.addr),
             _ => Err(CopyError::OutOfBounds {
                 offset,
-                len: len64,
+                len,
                 pool_len: d.len,
             }),
         }
     }
 
+    /// The pool's word that holds byte `at` of the pool.
+    ///
+    /// # Safety
+    /// `base` is the start of this pool (8-byte aligned, a multiple of 8 long, checked by
+    /// `host_range`) and `at` lies inside it.
+    unsafe fn word(&self, base: u64, at: u64) -> &AtomicU64 {
+        let ptr = (base + at / WORD * WORD) as usize as *mut u64;
+        // SAFETY: `ptr` is 8-aligned and lies inside the pool, which is live host memory for as long
+        // as the pool exists (owned, or promised by `Pool::borrowed`'s caller); the reference is used
+        // only for the duration of one copy, while `&self` keeps the pool alive. Every access this
+        // crate makes to pool memory goes through 8-byte atomics (here), so Rust-side accesses never
+        // mix sizes or race non-atomically; peers write from outside the process or through the
+        // library, never through Rust references.
+        unsafe { AtomicU64::from_ptr(ptr) }
+    }
+
     /// Copies `dst.len()` bytes at `offset` out of the pool.
     ///
-    /// A peer may be writing into the range while it is copied (only the caller knows which pages
-    /// are settled, for instance after a request completed); the copy then holds a mix of old and
-    /// new bytes, never more than that.
+    /// The pool is read with relaxed 8-byte atomic loads: peers (and other threads of ours) may
+    /// write into it at any time, so only the caller knows which pages are settled (for instance
+    /// after a request completed). A copy that races a write holds a mix of old and new bytes,
+    /// never more than that.
     ///
     /// # Errors
-    /// [`CopyError`] for a range outside the pool or a device pool.
+    /// [`CopyError`] for a range outside the pool, a device pool, or an unaligned one.
     pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<(), CopyError> {
-        let src = self.host_range(offset, dst.len())?;
-        // SAFETY: `src..src+len` lies inside the pool (checked above), which is live host memory: an
-        // owned mapping, or memory the caller promised live through `MemDesc::host_raw`. `dst` is a
-        // distinct Rust slice, so the ranges do not overlap. The pool is only ever accessed through
-        // raw pointers (no Rust reference to it exists while registered), so a peer's concurrent
-        // write can change which bytes we copy but cannot invalidate a reference.
-        unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) };
+        let base = self.host_range(offset, dst.len() as u64)?;
+        let mut at = offset;
+        let mut out = &mut dst[..];
+        while !out.is_empty() {
+            let skip = (at % WORD) as usize;
+            let n = (WORD as usize - skip).min(out.len());
+            // SAFETY: `at` lies inside the pool checked above.
+            let w = unsafe { self.word(base, at) }.load(Ordering::Relaxed);
+            out[..n].copy_from_slice(&w.to_ne_bytes()[skip..skip + n]);
+            out = &mut out[n..];
+            at += n as u64;
+        }
         Ok(())
     }
 
     /// Copies `src` into the pool at `offset` (filling a prefill's pages, poisoning a decode's pages
-    /// before they are handed out).
+    /// before they are handed out), with relaxed 8-byte atomic stores; a word only partly covered is
+    /// merged with a compare-and-swap, so bytes outside the range are never written.
     ///
     /// # Errors
-    /// [`CopyError`] for a range outside the pool or a device pool.
+    /// As [`read_at`](Self::read_at).
     pub fn write_at(&self, offset: u64, src: &[u8]) -> Result<(), CopyError> {
-        let dst = self.host_range(offset, src.len())?;
-        // SAFETY: as in `read_at`: the range is inside live host memory that no Rust reference
-        // covers, and `src` is a distinct slice.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
+        let base = self.host_range(offset, src.len() as u64)?;
+        let mut at = offset;
+        let mut rest = src;
+        while !rest.is_empty() {
+            let skip = (at % WORD) as usize;
+            let n = (WORD as usize - skip).min(rest.len());
+            // SAFETY: `at` lies inside the pool checked above.
+            let word = unsafe { self.word(base, at) };
+            if n == WORD as usize {
+                let mut b = [0u8; WORD as usize];
+                b.copy_from_slice(&rest[..n]);
+                word.store(u64::from_ne_bytes(b), Ordering::Relaxed);
+            } else {
+                let _ = word.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| {
+                    let mut b = w.to_ne_bytes();
+                    b[skip..skip + n].copy_from_slice(&rest[..n]);
+                    Some(u64::from_ne_bytes(b))
+                });
+            }
+            rest = &rest[n..];
+            at += n as u64;
+        }
         Ok(())
     }
 
@@ -260,7 +336,7 @@ impl Pool {
         mut f: impl FnMut(&[u8]),
     ) -> Result<(), CopyError> {
         const PIECE: u64 = 64 << 10;
-        self.host_range(offset, usize::try_from(len).unwrap_or(usize::MAX))?;
+        self.host_range(offset, len)?;
         let mut buf = [0u8; PIECE as usize];
         let mut at = 0;
         while at < len {
@@ -277,9 +353,14 @@ impl Pool {
     /// # Errors
     /// As [`write_at`](Self::write_at).
     pub fn fill_at(&self, offset: u64, len: usize, byte: u8) -> Result<(), CopyError> {
-        let dst = self.host_range(offset, len)?;
-        // SAFETY: as in `write_at`.
-        unsafe { std::ptr::write_bytes(dst, byte, len) };
+        self.host_range(offset, len as u64)?;
+        let chunk = [byte; 4096];
+        let mut at = 0;
+        while at < len {
+            let n = (len - at).min(chunk.len());
+            self.write_at(offset + at as u64, &chunk[..n])?;
+            at += n;
+        }
         Ok(())
     }
 }

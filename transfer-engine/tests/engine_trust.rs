@@ -182,8 +182,14 @@ async fn an_unauthenticated_client_gets_only_a_challenge_and_a_wrong_secret_bind
         .unwrap();
     send_all(&p, RequestId(1)).await;
     assert_eq!(bounded(done).await, Outcome::Complete);
-    let report = d.shutdown(BOUND).await;
-    assert!(report.pool_freed, "{report:?}");
+    // The rank confirms, but `backend_info` handed the pool out of band above, to someone who can
+    // never confirm: the pool is leaked, not freed.
+    let before = leaked_pools();
+    let report = bounded(d.shutdown(BOUND)).await;
+    assert_eq!(report.confirmed, vec![0], "{report:?}");
+    assert!(!report.pool_freed, "{report:?}");
+    // The engine's tasks may hold it a moment longer; the pool goes with the last of them.
+    wait_until("the pool leaked", || leaked_pools() == before + 1).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -237,12 +243,14 @@ async fn the_pool_is_freed_only_once_every_rank_confirmed_and_leaked_otherwise()
         report.pool_freed && report.unconfirmed.is_empty(),
         "{report:?}"
     );
+    drop(p);
+    // A leak would come with the last handle, which the engine's tasks may hold a moment longer.
+    tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(
         leaked_pools(),
         before,
         "a confirmed shutdown leaked its pool"
     );
-    drop(p);
 
     // A rank whose write is stuck in flight cannot confirm: the pool is leaked, not freed.
     let d = decode(Some(SECRET), 1).await;
@@ -262,7 +270,7 @@ async fn the_pool_is_freed_only_once_every_rank_confirmed_and_leaked_otherwise()
     let report = bounded(d.shutdown(Duration::from_millis(400))).await;
     assert_eq!(report.unconfirmed, vec![0], "{report:?}");
     assert!(!report.pool_freed, "{report:?}");
-    assert_eq!(leaked_pools(), before + 1, "the pool was not leaked");
+    wait_until("the pool leaked", || leaked_pools() == before + 1).await;
     t.release_stuck();
     let _ = bounded(sending).await;
 
@@ -272,11 +280,10 @@ async fn the_pool_is_freed_only_once_every_rank_confirmed_and_leaked_otherwise()
     d.wait_for_ranks(BOUND).await.unwrap();
     let before = leaked_pools();
     drop(d);
-    assert_eq!(
-        leaked_pools(),
-        before + 1,
-        "a dropped engine freed its pool"
-    );
+    wait_until("a dropped engine leaked its pool", || {
+        leaked_pools() == before + 1
+    })
+    .await;
     drop(p);
 }
 

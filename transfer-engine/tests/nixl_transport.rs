@@ -352,6 +352,8 @@ fn garbage_metadata_is_a_typed_error() {
     wait_until("disconnect", || tx_t.stats().peers == 0);
     let res = post_and_wait(&*tx_t, peer, vec![], b"x".to_vec());
     assert_eq!(res, Err(TransportError::UnknownPeer(peer)));
+    // SAFETY: the only peer given `dst`'s registration, `tx_t`, disconnected with nothing posted.
+    unsafe { dst.assume_quiesced() };
     dst.into_inner().unwrap();
 }
 
@@ -398,6 +400,9 @@ fn deregistration_waits_for_in_flight_writes_and_counters_return_to_baseline() {
     ));
     wait_until("four notifications", || seen.lock().unwrap().len() == 4);
     tx_t.disconnect(peer);
+    // SAFETY: the only peer given `dst`'s registration, `tx_t`, disconnected and its four posts
+    // are over (their notifications arrived, and notifications follow their writes).
+    unsafe { dst.assume_quiesced() };
     let _dst = dst.into_inner().unwrap();
     wait_until("disconnect", || tx_t.stats().peers == 0);
     let after = TransportStats {
@@ -428,7 +433,7 @@ fn a_failed_peer_is_reported_once_and_refused_after() {
     });
     let (rx_t, _) = receiver("fail-rx", Arc::default());
     let tx_t = nixl("fail-tx", sink);
-    let mut dst = Registration::new(&dynamic(&rx_t), host(len)).unwrap();
+    let dst = Registration::new(&dynamic(&rx_t), host(len)).unwrap();
     let src = Registration::new(&dynamic(&tx_t), host(len)).unwrap();
     let src_id = src.id();
     let peer = tx_t
@@ -436,9 +441,9 @@ fn a_failed_peer_is_reported_once_and_refused_after() {
         .unwrap();
     post_and_wait(&*tx_t, peer, mib_writes(src_id, 1), b"alive".to_vec()).unwrap();
 
-    // The peer's agent goes away (its memory stays, so nothing we write can land on freed memory:
-    // a shut-down agent cannot confirm that deregistration, so the registration leaks it).
-    dst.leak_on_drop();
+    // The peer's agent goes away. Its memory stays: `dst` handed out its registration to `tx_t`,
+    // which is never declared quiet, so dropping `dst` leaks the memory rather than freeing it under
+    // a write.
     rx_t.shutdown();
     let deadline = Instant::now() + BOUND;
     let first = loop {
@@ -513,7 +518,10 @@ fn move_bytes(
     assert!(all_bytes(&dst, rounds));
     tx.disconnect(peer);
     src.into_inner().unwrap();
-    Arc::into_inner(dst).unwrap().into_inner().unwrap();
+    let dst = Arc::into_inner(dst).unwrap();
+    // SAFETY: the only peer given `dst`'s registration, `tx`, disconnected after every post ended.
+    unsafe { dst.assume_quiesced() };
+    dst.into_inner().unwrap();
     best
 }
 

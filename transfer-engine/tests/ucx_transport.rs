@@ -217,6 +217,18 @@ fn deregistration_waits_for_in_flight_writes_and_counters_return_to_baseline() {
         Err(TransportError::UnknownRegion(_))
     ));
     tx_t.disconnect(peer);
+    // Memory whose registration a peer was given is not handed back until the peer is declared
+    // quiet.
+    let dst = match dst.into_inner() {
+        Err(b) if matches!(b.1, TransportError::MayBeWritten) => b.0,
+        other => panic!(
+            "handed back while a peer may write: {:?}",
+            other.map(|_| ())
+        ),
+    };
+    // SAFETY: the only peer given `dst`'s registration, `tx_t`, disconnected after all its posts
+    // ended (each one's Done was received above).
+    unsafe { dst.assume_quiesced() };
     let _dst = dst.into_inner().unwrap();
     assert!(matches!(
         rx_t.deregister(dst_id),

@@ -560,11 +560,12 @@ const AUTH_MAX_FRAME: u32 = 1024;
 ///
 /// Both sides:
 /// 1. send a [`Challenge`] (fresh nonce, role) and read the peer's; frames above 1 KiB are refused
-///    until step 3 is done, so an unauthenticated peer cannot make us buffer more;
-/// 2. send a proof of `secret` over both challenges ([`Secret::prove`]) and read the peer's;
-/// 3. check the peer's proof: a wrong one is answered with [`RejectReason::AuthFailed`]. Nothing
-///    but the challenge and the proof has been sent so far;
-/// 4. send Hello; read the peer's Hello; check that it claims the role of its challenge, then check
+///    until step 2 is done, so an unauthenticated peer cannot make us buffer more;
+/// 2. the dialer sends its proof of `secret` over both challenges ([`Secret::prove`]); the listener
+///    checks it and only then sends its own, which the dialer checks; a wrong proof is answered with
+///    [`RejectReason::AuthFailed`]. So a client that merely connects gets no proof to guess the secret
+///    from; nothing but challenges and proofs has been sent so far;
+/// 3. send Hello; read the peer's Hello; check that it claims the role of its challenge, then check
 ///    it with [`check_hello`] and with `accept` (for what only the application knows, such as a rank
 ///    already connected); send HelloAck or Reject; read the peer's verdict.
 ///
@@ -677,8 +678,12 @@ where
         Side::Dialer => (&ours, &theirs),
         Side::Listener => (&theirs, &ours),
     };
-    conn.send(&Msg::Proof(secret.prove(side, dialer, listener)))
-        .await?;
+    // The dialer proves first and the listener only once the dialer's proof checked, so a client
+    // that merely connects never obtains a proof to guess the secret from offline.
+    let ours = Msg::Proof(secret.prove(side, dialer, listener));
+    if side == Side::Dialer {
+        conn.send(&ours).await?;
+    }
     let proof = expect_step(conn, "Proof", |m| match m {
         Msg::Proof(p) => Some(p),
         _ => None,
@@ -686,6 +691,9 @@ where
     .await?;
     if !secret.verify(side.peer(), dialer, listener, &proof) {
         return refuse(conn, RejectReason::AuthFailed, true).await;
+    }
+    if side == Side::Listener {
+        conn.send(&ours).await?;
     }
     conn.reader.decoder.set_max_len(cap);
 

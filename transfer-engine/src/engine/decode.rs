@@ -177,7 +177,8 @@ pub struct ShutdownReport {
     /// [`DecodeEngine::bind_external_rank`]), which cannot: while any is listed, the pool is leaked
     /// rather than freed.
     pub unconfirmed: Vec<u16>,
-    /// Whether the pool will be freed when the last handle to the engine is dropped.
+    /// Whether the pool will be freed when the last handle to the engine is dropped: every rank
+    /// confirmed or is gone, and [`DecodeEngine::backend_info`] never handed the pool out of band.
     pub pool_freed: bool,
 }
 
@@ -206,8 +207,9 @@ struct Inner {
     /// Set once, after the transport exists (its sink needs a Weak to us first).
     transport: std::sync::OnceLock<Arc<dyn Transport>>,
     pool: std::sync::OnceLock<Registration>,
-    /// Peers may have learned how to write into the pool (a Hello went out, or `backend_info`).
-    exported: AtomicBool,
+    /// `backend_info` handed the pool's registration to someone outside the control plane, who can
+    /// never confirm that it stopped writing.
+    exported_out_of_band: AtomicBool,
     /// Every peer that could write into the pool confirmed it stopped (`shutdown`): the pool may be
     /// freed.
     pool_safe: AtomicBool,
@@ -215,15 +217,16 @@ struct Inner {
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        // Without a confirmation from every rank, a write may still land in the pool: leak it.
-        if self.exported.load(Ordering::Acquire)
-            && !self.pool_safe.load(Ordering::Acquire)
-            && let Some(pool) = self.pool.get_mut()
-        {
-            tracing::warn!(
-                "decode engine dropped without a completed shutdown: its KV pool is leaked, not freed"
-            );
-            pool.leak_on_drop();
+        // Only a shutdown that every rank confirmed makes the pool safe to free; otherwise the
+        // registration, which handed out the pool's address, leaks it.
+        if let Some(pool) = self.pool.get_mut() {
+            if self.pool_safe.load(Ordering::Acquire) {
+                pool.mark_quiesced();
+            } else {
+                tracing::warn!(
+                    "decode engine dropped without a shutdown that every rank confirmed: its KV pool is leaked if a peer could know it"
+                );
+            }
         }
     }
 }
@@ -322,7 +325,7 @@ impl DecodeEngine {
             connected: watch::channel(0).0,
             transport: std::sync::OnceLock::new(),
             pool: std::sync::OnceLock::new(),
-            exported: AtomicBool::new(false),
+            exported_out_of_band: AtomicBool::new(false),
             pool_safe: AtomicBool::new(false),
         });
         let weak = Arc::downgrade(&inner);
@@ -597,7 +600,8 @@ impl DecodeEngine {
                 }
             }
         }
-        let pool_freed = unconfirmed.is_empty();
+        let out_of_band = self.inner.exported_out_of_band.load(Ordering::Acquire);
+        let pool_freed = unconfirmed.is_empty() && !out_of_band;
         if pool_freed {
             self.inner.pool_safe.store(true, Ordering::Release);
         } else {
@@ -693,7 +697,9 @@ impl DecodeEngine {
     ) -> Result<(Vec<u8>, String, crate::transport::RemoteRegion), EngineError> {
         let t = self.inner.transport.get().ok_or(EngineError::Shutdown)?;
         let pool = self.inner.pool.get().ok_or(EngineError::Shutdown)?;
-        self.inner.exported.store(true, Ordering::Release);
+        self.inner
+            .exported_out_of_band
+            .store(true, Ordering::Release);
         Ok((t.metadata()?, t.name(), pool.remote().clone()))
     }
 
@@ -1146,10 +1152,6 @@ async fn serve_rank(inner: Weak<Inner>, mut conn: Connection) {
         Some(i) => i.secret.clone(),
         None => return,
     };
-    if let Some(i) = inner.upgrade() {
-        // The Hello goes out once the peer is authenticated, inside the handshake.
-        i.exported.store(true, Ordering::Release);
-    }
     let result = control::handshake_with(&mut conn, &hello, &secret, deadline, taken).await;
     let Some(i) = inner.upgrade() else { return };
     let (remote, (planner, sender)) = match (result, bound) {

@@ -7,7 +7,7 @@
 
 use crate::mem::{CopyError, MemDesc, Pool};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 pub mod fault;
 pub mod nixl;
@@ -166,6 +166,10 @@ pub enum TransportError {
     /// The transport's progress thread has stopped.
     #[error("transport is shut down")]
     Shutdown,
+    /// The registration was handed to a peer that may still write into it, so its memory cannot be
+    /// handed back (see [`Registration::assume_quiesced`]).
+    #[error("a peer that was given this registration may still write into it")]
+    MayBeWritten,
     /// A fault injected by a test wrapper.
     #[error("injected fault: {0}")]
     Injected(String),
@@ -200,8 +204,10 @@ pub trait Transport: Send + Sync + 'static {
     /// The library's error.
     unsafe fn register(&self, mem: MemDesc) -> Result<(RegionId, RemoteRegion), TransportError>;
 
-    /// Deregisters memory. While posted writes still reference it, the call waits until they are
-    /// over (counted in [`TransportStats::deferred_deregistrations`] meanwhile).
+    /// Deregisters memory. While posted writes still reference it, the call waits (bounded by the
+    /// transport's call bound) until they are over, counted in
+    /// [`TransportStats::deferred_deregistrations`] meanwhile; past the bound it returns an error and
+    /// the deregistration stays pending.
     ///
     /// # Errors
     /// Unknown region.
@@ -247,23 +253,28 @@ pub fn leaked_pools() -> u64 {
 }
 
 /// Registered memory that owns (or, for caller memory, carries the promise of) what it registered,
-/// so safe code cannot free memory while it is registered.
+/// so safe code cannot free memory while it is registered, nor while a peer may write into it.
 ///
 /// The memory is reached only by copies ([`read_at`](Self::read_at), [`write_at`](Self::write_at)),
 /// never as a slice, because peers write into it concurrently.
 ///
 /// # Resource cleanup
-/// Dropping it deregisters (waiting for this process's writes that use it) and then frees the
-/// memory, unless [`leak_on_drop`](Self::leak_on_drop) was called or deregistration fails: the
-/// memory is then leaked and counted in [`leaked_pools`]; a leak is safe, memory freed while a peer
-/// may write into it is not. [`into_inner`](Self::into_inner) hands the memory back instead.
+/// Dropping it deregisters (waiting, bounded, for this process's writes that use it) and then frees
+/// the memory, unless a peer may still write into it: once [`remote`](Self::remote) has handed out
+/// what a peer needs, the memory is leaked on drop (counted in [`leaked_pools`]) until the owner
+/// declares every such peer quiet ([`assume_quiesced`](Self::assume_quiesced)). A leak is safe;
+/// memory freed while a peer may write into it is not. Deregistration that fails also leaks.
+/// [`into_inner`](Self::into_inner) hands the memory back under the same rule.
 pub struct Registration {
     transport: Arc<dyn Transport>,
     id: RegionId,
     remote: RemoteRegion,
     /// `Some` until drop or `into_inner`.
     pool: Option<Pool>,
-    leak: bool,
+    /// `remote` was handed out: a peer may know how to write into the memory.
+    exported: AtomicBool,
+    /// Every peer that was handed `remote` is known to write no more.
+    quiesced: AtomicBool,
 }
 
 impl std::fmt::Debug for Registration {
@@ -271,7 +282,8 @@ impl std::fmt::Debug for Registration {
         f.debug_struct("Registration")
             .field("id", &self.id)
             .field("pool", &self.pool)
-            .field("leak", &self.leak)
+            .field("exported", &self.exported)
+            .field("quiesced", &self.quiesced)
             .finish_non_exhaustive()
     }
 }
@@ -282,16 +294,19 @@ impl Registration {
     /// # Errors
     /// The transport's error (the pool is dropped with it).
     pub fn new(transport: &Arc<dyn Transport>, pool: Pool) -> Result<Self, TransportError> {
-        // SAFETY: the registration owns the pool (or, for `Pool::Borrowed`, carries the promise its
-        // `unsafe` constructor took) and frees it only after deregistration returned Ok and only when
-        // no peer can still write (`leak_on_drop` otherwise); nothing hands out references to it.
+        // SAFETY: the registration owns the pool (or, for `Pool::Borrowed`, carries the promise of
+        // `Pool::borrowed`'s caller) and frees it only after deregistration returned Ok, and only if
+        // no peer was given `remote()` or the owner declared every such peer quiet
+        // (`assume_quiesced`, itself `unsafe`); otherwise it leaks the pool. Nothing hands out
+        // references to the memory: copies are 8-byte atomics (`Pool::read_at`).
         let (id, remote) = unsafe { transport.register(pool.desc()) }?;
         Ok(Registration {
             transport: transport.clone(),
             id,
             remote,
             pool: Some(pool),
-            leak: false,
+            exported: AtomicBool::new(false),
+            quiesced: AtomicBool::new(false),
         })
     }
 
@@ -300,9 +315,31 @@ impl Registration {
         self.id
     }
 
-    /// What a peer needs to write into it. Send it only to an authenticated peer.
+    /// What a peer needs to write into it. Send it only to an authenticated peer. From now on the
+    /// memory is leaked rather than freed unless [`assume_quiesced`](Self::assume_quiesced) is called.
     pub fn remote(&self) -> &RemoteRegion {
+        self.exported.store(true, Ordering::Release);
         &self.remote
+    }
+
+    /// Declares that no peer that was handed [`remote`](Self::remote) can write into the memory any
+    /// more, so dropping (or [`into_inner`](Self::into_inner)) may free it.
+    ///
+    /// # Safety
+    /// Every peer that learned this registration's [`RemoteRegion`] has stopped writing into it and
+    /// will not write again (its writes completed and it disconnected, or its process is gone).
+    pub unsafe fn assume_quiesced(&self) {
+        self.mark_quiesced();
+    }
+
+    /// [`assume_quiesced`](Self::assume_quiesced), for the engine, which proves the condition itself
+    /// (every rank confirmed its writes are over).
+    pub(crate) fn mark_quiesced(&self) {
+        self.quiesced.store(true, Ordering::Release);
+    }
+
+    fn may_be_written(&self) -> bool {
+        self.exported.load(Ordering::Acquire) && !self.quiesced.load(Ordering::Acquire)
     }
 
     /// The memory's description.
@@ -359,19 +396,16 @@ impl Registration {
         }
     }
 
-    /// Never free the memory: on drop it is deregistered and then leaked (counted in
-    /// [`leaked_pools`]). For memory a peer may still write into.
-    pub fn leak_on_drop(&mut self) {
-        self.leak = true;
-    }
-
-    /// Deregisters and hands the memory back. Only call it when no peer can write into it any more
-    /// (no peer was given [`remote`](Self::remote), or every such peer confirmed it stopped).
+    /// Deregisters and hands the memory back.
     ///
     /// # Errors
-    /// The deregistration failed; the registration is returned with the error and still holds the
-    /// memory.
+    /// [`TransportError::MayBeWritten`] if a peer was handed [`remote`](Self::remote) and not declared
+    /// quiet; the deregistration's error otherwise. Either way the registration is returned with the
+    /// error and still holds the memory.
     pub fn into_inner(mut self) -> Result<Pool, Box<(Self, TransportError)>> {
+        if self.may_be_written() {
+            return Err(Box::new((self, TransportError::MayBeWritten)));
+        }
         if let Err(e) = self.transport.deregister(self.id) {
             return Err(Box::new((self, e)));
         }
@@ -386,13 +420,14 @@ impl Registration {
 impl Drop for Registration {
     fn drop(&mut self) {
         let Some(pool) = self.pool.take() else { return };
+        let written = self.may_be_written();
         let first = match self.transport.deregister(self.id) {
-            Ok(()) if !self.leak => return drop(pool),
-            Ok(()) => return leak(pool, "a peer may still write into it"),
+            Ok(()) if !written => return drop(pool),
+            Ok(()) => return leak(pool, "a peer that was given it may still write into it"),
             Err(e) => e,
         };
-        if self.leak {
-            return leak(pool, "a peer may still write into it");
+        if written {
+            return leak(pool, "a peer that was given it may still write into it");
         }
         // The usual cause is that the last handle to an engine went away inside one of the
         // transport's own callbacks, on its progress thread, which cannot answer itself. A helper

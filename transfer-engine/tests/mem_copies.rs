@@ -1,0 +1,96 @@
+//! Pool copies (8-byte atomic words, partial words merged) against a plain byte model: any offset,
+//! any length, bytes outside the range untouched, bounds and kinds refused with typed errors.
+#![allow(clippy::unwrap_used)]
+
+use proptest::prelude::*;
+use transfer_engine::mem::{CopyError, HostBuffer, HostOptions, MemDesc, Pool};
+
+const LEN: usize = 1024;
+
+fn pool() -> Pool {
+    Pool::Owned(HostBuffer::new(LEN, HostOptions::default()).unwrap())
+}
+
+fn snapshot(p: &Pool) -> Vec<u8> {
+    let mut v = vec![0u8; LEN];
+    p.read_at(0, &mut v).unwrap();
+    v
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Write(u64, Vec<u8>),
+    Fill(u64, usize, u8),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        (0..LEN as u64, proptest::collection::vec(any::<u8>(), 0..40))
+            .prop_map(|(o, b)| Op::Write(o, b)),
+        (0..LEN as u64, 0..40usize, any::<u8>()).prop_map(|(o, n, b)| Op::Fill(o, n, b)),
+    ]
+}
+
+proptest! {
+    #[test]
+    fn copies_match_a_byte_model(ops in proptest::collection::vec(op(), 1..64), at in 0..LEN as u64, n in 0..64usize) {
+        let p = pool();
+        let mut model = vec![0u8; LEN];
+        for o in ops {
+            let (off, bytes) = match o {
+                Op::Write(off, b) => (off, b),
+                Op::Fill(off, n, b) => (off, vec![b; n]),
+            };
+            let fits = off as usize + bytes.len() <= LEN;
+            let r = p.write_at(off, &bytes);
+            prop_assert_eq!(r.is_ok(), fits, "{:?}", r);
+            if fits {
+                model[off as usize..off as usize + bytes.len()].copy_from_slice(&bytes);
+            } else {
+                let refused = matches!(r, Err(CopyError::OutOfBounds { .. }));
+                prop_assert!(refused);
+            }
+            prop_assert_eq!(&snapshot(&p), &model);
+        }
+        let mut out = vec![0u8; n];
+        match p.read_at(at, &mut out) {
+            Ok(()) => prop_assert_eq!(&out[..], &model[at as usize..at as usize + n]),
+            Err(e) => {
+                prop_assert!(at as usize + n > LEN, "{:?}", e);
+            }
+        }
+        let mut pieces = Vec::new();
+        p.read_pieces(0, LEN as u64, |b| pieces.extend_from_slice(b)).unwrap();
+        prop_assert_eq!(&pieces, &model);
+    }
+}
+
+#[test]
+fn partial_words_leave_their_neighbours_alone() {
+    let p = pool();
+    p.fill_at(0, 24, 0xAA).unwrap();
+    p.write_at(3, &[1, 2, 3]).unwrap();
+    p.write_at(13, &[9; 6]).unwrap();
+    let mut v = [0u8; 24];
+    p.read_at(0, &mut v).unwrap();
+    let mut want = [0xAAu8; 24];
+    want[3..6].copy_from_slice(&[1, 2, 3]);
+    want[13..19].copy_from_slice(&[9; 6]);
+    assert_eq!(v, want);
+}
+
+#[test]
+fn device_and_unaligned_pools_are_refused_before_any_access() {
+    let mut b = vec![0u64; 4];
+    let base = b.as_mut_ptr().cast::<u8>();
+    // SAFETY: `b` outlives both pools, which are only asked to copy and refuse before touching it.
+    let odd = unsafe { Pool::borrowed(MemDesc::host_raw(base.wrapping_add(1), 16)) };
+    assert!(matches!(
+        odd.read_at(0, &mut [0u8; 4]),
+        Err(CopyError::Unaligned { .. })
+    ));
+    // SAFETY: as above; a device description of host memory is never dereferenced by copies.
+    let dev = unsafe { Pool::borrowed(MemDesc::cuda_raw(base as u64, 32, 0)) };
+    assert_eq!(dev.write_at(0, &[1]), Err(CopyError::NotHost));
+    assert_eq!(b, [0; 4]);
+}

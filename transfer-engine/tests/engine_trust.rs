@@ -351,3 +351,67 @@ async fn a_rank_votes_only_once_none_of_its_chunks_is_posted() {
     assert_eq!(bounded(outcome).await, Outcome::Complete);
     assert!(bounded(d.shutdown(BOUND)).await.pool_freed);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_votes_completed_only_once_every_chunk_is_over() {
+    let _s = serial().await;
+    let d = decode(Some(SECRET), 1).await;
+    let (p, _t) = prefill(&d, Some(SECRET)).await.unwrap();
+    d.wait_for_ranks(BOUND).await.unwrap();
+    let r = RequestId(7);
+    let outcome = d.expect(r, PROMPT, CHUNK, DST.to_vec(), LONG).unwrap();
+    // The LAST chunk first: the rank's writes are over, but chunk 0 was never sent.
+    bounded(p.send_chunk(r, 1, &SRC, true)).await.unwrap();
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), p.decided(r))
+            .await
+            .is_err(),
+        "the rank voted Completed before sending every chunk"
+    );
+    bounded(p.send_chunk(r, 0, &SRC, false)).await.unwrap();
+    assert_eq!(bounded(p.decided(r)).await, Decision::Completed);
+    assert_eq!(bounded(outcome).await, Outcome::Complete);
+    assert!(bounded(d.shutdown(BOUND)).await.pool_freed);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_external_ranks_pages_stay_quarantined_until_the_server_confirms() {
+    let _s = serial().await;
+    let d = decode(Some(SECRET), 1).await;
+    d.bind_external_rank(0, Sender::Key(77), &layout()).unwrap();
+    let r = RequestId(8);
+    let outcome = d.expect(r, PROMPT, CHUNK, DST.to_vec(), LONG).unwrap();
+    d.abort(r);
+    // Nobody can confirm by itself: the outcome goes out at once, the pages stay held.
+    assert_eq!(
+        bounded(outcome).await,
+        Outcome::Failed(FailureReason::Aborted)
+    );
+    assert_eq!(d.quarantined(), vec![r]);
+    assert!(matches!(
+        d.expect(RequestId(9), PROMPT, CHUNK, DST.to_vec(), LONG),
+        Err(EngineError::PageHeld { by, .. }) if by == r
+    ));
+    // Its id stays taken too while its pages are held.
+    assert!(matches!(
+        d.expect(r, PROMPT, CHUNK, vec![0, 1, 2, 3], LONG),
+        Err(EngineError::Tracker(_))
+    ));
+    let released = d.released(r);
+    d.confirm_stopped(0, r);
+    bounded(released).await;
+    assert!(d.quarantined().is_empty());
+    let _ok = d
+        .expect(RequestId(9), PROMPT, CHUNK, DST.to_vec(), LONG)
+        .unwrap();
+    // Shutdown: the external rank can never confirm, so the pool is not freed; and nothing binds
+    // once shutdown began.
+    let late = d.clone();
+    let report = bounded(d.shutdown(Duration::from_millis(300))).await;
+    assert_eq!(report.unconfirmed, vec![0], "{report:?}");
+    assert!(!report.pool_freed);
+    assert!(matches!(
+        late.bind_external_rank(0, Sender::Key(78), &layout()),
+        Err(EngineError::Shutdown)
+    ));
+}

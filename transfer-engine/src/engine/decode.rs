@@ -130,6 +130,8 @@ struct RankConn {
     peer: PeerId,
     writer: mpsc::UnboundedSender<Msg>,
     planner: Planner,
+    /// Bound with `bind_external_rank`: no control connection, so it never confirms by itself.
+    external: bool,
 }
 
 struct ReqInfo {
@@ -159,7 +161,11 @@ struct State {
 }
 
 struct Unacked {
+    /// Connected ranks whose confirmation (AbortAck, or their connection ending) the outcome waits for.
     ranks: Vec<u16>,
+    /// External ranks, which cannot confirm by themselves: the pages stay quarantined until the
+    /// server confirms for them (`confirm_stopped`).
+    external: Vec<u16>,
     /// `None` once the outcome was handed out (the request is quarantined).
     outcome: Option<Outcome>,
     deadline: Instant,
@@ -290,7 +296,7 @@ impl DecodeEngine {
                 l.base_offset
             )));
         }
-        if cfg.token.is_none() {
+        if cfg.token.as_ref().is_none_or(Vec::is_empty) {
             tracing::warn!(
                 listen = %cfg.listen,
                 "no shared secret configured: any process that reaches the control port can write into the KV pool"
@@ -441,6 +447,14 @@ impl DecodeEngine {
             if st.closing {
                 return Err(EngineError::Shutdown);
             }
+            // A failed request's id stays taken while its pages are held (its outcome may still be
+            // on its way), whatever the tracker has forgotten.
+            if st.unacked.contains_key(&request) || st.waiters.contains_key(&request) {
+                return Err(EngineError::Tracker(format!(
+                    "request {} is still held by the engine",
+                    request.0
+                )));
+            }
             if let Some((&page, &by)) = dst_pages
                 .iter()
                 .find_map(|p| st.held_pages.get_key_value(p))
@@ -506,6 +520,16 @@ impl DecodeEngine {
             .filter(|(_, u)| u.outcome.is_none())
             .map(|(r, _)| *r)
             .collect()
+    }
+
+    /// Tells the engine that `rank` has stopped writing into `request`'s pages for good, for ranks
+    /// that cannot say so themselves (bound with [`bind_external_rank`](Self::bind_external_rank):
+    /// the server learned it out of band, for instance from SGLang's abort acknowledgement). Once
+    /// every rank of a failed request is confirmed, its pages are released. Confirming a rank that
+    /// may still write lets a new request's pages receive its late bytes.
+    pub fn confirm_stopped(&self, rank: u16, request: RequestId) {
+        let mut st = self.inner.lock();
+        self.inner.acked(&mut st, request, rank);
     }
 
     /// Resolves once no page of `request` is held any more: the request completed, or failed and
@@ -726,6 +750,9 @@ impl DecodeEngine {
                 }
             })?;
         let mut st = self.inner.lock();
+        if st.closing {
+            return Err(EngineError::Shutdown);
+        }
         if let Some(&(bound, _)) = st.senders.get(&sender) {
             return Err(EngineError::SenderTaken {
                 sender,
@@ -752,6 +779,7 @@ impl DecodeEngine {
             peer,
             writer: tx,
             planner,
+            external: true,
         });
         drop(st);
         self.inner.connected.send_modify(|n| *n += 1);
@@ -802,32 +830,42 @@ impl Inner {
                         request: request.0,
                         reason: code.raw(),
                     });
-                    // The pages belong to the transfer until every rank that got the Abort says none
-                    // of its writes into them still runs (ranks without a control connection, such as
-                    // external ones, cannot say and are not waited for).
-                    let mut ranks = Vec::new();
+                    // The pages belong to the transfer until every rank says none of its writes into
+                    // them still runs: connected ranks answer the Abort; external ranks cannot, so
+                    // their pages stay quarantined until the server confirms for them.
+                    let (mut ranks, mut external) = (Vec::new(), Vec::new());
                     for (rank, r) in st.ranks.iter().enumerate() {
-                        // An external rank's channel has no reader, so the send fails and it is not
-                        // waited for.
-                        if let Some(r) = r
-                            && r.writer.send(msg.clone()).is_ok()
-                        {
-                            ranks.push(rank as u16);
+                        match r {
+                            Some(r) if r.external => external.push(rank as u16),
+                            Some(r) if r.writer.send(msg.clone()).is_ok() => {
+                                ranks.push(rank as u16)
+                            }
+                            _ => {}
                         }
                     }
                     let outcome = Outcome::Failed(reason);
-                    if !ranks.is_empty() {
+                    if !ranks.is_empty() || !external.is_empty() {
                         let deadline = Instant::now() + self.cfg.abort_ack_timeout;
                         let pages = st
                             .requests
                             .remove(&request)
                             .map(|r| r.dst_pages)
                             .unwrap_or_default();
+                        // Nobody to wait for before the outcome: it goes out now, the pages stay held.
+                        let held = if ranks.is_empty() {
+                            if let Some(w) = st.waiters.remove(&request) {
+                                let _ = w.send(outcome);
+                            }
+                            None
+                        } else {
+                            Some(outcome)
+                        };
                         st.unacked.insert(
                             request,
                             Unacked {
                                 ranks,
-                                outcome: Some(outcome),
+                                external,
+                                outcome: held,
                                 deadline,
                                 pages,
                             },
@@ -947,16 +985,21 @@ impl Inner {
         h.finish() == sum
     }
 
-    /// `rank`'s writes for `request` are over (it acknowledged the Abort, or it is gone).
+    /// `rank`'s writes for `request` are over (it acknowledged the Abort, it is gone, or the server
+    /// confirmed for it).
     fn acked(&self, st: &mut State, request: RequestId, rank: u16) {
-        let done = match st.unacked.get_mut(&request) {
-            Some(u) => {
-                u.ranks.retain(|&r| r != rank);
-                u.ranks.is_empty()
-            }
-            None => false,
+        let Some(u) = st.unacked.get_mut(&request) else {
+            return;
         };
-        if done {
+        u.ranks.retain(|&r| r != rank);
+        u.external.retain(|&r| r != rank);
+        if u.ranks.is_empty()
+            && let Some(outcome) = u.outcome.take()
+            && let Some(w) = st.waiters.remove(&request)
+        {
+            let _ = w.send(outcome);
+        }
+        if u.ranks.is_empty() && u.external.is_empty() {
             self.settle(st, request);
         }
     }
@@ -1132,6 +1175,9 @@ async fn serve_rank(inner: Weak<Inner>, mut conn: Connection) {
             _ => Sender::Key(remote.notify_key),
         };
         let st = i.lock();
+        if st.closing {
+            return Err(RejectReason::Refused("decode is shutting down".into()));
+        }
         if st
             .ranks
             .get(usize::from(remote.pp_rank))
@@ -1182,11 +1228,13 @@ async fn serve_rank(inner: Weak<Inner>, mut conn: Connection) {
         }
         let peer = PeerId(st.next_peer);
         st.next_peer += 1;
+        st.closed_ranks.remove(&rank);
         st.senders.insert(sender.clone(), (rank, peer));
         st.ranks[usize::from(rank)] = Some(RankConn {
             peer,
             writer: tx,
             planner,
+            external: false,
         });
         peer
     };

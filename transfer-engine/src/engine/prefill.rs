@@ -161,8 +161,10 @@ struct ReqState {
     posted: u32,
     /// Decode aborted the request while chunks were posted: acknowledge once they are over.
     ack_pending: bool,
-    /// The LAST chunk's writes and notification completed.
-    last_done: bool,
+    /// Chunks whose writes and notification completed, one bit per chunk id.
+    done: Vec<u64>,
+    /// How many bits of `done` are set.
+    done_count: u64,
 }
 
 struct State {
@@ -573,7 +575,7 @@ impl PrefillEngine {
             Box::new(move |res: Result<(), TransportError>| {
                 // Runs on the transport's progress thread: the vote is cast right here.
                 if let Some(inner) = weak.upgrade() {
-                    inner.chunk_done(request, last, bytes, &res);
+                    inner.chunk_done(request, chunk, last, bytes, &res);
                 }
                 let _ = tx.send(res);
             }),
@@ -687,6 +689,7 @@ impl Inner {
     fn chunk_done(
         &self,
         request: RequestId,
+        chunk: u32,
         last: bool,
         bytes: u64,
         res: &Result<(), TransportError>,
@@ -701,7 +704,15 @@ impl Inner {
             let ack = match st.requests.get_mut(&request) {
                 Some(r) => {
                     r.posted = r.posted.saturating_sub(1);
-                    r.last_done |= last && res.is_ok();
+                    if res.is_ok() {
+                        let (word, bit) = (chunk as usize / 64, 1u64 << (chunk % 64));
+                        if let Some(w) = r.done.get_mut(word)
+                            && *w & bit == 0
+                        {
+                            *w |= bit;
+                            r.done_count += 1;
+                        }
+                    }
                     let ack = r.posted == 0 && r.ack_pending;
                     if ack {
                         r.ack_pending = false;
@@ -768,19 +779,19 @@ impl Inner {
         self.settle_vote(request, Some(Vote::Failed(code)));
     }
 
-    /// Casts this rank's vote on `request` once it is terminal here (failed, or its LAST chunk is
-    /// over) and none of its chunks is still posted, so a vote always means "this rank's writes are
-    /// over". `unknown` is the vote for a request this rank never got an allocation for (nothing of
+    /// Casts this rank's vote on `request` once it is terminal here (failed, or every one of its
+    /// chunks is over) and none of its chunks is still posted, so a vote always means "this rank's
+    /// writes are over", and Completed also "all of them arrived". `unknown` is the vote for a request this rank never got an allocation for (nothing of
     /// it was posted).
     fn settle_vote(&self, request: RequestId, unknown: Option<Vote>) {
         let mut st = lock(&self.state);
         let vote = match st.requests.get_mut(&request) {
             Some(r) if r.voted || r.posted > 0 => return,
             Some(r) => {
-                let v = match (r.failed, r.last_done) {
-                    (Some(code), _) => Some(Vote::Failed(code)),
-                    (None, true) => Some(Vote::Completed),
-                    (None, false) => None,
+                let v = match r.failed {
+                    Some(code) => Some(Vote::Failed(code)),
+                    None if r.done_count == r.geometry.num_chunks() => Some(Vote::Completed),
+                    None => None,
                 };
                 r.voted = v.is_some();
                 v
@@ -868,7 +879,8 @@ impl Inner {
                         voted: false,
                         posted: 0,
                         ack_pending: false,
-                        last_done: false,
+                        done: vec![0; g.num_chunks().div_ceil(64) as usize],
+                        done_count: 0,
                     },
                 );
                 for w in st.arrivals.remove(&request).unwrap_or_default() {

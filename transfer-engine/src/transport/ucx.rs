@@ -769,12 +769,14 @@ impl Worker {
             return;
         };
         if region.in_flight > 0 {
-            // Writes from or to it are still running: unmap when the last one is over.
-            region.deregister = Some(reply);
-            self.shared
-                .counters
-                .deferred
-                .fetch_add(1, Ordering::Relaxed);
+            // Writes from or to it are still running: unmap when the last one is over. A caller that
+            // asks again (after its bounded wait ran out) takes over the answer; it is counted once.
+            if region.deregister.replace(reply).is_none() {
+                self.shared
+                    .counters
+                    .deferred
+                    .fetch_add(1, Ordering::Relaxed);
+            }
             return;
         }
         let _ = reply.send(self.unmap(id.0));
@@ -800,7 +802,9 @@ impl Worker {
         // UCX parses worker addresses and packed rkeys by lengths written inside them; its API takes no
         // buffer length. These bytes come only from a peer that proved the shared secret (the control
         // handshake authenticates before any Hello), and they are bounded here and copied into buffers
-        // with zeroed slack, so a truncated one makes UCX read zeros of ours, not foreign memory.
+        // with 4 KiB of zeroed slack, so a truncated one makes UCX read zeros of ours rather than
+        // foreign memory; an embedded length that lies by more than the slack is not caught: that is
+        // the trust a peer holding the secret gets.
         if meta.is_empty() || meta.len() > MAX_PEER_BLOB {
             return Err(TransportError::BadMetadata(format!(
                 "UCX worker address of {} bytes (1 to {MAX_PEER_BLOB} accepted)",

@@ -104,12 +104,19 @@ pub struct Report {
     pub backend: String,
     /// Whole-request bandwidth, GB/s (10^9).
     pub gbps: f64,
-    /// Baseline bandwidth, GB/s.
+    /// Baseline bandwidth, GB/s: raw UCX put between two processes streaming through buffers as
+    /// large as the workload's decode pool (`ucx_perftest -t ucp_put_bw -s <pool bytes>`, whose
+    /// buffers UCX allocates), the same amount of memory the engine's writes stream through.
     pub baseline_gbps: f64,
     /// Where the baseline came from.
     pub baseline: String,
     /// gbps / baseline_gbps.
     pub ratio: f64,
+    /// `ucx_perftest` at the workload's coalesced write size, one buffer put again and again (so it
+    /// runs from cache): for information, not the same work.
+    pub cached_baseline_gbps: f64,
+    /// On the ucx row when nixl ran in the same process too: gbps / nixl's gbps (0 otherwise).
+    pub vs_nixl: f64,
     /// The same put loop streaming through buffers as large as the workload's pools (what the
     /// engine's writes really touch), GB/s.
     pub stream_gbps: f64,
@@ -131,7 +138,7 @@ pub struct Report {
     pub chunks_per_s: f64,
     /// Writes per second (all ranks), after coalescing; with `--scatter`, pages per second.
     pub writes_per_s: f64,
-    /// ucx_perftest's message rate at the same size (0 when not measured).
+    /// ucx_perftest's message rate at the workload's write size (0 when not measured).
     pub baseline_msg_rate: f64,
     /// Requests run.
     pub requests: u64,
@@ -239,6 +246,8 @@ impl Tally {
             baseline_gbps: 0.0,
             baseline: String::new(),
             ratio: 0.0,
+            cached_baseline_gbps: 0.0,
+            vs_nixl: 0.0,
             stream_gbps: 0.0,
             stream_ratio: 0.0,
             memcpy_gbps: 0.0,

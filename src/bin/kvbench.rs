@@ -289,10 +289,12 @@ fn print_table(w: &Workload, reports: &[Report]) {
     );
     if let Some(r) = reports.first() {
         println!(
-            "baselines: {} = {:.2} GB/s, {:.0} msg/s; in-process put streaming through {} MB = {:.2} GB/s; \
-             streaming memcpy = {:.2} GB/s",
+            "baselines: {} = {:.2} GB/s (ratio); ucx_perftest at {} B from cache = {:.2} GB/s, {:.0} msg/s; \
+             in-process put streaming through {} MB = {:.2} GB/s (strm r); streaming memcpy = {:.2} GB/s",
             r.baseline,
             r.baseline_gbps,
+            w.write_size(),
+            r.cached_baseline_gbps,
             r.baseline_msg_rate,
             w.shape.request_bytes(w.prompt_tokens) / 1_000_000,
             r.stream_gbps,
@@ -300,12 +302,13 @@ fn print_table(w: &Workload, reports: &[Report]) {
         );
     }
     println!(
-        "{:<8} {:>8} {:>9} {:>6} {:>7} {:>9} {:>10} {:>10} {:>11} {:>11} {:>10} {:>10} {:>8}",
+        "{:<8} {:>8} {:>9} {:>6} {:>7} {:>7} {:>9} {:>10} {:>10} {:>11} {:>11} {:>10} {:>10} {:>8}",
         "backend",
         "GB/s",
         "base GB/s",
         "ratio",
         "strm r",
+        "vs nixl",
         "req/s",
         "lat p50us",
         "lat p99us",
@@ -317,12 +320,17 @@ fn print_table(w: &Workload, reports: &[Report]) {
     );
     for r in reports {
         println!(
-            "{:<8} {:>8.2} {:>9.2} {:>6.3} {:>7.3} {:>9.2} {:>10.0} {:>10.0} {:>11.1} {:>11.1} {:>10.0} {:>10.0} {:>8}",
+            "{:<8} {:>8.2} {:>9.2} {:>6.3} {:>7.3} {:>7} {:>9.2} {:>10.0} {:>10.0} {:>11.1} {:>11.1} {:>10.0} {:>10.0} {:>8}",
             r.backend,
             r.gbps,
             r.baseline_gbps,
             r.ratio,
             r.stream_ratio,
+            if r.vs_nixl > 0.0 {
+                format!("{:.2}", r.vs_nixl)
+            } else {
+                "-".into()
+            },
             r.requests_per_s,
             r.latency_p50_us,
             r.latency_p99_us,
@@ -335,35 +343,66 @@ fn print_table(w: &Workload, reports: &[Report]) {
     }
 }
 
-/// The raw baselines, measured before the engine runs: ucx_perftest (or the cached in-process put
-/// loop) at the workload's write size, the put loop streaming through a request-sized buffer, and a
-/// streaming memcpy.
-fn baselines(w: &Workload) -> (f64, String, f64, f64, f64) {
+/// The raw baselines, measured before the engine runs.
+struct Baselines {
+    /// The headline: raw UCX put streaming through pool-sized buffers, GB/s.
+    gbps: f64,
+    name: String,
+    /// ucx_perftest at the write size, from cache, GB/s, and its message rate.
+    cached_gbps: f64,
+    msg_rate: f64,
+    /// Our in-process put loop streaming through a request-sized buffer, GB/s.
+    stream: f64,
+    /// A streaming memcpy, GB/s.
+    memcpy: f64,
+}
+
+/// `ucx_perftest` between two processes streaming through buffers as large as the decode pool (the
+/// headline), and at the workload's write size (cached); the in-process put loop and a memcpy
+/// streaming through a request. Without the tool, the in-process loop stands in for both.
+fn baselines(w: &Workload) -> Baselines {
     let size = w.write_size();
     let span = w.shape.request_bytes(w.prompt_tokens);
-    let iters = (4_000_000_000 / size.max(1)).clamp(2000, 200_000) as u32;
-    let (base, rate, name) = match find_perftest()
-        .and_then(|tool| perftest_put_bw(&tool, size, iters))
-    {
-        Some((g, rate)) => (g, rate, format!("ucx_perftest ucp_put_bw {size} B")),
-        None => {
-            eprintln!(
-                "kvbench: ucx_perftest not found or failed; the baseline is the in-process put loop"
-            );
-            let g = inprocess_put_bw(size, 16, size * 16, 1.0).unwrap_or(0.0);
-            (
-                g,
-                g * 1e9 / size as f64,
-                format!("in-process ucp_put loop {size} B"),
-            )
-        }
-    };
+    let pool = span * u64::from(w.concurrency.max(1));
     let stream = inprocess_put_bw(size, 16, span, 1.0).unwrap_or_else(|e| {
         eprintln!("kvbench: streaming put baseline failed: {e}");
         0.0
     });
     let memcpy = memcpy_bw(span, 1.0).unwrap_or(0.0);
-    (base, name, stream, memcpy, rate)
+    let tool = find_perftest();
+    let cached = tool.as_ref().and_then(|t| {
+        let iters = (4_000_000_000 / size.max(1)).clamp(2000, 200_000) as u32;
+        perftest_put_bw(t, size, iters)
+    });
+    let streaming = tool.as_ref().and_then(|t| {
+        // About 8 GB moved, at least 10 puts of the whole pool.
+        let iters = (8_000_000_000 / pool.max(1)).clamp(10, 10_000) as u32;
+        perftest_put_bw(t, pool, iters)
+    });
+    let (gbps, name) = match streaming {
+        Some((g, _)) => (
+            g,
+            format!("ucx_perftest ucp_put_bw streaming {} MB", pool / 1_000_000),
+        ),
+        None => {
+            eprintln!(
+                "kvbench: ucx_perftest not found or failed; the baseline is the in-process put loop"
+            );
+            (
+                stream,
+                format!("in-process ucp_put loop streaming {} MB", span / 1_000_000),
+            )
+        }
+    };
+    let (cached_gbps, msg_rate) = cached.unwrap_or((0.0, 0.0));
+    Baselines {
+        gbps,
+        name,
+        cached_gbps,
+        msg_rate,
+        stream,
+        memcpy,
+    }
 }
 
 fn main() -> ExitCode {
@@ -461,8 +500,15 @@ fn main() -> ExitCode {
 }
 
 async fn run_local(opts: &Opts, w: &Workload) -> Result<Vec<Report>, String> {
-    let (base, base_name, stream, memcpy, rate) = if opts.no_baseline {
-        (0.0, "skipped".to_string(), 0.0, 0.0, 0.0)
+    let b = if opts.no_baseline {
+        Baselines {
+            gbps: 0.0,
+            name: "skipped".to_string(),
+            cached_gbps: 0.0,
+            msg_rate: 0.0,
+            stream: 0.0,
+            memcpy: 0.0,
+        }
     } else {
         baselines(w)
     };
@@ -480,14 +526,23 @@ async fn run_local(opts: &Opts, w: &Workload) -> Result<Vec<Report>, String> {
         if tty {
             eprintln!();
         }
-        r.baseline_gbps = base;
-        r.baseline = base_name.clone();
-        r.ratio = if base > 0.0 { r.gbps / base } else { 0.0 };
-        r.stream_gbps = stream;
-        r.stream_ratio = if stream > 0.0 { r.gbps / stream } else { 0.0 };
-        r.memcpy_gbps = memcpy;
-        r.baseline_msg_rate = rate;
+        let per = |x: f64| if x > 0.0 { r.gbps / x } else { 0.0 };
+        r.baseline_gbps = b.gbps;
+        r.baseline = b.name.clone();
+        r.ratio = per(b.gbps);
+        r.cached_baseline_gbps = b.cached_gbps;
+        r.stream_gbps = b.stream;
+        r.stream_ratio = per(b.stream);
+        r.memcpy_gbps = b.memcpy;
+        r.baseline_msg_rate = b.msg_rate;
         reports.push(r);
+    }
+    // The direct backend against NIXL on the same workload, in the same process.
+    let nixl = reports.iter().find(|r| r.backend == "nixl").map(|r| r.gbps);
+    if let (Some(n), Some(u)) = (nixl, reports.iter_mut().find(|r| r.backend == "ucx"))
+        && n > 0.0
+    {
+        u.vs_nixl = u.gbps / n;
     }
     Ok(reports)
 }

@@ -47,6 +47,7 @@ fn datapath(c: &mut Criterion) {
             duration: None,
             scatter: true,
             request_timeout: Duration::from_secs(60),
+            decode_pool: kvbench::cluster::PoolKind::Shared,
         };
         let page_kib = shape(page_tokens).page_bytes() / 1024;
         g.throughput(Throughput::Bytes(

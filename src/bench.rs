@@ -58,6 +58,8 @@ pub struct Workload {
     /// Each request's deadline (given to decode's `expect`): a request not complete by then fails
     /// with `Timeout`.
     pub request_timeout: Duration,
+    /// Where decode's pool comes from.
+    pub decode_pool: crate::cluster::PoolKind,
 }
 
 impl Workload {
@@ -400,6 +402,7 @@ pub async fn run_workload(
         prefill_pages: pages * slots,
         backend,
         checksums: w.checksums,
+        decode_pool: w.decode_pool,
     };
     let cluster = Arc::new(Cluster::start(spec).await?);
     let src = |slot: u32| -> Vec<u32> { (slot * pages..(slot + 1) * pages).collect() };

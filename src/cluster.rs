@@ -78,6 +78,33 @@ pub struct ClusterSpec {
     pub backend: BackendKind,
     /// Checksums sent and verified.
     pub checksums: bool,
+    /// Where the pools come from (decode's and, for `Shared`, the prefill ranks' too).
+    pub decode_pool: PoolKind,
+}
+
+/// Where a cluster's pools come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PoolKind {
+    /// Allocated by the transport (`Pool::Shared`): with UCX, shared memory that same-host peers
+    /// map (UCX still picks cma for large puts unless `UCX_ZCOPY_THRESH` says otherwise).
+    Shared,
+    /// Private memory, as a server's own pool (`Pool::Owned`): UCX writes into it with a
+    /// `process_vm_writev` call per write (cma).
+    #[default]
+    Caller,
+}
+
+impl PoolKind {
+    /// A decode pool of `len` bytes of this kind.
+    ///
+    /// # Errors
+    /// The mapping fails (caller pools).
+    pub fn pool(self, len: u64) -> std::io::Result<Pool> {
+        Ok(match self {
+            PoolKind::Shared => Pool::Shared(len),
+            PoolKind::Caller => Pool::Owned(HostBuffer::new(len as usize, HostOptions::default())?),
+        })
+    }
 }
 
 /// A running cluster.
@@ -151,9 +178,11 @@ impl Cluster {
         let secret =
             fresh_secret().map_err(|e| EngineError::Config(format!("drawing a secret: {e}")))?;
         dcfg.token = Some(secret.clone());
-        let dpool = HostBuffer::new(dst_layout.buffer_len as usize, HostOptions::default())
+        let dpool = spec
+            .decode_pool
+            .pool(dst_layout.buffer_len)
             .map_err(|e| EngineError::Config(format!("decode pool: {e}")))?;
-        let decode = DecodeEngine::start(dcfg, Pool::Owned(dpool)).await?;
+        let decode = DecodeEngine::start(dcfg, dpool).await?;
         let split = PpSplit::SglangEven;
         let peers = if spec.pp > 1 {
             free_addrs(usize::from(spec.pp)).map_err(|e| EngineError::Config(e.to_string()))?
@@ -188,10 +217,12 @@ impl Cluster {
             cfg.peers = peers.clone();
             cfg.checksums = spec.checksums;
             cfg.token = Some(secret.clone());
-            let buf = HostBuffer::new(layout.buffer_len as usize, HostOptions::default())
+            let buf = spec
+                .decode_pool
+                .pool(layout.buffer_len)
                 .map_err(|e| EngineError::Config(format!("prefill pool: {e}")))?;
             layers.push(range);
-            starts.push(tokio::spawn(PrefillEngine::start(cfg, Pool::Owned(buf))));
+            starts.push(tokio::spawn(PrefillEngine::start(cfg, buf)));
         }
         let mut prefill = Vec::new();
         for s in starts {

@@ -63,10 +63,12 @@ pub async fn run_decode(
     cfg.backend = BackendConfig::default_for(backend, "decode");
     cfg.verify_checksums = w.checksums;
     cfg.token = token;
-    let pool = HostBuffer::new(layout.buffer_len as usize, HostOptions::default())
+    let pool = w
+        .decode_pool
+        .pool(layout.buffer_len)
         .map_err(|e| e.to_string())?;
     let decode = Arc::new(
-        DecodeEngine::start(cfg, Pool::Owned(pool))
+        DecodeEngine::start(cfg, pool)
             .await
             .map_err(|e| e.to_string())?,
     );

@@ -5,7 +5,7 @@
 //! back to the pools' sizes).
 #![allow(clippy::unwrap_used)]
 
-use kvbench::cluster::{Cluster, ClusterSpec, Shape};
+use kvbench::cluster::{Cluster, ClusterSpec, PoolKind, Shape};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::time::timeout;
@@ -47,6 +47,7 @@ async fn start(shape: Shape, backend: BackendKind) -> Arc<Cluster> {
         prefill_pages: 2 * shape.pages_for(PROMPT),
         backend,
         checksums: true,
+        decode_pool: PoolKind::Shared,
     };
     let c = timeout(Duration::from_secs(30), Cluster::start(spec))
         .await

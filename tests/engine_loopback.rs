@@ -3,7 +3,7 @@
 //! concurrent requests, and every destination byte checked.
 #![allow(clippy::unwrap_used)]
 
-use kvbench::cluster::{Cluster, ClusterSpec, Shape};
+use kvbench::cluster::{Cluster, ClusterSpec, PoolKind, Shape};
 use std::time::Duration;
 use transfer_engine::core::RequestId;
 use transfer_engine::engine::Outcome;
@@ -19,6 +19,7 @@ fn spec(shape: Shape, backend: BackendKind) -> ClusterSpec {
         prefill_pages: 32,
         backend,
         checksums: true,
+        decode_pool: PoolKind::Shared,
     }
 }
 

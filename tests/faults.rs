@@ -12,7 +12,7 @@
 //! Every wait is bounded; nothing sleeps and then asserts.
 
 use futures::FutureExt;
-use kvbench::cluster::{Cluster, ClusterSpec, Shape};
+use kvbench::cluster::{Cluster, ClusterSpec, PoolKind, Shape};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, OnceLock};
@@ -103,6 +103,7 @@ async fn try_start() -> Result<Faulty, EngineError> {
         prefill_pages: 8,
         backend: BackendKind::Ucx,
         checksums: true,
+        decode_pool: PoolKind::Shared,
     };
     let (mut dslot, mut slots) = (None, Vec::new());
     let c = Cluster::start_with(spec, |rank, name| {

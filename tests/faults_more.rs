@@ -12,7 +12,7 @@
 //! return to their baseline. Every wait is bounded; nothing sleeps and then asserts.
 
 use futures::FutureExt;
-use kvbench::cluster::{Cluster, ClusterSpec, Shape};
+use kvbench::cluster::{Cluster, ClusterSpec, PoolKind, Shape};
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
@@ -133,6 +133,7 @@ fn spec() -> ClusterSpec {
         prefill_pages: 8,
         backend: BackendKind::Ucx,
         checksums: true,
+        decode_pool: PoolKind::Shared,
     }
 }
 

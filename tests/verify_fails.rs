@@ -11,7 +11,7 @@
 //! Every wait is bounded.
 #![allow(clippy::unwrap_used)]
 
-use kvbench::cluster::{Cluster, ClusterSpec, Shape};
+use kvbench::cluster::{Cluster, ClusterSpec, PoolKind, Shape};
 use kvbench::verify::VerifyError;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -65,6 +65,7 @@ async fn start(checksums: bool) -> Faulty {
         prefill_pages: 8,
         backend: BackendKind::Ucx,
         checksums,
+        decode_pool: PoolKind::Shared,
     };
     let mut slots: Vec<Arc<OnceLock<Arc<FaultTransport>>>> = Vec::new();
     let c = tokio::time::timeout(

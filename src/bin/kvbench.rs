@@ -9,7 +9,7 @@ use kvbench::bench::{
     Report, Verify, Workload, find_perftest, inprocess_put_bw, memcpy_bw, perftest_put_bw,
     run_workload,
 };
-use kvbench::cluster::Shape;
+use kvbench::cluster::{PoolKind, Shape};
 use kvbench::roles;
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -40,6 +40,12 @@ enum Backend {
     Nixl,
     /// Both, side by side.
     All,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum PoolArg {
+    Shared,
+    Caller,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -120,6 +126,11 @@ struct Opts {
     /// Destination pages in reverse order: no coalescing, one write per page (page-rate workload).
     #[arg(long, global = true)]
     scatter: bool,
+    /// The pools: caller (private memory, as a server's own pool; UCX writes into it with a
+    /// process_vm_writev call per write) or shared (allocated by the transport; with UCX, shared
+    /// memory that same-host peers map).
+    #[arg(long, value_enum, default_value = "caller", global = true)]
+    pool: PoolArg,
     /// `decode` and `prefill`: a file holding the secret every process of a run shares (a trailing
     /// newline is not part of it). Without it, the `KVX_TOKEN` environment variable. The loopback
     /// run draws a fresh secret of its own.
@@ -229,6 +240,10 @@ impl Opts {
             duration,
             scatter: self.scatter,
             request_timeout,
+            decode_pool: match self.pool {
+                PoolArg::Shared => PoolKind::Shared,
+                PoolArg::Caller => PoolKind::Caller,
+            },
         })
     }
 

@@ -149,6 +149,30 @@ pub enum Pool {
     /// Memory the caller owns (host or CUDA), made only through the `unsafe` [`Pool::borrowed`],
     /// whose promises cover the registration's whole life and every peer write after it.
     Borrowed(Borrowed),
+    /// A request for `len` bytes of host memory that the transport allocates when the pool is
+    /// registered, shareable with same-host peers where the backend can (see
+    /// [`Transport::allocate`](crate::transport::Transport::allocate)); a backend that cannot
+    /// allocate gets an owned [`HostBuffer`] instead. Holds no memory until registered.
+    Shared(u64),
+    /// Memory a transport allocated for a registration (what [`Pool::Shared`] becomes once
+    /// registered); it lives exactly as long as that registration.
+    Transport(TransportMem),
+}
+
+/// Host memory a transport allocated and frees; see [`Pool::Transport`].
+#[derive(Debug)]
+pub struct TransportMem(MemDesc);
+
+impl TransportMem {
+    /// Wraps what a transport's `allocate` returned (only the registration that owns it makes one).
+    pub(crate) fn new(desc: MemDesc) -> Self {
+        TransportMem(desc)
+    }
+
+    /// The memory's description.
+    pub fn desc(&self) -> MemDesc {
+        self.0
+    }
 }
 
 /// Caller-owned memory inside a [`Pool`]; see [`Pool::borrowed`].
@@ -179,6 +203,9 @@ pub enum CopyError {
     /// The pool is device memory, which host copies cannot reach.
     #[error("the pool is device memory; copy it with the device's own API")]
     NotHost,
+    /// The pool is a [`Pool::Shared`] request that no transport has allocated yet.
+    #[error("the pool is not allocated until it is registered")]
+    NotAllocated,
     /// The pool's start or length is not a multiple of 8 bytes, which host copies need (they move
     /// whole 8-byte words; see [`Pool::read_at`]).
     #[error("the pool at {addr:#x} of {len} bytes is not 8-byte aligned in start and length")]
@@ -209,11 +236,17 @@ impl Pool {
         Pool::Borrowed(Borrowed(desc))
     }
 
-    /// The description to register.
+    /// The description to register (for [`Pool::Shared`], only its length is meaningful).
     pub fn desc(&self) -> MemDesc {
         match self {
             Pool::Owned(b) => b.desc(),
             Pool::Borrowed(b) => b.0,
+            Pool::Shared(len) => MemDesc {
+                addr: 0,
+                len: *len,
+                kind: MemKind::Host,
+            },
+            Pool::Transport(t) => t.0,
         }
     }
 
@@ -233,6 +266,9 @@ impl Pool {
         let d = self.desc();
         if d.kind != MemKind::Host {
             return Err(CopyError::NotHost);
+        }
+        if let Pool::Shared(_) = self {
+            return Err(CopyError::NotAllocated);
         }
         if !d.addr.is_multiple_of(WORD) || !d.len.is_multiple_of(WORD) {
             return Err(CopyError::Unaligned {

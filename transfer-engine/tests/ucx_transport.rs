@@ -240,3 +240,53 @@ fn deregistration_waits_for_in_flight_writes_and_counters_return_to_baseline() {
         std::thread::yield_now();
     }
 }
+
+#[test]
+fn a_pool_ucx_allocates_takes_writes_and_is_freed_with_its_registration() {
+    let len = 4 << 20;
+    let rx = transport(noop_sink());
+    let tx = transport(noop_sink());
+    let dst = Registration::new(&rx, Pool::Shared(len as u64)).unwrap();
+    // UCX allocated it: the registration holds the transport's memory, not a buffer of ours.
+    assert!(matches!(
+        dst.desc().map(|d| d.len()),
+        Some(l) if l == len as u64
+    ));
+    assert_eq!(rx.stats().registered_bytes, len as u64);
+    dst.fill_at(0, len, 0xEE).unwrap();
+    let src = Registration::new(&tx, host(len)).unwrap();
+    src.fill_at(0, len, 0x42).unwrap();
+    let peer = tx
+        .connect(&rx.metadata().unwrap(), &[dst.remote().clone()], 3)
+        .unwrap();
+    let (done, got) = wait_done();
+    tx.post(
+        peer,
+        vec![WriteOp {
+            local: src.id(),
+            local_offset: 0,
+            remote: 0,
+            remote_offset: 0,
+            len: len as u64 / 2,
+        }],
+        vec![],
+        done,
+    );
+    got.recv_timeout(BOUND).unwrap().unwrap();
+    let mut back = vec![0u8; len];
+    dst.read_at(0, &mut back).unwrap();
+    assert!(
+        back[..len / 2].iter().all(|&b| b == 0x42),
+        "the write did not land"
+    );
+    assert!(
+        back[len / 2..].iter().all(|&b| b == 0xEE),
+        "the write overran"
+    );
+    tx.disconnect(peer);
+    // SAFETY: the only peer given `dst`'s registration, `tx`, disconnected after its one post ended.
+    unsafe { dst.assume_quiesced() };
+    // Deregistration frees UCX's memory; what comes back is the request.
+    assert!(matches!(dst.into_inner(), Ok(Pool::Shared(l)) if l == len as u64));
+    assert_eq!(rx.stats().registered_bytes, 0);
+}

@@ -804,6 +804,17 @@ impl Transport for FaultTransport {
         unsafe { self.inner.register(mem) }
     }
 
+    fn allocate(
+        &self,
+        len: u64,
+    ) -> Result<Option<(RegionId, RemoteRegion, crate::mem::MemDesc)>, TransportError> {
+        self.inner.allocate(len)
+    }
+
+    fn abandon(&self, id: RegionId) {
+        self.inner.abandon(id);
+    }
+
     /// Deferred while a stuck post names the region (see [`SendFault::Stuck`]); forwarded otherwise.
     fn deregister(&self, id: RegionId) -> Result<(), TransportError> {
         {

@@ -5,7 +5,7 @@
 //! [`Sink`]. The notification of a chunk is sent only after the chunk's writes are remotely complete, so
 //! a receiver that sees the notification can read the bytes.
 
-use crate::mem::{CopyError, MemDesc, Pool};
+use crate::mem::{CopyError, HostBuffer, HostOptions, MemDesc, Pool, TransportMem};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -204,6 +204,27 @@ pub trait Transport: Send + Sync + 'static {
     /// The library's error.
     unsafe fn register(&self, mem: MemDesc) -> Result<(RegionId, RemoteRegion), TransportError>;
 
+    /// Allocates `len` bytes of host memory that the transport owns, and registers it. Where the
+    /// backend can, the memory is shareable: same-host peers map it and write into it with
+    /// user-space copies rather than a system call per write. `Ok(None)` where the backend cannot
+    /// allocate; the caller then brings its own memory. [`Registration::new`] with [`Pool::Shared`]
+    /// is the way to use it: the memory lives until the registration is deregistered (which frees
+    /// it) or abandoned.
+    ///
+    /// # Errors
+    /// The library's error.
+    fn allocate(
+        &self,
+        _len: u64,
+    ) -> Result<Option<(RegionId, RemoteRegion, MemDesc)>, TransportError> {
+        Ok(None)
+    }
+
+    /// Gives up a registration for good while a peer may still write into it: it is never
+    /// deregistered, not even at shutdown, so memory the transport allocated is never freed. The
+    /// default does nothing (a registration the caller leaks is never deregistered either).
+    fn abandon(&self, _id: RegionId) {}
+
     /// Deregisters memory. While posted writes still reference it, the call waits (bounded by the
     /// transport's call bound) until they are over, counted in
     /// [`TransportStats::deferred_deregistrations`] meanwhile; past the bound it returns an error and
@@ -294,6 +315,32 @@ impl Registration {
     /// # Errors
     /// The transport's error (the pool is dropped with it).
     pub fn new(transport: &Arc<dyn Transport>, pool: Pool) -> Result<Self, TransportError> {
+        let pool = match pool {
+            Pool::Shared(len) => match transport.allocate(len)? {
+                Some((id, remote, desc)) => {
+                    return Ok(Registration {
+                        transport: transport.clone(),
+                        id,
+                        remote,
+                        pool: Some(Pool::Transport(TransportMem::new(desc))),
+                        exported: AtomicBool::new(false),
+                        quiesced: AtomicBool::new(false),
+                    });
+                }
+                None => {
+                    let buf =
+                        HostBuffer::new(len as usize, HostOptions::default()).map_err(|e| {
+                            TransportError::Library {
+                                op: "allocating a host pool",
+                                code: i64::from(e.raw_os_error().unwrap_or(0)),
+                                message: e.to_string(),
+                            }
+                        })?;
+                    Pool::Owned(buf)
+                }
+            },
+            other => other,
+        };
         // SAFETY: the registration owns the pool (or, for `Pool::Borrowed`, carries the promise of
         // `Pool::borrowed`'s caller) and frees it only after deregistration returned Ok, and only if
         // no peer was given `remote()` or the owner declared every such peer quiet
@@ -410,6 +457,9 @@ impl Registration {
             return Err(Box::new((self, e)));
         }
         match self.pool.take() {
+            // The transport freed its own memory with the deregistration: what comes back is the
+            // request, which a new registration allocates afresh.
+            Some(Pool::Transport(t)) => Ok(Pool::Shared(t.desc().len())),
             Some(p) => Ok(p),
             // `pool` is `Some` until drop or here; kept as an error rather than a panic.
             None => Err(Box::new((self, TransportError::Shutdown))),
@@ -421,6 +471,11 @@ impl Drop for Registration {
     fn drop(&mut self) {
         let Some(pool) = self.pool.take() else { return };
         let written = self.may_be_written();
+        if written && let Pool::Transport(_) = pool {
+            // Deregistering would free the transport's memory: keep the registration for good.
+            self.transport.abandon(self.id);
+            return leak(pool, "a peer that was given it may still write into it");
+        }
         let first = match self.transport.deregister(self.id) {
             Ok(()) if !written => return drop(pool),
             Ok(()) => return leak(pool, "a peer that was given it may still write into it"),

@@ -229,6 +229,11 @@ enum Cmd {
         chan::Sender<Result<(RegionId, RemoteRegion), TransportError>>,
     ),
     Deregister(RegionId, chan::Sender<Result<(), TransportError>>),
+    Allocate(
+        u64,
+        chan::Sender<Result<(RegionId, RemoteRegion), TransportError>>,
+    ),
+    Abandon(RegionId),
     Connect(
         Vec<u8>,
         Vec<RemoteRegion>,
@@ -320,6 +325,19 @@ impl Transport for UcxTransport {
         self.call(|tx| Cmd::Deregister(id, tx))
     }
 
+    fn allocate(
+        &self,
+        len: u64,
+    ) -> Result<Option<(RegionId, RemoteRegion, MemDesc)>, TransportError> {
+        let (id, remote) = self.call(|tx| Cmd::Allocate(len, tx))?;
+        let desc = MemDesc::host_raw(remote.addr as usize as *mut u8, len as usize);
+        Ok(Some((id, remote, desc)))
+    }
+
+    fn abandon(&self, id: RegionId) {
+        let _ = self.thread.send(Cmd::Abandon(id));
+    }
+
     fn connect(
         &self,
         metadata: &[u8],
@@ -360,6 +378,9 @@ struct Region {
     len: u64,
     in_flight: u64,
     deregister: Option<chan::Sender<Result<(), TransportError>>>,
+    /// Its owner gave it up while a peer may still write into it: never unmapped, not even at close
+    /// (for memory UCX allocated, unmapping would free it).
+    abandoned: bool,
 }
 
 struct RemoteKey {
@@ -690,6 +711,14 @@ impl Worker {
                 let _ = reply.send(self.register(mem));
             }
             Cmd::Deregister(id, reply) => self.deregister(id, reply),
+            Cmd::Allocate(len, reply) => {
+                let _ = reply.send(self.allocate(len));
+            }
+            Cmd::Abandon(id) => {
+                if let Some(r) = self.regions.get_mut(&id.0) {
+                    r.abandoned = true;
+                }
+            }
             Cmd::Connect(meta, regions, key, reply) => {
                 let _ = reply.send(self.connect(&meta, &regions, key));
             }
@@ -725,17 +754,76 @@ impl Worker {
         // SAFETY: `Transport::register`'s caller promised the range is live memory of that kind
         // for the registration's life; ctx is live; memh is an out pointer.
         unsafe { ffi::ucp_mem_map(self.ctx, &params, &mut memh) }.result("ucp_mem_map")?;
+        self.add_region(memh, mem.addr(), mem.len())
+    }
+
+    /// Has UCX allocate `len` bytes of host memory and registers it: UCX takes it from a shared-memory
+    /// segment where it can, which same-host peers map and write with user-space copies instead of a
+    /// system call per write.
+    fn allocate(&mut self, len: u64) -> Result<(RegionId, RemoteRegion), TransportError> {
+        let params = ffi::ucp_mem_map_params_t {
+            field_mask: (ffi::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+                | ffi::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_LENGTH
+                | ffi::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_FLAGS
+                | ffi::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE)
+                .0 as u64,
+            address: ptr::null_mut(),
+            length: len as usize,
+            flags: ffi::UCP_MEM_MAP_ALLOCATE,
+            memory_type: ffi::ucs_memory_type::UCS_MEMORY_TYPE_HOST,
+            ..Default::default()
+        };
+        let mut memh = ptr::null_mut();
+        // SAFETY: ctx is live; with ALLOCATE and a null address UCX allocates the memory itself and
+        // owns it until ucp_mem_unmap; memh is an out pointer.
+        unsafe { ffi::ucp_mem_map(self.ctx, &params, &mut memh) }
+            .result("ucp_mem_map(ALLOCATE)")?;
+        let mut attr = ffi::ucp_mem_attr_t {
+            field_mask: (ffi::ucp_mem_attr_field::UCP_MEM_ATTR_FIELD_ADDRESS
+                | ffi::ucp_mem_attr_field::UCP_MEM_ATTR_FIELD_LENGTH)
+                .0 as u64,
+            ..Default::default()
+        };
+        // SAFETY: memh was just mapped on this context; attr is a valid out structure.
+        let st = unsafe { ffi::ucp_mem_query(memh, &mut attr) };
+        if let Err(e) = st.result("ucp_mem_query") {
+            // SAFETY: memh is mapped and unused; unmapping frees what UCX allocated.
+            unsafe { ffi::ucp_mem_unmap(self.ctx, memh) };
+            return Err(e);
+        }
+        if attr.address.is_null() || (attr.length as u64) < len {
+            // SAFETY: as above.
+            unsafe { ffi::ucp_mem_unmap(self.ctx, memh) };
+            return Err(TransportError::Library {
+                op: "ucp_mem_query",
+                code: 0,
+                message: format!(
+                    "allocated {} bytes at {:p}, asked for {len}",
+                    attr.length, attr.address
+                ),
+            });
+        }
+        self.add_region(memh, attr.address as u64, len)
+    }
+
+    /// Records a mapped region and packs its rkey; unmaps it if packing fails.
+    fn add_region(
+        &mut self,
+        memh: ffi::ucp_mem_h,
+        addr: u64,
+        len: u64,
+    ) -> Result<(RegionId, RemoteRegion), TransportError> {
         let mut buf = ptr::null_mut();
-        let mut len = 0usize;
+        let mut rkey_len = 0usize;
         // SAFETY: memh was just mapped on this context; out pointers are valid.
-        let st = unsafe { ffi::ucp_rkey_pack(self.ctx, memh, &mut buf, &mut len) };
+        let st = unsafe { ffi::ucp_rkey_pack(self.ctx, memh, &mut buf, &mut rkey_len) };
         if let Err(e) = st.result("ucp_rkey_pack") {
             // SAFETY: memh is mapped and unused.
             unsafe { ffi::ucp_mem_unmap(self.ctx, memh) };
             return Err(e);
         }
-        // SAFETY: UCX returned `len` bytes at `buf`, released right after the copy.
-        let rkey = unsafe { std::slice::from_raw_parts(buf as *const u8, len) }.to_vec();
+        // SAFETY: UCX returned `rkey_len` bytes at `buf`, released right after the copy.
+        let rkey = unsafe { std::slice::from_raw_parts(buf as *const u8, rkey_len) }.to_vec();
         // SAFETY: buf came from ucp_rkey_pack and is released once.
         unsafe { ffi::ucp_rkey_buffer_release(buf) };
         let id = self.next_id;
@@ -744,23 +832,17 @@ impl Worker {
             id,
             Region {
                 memh,
-                addr: mem.addr(),
-                len: mem.len(),
+                addr,
+                len,
                 in_flight: 0,
                 deregister: None,
+                abandoned: false,
             },
         );
         let c = &self.shared.counters;
         c.regions.fetch_add(1, Ordering::Relaxed);
-        c.registered_bytes.fetch_add(mem.len(), Ordering::Relaxed);
-        Ok((
-            RegionId(id),
-            RemoteRegion {
-                addr: mem.addr(),
-                len: mem.len(),
-                rkey,
-            },
-        ))
+        c.registered_bytes.fetch_add(len, Ordering::Relaxed);
+        Ok((RegionId(id), RemoteRegion { addr, len, rkey }))
     }
 
     fn deregister(&mut self, id: RegionId, reply: chan::Sender<Result<(), TransportError>>) {
@@ -1212,6 +1294,12 @@ impl Worker {
         for id in ids {
             if let Some(reply) = self.regions.get_mut(&id).and_then(|r| r.deregister.take()) {
                 let _ = reply.send(Err(TransportError::Shutdown));
+            }
+            if self.regions.get(&id).is_some_and(|r| r.abandoned) {
+                // A peer may still write into it: its memory handle (and, for memory UCX
+                // allocated, the memory) stays for the rest of the process.
+                self.shared.counters.leaked.fetch_add(1, Ordering::Relaxed);
+                continue;
             }
             let _ = self.unmap(id);
         }

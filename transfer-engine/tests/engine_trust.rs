@@ -102,6 +102,23 @@ fn contains(hay: &[u8], needle: &[u8]) -> bool {
     !needle.is_empty() && hay.windows(needle.len()).any(|w| w == needle)
 }
 
+/// A decode engine and its one prefill rank, connected with the shared secret.
+async fn connected() -> (DecodeEngine, PrefillEngine, Arc<FaultTransport>) {
+    let d = decode(Some(SECRET), 1).await;
+    let (p, t) = prefill(&d, Some(SECRET)).await.unwrap();
+    d.wait_for_ranks(BOUND).await.unwrap();
+    (d, p, t)
+}
+
+/// Runs `request` on DST to completion.
+async fn complete(d: &DecodeEngine, p: &PrefillEngine, request: RequestId) {
+    let done = d
+        .expect(request, PROMPT, CHUNK, DST.to_vec(), LONG)
+        .unwrap();
+    send_all(p, request).await;
+    assert_eq!(bounded(done).await, Outcome::Complete);
+}
+
 /// Sends both chunks of `request` from the prefill rank.
 async fn send_all(p: &PrefillEngine, request: RequestId) {
     p.send_chunk(request, 0, &SRC, false).await.unwrap();
@@ -177,11 +194,7 @@ async fn an_unauthenticated_client_gets_only_a_challenge_and_a_wrong_secret_bind
     // The right secret gets in and a request completes.
     let (p, _t) = prefill(&d, Some(SECRET)).await.unwrap();
     d.wait_for_ranks(BOUND).await.unwrap();
-    let done = d
-        .expect(RequestId(1), PROMPT, CHUNK, DST.to_vec(), LONG)
-        .unwrap();
-    send_all(&p, RequestId(1)).await;
-    assert_eq!(bounded(done).await, Outcome::Complete);
+    complete(&d, &p, RequestId(1)).await;
     // The rank confirms, but `backend_info` handed the pool out of band above, to someone who can
     // never confirm: the pool is leaked, not freed.
     let before = leaked_pools();
@@ -228,14 +241,8 @@ async fn a_decode_layout_that_the_hello_cannot_describe_is_refused() {
 async fn the_pool_is_freed_only_once_every_rank_confirmed_and_leaked_otherwise() {
     let _s = serial().await;
     // A clean shutdown: the rank confirms with its Close, the pool is freed, nothing is leaked.
-    let d = decode(Some(SECRET), 1).await;
-    let (p, _t) = prefill(&d, Some(SECRET)).await.unwrap();
-    d.wait_for_ranks(BOUND).await.unwrap();
-    let done = d
-        .expect(RequestId(1), PROMPT, CHUNK, DST.to_vec(), LONG)
-        .unwrap();
-    send_all(&p, RequestId(1)).await;
-    assert_eq!(bounded(done).await, Outcome::Complete);
+    let (d, p, _t) = connected().await;
+    complete(&d, &p, RequestId(1)).await;
     let before = leaked_pools();
     let report = bounded(d.shutdown(BOUND)).await;
     assert_eq!(report.confirmed, vec![0], "{report:?}");
@@ -253,9 +260,7 @@ async fn the_pool_is_freed_only_once_every_rank_confirmed_and_leaked_otherwise()
     );
 
     // A rank whose write is stuck in flight cannot confirm: the pool is leaked, not freed.
-    let d = decode(Some(SECRET), 1).await;
-    let (p, t) = prefill(&d, Some(SECRET)).await.unwrap();
-    d.wait_for_ranks(BOUND).await.unwrap();
+    let (d, p, t) = connected().await;
     t.add_send(Rule::new(
         Match::request(RequestId(2)).chunk(0),
         SendFault::Stuck,
@@ -275,9 +280,7 @@ async fn the_pool_is_freed_only_once_every_rank_confirmed_and_leaked_otherwise()
     let _ = bounded(sending).await;
 
     // An engine dropped without shutdown, once a peer could know its pool, leaks it.
-    let d = decode(Some(SECRET), 1).await;
-    let (p, _t) = prefill(&d, Some(SECRET)).await.unwrap();
-    d.wait_for_ranks(BOUND).await.unwrap();
+    let (d, p, _t) = connected().await;
     let before = leaked_pools();
     drop(d);
     wait_until("a dropped engine leaked its pool", || {
@@ -290,9 +293,7 @@ async fn the_pool_is_freed_only_once_every_rank_confirmed_and_leaked_otherwise()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pages_whose_ranks_do_not_confirm_are_quarantined_until_they_do() {
     let _s = serial().await;
-    let d = decode(Some(SECRET), 1).await;
-    let (p, t) = prefill(&d, Some(SECRET)).await.unwrap();
-    d.wait_for_ranks(BOUND).await.unwrap();
+    let (d, p, t) = connected().await;
     let r = RequestId(3);
     let (outcome, sending) = expect_with_chunk_0_stuck(&d, &p, &t, r).await;
     d.abort(r);
@@ -321,20 +322,14 @@ async fn pages_whose_ranks_do_not_confirm_are_quarantined_until_they_do() {
     let _ = bounded(sending).await;
     bounded(released).await;
     assert!(d.quarantined().is_empty());
-    let done = d
-        .expect(RequestId(5), PROMPT, CHUNK, DST.to_vec(), LONG)
-        .unwrap();
-    send_all(&p, RequestId(5)).await;
-    assert_eq!(bounded(done).await, Outcome::Complete);
+    complete(&d, &p, RequestId(5)).await;
     assert!(bounded(d.shutdown(BOUND)).await.pool_freed);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rank_votes_only_once_none_of_its_chunks_is_posted() {
     let _s = serial().await;
-    let d = decode(Some(SECRET), 1).await;
-    let (p, t) = prefill(&d, Some(SECRET)).await.unwrap();
-    d.wait_for_ranks(BOUND).await.unwrap();
+    let (d, p, t) = connected().await;
     let r = RequestId(6);
     let (outcome, first) = expect_with_chunk_0_stuck(&d, &p, &t, r).await;
     // The LAST chunk is over while chunk 0 is still posted: no vote yet.
@@ -355,9 +350,7 @@ async fn a_rank_votes_only_once_none_of_its_chunks_is_posted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rank_votes_completed_only_once_every_chunk_is_over() {
     let _s = serial().await;
-    let d = decode(Some(SECRET), 1).await;
-    let (p, _t) = prefill(&d, Some(SECRET)).await.unwrap();
-    d.wait_for_ranks(BOUND).await.unwrap();
+    let (d, p, _t) = connected().await;
     let r = RequestId(7);
     let outcome = d.expect(r, PROMPT, CHUNK, DST.to_vec(), LONG).unwrap();
     // The LAST chunk first: the rank's writes are over, but chunk 0 was never sent.

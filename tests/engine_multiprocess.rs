@@ -28,8 +28,6 @@ const WORKLOAD: &[&str] = &[
     "1000",
     "--chunk-tokens",
     "256",
-    "--requests",
-    "4",
     "--concurrency",
     "2",
     "--verify",
@@ -43,7 +41,8 @@ const DECODE_BOUND: Duration = Duration::from_secs(90);
 /// Bound on each prefill process's exit once the decode process is gone.
 const PREFILL_EXIT_BOUND: Duration = Duration::from_secs(20);
 
-async fn four_prefill_processes_one_decode(backend: &str) {
+/// Runs `requests` requests of [`WORKLOAD`] on `backend` with `envs` in every process's environment.
+async fn four_prefill_processes_one_decode(backend: &str, requests: u32, envs: &[(&str, &str)]) {
     let mut kids = Children::new(&format!("multiprocess-{backend}"));
     let dir = kids.dir.clone();
     // The decode listener and the four ranks' vote-mesh listeners.
@@ -58,6 +57,7 @@ async fn four_prefill_processes_one_decode(backend: &str) {
         .iter()
         .map(|s| s.to_string())
         .chain(["--backend".into(), backend.into()])
+        .chain(["--requests".into(), requests.to_string()])
         .collect();
     let json = dir.join("report.json");
 
@@ -65,7 +65,7 @@ async fn four_prefill_processes_one_decode(backend: &str) {
     let mut args: Vec<String> = vec!["decode".into(), "--listen".into(), decode.to_string()];
     args.extend(common.iter().cloned());
     args.extend(["--json".into(), json.display().to_string()]);
-    kids.spawn("decode", &[], &args, &[]);
+    kids.spawn("decode", &[], &args, envs);
     for rank in 0..4 {
         let mut args: Vec<String> = vec![
             "prefill".into(),
@@ -79,7 +79,7 @@ async fn four_prefill_processes_one_decode(backend: &str) {
             peers.clone(),
         ];
         args.extend(common.iter().cloned());
-        kids.spawn(&format!("prefill-{rank}"), &[], &args, &[]);
+        kids.spawn(&format!("prefill-{rank}"), &[], &args, envs);
     }
 
     let Some(status) = kids.wait(0, started + DECODE_BOUND) else {
@@ -111,7 +111,7 @@ async fn four_prefill_processes_one_decode(backend: &str) {
     assert_eq!(r["backend"], backend);
     assert_eq!(r["verified"], true, "{r}");
     assert_eq!(r["failed"], 0, "{r}");
-    assert_eq!(r["requests"], 4, "{r}");
+    assert_eq!(r["requests"], u64::from(requests), "{r}");
 
     // With the decode process gone, every prefill process sees its connection close and exits.
     let closed = Instant::now();
@@ -134,12 +134,25 @@ async fn four_prefill_processes_one_decode(backend: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_prefill_processes_one_decode_ucx() {
-    four_prefill_processes_one_decode("ucx").await;
+    four_prefill_processes_one_decode("ucx", 4, &[]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_prefill_processes_one_decode_nixl() {
-    four_prefill_processes_one_decode("nixl").await;
+    four_prefill_processes_one_decode("nixl", 4, &[]).await;
+}
+
+/// UCX's native TCP put across processes, the configuration that crashed the decode process in
+/// `uct_tcp_iface_progress` until endpoints resolved their remote id at creation: 100 requests,
+/// every byte verified.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_prefill_processes_one_decode_ucx_native_tcp_put() {
+    four_prefill_processes_one_decode(
+        "ucx",
+        100,
+        &[("UCX_TLS", "tcp,self"), ("UCX_TCP_PUT_ENABLE", "y")],
+    )
+    .await;
 }
 
 /// The roles admit only processes holding the run's secret: a prefill whose `KVX_TOKEN` is wrong is

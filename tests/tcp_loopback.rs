@@ -1,6 +1,7 @@
-//! The whole engine over UCX's TCP transport (`UCX_TLS=tcp,self`) in one process, two requests in
-//! flight: the configuration that crashed UCX's receiving worker while native TCP put was on. Runs
-//! `kvbench` as a child process, since UCX reads `UCX_TLS` once per process.
+//! The whole engine over UCX's TCP transport (`UCX_TLS=tcp,self`) with native put, in one process,
+//! two requests in flight, 100 requests verified: the configuration that crashed UCX's receiving
+//! worker until endpoints resolved their remote id at creation. Runs `kvbench` as a child process,
+//! since UCX reads `UCX_TLS` once per process.
 #![allow(clippy::unwrap_used)]
 
 use std::process::{Command, Stdio};
@@ -26,7 +27,7 @@ fn engine_over_tcp_in_one_process_completes_and_verifies() {
             "--chunk-tokens",
             "256",
             "--requests",
-            "6",
+            "100",
         ])
         .args([
             "--concurrency",
@@ -39,6 +40,7 @@ fn engine_over_tcp_in_one_process_completes_and_verifies() {
         .args(["--backend", "ucx", "--no-baseline", "--json"])
         .arg(&json)
         .env("UCX_TLS", "tcp,self")
+        .env("UCX_TCP_PUT_ENABLE", "y")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -67,7 +69,7 @@ fn engine_over_tcp_in_one_process_completes_and_verifies() {
     let _ = std::fs::remove_file(&json);
     let r = &report[0];
     assert_eq!(r["backend"], "ucx");
-    assert_eq!(r["requests"], 6);
+    assert_eq!(r["requests"], 100);
     assert_eq!(r["failed"], 0);
     assert_eq!(r["verified"], true, "{report}");
 }

@@ -68,12 +68,15 @@ pub struct UcxConfig {
     /// default, and a dead peer is detected by the control plane (its connection closes) and by the
     /// engines' deadlines instead. Turn it on between hosts.
     pub peer_error_handling: bool,
-    /// Let UCX use its native TCP put. Off by default: in UCX 1.23 it crashed the receiving worker
-    /// (SIGSEGV in its TCP progress) when prefill and decode ran in one process with two chunks of
-    /// many puts in flight on one endpoint; we did not find the cause. With it off, RMA over TCP runs
-    /// on active messages, about three times slower; shared memory and RDMA are unaffected. Separate
-    /// processes over TCP did not crash in our tests, so multi-host deployments may turn it on.
-    /// `UCX_TCP_PUT_ENABLE` in the environment overrides both.
+    /// Let UCX use its native TCP put (on by default). Off, RMA over TCP runs on active messages,
+    /// several times slower. `UCX_TCP_PUT_ENABLE` in the environment overrides it.
+    ///
+    /// Native put once crashed the receiving worker (SIGSEGV in UCX's TCP progress): the first
+    /// notification that could not be sent at once made UCX resolve the remote endpoint lazily, in
+    /// the middle of a put stream; the receiver then built its endpoint back to the sender and UCX's
+    /// TCP transport handed the socket that was receiving a put to the new endpoint without the put's
+    /// state. The transport now has UCX resolve remote endpoints when they are created
+    /// (`RESOLVE_REMOTE_EP_ID`), before any put, as NIXL's endpoints do through peer error handling.
     pub tcp_native_put: bool,
 }
 
@@ -85,7 +88,7 @@ impl Default for UcxConfig {
             min_sleep: Duration::from_micros(20),
             max_sleep: Duration::from_millis(1),
             peer_error_handling: false,
-            tcp_native_put: false,
+            tcp_native_put: true,
         }
     }
 }
@@ -569,6 +572,20 @@ impl Worker {
                 tracing::warn!(
                     status = st.0,
                     "cannot turn off UCX's TCP put; TCP transfers may crash"
+                );
+            }
+        }
+        // Endpoints resolve their remote id when created, not lazily mid-stream (see
+        // `UcxConfig::tcp_native_put`). A user's own environment setting wins.
+        if std::env::var_os("UCX_RESOLVE_REMOTE_EP_ID").is_none() {
+            // SAFETY: ucx_config is live; both strings are NUL-terminated literals.
+            let st = unsafe {
+                ffi::ucp_config_modify(ucx_config, c"RESOLVE_REMOTE_EP_ID".as_ptr(), c"y".as_ptr())
+            };
+            if !st.is_ok() {
+                tracing::warn!(
+                    status = st.0,
+                    "cannot make UCX resolve remote endpoints at creation; native TCP put may crash"
                 );
             }
         }

@@ -114,6 +114,11 @@ async fn handshake_both_with(
     .await
 }
 
+/// The decode side of a handshake on `server`, bounded.
+async fn decode_side(server: &mut Connection) -> Result<Hello, ControlError> {
+    bounded(handshake(server, &decode_hello(), &secret(), deadline())).await
+}
+
 /// A listener and a raw TCP client that speaks bytes, not frames.
 async fn raw_pair() -> (Connection, TcpStream) {
     let listener = Listener::bind("127.0.0.1:0").await.unwrap();
@@ -383,13 +388,7 @@ async fn a_large_frame_before_authentication_is_refused_from_its_header() {
     raw.write_all(&header(2048, PROTOCOL_VERSION, MsgKind::Hello))
         .await
         .unwrap();
-    let r = bounded(handshake(
-        &mut server,
-        &decode_hello(),
-        &secret(),
-        deadline(),
-    ))
-    .await;
+    let r = decode_side(&mut server).await;
     assert!(
         matches!(
             r,
@@ -430,17 +429,11 @@ async fn version_mismatch_in_hello() {
 #[tokio::test]
 async fn version_mismatch_in_frame_header_is_answered_with_a_reject() {
     let (mut server, mut raw) = raw_pair().await;
-    // A "version 2" peer: the header layout is frozen, only the version differs.
+    // A peer of the next version: the header layout is frozen, only the version differs.
     let mut frame = header(3, PROTOCOL_VERSION + 1, MsgKind::Hello);
     frame.extend([1, 2, 3]);
     raw.write_all(&frame).await.unwrap();
-    let err = bounded(handshake(
-        &mut server,
-        &decode_hello(),
-        &secret(),
-        deadline(),
-    ))
-    .await;
+    let err = decode_side(&mut server).await;
     assert_eq!(
         rejected_peer(err),
         RejectReason::VersionMismatch {
@@ -604,13 +597,7 @@ async fn garbage_bytes_give_a_typed_error() {
 async fn garbage_during_handshake_gives_a_typed_error() {
     let (mut server, mut raw) = raw_pair().await;
     raw.write_all(&[0xFF; 64]).await.unwrap();
-    let r = bounded(handshake(
-        &mut server,
-        &decode_hello(),
-        &secret(),
-        deadline(),
-    ))
-    .await;
+    let r = decode_side(&mut server).await;
     assert!(
         matches!(
             r,

@@ -234,3 +234,37 @@ fn roles_admit_only_the_shared_secret() {
         );
     }
 }
+
+/// `kvbench --processes` runs the deployment shape from one command: it starts decode and the four
+/// prefill ranks itself (with a fresh secret) and exits 0 once decode printed a verified table.
+#[test]
+fn one_command_runs_every_engine_in_its_own_process() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvbench"))
+        .args(WORKLOAD)
+        .args([
+            "--requests",
+            "4",
+            "--backend",
+            "ucx",
+            "--no-baseline",
+            "--processes",
+        ])
+        .env_remove("KVX_TOKEN")
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "kvbench --processes ended with {}\n{table}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let row = table
+        .lines()
+        .find(|l| l.starts_with("ucx "))
+        .unwrap_or_else(|| panic!("no ucx row:\n{table}"));
+    assert!(row.ends_with("yes"), "{row}");
+    // A decode process of its own said where it listened.
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("kvbench decode: listening on"), "{err}");
+}

@@ -123,6 +123,11 @@ struct Opts {
     /// Skip the raw baseline.
     #[arg(long, global = true)]
     no_baseline: bool,
+    /// Run the workload with every engine in its own process (the deployment shape): this process
+    /// starts one `kvbench decode` and one `kvbench prefill` per PP rank on loopback, with a fresh
+    /// shared secret, per backend, and exits non-zero if any of them does. Decode prints the table.
+    #[arg(long)]
+    processes: bool,
     /// Destination pages in reverse order: no coalescing, one write per page (page-rate workload).
     #[arg(long, global = true)]
     scatter: bool,
@@ -372,6 +377,33 @@ struct Baselines {
     memcpy: f64,
 }
 
+impl Baselines {
+    /// None measured.
+    fn skipped() -> Self {
+        Baselines {
+            gbps: 0.0,
+            name: "skipped".to_string(),
+            cached_gbps: 0.0,
+            msg_rate: 0.0,
+            stream: 0.0,
+            memcpy: 0.0,
+        }
+    }
+
+    /// Fills a report's baseline fields and ratios.
+    fn apply(&self, r: &mut Report) {
+        let per = |x: f64| if x > 0.0 { r.gbps / x } else { 0.0 };
+        r.ratio = per(self.gbps);
+        r.stream_ratio = per(self.stream);
+        r.baseline_gbps = self.gbps;
+        r.baseline = self.name.clone();
+        r.cached_baseline_gbps = self.cached_gbps;
+        r.stream_gbps = self.stream;
+        r.memcpy_gbps = self.memcpy;
+        r.baseline_msg_rate = self.msg_rate;
+    }
+}
+
 /// `ucx_perftest` between two processes streaming through buffers as large as the decode pool (the
 /// headline), and at the workload's write size (cached); the in-process put loop and a memcpy
 /// streaming through a request. Without the tool, the in-process loop stands in for both.
@@ -462,11 +494,25 @@ fn main() -> ExitCode {
             "kvbench: no --token-file or {TOKEN_ENV}: this process accepts and trusts any peer"
         );
     }
+    if cli.opts.processes {
+        if cli.role.is_some() {
+            eprintln!("kvbench: --processes starts the roles itself; give it no subcommand");
+            return ExitCode::from(2);
+        }
+        return run_processes(&cli.opts, &w);
+    }
     let result = match cli.role {
         None => rt.block_on(run_local(&cli.opts, &w)),
         Some(Role::Decode { listen }) => rt
             .block_on(roles::run_decode(listen, &w, cli.opts.backends()[0], token))
-            .map(|r| vec![r]),
+            .map(|mut r| {
+                // Measured after the run, when the prefill processes have exited, so that they do
+                // not compete with it; the same baselines as the one-process run.
+                if !cli.opts.no_baseline {
+                    baselines(&w).apply(&mut r);
+                }
+                vec![r]
+            }),
         Some(Role::Prefill {
             connect,
             pp_rank,
@@ -516,14 +562,7 @@ fn main() -> ExitCode {
 
 async fn run_local(opts: &Opts, w: &Workload) -> Result<Vec<Report>, String> {
     let b = if opts.no_baseline {
-        Baselines {
-            gbps: 0.0,
-            name: "skipped".to_string(),
-            cached_gbps: 0.0,
-            msg_rate: 0.0,
-            stream: 0.0,
-            memcpy: 0.0,
-        }
+        Baselines::skipped()
     } else {
         baselines(w)
     };
@@ -541,15 +580,7 @@ async fn run_local(opts: &Opts, w: &Workload) -> Result<Vec<Report>, String> {
         if tty {
             eprintln!();
         }
-        let per = |x: f64| if x > 0.0 { r.gbps / x } else { 0.0 };
-        r.baseline_gbps = b.gbps;
-        r.baseline = b.name.clone();
-        r.ratio = per(b.gbps);
-        r.cached_baseline_gbps = b.cached_gbps;
-        r.stream_gbps = b.stream;
-        r.stream_ratio = per(b.stream);
-        r.memcpy_gbps = b.memcpy;
-        r.baseline_msg_rate = b.msg_rate;
+        b.apply(&mut r);
         reports.push(r);
     }
     // The direct backend against NIXL on the same workload, in the same process.
@@ -560,4 +591,142 @@ async fn run_local(opts: &Opts, w: &Workload) -> Result<Vec<Report>, String> {
         u.vs_nixl = u.gbps / n;
     }
     Ok(reports)
+}
+
+/// `--processes`: for each backend, one `kvbench decode` and one `kvbench prefill` per PP rank, each
+/// in its own process on loopback, sharing a fresh secret through `KVX_TOKEN`. Decode's output (the
+/// table) goes to ours; the run fails if any process does.
+fn run_processes(opts: &Opts, w: &Workload) -> ExitCode {
+    if opts.json.is_some() && opts.backends().len() > 1 {
+        eprintln!("kvbench: --processes with --json runs one backend at a time: give --backend");
+        return ExitCode::from(2);
+    }
+    let exe = match std::env::current_exe() {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("kvbench: cannot find this executable: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let secret = match fresh_secret_hex() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("kvbench: drawing a secret: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    // This process's own options, less the ones it decides for its children.
+    let mut passed = Vec::new();
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--processes" => {}
+            "--backend" => {
+                let _ = args.next();
+            }
+            _ if a.starts_with("--backend=") => {}
+            _ => passed.push(a),
+        }
+    }
+    let mut ok = true;
+    for backend in opts.backends() {
+        let addrs = match kvbench::cluster::free_addrs(usize::from(w.pp) + 1) {
+            Ok(a) => a,
+            Err(e) => {
+                eprintln!("kvbench: no free ports: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        let peers = addrs[1..]
+            .iter()
+            .map(|a| a.to_string())
+            .collect::<Vec<_>>()
+            .join(",");
+        let role = |args: Vec<String>| {
+            let mut c = std::process::Command::new(&exe);
+            c.args(args)
+                .args(&passed)
+                .args(["--backend", &backend.to_string()])
+                .env(TOKEN_ENV, &secret)
+                .stdin(std::process::Stdio::null());
+            c
+        };
+        let mut decode = match role(vec![
+            "decode".into(),
+            "--listen".into(),
+            addrs[0].to_string(),
+        ])
+        .spawn()
+        {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("kvbench: cannot start decode: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        let mut prefills = Vec::new();
+        for rank in 0..w.pp {
+            let mut c = role(vec![
+                "prefill".into(),
+                "--connect".into(),
+                addrs[0].to_string(),
+                "--pp-rank".into(),
+                rank.to_string(),
+                "--peers".into(),
+                peers.clone(),
+            ]);
+            match c.stdout(std::process::Stdio::null()).spawn() {
+                Ok(p) => prefills.push((rank, p)),
+                Err(e) => {
+                    eprintln!("kvbench: cannot start prefill rank {rank}: {e}");
+                    ok = false;
+                }
+            }
+        }
+        match decode.wait() {
+            Ok(s) if s.success() => {}
+            Ok(s) => {
+                eprintln!("kvbench: {backend} decode exited with {s}");
+                ok = false;
+            }
+            Err(e) => {
+                eprintln!("kvbench: waiting for {backend} decode: {e}");
+                ok = false;
+            }
+        }
+        // Decode closes every rank when it is done; each exits on its own, within a bound.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        for (rank, mut p) in prefills {
+            let status = loop {
+                match p.try_wait() {
+                    Ok(Some(s)) => break Some(s),
+                    Ok(None) if std::time::Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    _ => {
+                        let _ = p.kill();
+                        let _ = p.wait();
+                        break None;
+                    }
+                }
+            };
+            if !status.is_some_and(|s| s.success()) {
+                eprintln!("kvbench: {backend} prefill rank {rank} ended with {status:?}");
+                ok = false;
+            }
+        }
+    }
+    if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+/// 32 random bytes from the kernel, hex-encoded, for the processes of one `--processes` run.
+fn fresh_secret_hex() -> std::io::Result<String> {
+    use std::io::Read;
+    let mut b = [0u8; 32];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut b)?;
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
 }

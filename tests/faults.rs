@@ -11,14 +11,16 @@
 //!
 //! Every wait is bounded; nothing sleeps and then asserts.
 
+mod common;
+
+use common::small::*;
 use futures::FutureExt;
-use kvbench::cluster::{Cluster, ClusterSpec, PoolKind, Shape};
+use kvbench::cluster::{Cluster, ClusterSpec, PoolKind};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 use transfer_engine::core::notify;
-use transfer_engine::core::planner::RegionKind;
 use transfer_engine::core::tracker::FailureReason;
 use transfer_engine::core::vote::Decision;
 use transfer_engine::core::{FailureCode, RequestId};
@@ -29,35 +31,12 @@ use transfer_engine::transport::fault::{
 use transfer_engine::transport::ucx::{UcxConfig, UcxTransport};
 use transfer_engine::transport::{BackendKind, Sender, Transport, TransportError};
 
-/// A small GQA-like model: 8 layers (two per rank), split K and V, 16-token pages.
-const SHAPE: Shape = Shape {
-    layers: 8,
-    bytes_per_token: 512,
-    page_tokens: 16,
-    regions: RegionKind::SplitKv,
-};
-const PP: u16 = 4;
-/// Four pages, two chunks per rank.
-const PROMPT: u32 = 64;
-const CHUNK: u32 = 32;
-const CHUNKS: u32 = PROMPT / CHUNK;
 /// The faulted request's deadline where it is expected to time out.
 const SHORT: Duration = Duration::from_secs(2);
-/// A deadline that must not be what ends a request.
-const LONG: Duration = Duration::from_secs(20);
 /// How far past its deadline a request may end: the decode timer, a loaded 2-core machine.
 const SLACK: Duration = Duration::from_millis(1500);
 /// How soon a FAILURE must fail a request whose deadline is [`LONG`].
 const PROMPTLY: Duration = Duration::from_millis(1500);
-/// Bound on everything else a test waits for.
-const BOUND: Duration = Duration::from_secs(10);
-
-const A: RequestId = RequestId(1);
-const B: RequestId = RequestId(2);
-const SRC_A: [u32; 4] = [0, 1, 2, 3];
-const DST_A: [u32; 4] = [1, 3, 5, 7];
-const SRC_B: [u32; 4] = [7, 6, 5, 4];
-const DST_B: [u32; 4] = [8, 10, 12, 14];
 
 /// A cluster whose every engine runs on a fault transport.
 struct Faulty {

@@ -11,8 +11,11 @@
 //! bound, that a failure carries its typed cause, and that the counters of the engines that survive
 //! return to their baseline. Every wait is bounded; nothing sleeps and then asserts.
 
+mod common;
+
+use common::small::*;
 use futures::FutureExt;
-use kvbench::cluster::{Cluster, ClusterSpec, PoolKind, Shape};
+use kvbench::cluster::{Cluster, ClusterSpec, PoolKind};
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
@@ -20,7 +23,7 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 use transfer_engine::control::{ControlError, RejectReason};
 use transfer_engine::core::notify::{self, ChunkNotification, ChunkStatus};
-use transfer_engine::core::planner::{KvLayout, PpSplit, RegionKind};
+use transfer_engine::core::planner::{KvLayout, PpSplit};
 use transfer_engine::core::tracker::FailureReason;
 use transfer_engine::core::vote::{Decision, FailCause};
 use transfer_engine::core::{FailureCode, RequestId};
@@ -36,33 +39,10 @@ use transfer_engine::transport::{
     TransportError, TransportStats, WriteOp,
 };
 
-/// A small GQA-like model: 8 layers (two per rank), split K and V, 16-token pages.
-const SHAPE: Shape = Shape {
-    layers: 8,
-    bytes_per_token: 512,
-    page_tokens: 16,
-    regions: RegionKind::SplitKv,
-};
-const PP: u16 = 4;
 /// Pages in decode's pool.
 const DECODE_PAGES: u32 = 16;
-/// Four pages, two chunks per rank.
-const PROMPT: u32 = 64;
-const CHUNK: u32 = 32;
-const CHUNKS: u32 = PROMPT / CHUNK;
-/// A deadline that must not be what ends a request.
-const LONG: Duration = Duration::from_secs(20);
 /// How soon a lost rank must fail a request whose deadline is [`LONG`].
 const PROMPTLY: Duration = Duration::from_millis(1500);
-/// Bound on everything else a test waits for (a drop, a decision, a send).
-const BOUND: Duration = Duration::from_secs(10);
-
-const A: RequestId = RequestId(1);
-const B: RequestId = RequestId(2);
-const SRC_A: [u32; 4] = [0, 1, 2, 3];
-const DST_A: [u32; 4] = [1, 3, 5, 7];
-const SRC_B: [u32; 4] = [7, 6, 5, 4];
-const DST_B: [u32; 4] = [8, 10, 12, 14];
 
 /// The sender each PP rank's real notifications arrive from, as decode's transport saw them.
 type Senders = Arc<Mutex<HashMap<u16, Sender>>>;

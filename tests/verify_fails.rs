@@ -11,45 +11,24 @@
 //! Every wait is bounded.
 #![allow(clippy::unwrap_used)]
 
-use kvbench::cluster::{Cluster, ClusterSpec, PoolKind, Shape};
+mod common;
+
+use common::small::*;
+use kvbench::cluster::{Cluster, ClusterSpec, PoolKind};
 use kvbench::verify::VerifyError;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 use transfer_engine::core::RequestId;
-use transfer_engine::core::planner::{ChunkGeometry, RegionKind};
+use transfer_engine::core::planner::ChunkGeometry;
 use transfer_engine::core::tracker::{FailureReason, ViolationKind};
 use transfer_engine::engine::{BackendConfig, CustomBackend, Outcome};
 use transfer_engine::transport::fault::{FaultPlan, FaultTransport, Match, Rule, SendFault};
 use transfer_engine::transport::ucx::{UcxConfig, UcxTransport};
 use transfer_engine::transport::{BackendKind, Transport, TransportError};
 
-/// A small GQA-like model: 8 layers (two per rank), split K and V, 16-token pages.
-const SHAPE: Shape = Shape {
-    layers: 8,
-    bytes_per_token: 512,
-    page_tokens: 16,
-    regions: RegionKind::SplitKv,
-};
-const PP: u16 = 4;
-/// Four pages, two chunks per rank.
-const PROMPT: u32 = 64;
-const CHUNK: u32 = 32;
-const CHUNKS: u32 = PROMPT / CHUNK;
-/// The rank and chunk whose first write is dropped.
+/// The rank and chunk whose first write is dropped (from B; A stays healthy).
 const RANK: u16 = 1;
 const DROPPED_CHUNK: u32 = 1;
-/// A deadline that must not be what ends a request.
-const LONG: Duration = Duration::from_secs(20);
-/// Bound on every wait.
-const BOUND: Duration = Duration::from_secs(10);
-
-/// The healthy request, and the one that loses a write.
-const A: RequestId = RequestId(1);
-const B: RequestId = RequestId(2);
-const SRC_A: [u32; 4] = [0, 1, 2, 3];
-const DST_A: [u32; 4] = [1, 3, 5, 7];
-const SRC_B: [u32; 4] = [7, 6, 5, 4];
-const DST_B: [u32; 4] = [8, 10, 12, 14];
 
 /// A cluster whose prefill ranks each run on a fault transport around a real UCX transport.
 struct Faulty {

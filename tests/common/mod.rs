@@ -1,3 +1,4 @@
 //! Helpers shared by the workspace tests.
 
 pub mod procs;
+pub mod small;

@@ -136,6 +136,9 @@ pub struct Report {
     pub complete_p50_us: f64,
     /// p99 of the above.
     pub complete_p99_us: f64,
+    /// Requests the two columns above are over: every completed one in one process; across processes,
+    /// those whose last-write stamps decode read from the prefill processes (`--stamps`).
+    pub complete_samples: u64,
     /// Chunks per second (all ranks).
     pub chunks_per_s: f64,
     /// Writes per second (all ranks), after coalescing; with `--scatter`, pages per second.
@@ -258,6 +261,7 @@ impl Tally {
             latency_p99_us: percentile(&self.latencies_us, 0.99),
             complete_p50_us: percentile(&self.completes_us, 0.5),
             complete_p99_us: percentile(&self.completes_us, 0.99),
+            complete_samples: self.completes_us.len() as u64,
             chunks_per_s: ok * f64::from(chunks) * f64::from(w.pp) / secs,
             writes_per_s: ok * w.writes_per_request() as f64 / secs,
             baseline_msg_rate: 0.0,

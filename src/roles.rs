@@ -8,9 +8,11 @@
 
 use crate::bench::{Event, Ran, Report, Workload, drive};
 use crate::verify;
+use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use transfer_engine::core::planner::{KvLayout, PpSplit};
 use transfer_engine::core::{FailureCode, RequestId};
 use transfer_engine::engine::{
@@ -48,6 +50,7 @@ pub async fn run_decode(
     w: &Workload,
     backend: BackendKind,
     token: Option<Vec<u8>>,
+    stamps: Option<&Path>,
 ) -> Result<Report, String> {
     let pages = w.pages();
     let decode_pages = pages * w.concurrency.max(1);
@@ -78,6 +81,9 @@ pub async fn run_decode(
         .await
         .map_err(|e| e.to_string())?;
     let ranks = ranks_of(w)?;
+    // When each request completed, on the wall clock: matched after the run against the instants the
+    // prefill processes stamped their last writes at.
+    let completed: Arc<Mutex<HashMap<u64, u128>>> = Arc::default();
     let on = |e: Event<'_>| match e {
         Event::Ended {
             request,
@@ -103,6 +109,7 @@ pub async fn run_decode(
         |request, slot| {
             let t0 = Instant::now();
             let decode = decode.clone();
+            let completed = completed.clone();
             let dst = w.dst_pages(slot);
             let (prompt, chunk, timeout) = (w.prompt_tokens, w.chunk_tokens, w.request_timeout);
             Ok(async move {
@@ -125,9 +132,13 @@ pub async fn run_decode(
                     }
                 };
                 let outcome = fut.await;
+                let latency = t0.elapsed();
+                if let Some(at) = decode.completed_at(request).and_then(wall_ns) {
+                    lock(&completed).insert(request.0, at);
+                }
                 Ok(Ran {
                     outcome,
-                    latency: t0.elapsed(),
+                    latency,
                     complete: None,
                 })
             })
@@ -155,9 +166,93 @@ pub async fn run_decode(
     if !closed.pool_freed {
         eprintln!("kvbench decode: pool leaked, ranks did not confirm shutdown: {closed:?}");
     }
+    let mut tally = tally;
+    if let Some(dir) = stamps {
+        let completed = std::mem::take(&mut *lock(&completed));
+        match read_stamps(dir, w.pp, STAMPS_WAIT).await {
+            Ok(last) => tally.completes_us = complete_latencies(&completed, &last),
+            Err(e) => eprintln!("kvbench decode: no last-write stamps, cmpl columns read 0: {e}"),
+        }
+    }
     let mut report = tally.report(w, backend);
     report.baseline = "none (multi-process)".into();
     Ok(report)
+}
+
+/// How long decode waits, after its run, for every prefill process's stamps file.
+const STAMPS_WAIT: Duration = Duration::from_secs(15);
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// `t` on the wall clock, nanoseconds since the Unix epoch: the one clock processes on a host share
+/// (an `Instant` means nothing outside its process). `None` for an instant still to come.
+fn wall_ns(t: Instant) -> Option<u128> {
+    let (now, wall) = (Instant::now(), SystemTime::now());
+    let ago = now.checked_duration_since(t)?;
+    Some(
+        wall.checked_sub(ago)?
+            .duration_since(UNIX_EPOCH)
+            .ok()?
+            .as_nanos(),
+    )
+}
+
+/// Where prefill rank `rank` writes its stamps in `dir`.
+fn stamps_file(dir: &Path, rank: u16) -> PathBuf {
+    dir.join(format!("rank-{rank}.stamps"))
+}
+
+/// Writes one line per request, `request wall_ns`, to `rank`'s file in `dir`, atomically (a reader
+/// sees the whole file or none).
+fn write_stamps(dir: &Path, rank: u16, stamps: &[(u64, u128)]) -> std::io::Result<()> {
+    let text: String = stamps.iter().map(|(r, t)| format!("{r} {t}\n")).collect();
+    let tmp = dir.join(format!(".rank-{rank}.stamps.{}", std::process::id()));
+    std::fs::write(&tmp, text)?;
+    std::fs::rename(&tmp, stamps_file(dir, rank))
+}
+
+/// Every rank's stamps, merged: for each request, the latest last write of any rank. Waits up to
+/// `within` for the files (a prefill process writes its own when decode closed it).
+async fn read_stamps(dir: &Path, pp: u16, within: Duration) -> Result<HashMap<u64, u128>, String> {
+    let deadline = Instant::now() + within;
+    let mut last: HashMap<u64, u128> = HashMap::new();
+    for rank in 0..pp {
+        let path = stamps_file(dir, rank);
+        let text = loop {
+            match std::fs::read_to_string(&path) {
+                Ok(t) => break t,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound && Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(e) => return Err(format!("{}: {e}", path.display())),
+            }
+        };
+        for line in text.lines() {
+            let mut it = line.split_ascii_whitespace().map(str::parse::<u128>);
+            let (Some(Ok(r)), Some(Ok(t)), None) = (it.next(), it.next(), it.next()) else {
+                return Err(format!("{}: bad line {line:?}", path.display()));
+            };
+            let r = u64::try_from(r).map_err(|_| format!("{}: bad request id", path.display()))?;
+            let e = last.entry(r).or_insert(t);
+            *e = (*e).max(t);
+        }
+    }
+    Ok(last)
+}
+
+/// Last write to Complete, µs, for every request both sides stamped. Decode can see Complete first
+/// (its notification overtook the sender's own completion callback): that counts as zero, as in the
+/// one-process run.
+fn complete_latencies(completed: &HashMap<u64, u128>, last: &HashMap<u64, u128>) -> Vec<f64> {
+    completed
+        .iter()
+        .filter_map(|(r, &done)| {
+            let l = *last.get(r)?;
+            Some(done.saturating_sub(l) as f64 / 1e3)
+        })
+        .collect()
 }
 
 /// Runs one prefill rank until the decode process closes, presenting `token` (the shared secret, if
@@ -172,6 +267,7 @@ pub async fn run_prefill(
     w: &Workload,
     backend: BackendKind,
     token: Option<Vec<u8>>,
+    stamps: Option<&Path>,
 ) -> Result<(), String> {
     let ranks = ranks_of(w)?;
     let range = ranks
@@ -214,25 +310,34 @@ pub async fn run_prefill(
     for slot in 0..slots {
         let _ = free_tx.send(slot);
     }
+    let last_writes: Arc<Mutex<Vec<(u64, u128)>>> = Arc::default();
     while let Some(req) = engine.next_request().await {
         let Some(slot) = free.recv().await else { break };
         let (e, layout, free_tx) = (engine.clone(), layout.clone(), free_tx.clone());
+        let last_writes = last_writes.clone();
         tokio::spawn(async move {
             let src: Vec<u32> = (slot * pages..(slot + 1) * pages).collect();
-            serve(&e, &layout, &req, &src).await;
+            if let Some(at) = serve(&e, &layout, &req, &src).await.and_then(wall_ns) {
+                lock(&last_writes).push((req.request.0, at));
+            }
             let _ = free_tx.send(slot);
         });
+    }
+    if let Some(dir) = stamps {
+        write_stamps(dir, rank, &lock(&last_writes))
+            .map_err(|e| format!("writing stamps into {}: {e}", dir.display()))?;
     }
     Ok(())
 }
 
 /// Sends one request from `src` (pages no other request in flight uses) and waits for its decision.
+/// Returns when its last chunk's writes were over (stamped on the progress thread), if it sent them.
 async fn serve(
     e: &PrefillEngine,
     layout: &KvLayout,
     req: &transfer_engine::engine::IncomingRequest,
     src: &[u32],
-) {
+) -> Option<Instant> {
     if req.request.0 & CHECKED_REQUEST != 0
         && let Err(err) = verify::write_source(layout, req.request, e.pp_rank(), src, |at, b| {
             e.write_pool(at, b)
@@ -240,16 +345,18 @@ async fn serve(
     {
         eprintln!("kvbench prefill {}: {err}", e.pp_rank());
         e.fail(req.request, FailureCode::WriteFailed);
-        return;
+        return None;
     }
     let chunks = req.prompt_tokens.div_ceil(req.chunk_tokens);
     for c in 0..chunks {
         if let Err(err) = e.send_chunk(req.request, c, src, c + 1 == chunks).await {
             eprintln!("kvbench prefill {}: {err}", e.pp_rank());
             e.fail(req.request, FailureCode::WriteFailed);
-            return;
+            return None;
         }
     }
+    let last = e.last_chunk_done_at(req.request);
     e.decided(req.request).await;
     e.release(req.request);
+    last
 }

@@ -236,9 +236,11 @@ fn roles_admit_only_the_shared_secret() {
 }
 
 /// `kvbench --processes` runs the deployment shape from one command: it starts decode and the four
-/// prefill ranks itself (with a fresh secret) and exits 0 once decode printed a verified table.
+/// prefill ranks itself (with a fresh secret) and exits 0 once decode printed a verified table, with
+/// last write to Complete measured for every request from the prefill processes' stamps.
 #[test]
 fn one_command_runs_every_engine_in_its_own_process() {
+    let json = std::env::temp_dir().join(format!("kvbench-processes-{}.json", std::process::id()));
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvbench"))
         .args(WORKLOAD)
         .args([
@@ -248,7 +250,9 @@ fn one_command_runs_every_engine_in_its_own_process() {
             "ucx",
             "--no-baseline",
             "--processes",
+            "--json",
         ])
+        .arg(&json)
         .env_remove("KVX_TOKEN")
         .output()
         .unwrap();
@@ -267,4 +271,8 @@ fn one_command_runs_every_engine_in_its_own_process() {
     // A decode process of its own said where it listened.
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("kvbench decode: listening on"), "{err}");
+    let text = std::fs::read_to_string(&json).unwrap();
+    let _ = std::fs::remove_file(&json);
+    let report: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(report[0]["complete_samples"], 4, "{text}");
 }

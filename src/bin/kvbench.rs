@@ -141,6 +141,12 @@ struct Opts {
     /// run draws a fresh secret of its own.
     #[arg(long, global = true)]
     token_file: Option<PathBuf>,
+    /// `decode` and `prefill` on one host: a folder they share. Each prefill process writes there,
+    /// at its end, when each request's last write was over (wall clock); decode reads those after its
+    /// run to report last write to Complete (the cmpl columns), which no single process can time.
+    /// `--processes` makes one by itself.
+    #[arg(long, global = true)]
+    stamps: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -504,7 +510,13 @@ fn main() -> ExitCode {
     let result = match cli.role {
         None => rt.block_on(run_local(&cli.opts, &w)),
         Some(Role::Decode { listen }) => rt
-            .block_on(roles::run_decode(listen, &w, cli.opts.backends()[0], token))
+            .block_on(roles::run_decode(
+                listen,
+                &w,
+                cli.opts.backends()[0],
+                token,
+                cli.opts.stamps.as_deref(),
+            ))
             .map(|mut r| {
                 // Measured after the run, when the prefill processes have exited, so that they do
                 // not compete with it; the same baselines as the one-process run.
@@ -528,6 +540,7 @@ fn main() -> ExitCode {
                 &w,
                 cli.opts.backends()[0],
                 token,
+                cli.opts.stamps.as_deref(),
             ))
             .map(|_| Vec::new())
         }
@@ -621,10 +634,10 @@ fn run_processes(opts: &Opts, w: &Workload) -> ExitCode {
     while let Some(a) = args.next() {
         match a.as_str() {
             "--processes" => {}
-            "--backend" => {
+            "--backend" | "--stamps" => {
                 let _ = args.next();
             }
-            _ if a.starts_with("--backend=") => {}
+            _ if a.starts_with("--backend=") || a.starts_with("--stamps=") => {}
             _ => passed.push(a),
         }
     }
@@ -637,6 +650,16 @@ fn run_processes(opts: &Opts, w: &Workload) -> ExitCode {
                 return ExitCode::FAILURE;
             }
         };
+        // Where the prefill processes leave their last-write stamps for decode.
+        let stamps = match &opts.stamps {
+            Some(d) => d.clone(),
+            None => std::env::temp_dir()
+                .join(format!("kvbench-stamps-{}-{backend}", std::process::id())),
+        };
+        if let Err(e) = std::fs::create_dir_all(&stamps) {
+            eprintln!("kvbench: cannot make {}: {e}", stamps.display());
+            return ExitCode::FAILURE;
+        }
         let peers = addrs[1..]
             .iter()
             .map(|a| a.to_string())
@@ -647,6 +670,8 @@ fn run_processes(opts: &Opts, w: &Workload) -> ExitCode {
             c.args(args)
                 .args(&passed)
                 .args(["--backend", &backend.to_string()])
+                .arg("--stamps")
+                .arg(&stamps)
                 .env(TOKEN_ENV, &secret)
                 .stdin(std::process::Stdio::null());
             c
@@ -714,6 +739,9 @@ fn run_processes(opts: &Opts, w: &Workload) -> ExitCode {
                 eprintln!("kvbench: {backend} prefill rank {rank} ended with {status:?}");
                 ok = false;
             }
+        }
+        if opts.stamps.is_none() {
+            let _ = std::fs::remove_dir_all(&stamps);
         }
     }
     if ok {

@@ -1,0 +1,315 @@
+//! `kvx.DecodeEngine`: the decode side, receiving every PP rank's pages of a request.
+
+use crate::errors;
+use crate::memory::{Keep, Memory};
+use crate::pending::{Done, Pending};
+use crate::{Layout, runtime, seconds};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use std::net::SocketAddr;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use transfer_engine::core::RequestId;
+use transfer_engine::engine::{self, DecodeConfig, EngineError};
+
+/// The engine and what keeps its pool alive; both gone after `shutdown`.
+struct Live {
+    engine: engine::DecodeEngine,
+    keep: Keep,
+}
+
+/// The decode side of the engine: listens for the prefill ranks, receives every rank's pages of a
+/// request into its pool and says when they all arrived.
+#[pyclass(module = "kvx._kvx", frozen)]
+pub(crate) struct DecodeEngine {
+    live: Mutex<Option<Live>>,
+    address: String,
+    pool_len: u64,
+}
+
+impl DecodeEngine {
+    fn lock(&self) -> MutexGuard<'_, Option<Live>> {
+        self.live.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn engine(&self) -> PyResult<engine::DecodeEngine> {
+        self.lock()
+            .as_ref()
+            .map(|l| l.engine.clone())
+            .ok_or_else(|| errors::engine(EngineError::Shutdown))
+    }
+}
+
+impl Drop for DecodeEngine {
+    fn drop(&mut self) {
+        if let Some(live) = self.lock().take() {
+            // Not shut down: a rank may still write into the pool, which the engine leaks; so is the
+            // memory behind it.
+            drop(live.engine);
+            live.keep.leak();
+        }
+    }
+}
+
+pub(crate) fn stats_dict<'py>(
+    py: Python<'py>,
+    fields: &[(&str, u64)],
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    for (k, v) in fields {
+        d.set_item(*k, *v)?;
+    }
+    Ok(d)
+}
+
+#[pymethods]
+impl DecodeEngine {
+    /// Registers `memory` as the pool (`layout` says where each layer's pages are; it holds every
+    /// layer), starts the backend and listens on `listen` for `pp_size` prefill ranks, which must
+    /// prove they hold `secret`.
+    #[new]
+    #[pyo3(signature = (
+        *, layout, total_layers, page_tokens, pp_size, memory, listen = "127.0.0.1:0",
+        secret = None, backend = "ucx", engine_id = None, device = "cpu", checksums = false,
+        abort_ack_timeout = 5.0, handshake_timeout = 10.0,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        layout: &Layout,
+        total_layers: u32,
+        page_tokens: u32,
+        pp_size: u16,
+        memory: &Bound<'_, PyAny>,
+        listen: &str,
+        secret: Option<&Bound<'_, PyAny>>,
+        backend: &str,
+        engine_id: Option<String>,
+        device: &str,
+        checksums: bool,
+        abort_ack_timeout: f64,
+        handshake_timeout: f64,
+    ) -> PyResult<Self> {
+        let listen: SocketAddr = listen
+            .parse()
+            .map_err(|e| errors::config(format!("listen address {listen:?}: {e}")))?;
+        if pp_size == 0 || page_tokens == 0 || total_layers == 0 {
+            return Err(errors::config(
+                "pp_size, page_tokens and total_layers must be positive",
+            ));
+        }
+        let mem = Memory::from_py(memory, device)?;
+        if mem.len() < layout.inner.buffer_len {
+            return Err(errors::config(format!(
+                "memory holds {} bytes, the layout needs {}",
+                mem.len(),
+                layout.inner.buffer_len
+            )));
+        }
+        let name = engine_id.unwrap_or_else(|| format!("decode-{}", std::process::id()));
+        let mut cfg = DecodeConfig::new(total_layers, page_tokens, layout.inner.clone(), pp_size);
+        cfg.engine_id = name.clone();
+        cfg.listen = listen;
+        cfg.backend = crate::backend(backend, &name)?;
+        cfg.token = crate::secret(secret)?;
+        cfg.verify_checksums = checksums;
+        cfg.abort_ack_timeout = seconds("abort_ack_timeout", abort_ack_timeout)?;
+        cfg.handshake_timeout = seconds("handshake_timeout", handshake_timeout)?;
+        let pool_len = mem.len();
+        let (pool, keep) = mem.into_pool();
+        let rt = runtime()?;
+        match py.detach(|| rt.block_on(engine::DecodeEngine::start(cfg, pool))) {
+            Ok(engine) => Ok(DecodeEngine {
+                address: engine.local_addr().to_string(),
+                live: Mutex::new(Some(Live { engine, keep })),
+                pool_len,
+            }),
+            Err(e) => {
+                // Past the configuration checks the pool may have been registered, and its
+                // registration leaked: keep the memory alive for it.
+                if !matches!(e, EngineError::Config(_) | EngineError::Plan { .. }) {
+                    keep.leak();
+                }
+                Err(errors::engine(e))
+            }
+        }
+    }
+
+    /// The control address prefill ranks connect to (`"ip:port"`).
+    #[getter]
+    fn address(&self) -> &str {
+        &self.address
+    }
+
+    /// Waits (interpreter detached) until every PP rank connected, or raises `kvx.Timeout`.
+    #[pyo3(signature = (timeout = 60.0))]
+    fn wait_for_ranks(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
+        let t = seconds("timeout", timeout)?;
+        let e = self.engine()?;
+        let rt = runtime()?;
+        py.detach(|| rt.block_on(e.wait_for_ranks(t)))
+            .map_err(errors::engine)
+    }
+
+    /// Starts receiving `request`: `dst_pages` are the pool pages its prompt fills, in order; every
+    /// PP rank is sent them. Returns a `Pending` whose result is the request's `Outcome`; it fails
+    /// with `timeout` if not complete within `timeout` seconds.
+    #[pyo3(signature = (request, prompt_tokens, chunk_tokens, dst_pages, timeout = 60.0))]
+    fn expect(
+        &self,
+        request: u64,
+        prompt_tokens: u32,
+        chunk_tokens: u32,
+        dst_pages: Vec<u32>,
+        timeout: f64,
+    ) -> PyResult<Pending> {
+        let t = seconds("timeout", timeout)?;
+        if t.is_zero() {
+            return Err(errors::config("timeout must be positive"));
+        }
+        let e = self.engine()?;
+        let fut = e
+            .expect(
+                RequestId(request),
+                prompt_tokens,
+                chunk_tokens,
+                dst_pages,
+                t,
+            )
+            .map_err(errors::engine)?;
+        Ok(Pending::spawn(
+            runtime()?,
+            format!("request {request}"),
+            async move {
+                Done::Outcome {
+                    request,
+                    outcome: fut.await,
+                }
+            },
+        ))
+    }
+
+    /// Fails `request` (if it had not ended) and tells every prefill rank.
+    fn abort(&self, request: u64) -> PyResult<()> {
+        self.engine()?.abort(RequestId(request));
+        Ok(())
+    }
+
+    /// Failed requests whose pages are quarantined until their ranks confirm their writes are over.
+    fn quarantined(&self) -> PyResult<Vec<u64>> {
+        Ok(self
+            .engine()?
+            .quarantined()
+            .into_iter()
+            .map(|r| r.0)
+            .collect())
+    }
+
+    /// Ends (result `None`) once no write of `request`'s ranks can still land in its pages.
+    fn released(&self, request: u64) -> PyResult<Pending> {
+        let fut = self.engine()?.released(RequestId(request));
+        Ok(Pending::spawn(
+            runtime()?,
+            format!("release of request {request}"),
+            async move {
+                fut.await;
+                Done::Unit
+            },
+        ))
+    }
+
+    /// Copies `length` bytes at `offset` out of the pool (host memory).
+    fn read(
+        &self,
+        py: Python<'_>,
+        offset: u64,
+        length: usize,
+    ) -> PyResult<Py<pyo3::types::PyBytes>> {
+        let mut buf = vec![0u8; length];
+        self.engine()?
+            .read_pool(offset, &mut buf)
+            .map_err(errors::engine)?;
+        Ok(pyo3::types::PyBytes::new(py, &buf).unbind())
+    }
+
+    /// Copies `data` into the pool at `offset` (host memory).
+    fn write(&self, offset: u64, data: Vec<u8>) -> PyResult<()> {
+        self.engine()?
+            .write_pool(offset, &data)
+            .map_err(errors::engine)
+    }
+
+    /// Bytes of the pool.
+    #[getter]
+    fn pool_len(&self) -> u64 {
+        self.pool_len
+    }
+
+    /// Counters, as a dict of integers.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.engine()?.stats();
+        stats_dict(
+            py,
+            &[
+                ("completed", s.completed),
+                ("failed", s.failed),
+                ("failed_aborted", s.failed_aborted),
+                ("failed_timeout", s.failed_timeout),
+                ("failed_peer_failed", s.failed_peer_failed),
+                ("failed_peer_lost", s.failed_peer_lost),
+                ("failed_violation", s.failed_violation),
+                ("malformed", s.malformed),
+                ("unknown_sender", s.unknown_sender),
+                ("refused", s.refused),
+                ("checksum_mismatch", s.checksum_mismatch),
+                ("in_flight", s.in_flight),
+                ("awaiting_abort_ack", s.awaiting_abort_ack),
+                ("abort_ack_timeouts", s.abort_ack_timeouts),
+                ("quarantined", s.quarantined),
+                ("registered_bytes", s.registered_bytes),
+                ("auth_failures", s.auth_failures),
+                ("handshake_failures", s.handshake_failures),
+            ],
+        )
+    }
+
+    /// Stops the engine: live requests fail, every rank is closed, and the pool's memory is handed
+    /// back only if every rank confirmed within `timeout` seconds that its writes are over (it is
+    /// leaked otherwise). Returns `{"confirmed", "gone", "unconfirmed", "pool_freed"}`.
+    #[pyo3(signature = (timeout = 10.0))]
+    fn shutdown<'py>(&self, py: Python<'py>, timeout: f64) -> PyResult<Bound<'py, PyDict>> {
+        let t = seconds("timeout", timeout)?;
+        let Some(live) = self.lock().take() else {
+            return Err(errors::engine(EngineError::Shutdown));
+        };
+        let rt = runtime()?;
+        let Live { engine, keep } = live;
+        let report = py.detach(|| rt.block_on(engine.shutdown(t)));
+        if report.pool_freed {
+            drop(keep);
+        } else {
+            keep.leak();
+        }
+        let d = PyDict::new(py);
+        d.set_item("confirmed", report.confirmed)?;
+        d.set_item("gone", report.gone)?;
+        d.set_item("unconfirmed", report.unconfirmed)?;
+        d.set_item("pool_freed", report.pool_freed)?;
+        Ok(d)
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
+        if self.lock().is_some() {
+            self.shutdown(py, 10.0)?;
+        }
+        Ok(false)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<kvx.DecodeEngine on {}>", self.address)
+    }
+}

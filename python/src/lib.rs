@@ -1,0 +1,197 @@
+//! `kvx._kvx`: the engines as Python classes.
+//!
+//! Every call that waits (engine start, a request's outcome, a chunk's writes, a decision) detaches
+//! from the interpreter while it waits, so other Python threads run meanwhile. Engine work runs on one
+//! tokio runtime per process; Python callbacks never run on its worker threads (they would block the
+//! engine behind the interpreter lock).
+
+mod decode;
+mod errors;
+mod memory;
+mod pending;
+mod prefill;
+
+use pyo3::prelude::*;
+use std::sync::OnceLock;
+use std::time::Duration;
+use transfer_engine::core::planner::{KvLayout, RegionKind};
+use transfer_engine::engine::BackendConfig;
+use transfer_engine::transport::BackendKind;
+
+/// The process's engine runtime, started on first use.
+fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
+    static RT: OnceLock<Result<tokio::runtime::Runtime, String>> = OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("kvx-engine")
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())
+    })
+    .as_ref()
+    .map_err(|e| errors::config(format!("cannot start the engine runtime: {e}")))
+}
+
+/// Seconds from Python as a duration: finite, not negative, at most a year.
+fn seconds(what: &str, s: f64) -> PyResult<Duration> {
+    if s.is_finite() && (0.0..=31_536_000.0).contains(&s) {
+        Ok(Duration::from_secs_f64(s))
+    } else {
+        Err(errors::config(format!(
+            "{what} must be a finite number of seconds between 0 and a year, not {s}"
+        )))
+    }
+}
+
+/// `"ucx"` or `"nixl"`, with a name for the engine (NIXL agents are known by theirs).
+fn backend(name: &str, engine: &str) -> PyResult<BackendConfig> {
+    let kind = match name {
+        "ucx" => BackendKind::Ucx,
+        "nixl" => BackendKind::Nixl,
+        other => {
+            return Err(errors::config(format!(
+                "backend must be \"ucx\" or \"nixl\", not {other:?}"
+            )));
+        }
+    };
+    Ok(BackendConfig::default_for(kind, engine))
+}
+
+/// A secret from Python: bytes, or text (its UTF-8 bytes).
+fn secret(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<u8>>> {
+    let Some(obj) = obj else { return Ok(None) };
+    if obj.is_none() {
+        return Ok(None);
+    }
+    if let Ok(s) = obj.extract::<String>() {
+        return Ok(Some(s.into_bytes()));
+    }
+    obj.extract::<Vec<u8>>()
+        .map(Some)
+        .map_err(|_| errors::config("secret must be bytes or str"))
+}
+
+/// Where one side keeps its KV cache: `[region][layer][page]`, packed from offset 0.
+#[pyclass(module = "kvx._kvx", name = "Layout", frozen, eq)]
+#[derive(Debug, Clone, PartialEq)]
+struct Layout {
+    inner: KvLayout,
+}
+
+#[pymethods]
+impl Layout {
+    #[new]
+    #[pyo3(signature = (*, first_layer, num_layers, page_bytes, num_pages, split_kv = false))]
+    fn new(
+        first_layer: u32,
+        num_layers: u32,
+        page_bytes: u64,
+        num_pages: u32,
+        split_kv: bool,
+    ) -> PyResult<Self> {
+        if num_layers == 0 || page_bytes == 0 || num_pages == 0 {
+            return Err(errors::config(
+                "num_layers, page_bytes and num_pages must be positive",
+            ));
+        }
+        let regions = if split_kv {
+            RegionKind::SplitKv
+        } else {
+            RegionKind::Fused
+        };
+        let inner = KvLayout::packed(first_layer, num_layers, regions, page_bytes, num_pages);
+        if inner.buffer_len == u64::MAX {
+            return Err(errors::config("the layout's size overflows 64 bits"));
+        }
+        Ok(Layout { inner })
+    }
+
+    /// Bytes the pool must hold.
+    #[getter]
+    fn buffer_len(&self) -> u64 {
+        self.inner.buffer_len
+    }
+    #[getter]
+    fn first_layer(&self) -> u32 {
+        self.inner.first_layer
+    }
+    #[getter]
+    fn num_layers(&self) -> u32 {
+        self.inner.num_layers
+    }
+    #[getter]
+    fn page_bytes(&self) -> u64 {
+        self.inner.page_bytes
+    }
+    #[getter]
+    fn num_pages(&self) -> u32 {
+        self.inner.num_pages
+    }
+    #[getter]
+    fn split_kv(&self) -> bool {
+        self.inner.regions == RegionKind::SplitKv
+    }
+    /// Bytes from one layer's pages to the next, within a region.
+    #[getter]
+    fn layer_stride(&self) -> u64 {
+        self.inner.layer_stride
+    }
+    /// Bytes from the K region to the V region (0 when fused).
+    #[getter]
+    fn region_stride(&self) -> u64 {
+        if self.split_kv() {
+            self.inner.region_stride
+        } else {
+            0
+        }
+    }
+
+    /// Offset in the pool of `page` of global layer `layer` in `region` (0 = K or fused, 1 = V).
+    #[pyo3(signature = (layer, page, region = 0))]
+    fn offset(&self, layer: u32, page: u32, region: u32) -> PyResult<u64> {
+        let l = &self.inner;
+        if !l.layers().contains(&layer) || page >= l.num_pages || region >= l.regions.count() {
+            return Err(errors::config(format!(
+                "layer {layer}, page {page}, region {region} is outside the layout (layers {:?}, {} pages, {} regions)",
+                l.layers(),
+                l.num_pages,
+                l.regions.count()
+            )));
+        }
+        Ok(l.base_offset
+            + u64::from(region) * l.region_stride
+            + u64::from(layer - l.first_layer) * l.layer_stride
+            + u64::from(page) * l.page_bytes)
+    }
+
+    fn __repr__(&self) -> String {
+        let l = &self.inner;
+        format!(
+            "Layout(first_layer={}, num_layers={}, page_bytes={}, num_pages={}, split_kv={})",
+            l.first_layer,
+            l.num_layers,
+            l.page_bytes,
+            l.num_pages,
+            if self.split_kv() { "True" } else { "False" }
+        )
+    }
+}
+
+/// The version of the engine this module was built from.
+#[pyfunction]
+fn version() -> &'static str {
+    env!("CARGO_PKG_VERSION")
+}
+
+#[pymodule]
+fn _kvx(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Layout>()?;
+    m.add_class::<decode::DecodeEngine>()?;
+    m.add_class::<prefill::PrefillEngine>()?;
+    m.add_class::<prefill::IncomingRequest>()?;
+    m.add_class::<pending::Pending>()?;
+    m.add_class::<pending::Outcome>()?;
+    m.add_function(wrap_pyfunction!(version, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,196 @@
+//! Memory from Python for an engine's pool, and what keeps it alive: the crate's one `unsafe` block.
+//!
+//! Three forms are accepted:
+//! - an object with the buffer protocol (a numpy array, `bytearray`, `mmap`): writable and
+//!   C-contiguous; the engine holds the buffer (so the exporter can neither resize nor free it);
+//! - an object with `data_ptr()` (a torch tensor): contiguous; the engine holds a reference to it;
+//! - `(pointer, length)` or a list of them, adjacent in address order: raw memory the caller keeps
+//!   alive, as with NIXL's own registration calls.
+//!
+//! The engine hands what it holds back only once no peer can write into the memory any more (a
+//! decode `shutdown` that every rank confirmed); otherwise it is leaked, never released.
+
+use crate::errors;
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyTuple};
+use transfer_engine::engine::Pool;
+use transfer_engine::mem::{MemDesc, MemKind};
+
+/// What keeps a pool's memory alive.
+pub(crate) enum Keep {
+    /// A reference to the object that owns the memory (a tensor), or that holds a buffer export of
+    /// it (a ctypes array made `from_buffer`).
+    Object(#[expect(dead_code, reason = "held for its lifetime, never read")] Py<PyAny>),
+    /// Raw memory: the caller's promise.
+    Raw,
+}
+
+impl Keep {
+    /// Never hands the memory back: a peer may still write into it.
+    pub(crate) fn leak(self) {
+        std::mem::forget(self);
+    }
+}
+
+/// A pool's memory as Python gave it.
+pub(crate) struct Memory {
+    desc: MemDesc,
+    keep: Keep,
+}
+
+fn device_kind(device: &str) -> PyResult<MemKind> {
+    if device == "cpu" {
+        return Ok(MemKind::Host);
+    }
+    if let Some(n) = device.strip_prefix("cuda:")
+        && let Ok(device) = n.parse::<u32>()
+    {
+        return Ok(MemKind::Cuda { device });
+    }
+    if device == "cuda" {
+        return Ok(MemKind::Cuda { device: 0 });
+    }
+    Err(errors::config(format!(
+        "device must be \"cpu\", \"cuda\" or \"cuda:N\", not {device:?}"
+    )))
+}
+
+fn desc(addr: u64, len: u64, kind: MemKind) -> PyResult<MemDesc> {
+    if addr == 0 || len == 0 {
+        return Err(errors::config(format!(
+            "memory at {addr:#x} of {len} bytes: pointer and length must be non-zero"
+        )));
+    }
+    if addr.checked_add(len).is_none() {
+        return Err(errors::config(format!(
+            "memory at {addr:#x} of {len} bytes wraps around the address space"
+        )));
+    }
+    let len = usize::try_from(len).map_err(|_| errors::config("memory length overflows"))?;
+    Ok(match kind {
+        MemKind::Host => MemDesc::host_raw(addr as *mut u8, len),
+        MemKind::Cuda { device } => MemDesc::cuda_raw(addr, len, device),
+        _ => return Err(errors::config("unsupported memory kind")),
+    })
+}
+
+fn pair(item: &Bound<'_, PyAny>) -> PyResult<(u64, u64)> {
+    item.extract::<(u64, u64)>()
+        .map_err(|_| errors::config("memory regions must be (pointer, length) pairs of integers"))
+}
+
+impl Memory {
+    /// Memory from `obj` (see the module doc); `device` applies to raw pointers.
+    pub(crate) fn from_py(obj: &Bound<'_, PyAny>, device: &str) -> PyResult<Memory> {
+        let py = obj.py();
+        if obj.is_instance_of::<PyTuple>() || obj.is_instance_of::<PyList>() {
+            let kind = device_kind(device)?;
+            let regions: Vec<(u64, u64)> = if obj.is_instance_of::<PyTuple>() {
+                vec![pair(obj)?]
+            } else {
+                obj.try_iter()?
+                    .map(|i| pair(&i?))
+                    .collect::<PyResult<_>>()?
+            };
+            let Some(&(start, first_len)) = regions.first() else {
+                return Err(errors::config("memory is an empty list of regions"));
+            };
+            let mut end = start
+                .checked_add(first_len)
+                .ok_or_else(|| errors::config("memory region wraps around"))?;
+            for &(addr, len) in &regions[1..] {
+                if addr != end {
+                    return Err(errors::config(format!(
+                        "memory regions must be adjacent, in address order (one registration covers them, and peers may write anywhere in it): a region at {addr:#x} follows one ending at {end:#x}"
+                    )));
+                }
+                end = addr
+                    .checked_add(len)
+                    .ok_or_else(|| errors::config("memory region wraps around"))?;
+            }
+            return Ok(Memory {
+                desc: desc(start, end - start, kind)?,
+                keep: Keep::Raw,
+            });
+        }
+        if obj.hasattr("data_ptr")? {
+            // A tensor: its own storage, contiguous, on its own device.
+            if !obj.call_method0("is_contiguous")?.extract::<bool>()? {
+                return Err(errors::config("the tensor must be contiguous"));
+            }
+            let addr: u64 = obj.call_method0("data_ptr")?.extract()?;
+            let n: u64 = obj.call_method0("numel")?.extract()?;
+            let size: u64 = obj.call_method0("element_size")?.extract()?;
+            let dev = obj.getattr("device")?;
+            let kind = match dev.getattr("type")?.extract::<String>()?.as_str() {
+                "cpu" => MemKind::Host,
+                "cuda" => MemKind::Cuda {
+                    device: dev.getattr("index")?.extract::<Option<u32>>()?.unwrap_or(0),
+                },
+                other => {
+                    return Err(errors::config(format!(
+                        "tensors on {other:?} are not supported (cpu or cuda)"
+                    )));
+                }
+            };
+            let len = n
+                .checked_mul(size)
+                .ok_or_else(|| errors::config("tensor size overflows"))?;
+            return Ok(Memory {
+                desc: desc(addr, len, kind)?,
+                keep: Keep::Object(obj.clone().unbind()),
+            });
+        }
+        // Anything with the buffer protocol, viewed as bytes (a cast needs it C-contiguous). The
+        // stable ABI of Python 3.10 has no buffer calls: a ctypes array made `from_buffer` holds the
+        // export and tells the address.
+        let view = py
+            .import("builtins")?
+            .getattr("memoryview")?
+            .call1((obj,))
+            .map_err(|_| {
+                errors::config(
+                    "memory must be a writable buffer (numpy array, bytearray, mmap), a tensor with data_ptr(), or (pointer, length) pairs",
+                )
+            })?;
+        let bytes = view
+            .call_method1("cast", ("B",))
+            .map_err(|_| errors::config("the buffer must be C-contiguous"))?;
+        if bytes.getattr("readonly")?.extract::<bool>()? {
+            return Err(errors::config(
+                "the buffer is read-only: peers write into the pool",
+            ));
+        }
+        let len: u64 = bytes.getattr("nbytes")?.extract()?;
+        let ctypes = py.import("ctypes")?;
+        let array = ctypes
+            .getattr("c_char")?
+            .call_method1("__mul__", (len,))?
+            .call_method1("from_buffer", (&bytes,))?;
+        let addr: u64 = ctypes.getattr("addressof")?.call1((&array,))?.extract()?;
+        Ok(Memory {
+            desc: desc(addr, len, MemKind::Host)?,
+            keep: Keep::Object(array.unbind()),
+        })
+    }
+
+    /// The pool to register, and what the engine's owner must hold until the engine says the memory
+    /// is safe to hand back (or leak).
+    pub(crate) fn into_pool(self) -> (Pool, Keep) {
+        // SAFETY: `desc` is one live allocation of its kind, held as `Pool::borrowed` asks for as long
+        // as `Keep` lives: the ctypes array holds a buffer export, which keeps its exporter from
+        // resizing or freeing the memory (numpy refuses to resize an array with exports, and the
+        // export holds the array); a tensor
+        // reference keeps its storage; raw pointers are the caller's documented promise (the same one
+        // NIXL's registration makes). Every owner of a `Keep` (the engine classes) releases it only
+        // after the engine confirmed no peer can still write into the memory, and leaks it otherwise;
+        // nothing of ours takes Rust references into it (copies go through the pool's atomic copies).
+        let pool = unsafe { Pool::borrowed(self.desc) };
+        (pool, self.keep)
+    }
+
+    /// Bytes.
+    pub(crate) fn len(&self) -> u64 {
+        self.desc.len()
+    }
+}

@@ -1,0 +1,350 @@
+//! `kvx.PrefillEngine`: one PP rank of the prefill side, writing its layers' pages chunk by chunk.
+
+use crate::decode::stats_dict;
+use crate::errors::{self, ErrInfo};
+use crate::memory::{Keep, Memory};
+use crate::pending::{Done, Pending};
+use crate::{Layout, runtime, seconds};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll, Waker};
+use transfer_engine::core::RequestId;
+use transfer_engine::engine::{self, EngineError, PrefillConfig};
+
+/// The engine and what keeps its pool alive (dropped after the engine: field order).
+struct Live {
+    engine: engine::PrefillEngine,
+    #[expect(dead_code, reason = "held for its lifetime, never read")]
+    keep: Keep,
+}
+
+/// A page allocation decode sent: the request, its prompt length and chunk size.
+#[pyclass(module = "kvx._kvx", frozen, get_all)]
+#[derive(Debug, Clone)]
+pub(crate) struct IncomingRequest {
+    request: u64,
+    prompt_tokens: u32,
+    chunk_tokens: u32,
+}
+
+#[pymethods]
+impl IncomingRequest {
+    /// Chunks the prompt is sent in.
+    #[getter]
+    fn chunks(&self) -> u32 {
+        self.prompt_tokens.div_ceil(self.chunk_tokens.max(1))
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "IncomingRequest(request={}, prompt_tokens={}, chunk_tokens={})",
+            self.request, self.prompt_tokens, self.chunk_tokens
+        )
+    }
+}
+
+/// One PP rank of the prefill side: connects to decode and to its PP peers, writes its layers' pages
+/// of each request, chunk by chunk, and agrees with its peers on how each request ended.
+#[pyclass(module = "kvx._kvx", frozen)]
+pub(crate) struct PrefillEngine {
+    live: Mutex<Option<Live>>,
+    pp_rank: u16,
+    closed: AtomicBool,
+}
+
+impl PrefillEngine {
+    fn lock(&self) -> MutexGuard<'_, Option<Live>> {
+        self.live.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn engine(&self) -> PyResult<engine::PrefillEngine> {
+        self.lock()
+            .as_ref()
+            .map(|l| l.engine.clone())
+            .ok_or_else(|| errors::engine(EngineError::Shutdown))
+    }
+}
+
+impl Drop for PrefillEngine {
+    fn drop(&mut self) {
+        // Nobody writes into a prefill pool; its own reads end with the engine.
+        drop(self.lock().take());
+    }
+}
+
+fn addr(what: &str, s: &str) -> PyResult<SocketAddr> {
+    s.parse()
+        .map_err(|e| errors::config(format!("{what} {s:?}: {e}")))
+}
+
+#[pymethods]
+impl PrefillEngine {
+    /// Registers `memory` as this rank's pool (`layout` holds this rank's layers only), connects to
+    /// the decode engine at `decode` and, when `pp_size > 1`, to its PP peers (`peers`: every rank's
+    /// vote address in rank order, this rank listening on its own), proving `secret` to each.
+    #[new]
+    #[pyo3(signature = (
+        *, decode, pp_rank, pp_size, layout, total_layers, page_tokens, memory, peers = Vec::new(),
+        secret = None, backend = "ucx", engine_id = None, device = "cpu", checksums = false,
+        connect_timeout = 60.0, request_wait = 10.0,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        decode: &str,
+        pp_rank: u16,
+        pp_size: u16,
+        layout: &Layout,
+        total_layers: u32,
+        page_tokens: u32,
+        memory: &Bound<'_, PyAny>,
+        peers: Vec<String>,
+        secret: Option<&Bound<'_, PyAny>>,
+        backend: &str,
+        engine_id: Option<String>,
+        device: &str,
+        checksums: bool,
+        connect_timeout: f64,
+        request_wait: f64,
+    ) -> PyResult<Self> {
+        if pp_size == 0 || pp_rank >= pp_size {
+            return Err(errors::config(format!(
+                "pp_rank {pp_rank} must be below pp_size {pp_size}"
+            )));
+        }
+        if pp_size > 1 && peers.len() != usize::from(pp_size) {
+            return Err(errors::config(format!(
+                "peers must list all {pp_size} ranks' vote addresses, in rank order (got {})",
+                peers.len()
+            )));
+        }
+        let decode = addr("decode address", decode)?;
+        let peers = peers
+            .iter()
+            .map(|p| addr("peer address", p))
+            .collect::<PyResult<Vec<_>>>()?;
+        let mem = Memory::from_py(memory, device)?;
+        if mem.len() < layout.inner.buffer_len {
+            return Err(errors::config(format!(
+                "memory holds {} bytes, the layout needs {}",
+                mem.len(),
+                layout.inner.buffer_len
+            )));
+        }
+        let name = engine_id.unwrap_or_else(|| format!("prefill-{pp_rank}-{}", std::process::id()));
+        let mut cfg = PrefillConfig::new(
+            decode,
+            pp_rank,
+            pp_size,
+            total_layers,
+            page_tokens,
+            layout.inner.clone(),
+        );
+        cfg.engine_id = name.clone();
+        cfg.backend = crate::backend(backend, &name)?;
+        cfg.peers = peers;
+        cfg.token = crate::secret(secret)?;
+        cfg.checksums = checksums;
+        cfg.connect_timeout = seconds("connect_timeout", connect_timeout)?;
+        cfg.request_wait = seconds("request_wait", request_wait)?;
+        let (pool, keep) = mem.into_pool();
+        let rt = runtime()?;
+        let engine = py
+            .detach(|| rt.block_on(engine::PrefillEngine::start(cfg, pool)))
+            .map_err(errors::engine)?;
+        Ok(PrefillEngine {
+            live: Mutex::new(Some(Live { engine, keep })),
+            pp_rank,
+            closed: AtomicBool::new(false),
+        })
+    }
+
+    /// This rank.
+    #[getter]
+    fn pp_rank(&self) -> u16 {
+        self.pp_rank
+    }
+
+    /// Whether decode closed this rank (`next_request` then returns `None` for ever).
+    #[getter]
+    fn closed(&self) -> bool {
+        self.closed.load(Ordering::Relaxed)
+    }
+
+    /// The next page allocation decode sent, waiting up to `timeout` seconds (for ever with `None`;
+    /// interpreter detached); `None` if none came by then, or once decode closed (see `closed`).
+    #[pyo3(signature = (timeout = None))]
+    fn next_request(
+        &self,
+        py: Python<'_>,
+        timeout: Option<f64>,
+    ) -> PyResult<Option<IncomingRequest>> {
+        let t = timeout.map(|t| seconds("timeout", t)).transpose()?;
+        let e = self.engine()?;
+        let rt = runtime()?;
+        let got = py.detach(|| {
+            rt.block_on(async {
+                match t {
+                    None => Some(e.next_request().await),
+                    Some(t) => tokio::time::timeout(t, e.next_request()).await.ok(),
+                }
+            })
+        });
+        Ok(match got {
+            Some(Some(r)) => Some(IncomingRequest {
+                request: r.request.0,
+                prompt_tokens: r.prompt_tokens,
+                chunk_tokens: r.chunk_tokens,
+            }),
+            Some(None) => {
+                self.closed.store(true, Ordering::Relaxed);
+                None
+            }
+            None => None,
+        })
+    }
+
+    /// Posts chunk `chunk` of `request` from `src_pages` (this chunk's pages of this rank's pool, in
+    /// order) and returns a `Pending` that ends (result `None`) when its writes are over, or raises
+    /// why they failed. The writes are posted before this returns, in call order; `last` marks the
+    /// request's final chunk.
+    #[pyo3(signature = (request, chunk, src_pages, last))]
+    fn post_chunk(
+        &self,
+        request: u64,
+        chunk: u32,
+        src_pages: Vec<u32>,
+        last: bool,
+    ) -> PyResult<Pending> {
+        let e = self.engine()?;
+        let rt = runtime()?;
+        let what = format!("request {request} chunk {chunk}");
+        let mut fut = Box::pin(async move {
+            match e
+                .send_chunk(RequestId(request), chunk, &src_pages, last)
+                .await
+            {
+                Ok(()) => Done::Unit,
+                Err(err) => Done::Error(ErrInfo::from(err)),
+            }
+        });
+        // Polled once here, so that the writes are posted now, in the caller's order; whatever is
+        // left (waiting for their completion) runs on the engine runtime.
+        let _guard = rt.enter();
+        let mut cx = Context::from_waker(Waker::noop());
+        Ok(match fut.as_mut().poll(&mut cx) {
+            Poll::Ready(done) => Pending::ready(what, done),
+            Poll::Pending => Pending::spawn(rt, what, fut),
+        })
+    }
+
+    /// `post_chunk(...).wait()`: sends a chunk and waits (interpreter detached) for its writes.
+    #[pyo3(signature = (request, chunk, src_pages, last))]
+    fn send_chunk(
+        &self,
+        py: Python<'_>,
+        request: u64,
+        chunk: u32,
+        src_pages: Vec<u32>,
+        last: bool,
+    ) -> PyResult<()> {
+        self.post_chunk(request, chunk, src_pages, last)?
+            .wait(py, None)
+            .map(|_| ())
+    }
+
+    /// Fails `request` from this rank (decode and the PP peers are told), with a failure code:
+    /// `aborted` (default), `write_failed`, `timeout`, `peer_lost`, `out_of_resources`, `internal`
+    /// or `unspecified`.
+    #[pyo3(signature = (request, code = "aborted"))]
+    fn fail(&self, request: u64, code: &str) -> PyResult<()> {
+        let code = errors::code_from_name(code)?;
+        self.engine()?.fail(RequestId(request), code);
+        Ok(())
+    }
+
+    /// A `Pending` whose result is the PP ranks' decision on `request`, as an `Outcome`: until it
+    /// ends, the request's source pages must not be reused.
+    fn decided(&self, request: u64) -> PyResult<Pending> {
+        let e = self.engine()?;
+        Ok(Pending::spawn(
+            runtime()?,
+            format!("decision on request {request}"),
+            async move {
+                Done::Decision {
+                    request,
+                    decision: e.decided(RequestId(request)).await,
+                }
+            },
+        ))
+    }
+
+    /// Forgets a decided request (after its pages are reused).
+    fn release(&self, request: u64) -> PyResult<()> {
+        self.engine()?.release(RequestId(request));
+        Ok(())
+    }
+
+    /// Copies `data` into the pool at `offset` (host memory).
+    fn write(&self, offset: u64, data: Vec<u8>) -> PyResult<()> {
+        self.engine()?
+            .write_pool(offset, &data)
+            .map_err(errors::engine)
+    }
+
+    /// Copies `length` bytes at `offset` out of the pool (host memory).
+    fn read(
+        &self,
+        py: Python<'_>,
+        offset: u64,
+        length: usize,
+    ) -> PyResult<Py<pyo3::types::PyBytes>> {
+        let mut buf = vec![0u8; length];
+        self.engine()?
+            .read_pool(offset, &mut buf)
+            .map_err(errors::engine)?;
+        Ok(pyo3::types::PyBytes::new(py, &buf).unbind())
+    }
+
+    /// Counters, as a dict of integers.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.engine()?.stats();
+        stats_dict(
+            py,
+            &[
+                ("chunks", s.chunks),
+                ("bytes", s.bytes),
+                ("failed_chunks", s.failed_chunks),
+                ("decided_completed", s.decided_completed),
+                ("decided_failed", s.decided_failed),
+                ("undecided", s.undecided),
+                ("rejected_requests", s.rejected_requests),
+                ("registered_bytes", s.registered_bytes),
+            ],
+        )
+    }
+
+    /// Stops this rank (interpreter detached while its backend shuts down).
+    fn close(&self, py: Python<'_>) {
+        let live = self.lock().take();
+        py.detach(move || drop(live));
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+        self.close(py);
+        false
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<kvx.PrefillEngine rank {}>", self.pp_rank)
+    }
+}

@@ -208,8 +208,8 @@ impl PrefillEngine {
         })
     }
 
-    /// Posts chunk `chunk` of `request` from `src_pages` (this chunk's pages of this rank's pool, in
-    /// order) and returns a `Pending` that ends (result `None`) when its writes are over, or raises
+    /// Posts chunk `chunk` of `request` from `src_pages` (all of the request's pages in this rank's
+    /// pool, in prompt order; the chunk takes its own from them) and returns a `Pending` that ends (result `None`) when its writes are over, or raises
     /// why they failed. The writes are posted before this returns, in call order; `last` marks the
     /// request's final chunk.
     #[pyo3(signature = (request, chunk, src_pages, last))]

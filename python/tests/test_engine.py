@@ -1,0 +1,218 @@
+"""The kvx package against real UCX and NIXL: bytes, outcomes, aborts, the interpreter lock."""
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import kvx
+from conftest import Cluster
+
+
+def test_requests_arrive_byte_for_byte(cluster):
+    src = list(range(8))  # 128 tokens of 16-token pages
+    for n, request in enumerate([11, 12, 13]):
+        dst = [40 - 8 * n + i for i in range(8)]
+        cluster.prepare(request, src, dst)
+        assert cluster.mismatches(request, dst), "the poisoned pages already match"
+        pending = cluster.decode.expect(request, 128, 32, dst, timeout=10)
+        cluster.send_all(request, src)
+        outcome = pending.wait(10)
+        assert outcome.complete and outcome.reason is None, outcome
+        assert cluster.mismatches(request, dst) == []
+        for p in cluster.prefill:
+            assert p.decided(request).wait(10).complete
+            p.release(request)
+    assert cluster.decode.stats()["completed"] == 3
+
+
+def test_missing_last_chunk_of_one_rank_never_completes(cluster):
+    src, dst = list(range(8)), list(range(8, 16))
+    cluster.prepare(21, src, dst)
+    pending = cluster.decode.expect(21, 128, 32, dst, timeout=1.0)
+    cluster.send_all(21, src, skip_last_of={1})
+    outcome = pending.wait(10)
+    assert not outcome.complete
+    assert outcome.reason == "timeout", outcome
+    with pytest.raises(kvx.TransferFailed) as e:
+        outcome.raise_for_failure()
+    assert e.value.reason == "timeout" and e.value.request == 21
+
+
+def test_decode_abort_fails_the_request_on_both_sides(cluster):
+    src, dst = list(range(8)), list(range(16, 24))
+    pending = cluster.decode.expect(31, 128, 32, dst, timeout=10)
+    for p in cluster.prefill:
+        assert p.next_request(10).request == 31
+    cluster.decode.abort(31)
+    outcome = pending.wait(10)
+    assert outcome.reason == "aborted", outcome
+    for p in cluster.prefill:
+        decision = p.decided(31).wait(10)
+        assert not decision.complete, decision
+        with pytest.raises(kvx.KvxError):
+            p.send_chunk(31, 0, src, False)
+
+
+def test_prefill_failure_is_typed_on_decode(cluster):
+    src, dst = list(range(8)), list(range(24, 32))
+    pending = cluster.decode.expect(41, 128, 32, dst, timeout=10)
+    for p in cluster.prefill:
+        assert p.next_request(10).request == 41
+    cluster.prefill[1].fail(41, "out_of_resources")
+    outcome = pending.wait(10)
+    assert (outcome.reason, outcome.rank, outcome.code) == ("peer_failed", 1, "out_of_resources")
+    assert isinstance(outcome.error(), kvx.TransferFailed)
+
+
+def test_await_resolves_in_the_event_loop(cluster):
+    src, dst = list(range(8)), list(range(32, 40))
+    cluster.prepare(51, src, dst)
+
+    async def run():
+        pending = cluster.decode.expect(51, 128, 32, dst, timeout=10)
+        await asyncio.get_running_loop().run_in_executor(None, cluster.send_all, 51, src)
+        return await pending
+
+    outcome = asyncio.run(run())
+    assert outcome.complete
+    assert cluster.mismatches(51, dst) == []
+
+
+def longest_gap(ticks, t0, t1):
+    """The longest time in [t0, t1] during which the counting thread did not run."""
+    inside = [t0] + [x for x in ticks if t0 < x < t1] + [t1]
+    return max(b - a for a, b in zip(inside, inside[1:]))
+
+
+def test_waits_release_the_interpreter(cluster):
+    """Another Python thread runs while this one waits on the engine."""
+    ticks = []
+    stop = threading.Event()
+
+    def count():
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+
+    t = threading.Thread(target=count)
+    t.start()
+    try:
+        pending = cluster.decode.expect(61, 128, 32, list(range(40, 48)), timeout=10)
+        time.sleep(0.05)
+        t0 = time.monotonic()
+        with pytest.raises(kvx.Timeout):
+            pending.wait(0.5)  # nothing is sent: the wait runs to its bound
+        t1 = time.monotonic()
+    finally:
+        stop.set()
+        t.join()
+    assert t1 - t0 >= 0.5
+    # Held for the whole wait, the lock would stop the counter for about 0.5 s; detached, it counts
+    # all along (a gap is a switch interval or a scheduling delay).
+    assert longest_gap(ticks, t0, t1) < 0.1
+    cluster.decode.abort(61)
+
+
+def test_long_transfer_releases_the_interpreter(backend):
+    """Requests of 64 MiB per rank: a counting thread keeps running while this one waits for their
+    chunks and outcomes."""
+    c = Cluster(backend, layers=4, pp=2, page_tokens=256, bytes_per_token=2048,
+                decode_pages=64, prefill_pages=64)
+    ticks = []
+    stop = threading.Event()
+
+    def count():
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+
+    t = threading.Thread(target=count)
+    t.start()
+    try:
+        src = dst = list(range(64))
+        t0 = time.monotonic()
+        for request in range(71, 75):
+            pending = c.decode.expect(request, 64 * 256, 4096, dst, timeout=60)
+            for p in c.prefill:
+                assert p.next_request(10).request == request
+            chunks = [p.post_chunk(request, k, src, k == 3) for k in range(4) for p in c.prefill]
+            for ch in chunks:
+                ch.wait(60)
+            assert pending.wait(60).complete
+            for p in c.prefill:
+                assert p.decided(request).wait(10).complete
+                p.release(request)
+        t1 = time.monotonic()
+    finally:
+        stop.set()
+        t.join()
+        c.close()
+    assert t1 - t0 >= 0.1, "too short to tell"
+    assert longest_gap(ticks, t0, t1) < 0.5 * (t1 - t0), (longest_gap(ticks, t0, t1), t1 - t0)
+
+
+def test_wrong_secret_is_refused(backend):
+    c = Cluster(backend, pp=1)
+    try:
+        layout = kvx.Layout(first_layer=0, num_layers=4, page_bytes=c.page_bytes, num_pages=8)
+        with pytest.raises(kvx.ControlError) as e:
+            kvx.PrefillEngine(decode=c.decode.address, pp_rank=0, pp_size=1, layout=layout,
+                              total_layers=4, page_tokens=16, memory=np.zeros(layout.buffer_len, np.uint8),
+                              secret=b"not the secret", backend=backend, connect_timeout=5)
+        assert e.value.cause in ("auth", "control"), e.value.cause
+        assert c.decode.stats()["auth_failures"] >= 1
+    finally:
+        c.close()
+
+
+def test_bad_arguments_raise_clear_errors():
+    with pytest.raises(kvx.ConfigError, match="positive"):
+        kvx.Layout(first_layer=0, num_layers=0, page_bytes=1024, num_pages=4)
+    layout = kvx.Layout(first_layer=0, num_layers=2, page_bytes=1024, num_pages=4)
+    kw = dict(layout=layout, total_layers=2, page_tokens=16, pp_size=1)
+    with pytest.raises(ValueError, match="backend"):
+        kvx.DecodeEngine(memory=np.zeros(layout.buffer_len, np.uint8), backend="rdma", **kw)
+    with pytest.raises(kvx.ConfigError, match="memory holds"):
+        kvx.DecodeEngine(memory=np.zeros(100, np.uint8), **kw)
+    with pytest.raises(kvx.ConfigError, match="read-only"):
+        kvx.DecodeEngine(memory=bytes(layout.buffer_len), **kw)
+    with pytest.raises(kvx.ConfigError, match="adjacent"):
+        kvx.DecodeEngine(memory=[(0x10000, 4096), (0x30000, 4096)], **kw)
+    with pytest.raises(kvx.ConfigError, match="contiguous"):
+        kvx.DecodeEngine(memory=np.zeros((layout.buffer_len, 2), np.uint8)[:, 0], **kw)
+    with pytest.raises(kvx.ConfigError, match="listen"):
+        kvx.DecodeEngine(memory=np.zeros(layout.buffer_len, np.uint8), listen="nowhere", **kw)
+    with pytest.raises(kvx.ConfigError, match="seconds"):
+        kvx.DecodeEngine(memory=np.zeros(layout.buffer_len, np.uint8), abort_ack_timeout=-1, **kw)
+    with pytest.raises(kvx.ConfigError, match="pp_rank"):
+        kvx.PrefillEngine(decode="127.0.0.1:1", pp_rank=2, pp_size=2, layout=layout, total_layers=2,
+                          page_tokens=16, memory=np.zeros(layout.buffer_len, np.uint8))
+
+
+def test_page_lists_are_checked(cluster):
+    with pytest.raises(kvx.ConfigError):
+        cluster.decode.expect(81, 128, 32, list(range(1000, 1008)), timeout=5)
+    with pytest.raises(kvx.ConfigError):
+        cluster.decode.expect(82, 128, 32, [1, 1, 2, 3, 4, 5, 6, 7], timeout=5)
+    pending = cluster.decode.expect(83, 128, 32, list(range(8)), timeout=5)
+    with pytest.raises(kvx.PageHeld) as e:
+        cluster.decode.expect(84, 128, 32, list(range(4, 12)), timeout=5)
+    assert e.value.by == 83
+    cluster.decode.abort(83)
+    assert pending.wait(10).reason == "aborted"
+
+
+def test_unknown_request_on_prefill(cluster):
+    with pytest.raises(kvx.UnknownRequest):
+        cluster.prefill[0].send_chunk(999, 0, list(range(8)), False)
+
+
+def test_shutdown_hands_memory_back_only_when_ranks_confirm(backend):
+    c = Cluster(backend)
+    report = c.decode.shutdown(5)
+    assert report["pool_freed"] is True and sorted(report["confirmed"] + report["gone"]) == [0, 1], report
+    with pytest.raises(kvx.ShutdownError):
+        c.decode.expect(1, 128, 32, list(range(8)))
+    for p in c.prefill:
+        p.close()

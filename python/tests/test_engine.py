@@ -216,3 +216,19 @@ def test_shutdown_hands_memory_back_only_when_ranks_confirm(backend):
         c.decode.expect(1, 128, 32, list(range(8)))
     for p in c.prefill:
         p.close()
+
+
+def test_bench_runs_and_verifies(tmp_path):
+    """python -m kvx.bench on a small workload: exit 0, both rows verified."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "rows.json"
+    r = subprocess.run([sys.executable, "-m", "kvx.bench", "--no-kvbench", "--requests", "3",
+                        "--prompt-tokens", "1024", "--chunk-tokens", "256", "--layers", "8",
+                        "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(out.read_text())
+    assert [x["backend"] for x in rows] == ["ucx python", "nixl python"]
+    assert all(x["verified"] and x["verified_requests"] == 2 and x["failed"] == 0 for x in rows), rows

@@ -13,7 +13,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
 use transfer_engine::core::RequestId;
-use transfer_engine::engine::{self, EngineError, PrefillConfig};
+use transfer_engine::engine::{self, EngineError, ExternalDecode, NotifyFormat, PrefillConfig};
+use transfer_engine::transport::RemoteRegion;
 
 /// The engine and what keeps its pool alive (dropped after the engine: field order).
 struct Live {
@@ -111,46 +112,24 @@ impl PrefillEngine {
         connect_timeout: f64,
         request_wait: f64,
     ) -> PyResult<Self> {
-        if pp_size == 0 || pp_rank >= pp_size {
-            return Err(errors::config(format!(
-                "pp_rank {pp_rank} must be below pp_size {pp_size}"
-            )));
-        }
-        if pp_size > 1 && peers.len() != usize::from(pp_size) {
-            return Err(errors::config(format!(
-                "peers must list all {pp_size} ranks' vote addresses, in rank order (got {})",
-                peers.len()
-            )));
-        }
         let decode = addr("decode address", decode)?;
-        let peers = peers
-            .iter()
-            .map(|p| addr("peer address", p))
-            .collect::<PyResult<Vec<_>>>()?;
-        let mem = Memory::from_py(memory, device)?;
-        if mem.len() < layout.inner.buffer_len {
-            return Err(errors::config(format!(
-                "memory holds {} bytes, the layout needs {}",
-                mem.len(),
-                layout.inner.buffer_len
-            )));
-        }
-        let name = engine_id.unwrap_or_else(|| format!("prefill-{pp_rank}-{}", std::process::id()));
-        let mut cfg = PrefillConfig::new(
+        let (cfg, mem) = config(
             decode,
             pp_rank,
             pp_size,
+            layout,
             total_layers,
             page_tokens,
-            layout.inner.clone(),
-        );
-        cfg.engine_id = name.clone();
-        cfg.backend = crate::backend(backend, &name)?;
-        cfg.peers = peers;
-        cfg.token = crate::secret(secret)?;
-        cfg.checksums = checksums;
-        cfg.connect_timeout = seconds("connect_timeout", connect_timeout)?;
-        cfg.request_wait = seconds("request_wait", request_wait)?;
+            memory,
+            peers,
+            secret,
+            backend,
+            engine_id,
+            device,
+            checksums,
+            connect_timeout,
+            request_wait,
+        )?;
         let (pool, keep) = mem.into_pool();
         let rt = runtime()?;
         let engine = py
@@ -161,6 +140,114 @@ impl PrefillEngine {
             pp_rank,
             closed: AtomicBool::new(false),
         })
+    }
+
+    /// A rank whose decode side does not speak kvx's control plane (a NIXL agent, an SGLang decode
+    /// on its own backend): its agent metadata (`decode_metadata`, NIXL backend) or worker address
+    /// (UCX backend), its registered pool (`decode_region`: `(address, length)`, plus the packed
+    /// rkey for UCX) and `decode_layout` come from its own bootstrap. Page allocations are given with
+    /// `add_request`. `notify` is `"binary"` (kvx's record) or `"sglang"` (SGLang's NIXL text form).
+    #[staticmethod]
+    #[pyo3(signature = (
+        *, decode_metadata, decode_region, decode_layout, pp_rank, pp_size, layout, total_layers,
+        page_tokens, memory, peers = Vec::new(), secret = None, backend = "nixl", engine_id = None,
+        device = "cpu", checksums = false, connect_timeout = 60.0, request_wait = 10.0,
+        notify = "binary",
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn external(
+        py: Python<'_>,
+        decode_metadata: Vec<u8>,
+        decode_region: &Bound<'_, PyAny>,
+        decode_layout: &Layout,
+        pp_rank: u16,
+        pp_size: u16,
+        layout: &Layout,
+        total_layers: u32,
+        page_tokens: u32,
+        memory: &Bound<'_, PyAny>,
+        peers: Vec<String>,
+        secret: Option<&Bound<'_, PyAny>>,
+        backend: &str,
+        engine_id: Option<String>,
+        device: &str,
+        checksums: bool,
+        connect_timeout: f64,
+        request_wait: f64,
+        notify: &str,
+    ) -> PyResult<Self> {
+        let region = if let Ok((addr, len)) = decode_region.extract::<(u64, u64)>() {
+            RemoteRegion {
+                addr,
+                len,
+                rkey: Vec::new(),
+            }
+        } else {
+            let (addr, len, rkey) =
+                decode_region
+                    .extract::<(u64, u64, Vec<u8>)>()
+                    .map_err(|_| {
+                        errors::config(
+                            "decode_region must be (address, length) or (address, length, rkey)",
+                        )
+                    })?;
+            RemoteRegion { addr, len, rkey }
+        };
+        let unused: SocketAddr = ([127, 0, 0, 1], 0).into();
+        let (mut cfg, mem) = config(
+            unused,
+            pp_rank,
+            pp_size,
+            layout,
+            total_layers,
+            page_tokens,
+            memory,
+            peers,
+            secret,
+            backend,
+            engine_id,
+            device,
+            checksums,
+            connect_timeout,
+            request_wait,
+        )?;
+        cfg.notify_format = match notify {
+            "binary" => NotifyFormat::Binary,
+            "sglang" => NotifyFormat::SglangText,
+            other => {
+                return Err(errors::config(format!(
+                    "notify must be \"binary\" or \"sglang\", not {other:?}"
+                )));
+            }
+        };
+        let decode = ExternalDecode {
+            metadata: decode_metadata,
+            region,
+            layout: decode_layout.inner.clone(),
+        };
+        let (pool, keep) = mem.into_pool();
+        let rt = runtime()?;
+        let engine = py
+            .detach(|| rt.block_on(engine::PrefillEngine::start_external(cfg, pool, decode)))
+            .map_err(errors::engine)?;
+        Ok(PrefillEngine {
+            live: Mutex::new(Some(Live { engine, keep })),
+            pp_rank,
+            closed: AtomicBool::new(false),
+        })
+    }
+
+    /// Gives an external decode's page allocation of `request` (see `external`).
+    fn add_request(
+        &self,
+        request: u64,
+        prompt_tokens: u32,
+        chunk_tokens: u32,
+        dst_pages: Vec<u32>,
+    ) -> PyResult<()> {
+        self.engine()?
+            .add_request(RequestId(request), prompt_tokens, chunk_tokens, dst_pages)
+            .map_err(errors::engine)
     }
 
     /// This rank.
@@ -347,4 +434,65 @@ impl PrefillEngine {
     fn __repr__(&self) -> String {
         format!("<kvx.PrefillEngine rank {}>", self.pp_rank)
     }
+}
+
+/// A prefill rank's settings and pool memory from Python's arguments.
+#[allow(clippy::too_many_arguments)]
+fn config(
+    decode: SocketAddr,
+    pp_rank: u16,
+    pp_size: u16,
+    layout: &Layout,
+    total_layers: u32,
+    page_tokens: u32,
+    memory: &Bound<'_, PyAny>,
+    peers: Vec<String>,
+    secret: Option<&Bound<'_, PyAny>>,
+    backend: &str,
+    engine_id: Option<String>,
+    device: &str,
+    checksums: bool,
+    connect_timeout: f64,
+    request_wait: f64,
+) -> PyResult<(PrefillConfig, Memory)> {
+    if pp_size == 0 || pp_rank >= pp_size {
+        return Err(errors::config(format!(
+            "pp_rank {pp_rank} must be below pp_size {pp_size}"
+        )));
+    }
+    if pp_size > 1 && peers.len() != usize::from(pp_size) {
+        return Err(errors::config(format!(
+            "peers must list all {pp_size} ranks' vote addresses, in rank order (got {})",
+            peers.len()
+        )));
+    }
+    let peers = peers
+        .iter()
+        .map(|p| addr("peer address", p))
+        .collect::<PyResult<Vec<_>>>()?;
+    let mem = Memory::from_py(memory, device)?;
+    if mem.len() < layout.inner.buffer_len {
+        return Err(errors::config(format!(
+            "memory holds {} bytes, the layout needs {}",
+            mem.len(),
+            layout.inner.buffer_len
+        )));
+    }
+    let name = engine_id.unwrap_or_else(|| format!("prefill-{pp_rank}-{}", std::process::id()));
+    let mut cfg = PrefillConfig::new(
+        decode,
+        pp_rank,
+        pp_size,
+        total_layers,
+        page_tokens,
+        layout.inner.clone(),
+    );
+    cfg.engine_id = name.clone();
+    cfg.backend = crate::backend(backend, &name)?;
+    cfg.peers = peers;
+    cfg.token = crate::secret(secret)?;
+    cfg.checksums = checksums;
+    cfg.connect_timeout = seconds("connect_timeout", connect_timeout)?;
+    cfg.request_wait = seconds("request_wait", request_wait)?;
+    Ok((cfg, mem))
 }

@@ -1,0 +1,237 @@
+"""One SGLang scheduler rank using kvx.sglang, in the order SGLang 0.5.23's scheduler calls the
+transfer backend (disaggregation/prefill.py and decode.py): the manager over the rank's KV pool,
+``register_to_bootstrap``; per request, prefill: sender, poll until ``WaitingForInput``, ``init``,
+``send`` per prefill chunk with that chunk's pages, poll until terminal, ``clear``; decode: receiver,
+``init``, poll until ``WaitingForInput``, ``send_metadata``, poll until terminal, ``clear``.
+
+Usage: ``sglang_role.py prefill|decode PLAN.json RANK OUT.json``. Host-memory pools (numpy), SGLang's
+own ``KVArgs``, ``KVPoll``, ``DisaggregationMode`` and ``get_kv_class``; the bootstrap server is the
+one ``get_kv_class`` gives for ``kvx``, started by prefill rank 0. Each plan phase is one model shape
+on its own bootstrap port; requests run one after another. Faults a request may carry:
+``skip_last`` (PP rank 1 never sends its last chunk), ``abort_decode``, ``abort_prefill`` (rank 0
+aborts after its first chunk), ``kill`` (rank 1 kills itself with SIGKILL after its first chunk).
+Writes ``{room: {"state", "reason", "verified"}}`` per phase to OUT.json as it goes.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+import types
+
+import numpy as np
+
+import kvx.sglang
+
+kvx.sglang.install()
+
+from sglang.srt.disaggregation import utils  # noqa: E402
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll  # noqa: E402
+
+SHAPES = {
+    # layers, bytes per token per layer (K and V together for gqa), tokens per page
+    "mla": dict(layers=6, bpt=576, page=16, mla=True),
+    "gqa": dict(layers=6, bpt=1024, page=16, mla=False),
+}
+POISON = 0xEE
+TERMINAL = (KVPoll.Success, KVPoll.Failed)
+
+
+def pattern(room, rank, layer, region, index, n):
+    return np.random.default_rng([room, rank, layer, region, index]).integers(0, 256, n, dtype=np.uint8)
+
+
+class Pool:
+    """A rank's KV pool as SGLang lays it out: one buffer per layer (and per K/V), here adjacent
+    slices of one numpy array."""
+
+    def __init__(self, shape, first_layer, num_layers, num_pages):
+        self.regions = 1 if shape["mla"] else 2
+        self.page_bytes = shape["page"] * shape["bpt"] // self.regions
+        self.first, self.layers, self.pages = first_layer, num_layers, num_pages
+        self.mem = np.zeros(self.regions * num_layers * num_pages * self.page_bytes, np.uint8)
+        self.view = self.mem.reshape(self.regions, num_layers, num_pages, self.page_bytes)
+
+    def kv_args(self, page_size, pp_rank):
+        a = KVArgs()
+        layer_len = self.pages * self.page_bytes
+        a.engine_rank = 0
+        a.pp_rank = pp_rank
+        a.kv_data_ptrs = [self.mem.ctypes.data + i * layer_len for i in range(self.regions * self.layers)]
+        a.kv_data_lens = [layer_len] * (self.regions * self.layers)
+        a.kv_item_lens = [self.page_bytes] * (self.regions * self.layers)
+        a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = [], [], []
+        a.page_size = page_size
+        a.prefill_start_layer = self.first
+        a.gpu_id = 0
+        a.ib_device = ""
+        a.system_dp_rank = 0
+        return a
+
+
+def pages_for(room, n, total, salt):
+    return [int(p) for p in np.random.default_rng([room, salt]).permutation(total)[:n]]
+
+
+def wait_poll(obj, until, deadline_s=60.0):
+    deadline = time.monotonic() + deadline_s
+    while True:
+        state = obj.poll()
+        if state in until or state == KVPoll.Failed:
+            return state
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.002)
+
+
+def failure(obj):
+    try:
+        obj.failure_exception()
+    except Exception as e:  # the backend's typed cause
+        return f"{type(e).__name__}:{getattr(e, 'cause', '')}"
+    return "no exception"
+
+
+def layers_of(shape, pp, rank):
+    base, extra = divmod(shape["layers"], pp)
+    first = rank * base + min(rank, extra)
+    return first, base + (1 if rank < extra else 0)
+
+
+def main():
+    role, plan_path, rank, out_path = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    with open(plan_path) as f:
+        plan = json.load(f)
+    KVX = utils.TransferBackend("kvx")
+    results = {}
+
+    def save():
+        tmp = out_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(results, f)
+        os.replace(tmp, out_path)
+
+    keep = []  # bootstrap servers and managers live until the process ends
+    for phase in plan["phases"]:
+        shape = SHAPES[phase["model"]]
+        pp, port, page = plan["pp"], phase["port"], shape["page"]
+        server_args = types.SimpleNamespace(pp_size=pp if role == "prefill" else 1,
+                                            host="127.0.0.1", disaggregation_bootstrap_port=port)
+        bootstrap_addr = f"127.0.0.1:{port}"
+        res = results.setdefault(phase["name"], {})
+        if role == "prefill":
+            first, count = layers_of(shape, pp, rank)
+            pool = Pool(shape, first, count, plan["prefill_pages"])
+            if rank == 0:
+                server_cls = utils.get_kv_class(KVX, utils.KVClassType.BOOTSTRAP_SERVER)
+                keep.append(server_cls(host="127.0.0.1", port=port))
+            mgr_cls = utils.get_kv_class(KVX, utils.KVClassType.MANAGER)
+            mgr = mgr_cls(pool.kv_args(page, rank), utils.DisaggregationMode.PREFILL, server_args,
+                          shape["mla"])
+            mgr.register_to_bootstrap()
+            keep.append((mgr, pool))
+            sender_cls = utils.get_kv_class(KVX, utils.KVClassType.SENDER)
+            for req in phase["requests"]:
+                room, tokens, fault = req["room"], req["tokens"], req.get("fault")
+                n = -(-tokens // page)
+                src = pages_for(room, n, pool.pages, 1)
+                for k in range(pool.regions):
+                    for l in range(count):
+                        for i, p in enumerate(src):
+                            pool.view[k, l, p] = pattern(room, rank, first + l, k, i, pool.page_bytes)
+                sender = sender_cls(mgr=mgr, bootstrap_addr=bootstrap_addr, bootstrap_room=room)
+                state = wait_poll(sender, (KVPoll.WaitingForInput,))
+                if state == KVPoll.WaitingForInput:
+                    sender.init(n, 0)
+                    chunk_pages = plan["sglang_chunk_tokens"] // page
+                    for c0 in range(0, n, chunk_pages):
+                        last = c0 + chunk_pages >= n
+                        if last and fault == "skip_last" and rank == 1:
+                            break
+                        sender.send(np.array(src[c0:c0 + chunk_pages], dtype=np.int32), None,
+                                    num_kv_tokens=min(tokens, (c0 + chunk_pages) * page) - c0 * page)
+                        sender.poll()  # the scheduler polls between chunks
+                        if c0 == 0 and fault == "abort_prefill" and rank == 0:
+                            sender.abort()
+                            break
+                        if c0 == 0 and fault == "abort_decode":
+                            time.sleep(0.5)  # decode aborts meanwhile
+                        if c0 == 0 and fault == "kill" and rank == 1:
+                            time.sleep(0.2)
+                            os.kill(os.getpid(), signal.SIGKILL)
+                    state = wait_poll(sender, TERMINAL)
+                res[str(room)] = {
+                    "state": {KVPoll.Success: "success", KVPoll.Failed: "failed"}.get(state, str(state)),
+                    "reason": failure(sender) if state == KVPoll.Failed else None,
+                }
+                sender.clear()
+                save()
+        else:
+            pool = Pool(shape, 0, shape["layers"], plan["decode_pages"])
+            mgr_cls = utils.get_kv_class(KVX, utils.KVClassType.MANAGER)
+            mgr = mgr_cls(pool.kv_args(page, 0), utils.DisaggregationMode.DECODE, server_args,
+                          shape["mla"])
+            mgr.register_to_bootstrap()
+            keep.append((mgr, pool))
+            receiver_cls = utils.get_kv_class(KVX, utils.KVClassType.RECEIVER)
+            # The prefill side's bootstrap server may still be starting.
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    kvx.sglang._http("GET", f"http://{bootstrap_addr}/kvx/prefill")
+                    ranks = kvx.sglang._http("GET", f"http://{bootstrap_addr}/kvx/prefill")["ranks"]
+                    if len(ranks) == pp:
+                        break
+                except OSError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise SystemExit("prefill ranks never registered")
+                time.sleep(0.1)
+            for req in phase["requests"]:
+                room, tokens, fault = req["room"], req["tokens"], req.get("fault")
+                n = -(-tokens // page)
+                dst = pages_for(room, n, pool.pages, 2)
+                receiver = receiver_cls(mgr=mgr, bootstrap_addr=bootstrap_addr, bootstrap_room=room)
+                receiver.init(0)
+                state = wait_poll(receiver, (KVPoll.WaitingForInput,))
+                verified = None
+                if state == KVPoll.WaitingForInput:
+                    pool.view[:, :, dst] = POISON
+                    receiver.send_metadata(np.array(dst, dtype=np.int32), 0)
+                    if fault == "abort_decode":
+                        wait_poll(receiver, (KVPoll.Transferring,), 0.2)
+                        receiver.abort()
+                    state = wait_poll(receiver, TERMINAL)
+                    if state == KVPoll.Success:
+                        verified = True
+                        for k in range(pool.regions):
+                            for l in range(shape["layers"]):
+                                r, _ = next((r, c) for r in range(pp)
+                                            for f, c in [layers_of(shape, pp, r)] if f <= l < f + c)
+                                for i, p in enumerate(dst):
+                                    want = pattern(room, r, l, k, i, pool.page_bytes)
+                                    verified &= bool(np.array_equal(pool.view[k, l, p], want))
+                    elif state == KVPoll.Failed:
+                        # Deferred KV release: the pages are reused only once no write can land.
+                        deadline = time.monotonic() + 30
+                        while not receiver.is_abort_release_safe() and time.monotonic() < deadline:
+                            time.sleep(0.01)
+                        req["release_safe"] = receiver.is_abort_release_safe()
+                res[str(room)] = {
+                    "state": {KVPoll.Success: "success", KVPoll.Failed: "failed"}.get(state, str(state)),
+                    "reason": failure(receiver) if state == KVPoll.Failed else None,
+                    "verified": verified,
+                    "release_safe": req.get("release_safe"),
+                }
+                receiver.clear()
+                save()
+    save()
+    # Prefill ranks stay up until decode is done with them (the test ends them).
+    if role == "prefill":
+        while True:
+            time.sleep(1)
+
+
+if __name__ == "__main__":
+    main()

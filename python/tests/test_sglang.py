@@ -106,3 +106,26 @@ def test_sglang_backend_in_three_processes(tmp_path):
     # Every failed request's pages were released only once no write could land.
     for phase, room in (("mla", 103), ("mla", 105), ("mla", 106), ("gqa", 203)):
         assert d[phase][str(room)]["release_safe"] is True, context
+
+
+def test_sglang_loads_kvx_as_a_plugin():
+    """SGLang's own argument parsing accepts `--disaggregation-transfer-backend kvx` once its plugin
+    loader ran (as launch_server and every scheduler process do), and resolves kvx's classes."""
+    assert (Path(SGLANG) / "sglang").is_dir(), f"SGLang is not provisioned at {SGLANG}"
+    code = (
+        "from sglang.srt.plugins import load_plugins\n"
+        "load_plugins()\n"
+        "from sglang.srt.server_args import prepare_server_args\n"
+        "a = prepare_server_args(['--model-path', 'none', '--disaggregation-mode', 'decode',\n"
+        "                         '--disaggregation-transfer-backend', 'kvx'])\n"
+        "from sglang.srt.disaggregation import utils as u\n"
+        "b = u.TransferBackend(a.disaggregation_transfer_backend)\n"
+        "print([u.get_kv_class(b, t).__qualname__ for t in (u.KVClassType.MANAGER,\n"
+        "       u.KVClassType.SENDER, u.KVClassType.RECEIVER, u.KVClassType.BOOTSTRAP_SERVER)])\n"
+    )
+    env = dict(os.environ, PYTHONPATH=SGLANG, PYTHONWARNINGS="ignore")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == (
+        "['KvxKVManager', 'KvxKVSender', 'KvxKVReceiver', 'KvxBootstrapServer']"), r.stdout

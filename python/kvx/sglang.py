@@ -281,6 +281,8 @@ class KvxKVManager(BaseKVManager):
             self.pool = _Pool(args, self.is_mla_backend, 0)
             self._decodes: dict = {}  # bootstrap_addr -> DecodeEngine
             self._rooms: dict = {}  # room -> DecodeEngine
+            # What the decode scheduler reads of each prefill instance (one DP rank each).
+            self.prefill_info_table: dict = {}
             self.id = f"{os.getpid()}-{self.tp_rank}-{id(self):x}"
 
     # Prefill side.
@@ -396,6 +398,24 @@ class KvxKVManager(BaseKVManager):
                                             "total_layers": self.pool.num_layers})
         return e
 
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """Whether the prefill instance at `bootstrap_addr` registered its ranks (without
+        blocking the scheduler for long)."""
+        if bootstrap_addr in self.prefill_info_table:
+            return True
+        try:
+            ranks = _http("GET", f"http://{bootstrap_addr}/kvx/prefill", timeout=1.0)["ranks"]
+        except OSError:
+            return False
+        mine = [r for r in ranks if int(r["tp_rank"]) == self.tp_rank]
+        if not mine or len(mine) < int(mine[0]["pp_size"]):
+            return False
+        import types
+
+        self.prefill_info_table[bootstrap_addr] = types.SimpleNamespace(
+            dp_size=1, follow_bootstrap_room=True, pp_size=int(mine[0]["pp_size"]))
+        return True
+
     def chunk_tokens(self) -> int:
         want = int(os.environ.get("KVX_CHUNK_TOKENS", "1024"))
         return max(1, want // self.page_size) * self.page_size
@@ -406,7 +426,7 @@ class KvxKVManager(BaseKVManager):
             e = self._rooms.get(bootstrap_room)
         if e is None:
             return True
-        return bootstrap_room not in e.quarantined() and e.released(bootstrap_room).done()
+        return e.is_released(bootstrap_room)
 
     def record_failure(self, room: int, reason: str):
         with self._lock:
@@ -525,6 +545,13 @@ class KvxKVSender(BaseKVSender):
                     return KVPoll.Failed
         return KVPoll.Transferring if self.posted else KVPoll.WaitingForInput
 
+    def poll_pp_consensus(self) -> KVPoll:
+        # Success already means every PP rank voted complete (kvx's vote board).
+        return self.poll()
+
+    def mark_prefill_complete(self) -> None:
+        pass
+
     def failure_exception(self):
         raise self.failed or _failed("other", f"room {self.bootstrap_room}: failed")
 
@@ -566,10 +593,16 @@ class KvxKVReceiver(BaseKVReceiver):
         self.failed: Optional[BaseException] = None
         self.succeeded = False
         self.abort_notified = False
+        self.require_staging = False
+        # The prefill ranks that may write this room's pages (their count is what SGLang's deferred
+        # release waits for; kvx's own acknowledgements decide it).
+        self.bootstrap_infos: list = []
 
     def init(self, prefill_dp_rank: int = 0):
         try:
             self.engine = self.kv_mgr.decode_engine(self.bootstrap_addr)
+            info = self.kv_mgr.prefill_info_table.get(self.bootstrap_addr)
+            self.bootstrap_infos = list(range(info.pp_size if info else 1))
         except (OSError, kvx.KvxError) as e:
             self.failed = e
 
@@ -585,6 +618,12 @@ class KvxKVReceiver(BaseKVReceiver):
                 self.kv_mgr._rooms[self.bootstrap_room] = self.engine
         except (kvx.KvxError, AttributeError) as e:
             self.failed = e
+
+    @property
+    def conclude_state(self) -> Optional[int]:
+        if self.failed is not None:
+            return KVPoll.Failed
+        return KVPoll.Success if self.succeeded else None
 
     def poll(self) -> KVPoll:
         if self.failed is not None:

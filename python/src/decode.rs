@@ -5,6 +5,7 @@ use crate::memory::{Keep, Memory};
 use crate::pending::{Done, Pending};
 use crate::{Layout, runtime, seconds};
 use pyo3::prelude::*;
+use std::future::Future;
 use pyo3::types::PyDict;
 use std::net::SocketAddr;
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -215,6 +216,14 @@ impl DecodeEngine {
                 Done::Unit
             },
         ))
+    }
+
+    /// Whether no write of `request`'s ranks can still land in its pages (true for a request the
+    /// engine does not hold): `released(request)` without waiting.
+    fn is_released(&self, request: u64) -> PyResult<bool> {
+        let mut fut = Box::pin(self.engine()?.released(RequestId(request)));
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        Ok(fut.as_mut().poll(&mut cx).is_ready())
     }
 
     /// Copies `length` bytes at `offset` out of the pool (host memory).

@@ -214,11 +214,13 @@ def run(w, backend, secret):
         verified += ok
         mismatched += not ok
     report_stats = decode.stats()
-    for p in ranks:
-        p.close()
+    # Decode closes every rank (their next_request returns None and their threads end), then the
+    # ranks stop.
     decode.shutdown(10)
     for t in servers:
         t.join(10)
+    for p in ranks:
+        p.close()
     if rank_errors:
         print(f"kvx.bench {backend}: {rank_errors[:3]}", file=sys.stderr)
     ok = w.requests - failed if failed <= w.requests else 0

@@ -30,8 +30,8 @@ Settings (environment): ``KVX_SECRET`` / ``KVX_SECRET_FILE`` (the deployment's s
 rounded to pages; default 1024), ``KVX_REQUEST_TIMEOUT`` (seconds, default 300), ``KVX_DEVICE``
 (``cpu`` or ``cuda:N``; default ``cuda:<gpu_id>`` where torch sees CUDA, else ``cpu``).
 
-Limits: the KV pool of each rank must be one adjacent run of buffers in SGLang's order (every
-layer's K, then every layer's V): one registration covers it. Auxiliary data (the first output token,
+A rank's KV buffers (one per layer, then per K and V, in SGLang's order) are registered one by one
+(or as one region when they happen to be adjacent); writes never cross a buffer. Limits: auxiliary data (the first output token,
 logprobs, hidden states) and extra state buffers (Mamba, SWA) are not carried; identical TP on both
 sides; one decode PP rank.
 """
@@ -227,11 +227,6 @@ class _Pool:
             raise kvx.ConfigError("kvx: KVArgs has no KV buffers, or mismatched lists")
         if len(set(lens)) != 1 or len(set(items)) != 1:
             raise kvx.ConfigError("kvx: every KV buffer must have the same length and page size")
-        for i in range(1, len(ptrs)):
-            if ptrs[i] != ptrs[i - 1] + lens[i - 1]:
-                raise kvx.ConfigError(
-                    "kvx: the KV buffers must be adjacent, in SGLang's order (every layer's K, then "
-                    f"every layer's V); buffer {i} is at {ptrs[i]:#x}, not {ptrs[i - 1] + lens[i - 1]:#x}")
         split = not is_mla
         if split and len(ptrs) % 2:
             raise kvx.ConfigError("kvx: an MHA pool needs K and V buffers for every layer")

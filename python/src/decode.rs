@@ -116,9 +116,9 @@ impl DecodeEngine {
         cfg.abort_ack_timeout = seconds("abort_ack_timeout", abort_ack_timeout)?;
         cfg.handshake_timeout = seconds("handshake_timeout", handshake_timeout)?;
         let pool_len = mem.len();
-        let (pool, keep) = mem.into_pool();
+        let (pools, keep) = mem.into_pools();
         let rt = runtime()?;
-        match py.detach(|| rt.block_on(engine::DecodeEngine::start(cfg, pool))) {
+        match py.detach(|| rt.block_on(engine::DecodeEngine::start_regions(cfg, pools))) {
             Ok(engine) => Ok(DecodeEngine {
                 address: engine.local_addr().to_string(),
                 live: Mutex::new(Some(Live { engine, keep })),

@@ -4,8 +4,10 @@
 //! - an object with the buffer protocol (a numpy array, `bytearray`, `mmap`): writable and
 //!   C-contiguous; the engine holds the buffer (so the exporter can neither resize nor free it);
 //! - an object with `data_ptr()` (a torch tensor): contiguous; the engine holds a reference to it;
-//! - `(pointer, length)` or a list of them, adjacent in address order: raw memory the caller keeps
-//!   alive, as with NIXL's own registration calls.
+//! - `(pointer, length)` or a list of them: raw memory the caller keeps alive, as with NIXL's own
+//!   registration calls. Adjacent regions (in address order) become one registration; otherwise each
+//!   is registered on its own and they split the layout into equal segments, in order (SGLang's one
+//!   buffer per layer, then per K and V).
 //!
 //! The engine hands what it holds back only once no peer can write into the memory any more (a
 //! decode `shutdown` that every rank confirmed); otherwise it is leaked, never released.
@@ -32,9 +34,9 @@ impl Keep {
     }
 }
 
-/// A pool's memory as Python gave it.
+/// A pool's memory as Python gave it: one region, or several that split the layout.
 pub(crate) struct Memory {
-    desc: MemDesc,
+    descs: Vec<MemDesc>,
     keep: Keep,
 }
 
@@ -98,18 +100,21 @@ impl Memory {
             let mut end = start
                 .checked_add(first_len)
                 .ok_or_else(|| errors::config("memory region wraps around"))?;
-            for &(addr, len) in &regions[1..] {
-                if addr != end {
-                    return Err(errors::config(format!(
-                        "memory regions must be adjacent, in address order (one registration covers them, and peers may write anywhere in it): a region at {addr:#x} follows one ending at {end:#x}"
-                    )));
-                }
-                end = addr
-                    .checked_add(len)
-                    .ok_or_else(|| errors::config("memory region wraps around"))?;
-            }
+            let adjacent = regions[1..].iter().all(|&(addr, len)| {
+                let ok = addr == end;
+                end = addr.saturating_add(len);
+                ok
+            });
+            let descs = if adjacent {
+                vec![desc(start, end - start, kind)?]
+            } else {
+                regions
+                    .iter()
+                    .map(|&(addr, len)| desc(addr, len, kind))
+                    .collect::<PyResult<_>>()?
+            };
             return Ok(Memory {
-                desc: desc(start, end - start, kind)?,
+                descs,
                 keep: Keep::Raw,
             });
         }
@@ -137,7 +142,7 @@ impl Memory {
                 .checked_mul(size)
                 .ok_or_else(|| errors::config("tensor size overflows"))?;
             return Ok(Memory {
-                desc: desc(addr, len, kind)?,
+                descs: vec![desc(addr, len, kind)?],
                 keep: Keep::Object(obj.clone().unbind()),
             });
         }
@@ -169,28 +174,31 @@ impl Memory {
             .call_method1("from_buffer", (&bytes,))?;
         let addr: u64 = ctypes.getattr("addressof")?.call1((&array,))?.extract()?;
         Ok(Memory {
-            desc: desc(addr, len, MemKind::Host)?,
+            descs: vec![desc(addr, len, MemKind::Host)?],
             keep: Keep::Object(array.unbind()),
         })
     }
 
-    /// The pool to register, and what the engine's owner must hold until the engine says the memory
-    /// is safe to hand back (or leak).
-    pub(crate) fn into_pool(self) -> (Pool, Keep) {
-        // SAFETY: `desc` is one live allocation of its kind, held as `Pool::borrowed` asks for as long
-        // as `Keep` lives: the ctypes array holds a buffer export, which keeps its exporter from
-        // resizing or freeing the memory (numpy refuses to resize an array with exports, and the
-        // export holds the array); a tensor
-        // reference keeps its storage; raw pointers are the caller's documented promise (the same one
-        // NIXL's registration makes). Every owner of a `Keep` (the engine classes) releases it only
-        // after the engine confirmed no peer can still write into the memory, and leaks it otherwise;
-        // nothing of ours takes Rust references into it (copies go through the pool's atomic copies).
-        let pool = unsafe { Pool::borrowed(self.desc) };
-        (pool, self.keep)
+    /// The pools to register (one per region), and what the engine's owner must hold until the
+    /// engine says the memory is safe to hand back (or leak).
+    pub(crate) fn into_pools(self) -> (Vec<Pool>, Keep) {
+        let mut pools = Vec::with_capacity(self.descs.len());
+        for d in self.descs {
+            // SAFETY: each region is one live allocation of its kind, held as `Pool::borrowed` asks
+            // for as long as `Keep` lives: the ctypes array holds a buffer export, which keeps its
+            // exporter from resizing or freeing the memory (numpy refuses to resize an array with
+            // exports, and the export holds the array); a tensor reference keeps its storage; raw
+            // pointers are the caller's documented promise (the same one NIXL's registration makes).
+            // Every owner of a `Keep` (the engine classes) releases it only after the engine
+            // confirmed no peer can still write into the memory, and leaks it otherwise; nothing of
+            // ours takes Rust references into it (copies go through the pool's atomic copies).
+            pools.push(unsafe { Pool::borrowed(d) });
+        }
+        (pools, self.keep)
     }
 
-    /// Bytes.
+    /// Bytes, all regions together.
     pub(crate) fn len(&self) -> u64 {
-        self.desc.len()
+        self.descs.iter().map(|d| d.len()).sum()
     }
 }

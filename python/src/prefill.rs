@@ -130,10 +130,10 @@ impl PrefillEngine {
             connect_timeout,
             request_wait,
         )?;
-        let (pool, keep) = mem.into_pool();
+        let (pools, keep) = mem.into_pools();
         let rt = runtime()?;
         let engine = py
-            .detach(|| rt.block_on(engine::PrefillEngine::start(cfg, pool)))
+            .detach(|| rt.block_on(engine::PrefillEngine::start_regions(cfg, pools)))
             .map_err(errors::engine)?;
         Ok(PrefillEngine {
             live: Mutex::new(Some(Live { engine, keep })),
@@ -225,7 +225,13 @@ impl PrefillEngine {
             region,
             layout: decode_layout.inner.clone(),
         };
-        let (pool, keep) = mem.into_pool();
+        let (mut pools, keep) = mem.into_pools();
+        if pools.len() != 1 {
+            return Err(errors::config(
+                "an external decode takes this rank's pool as one region",
+            ));
+        }
+        let pool = pools.remove(0);
         let rt = runtime()?;
         let engine = py
             .detach(|| rt.block_on(engine::PrefillEngine::start_external(cfg, pool, decode)))

@@ -43,22 +43,28 @@ def pattern(room, rank, layer, region, index, n):
 
 
 class Pool:
-    """A rank's KV pool as SGLang lays it out: one buffer per layer (and per K/V), here adjacent
-    slices of one numpy array."""
+    """A rank's KV pool as SGLang lays it out: one buffer per layer (and per K/V). MLA pools here are
+    adjacent slices of one numpy array (one registration); GQA pools are separate arrays, one per
+    buffer, as SGLang allocates them (one registration each)."""
 
     def __init__(self, shape, first_layer, num_layers, num_pages):
         self.regions = 1 if shape["mla"] else 2
         self.page_bytes = shape["page"] * shape["bpt"] // self.regions
         self.first, self.layers, self.pages = first_layer, num_layers, num_pages
-        self.mem = np.zeros(self.regions * num_layers * num_pages * self.page_bytes, np.uint8)
-        self.view = self.mem.reshape(self.regions, num_layers, num_pages, self.page_bytes)
+        n = self.regions * num_layers
+        if shape["mla"]:
+            mem = np.zeros(n * num_pages * self.page_bytes, np.uint8)
+            self.buffers = list(mem.reshape(n, num_pages, self.page_bytes))
+        else:
+            self.buffers = [np.zeros((num_pages, self.page_bytes), np.uint8) for _ in range(n)]
+        self.view = _Buffers(self.buffers, num_layers)
 
     def kv_args(self, page_size, pp_rank):
         a = KVArgs()
         layer_len = self.pages * self.page_bytes
         a.engine_rank = 0
         a.pp_rank = pp_rank
-        a.kv_data_ptrs = [self.mem.ctypes.data + i * layer_len for i in range(self.regions * self.layers)]
+        a.kv_data_ptrs = [b.ctypes.data for b in self.buffers]
         a.kv_data_lens = [layer_len] * (self.regions * self.layers)
         a.kv_item_lens = [self.page_bytes] * (self.regions * self.layers)
         a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = [], [], []
@@ -68,6 +74,25 @@ class Pool:
         a.ib_device = ""
         a.system_dp_rank = 0
         return a
+
+
+class _Buffers:
+    """view[k, l, p] (a page) and view[:, :, pages] = byte over a list of per-buffer arrays."""
+
+    def __init__(self, buffers, layers):
+        self.buffers, self.layers = buffers, layers
+
+    def __getitem__(self, key):
+        k, l, p = key
+        return self.buffers[k * self.layers + l][p]
+
+    def __setitem__(self, key, value):
+        k, l, p = key
+        if isinstance(k, slice) and isinstance(l, slice):
+            for b in self.buffers:
+                b[p] = value
+        else:
+            self.buffers[k * self.layers + l][p] = value
 
 
 def pages_for(room, n, total, salt):

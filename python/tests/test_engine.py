@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import kvx
-from conftest import Cluster
+from conftest import POISON, Cluster, free_addrs, pattern
 
 
 def test_requests_arrive_byte_for_byte(cluster):
@@ -177,8 +177,11 @@ def test_bad_arguments_raise_clear_errors():
         kvx.DecodeEngine(memory=np.zeros(100, np.uint8), **kw)
     with pytest.raises(kvx.ConfigError, match="read-only"):
         kvx.DecodeEngine(memory=bytes(layout.buffer_len), **kw)
-    with pytest.raises(kvx.ConfigError, match="adjacent"):
-        kvx.DecodeEngine(memory=[(0x10000, 4096), (0x30000, 4096)], **kw)
+    # Separate regions must split the layout (8 KiB) into equal segments, each long enough.
+    with pytest.raises(kvx.ConfigError, match="shorter than"):
+        kvx.DecodeEngine(memory=[(0x10000, 6144), (0x30000, 2048)], **kw)
+    with pytest.raises(kvx.ConfigError, match="equal regions"):
+        kvx.DecodeEngine(memory=[(0x10000, 4096), (0x30000, 4096), (0x50000, 4096)], **kw)
     with pytest.raises(kvx.ConfigError, match="contiguous"):
         kvx.DecodeEngine(memory=np.zeros((layout.buffer_len, 2), np.uint8)[:, 0], **kw)
     with pytest.raises(kvx.ConfigError, match="listen"):
@@ -232,3 +235,67 @@ def test_bench_runs_and_verifies(tmp_path):
     rows = json.loads(out.read_text())
     assert [x["backend"] for x in rows] == ["ucx python", "nixl python"]
     assert all(x["verified"] and x["verified_requests"] == 2 and x["failed"] == 0 for x in rows), rows
+
+
+def test_one_registration_per_layer_and_kv(backend):
+    """Pools given as one buffer per layer and per K and V (as SGLang allocates them), not adjacent:
+    each is registered on its own and every byte lands in the right buffer."""
+    layers, pp, page_tokens, pages, page_bytes = 4, 2, 16, 16, 1024
+    dl = kvx.Layout(first_layer=0, num_layers=layers, page_bytes=page_bytes, num_pages=pages,
+                    split_kv=True)
+    # K of every layer, then V of every layer; a spacer between buffers keeps them apart.
+    spacers, dbufs = [], []
+    for _ in range(2 * layers):
+        dbufs.append(np.full((pages, page_bytes), POISON, np.uint8))
+        spacers.append(np.zeros(4096, np.uint8))
+    regions = [(b.ctypes.data, b.nbytes) for b in dbufs]
+    assert any(regions[i + 1][0] != regions[i][0] + regions[i][1] for i in range(len(regions) - 1))
+    decode = kvx.DecodeEngine(layout=dl, total_layers=layers, page_tokens=page_tokens, pp_size=pp,
+                              memory=regions, secret=b"s", backend=backend,
+                              engine_id=f"regions-decode-{backend}")
+    peers = free_addrs(pp)
+    per = layers // pp
+    ranks, pbufs = [None] * pp, []
+    for r in range(pp):
+        pbufs.append([np.zeros((8, page_bytes), np.uint8) for _ in range(2 * per)])
+
+    def start(r):
+        pl = kvx.Layout(first_layer=r * per, num_layers=per, page_bytes=page_bytes, num_pages=8,
+                        split_kv=True)
+        ranks[r] = kvx.PrefillEngine(
+            decode=decode.address, pp_rank=r, pp_size=pp, layout=pl, total_layers=layers,
+            page_tokens=page_tokens, memory=[(b.ctypes.data, b.nbytes) for b in pbufs[r]],
+            peers=peers, secret=b"s", backend=backend, engine_id=f"regions-prefill-{r}-{backend}")
+
+    threads = [threading.Thread(target=start, args=(r,)) for r in range(pp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        decode.wait_for_ranks(10)
+        src, dst = [7, 3, 5, 1], [12, 2, 9, 4]
+        for r in range(pp):
+            for k in range(2):
+                for l in range(per):
+                    for i, p in enumerate(src):
+                        pbufs[r][k * per + l][p] = pattern(91, r, r * per + l + 100 * k, i, page_bytes)
+        pending = decode.expect(91, 64, 32, dst, timeout=10)
+        for p in ranks:
+            assert p.next_request(10).request == 91
+            for c in range(2):
+                p.send_chunk(91, c, src, c == 1)
+        assert pending.wait(10).complete
+        for k in range(2):
+            for l in range(layers):
+                buf = dbufs[k * layers + l]
+                for i, p in enumerate(dst):
+                    want = pattern(91, l // per, l + 100 * k, i, page_bytes)
+                    assert np.array_equal(buf[p], want), (k, l, p)
+                for p in set(range(pages)) - set(dst):
+                    assert (buf[p] == POISON).all(), (k, l, p)
+    finally:
+        for p in ranks:
+            if p is not None:
+                p.close()
+        decode.shutdown(5)

@@ -21,7 +21,7 @@ use crate::core::tracker::{
 use crate::core::{ChunkHasher, FailureCode, PeerId, RequestId};
 use crate::engine::BackendConfig;
 use crate::mem::MemKind;
-use crate::transport::{Incoming, Registration, Sender, Sink, Transport};
+use crate::transport::{Incoming, Sender, Sink, Transport};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -212,7 +212,7 @@ struct Inner {
     connected: watch::Sender<u16>,
     /// Set once, after the transport exists (its sink needs a Weak to us first).
     transport: std::sync::OnceLock<Arc<dyn Transport>>,
-    pool: std::sync::OnceLock<Registration>,
+    pool: std::sync::OnceLock<super::pools::Pools>,
     /// `backend_info` handed the pool's registration to someone outside the control plane, who can
     /// never confirm that it stopped writing.
     exported_out_of_band: AtomicBool,
@@ -270,6 +270,18 @@ impl DecodeEngine {
     /// Transport or listener failures, a pool smaller than the layout, or a layout that is not
     /// packed (`KvLayout::packed`: prefill ranks learn only its packed numbers from the Hello).
     pub async fn start(cfg: DecodeConfig, pool: Pool) -> Result<Self, EngineError> {
+        Self::start_regions(cfg, vec![pool]).await
+    }
+
+    /// [`start`](Self::start) with the pool in several registrations: `pools` split the layout's
+    /// buffer into equal, consecutive segments, in order (for a server that keeps one buffer per
+    /// layer and per K and V: `2 * layers` pools of one layer's pages each). Prefill ranks learn
+    /// every segment's registration and split their writes at segment boundaries.
+    ///
+    /// # Errors
+    /// As [`start`](Self::start); also pools that do not split the layout evenly, or of different
+    /// kinds of memory.
+    pub async fn start_regions(cfg: DecodeConfig, pools: Vec<Pool>) -> Result<Self, EngineError> {
         let l = &cfg.layout;
         let packed = KvLayout::packed(
             l.first_layer,
@@ -302,13 +314,18 @@ impl DecodeEngine {
                 "no shared secret configured: any process that reaches the control port can write into the KV pool"
             );
         }
-        if pool.desc().len() < cfg.layout.buffer_len {
+        let total: u64 = pools.iter().map(|p| p.desc().len()).sum();
+        if total < cfg.layout.buffer_len {
             return Err(EngineError::Config(format!(
-                "pool of {} bytes is smaller than its layout ({} bytes)",
-                pool.desc().len(),
+                "pool of {total} bytes is smaller than its layout ({} bytes)",
                 cfg.layout.buffer_len
             )));
         }
+        super::pools::segment(
+            cfg.layout.buffer_len,
+            pools.len(),
+            pools.iter().map(|p| p.desc().len()).min().unwrap_or(0),
+        )?;
         let inner = Arc::new(Inner {
             state: Mutex::new(State {
                 tracker: CompletionTracker::new(cfg.tracker.clone()),
@@ -341,7 +358,11 @@ impl DecodeEngine {
             }
         });
         let transport = inner.cfg.backend.build(sink)?;
-        let _ = inner.pool.set(Registration::new(&transport, pool)?);
+        let _ = inner.pool.set(super::pools::Pools::register(
+            &transport,
+            pools,
+            inner.cfg.layout.buffer_len,
+        )?);
         let _ = inner.transport.set(transport);
         let listener = Listener::bind(inner.cfg.listen).await?;
         let local_addr = listener.local_addr();
@@ -715,12 +736,18 @@ impl DecodeEngine {
     /// the pool's registration.
     ///
     /// # Errors
-    /// The transport cannot export its metadata.
+    /// The transport cannot export its metadata; a pool of several registrations
+    /// ([`start_regions`](Self::start_regions)), which this cannot describe.
     pub fn backend_info(
         &self,
     ) -> Result<(Vec<u8>, String, crate::transport::RemoteRegion), EngineError> {
         let t = self.inner.transport.get().ok_or(EngineError::Shutdown)?;
         let pool = self.inner.pool.get().ok_or(EngineError::Shutdown)?;
+        let pool = pool.single().ok_or_else(|| {
+            EngineError::Config(
+                "the pool has several registrations: no single region to export".into(),
+            )
+        })?;
         self.inner
             .exported_out_of_band
             .store(true, Ordering::Release);
@@ -1125,7 +1152,7 @@ fn local_hello(inner: &Inner) -> Result<Hello, EngineError> {
             kind: to_wire_kind(t.kind()),
             worker_or_agent: t.metadata()?,
             agent_name: t.name(),
-            regions: vec![wire_regions(pool.remote())],
+            regions: pool.remotes().iter().map(wire_regions).collect(),
         },
     )
     .with_pp(0, cfg.pp_size);

@@ -17,7 +17,7 @@ use crate::core::planner::{ChunkGeometry, KvLayout, Planner, TpMapping, Write};
 use crate::core::vote::{Decision, Vote, VoteBoard, VoteConfig, VoteMessage};
 use crate::core::{ChunkHasher, FailureCode, RequestId};
 use crate::mem::MemKind;
-use crate::transport::{PeerId, Registration, Sink, Transport, TransportError, WriteOp};
+use crate::transport::{PeerId, Sink, Transport, TransportError, WriteOp};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -196,7 +196,9 @@ struct Inner {
     cfg: PrefillConfig,
     secret: Secret,
     transport: Arc<dyn Transport>,
-    pool: Registration,
+    pool: super::pools::Pools,
+    /// Bytes of one segment of decode's pool (its whole pool when it is one registration).
+    dst_seg: u64,
     decode_peer: PeerId,
     planner: Planner,
     decode_writer: mpsc::UnboundedSender<Msg>,
@@ -248,7 +250,17 @@ impl PrefillEngine {
     /// # Cancel safety
     /// Not cancel-safe: dropping it mid-way drops half-made connections (nothing leaks).
     pub async fn start(cfg: PrefillConfig, pool: Pool) -> Result<Self, EngineError> {
-        Self::start_with(cfg, pool, None).await
+        Self::start_with(cfg, vec![pool], None).await
+    }
+
+    /// [`start`](Self::start) with the pool in several registrations: `pools` split this rank's
+    /// layout into equal, consecutive segments, in order (one buffer per layer and per K and V, for
+    /// instance). Writes are split at segment boundaries on both sides.
+    ///
+    /// # Errors
+    /// As [`start`](Self::start); also pools that do not split the layout evenly.
+    pub async fn start_regions(cfg: PrefillConfig, pools: Vec<Pool>) -> Result<Self, EngineError> {
+        Self::start_with(cfg, pools, None).await
     }
 
     /// Like [`start`](Self::start), for a decode side that does not speak our control plane: writes
@@ -265,12 +277,12 @@ impl PrefillEngine {
         pool: Pool,
         decode: ExternalDecode,
     ) -> Result<Self, EngineError> {
-        Self::start_with(cfg, pool, Some(decode)).await
+        Self::start_with(cfg, vec![pool], Some(decode)).await
     }
 
     async fn start_with(
         cfg: PrefillConfig,
-        pool: Pool,
+        pools: Vec<Pool>,
         external: Option<ExternalDecode>,
     ) -> Result<Self, EngineError> {
         if cfg.pp_rank >= cfg.pp_size {
@@ -286,13 +298,18 @@ impl PrefillEngine {
                 cfg.pp_size
             )));
         }
-        if pool.desc().len() < cfg.layout.buffer_len {
+        if pools.iter().map(|p| p.desc().len()).sum::<u64>() < cfg.layout.buffer_len {
             return Err(EngineError::Config("pool smaller than its layout".into()));
         }
+        super::pools::segment(
+            cfg.layout.buffer_len,
+            pools.len(),
+            pools.iter().map(|p| p.desc().len()).min().unwrap_or(0),
+        )?;
         // Prefill receives no notifications; peer failures surface as failed posts.
         let sink: Sink = Arc::new(|_| {});
         let transport = cfg.backend.build(sink)?;
-        let pool = Registration::new(&transport, pool)?;
+        let pool = super::pools::Pools::register(&transport, pools, cfg.layout.buffer_len)?;
         let deadline = tokio::time::Instant::now() + cfg.connect_timeout;
         let notify_key: u64 = rand::random();
 
@@ -341,6 +358,12 @@ impl PrefillEngine {
                 source,
             }
         })?;
+        // Decode's pool may come in several registrations too: our writes split at its segments.
+        let dst_seg = super::pools::segment(
+            dst.buffer_len,
+            decode_regions.len(),
+            decode_regions.iter().map(|r| r.len).min().unwrap_or(0),
+        )?;
         let decode_peer = transport.connect(&decode_meta, &decode_regions, notify_key)?;
 
         let mut vote_cfg = cfg.vote.clone();
@@ -365,6 +388,7 @@ impl PrefillEngine {
             secret,
             transport,
             pool,
+            dst_seg,
             decode_peer,
             planner,
             decode_writer: dtx,
@@ -519,16 +543,27 @@ impl PrefillEngine {
             }
             n = n.with_checksum(h.finish());
         }
-        let writes: Vec<WriteOp> = plan
-            .iter()
-            .map(|w| WriteOp {
-                local: inner.pool.id(),
-                local_offset: w.src_offset,
-                remote: 0,
-                remote_offset: w.dst_offset,
-                len: w.len,
-            })
-            .collect();
+        let mut writes: Vec<WriteOp> = Vec::with_capacity(plan.len());
+        let src_seg = inner.pool.segment_len();
+        for w in &plan {
+            // Pieces that lie in one segment on both sides (the whole write, for one-region pools).
+            for (si, soff, n, pos) in super::pools::split(w.src_offset, w.len, src_seg) {
+                let local = inner.pool.id(si).ok_or_else(|| {
+                    EngineError::Config(format!("write at {} is outside the pool", w.src_offset))
+                })?;
+                for (di, doff, m, p) in super::pools::split(w.dst_offset + pos, n, inner.dst_seg) {
+                    writes.push(WriteOp {
+                        local,
+                        local_offset: soff + p,
+                        remote: u32::try_from(di).map_err(|_| {
+                            EngineError::Config("decode region index overflows".into())
+                        })?,
+                        remote_offset: doff,
+                        len: m,
+                    });
+                }
+            }
+        }
         let bytes: u64 = plan.iter().map(|w| w.len).sum();
         let (tx, rx) = oneshot::channel();
         let weak = Arc::downgrade(inner);

@@ -31,9 +31,10 @@ rounded to pages; default 1024), ``KVX_REQUEST_TIMEOUT`` (seconds, default 300),
 (``cpu`` or ``cuda:N``; default ``cuda:<gpu_id>`` where torch sees CUDA, else ``cpu``).
 
 A rank's KV buffers (one per layer, then per K and V, in SGLang's order) are registered one by one
-(or as one region when they happen to be adjacent); writes never cross a buffer. Limits: auxiliary data (the first output token,
-logprobs, hidden states) and extra state buffers (Mamba, SWA) are not carried; identical TP on both
-sides; one decode PP rank.
+(or as one region when they happen to be adjacent); writes never cross a buffer. The metadata rows (``aux_index``: the first output token, logprobs...) travel on kvx's control
+connection (``send_aux``) before the last chunk; a receiver reports ``Success`` once the pages and
+the last PP rank's row are in place. Limits: extra state buffers (Mamba, SWA) are not carried;
+identical TP on both sides; one decode PP rank.
 """
 
 from __future__ import annotations
@@ -100,6 +101,10 @@ def _device(args: KVArgs) -> str:
     except ImportError:
         pass
     return "cpu"
+
+
+# How long a complete request waits for its metadata row, which travels on the control connection.
+_AUX_WAIT_S = 10.0
 
 
 def _request_timeout() -> float:
@@ -264,6 +269,10 @@ class KvxKVManager(BaseKVManager):
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self.failures: dict = {}
+        # The metadata buffers (first output token, logprobs...): one row per request slot.
+        self.aux = [(int(p), int(n), int(i)) for p, n, i in zip(
+            getattr(args, "aux_data_ptrs", None) or [], getattr(args, "aux_data_lens", None) or [],
+            getattr(args, "aux_item_lens", None) or [])]
         if disaggregation_mode == DisaggregationMode.PREFILL:
             first = int(getattr(args, "prefill_start_layer", 0) or 0)
             self.pool = _Pool(args, self.is_mla_backend, first)
@@ -275,6 +284,7 @@ class KvxKVManager(BaseKVManager):
         else:
             self.pool = _Pool(args, self.is_mla_backend, 0)
             self._decodes: dict = {}  # bootstrap_addr -> DecodeEngine
+            self._pp: dict = {}  # bootstrap_addr -> that prefill instance's PP size
             self._rooms: dict = {}  # room -> DecodeEngine
             # What the decode scheduler reads of each prefill instance (one DP rank each).
             self.prefill_info_table: dict = {}
@@ -387,6 +397,7 @@ class KvxKVManager(BaseKVManager):
                 e.shutdown(1)
                 return self._decodes[bootstrap_addr]
             self._decodes[bootstrap_addr] = e
+            self._pp[bootstrap_addr] = pp_size
         decode_id = f"{self.id}-{bootstrap_addr}"
         _http("PUT", f"{url}/kvx/decode", {"decode_id": decode_id, "tp_rank": self.tp_rank,
                                             "address": e.address,
@@ -410,6 +421,31 @@ class KvxKVManager(BaseKVManager):
         self.prefill_info_table[bootstrap_addr] = types.SimpleNamespace(
             dp_size=1, follow_bootstrap_room=True, pp_size=int(mine[0]["pp_size"]))
         return True
+
+    def aux_row(self, index: int) -> bytes:
+        """The metadata row `index` of every aux buffer, concatenated."""
+        import ctypes
+
+        out = bytearray()
+        for ptr, length, item in self.aux:
+            if (index + 1) * item > length:
+                raise kvx.ConfigError(f"kvx: aux row {index} is outside its buffer")
+            out += ctypes.string_at(ptr + index * item, item)
+        return bytes(out)
+
+    def write_aux_row(self, index: int, data: bytes) -> None:
+        """Writes `data` (as `aux_row` reads it) into metadata row `index`."""
+        import ctypes
+
+        if len(data) != sum(item for _, _, item in self.aux):
+            raise kvx.ConfigError(
+                f"kvx: aux payload of {len(data)} bytes does not match this side's metadata rows")
+        at = 0
+        for ptr, length, item in self.aux:
+            if (index + 1) * item > length:
+                raise kvx.ConfigError(f"kvx: aux row {index} is outside its buffer")
+            ctypes.memmove(ptr + index * item, data[at:at + item], item)
+            at += item
 
     def chunk_tokens(self) -> int:
         want = int(os.environ.get("KVX_CHUNK_TOKENS", "1024"))
@@ -504,6 +540,9 @@ class KvxKVSender(BaseKVSender):
                 if len(self.pages) < end:
                     break
                 last = self.next_chunk + 1 == chunks
+                if last and self.kv_mgr.aux and self.aux_index is not None:
+                    # The metadata row goes first, on the control connection.
+                    self.engine.send_aux(self.bootstrap_room, self.kv_mgr.aux_row(int(self.aux_index)))
                 self.posted.append(self.engine.post_chunk(self.bootstrap_room, self.next_chunk,
                                                           src, last))
                 self.bytes += (end - self.next_chunk * per) * self.kv_mgr.pool.page_bytes * \
@@ -589,6 +628,8 @@ class KvxKVReceiver(BaseKVReceiver):
         self.succeeded = False
         self.abort_notified = False
         self.require_staging = False
+        self.aux_index: Optional[int] = None
+        self.aux_deadline: Optional[float] = None
         # The prefill ranks that may write this room's pages (their count is what SGLang's deferred
         # release waits for; kvx's own acknowledgements decide it).
         self.bootstrap_infos: list = []
@@ -605,6 +646,7 @@ class KvxKVReceiver(BaseKVReceiver):
                       decode_prefix_len: Optional[int] = None, destination=None, **_):
         if self.failed is not None:
             return
+        self.aux_index = aux_index
         pages = [int(p) for p in np.asarray(kv_indices).reshape(-1)]
         try:
             self.pending = self.engine.expect(self.bootstrap_room, len(pages) * self.kv_mgr.page_size,
@@ -637,6 +679,24 @@ class KvxKVReceiver(BaseKVReceiver):
             return KVPoll.Transferring
         outcome = self.pending.wait(0)
         if outcome.complete:
+            if self.kv_mgr.aux and self.aux_index is not None:
+                # The last PP rank's metadata row (its first output token) must be in place too.
+                last_rank = self.kv_mgr._pp.get(self.bootstrap_addr, 1) - 1
+                data = self.engine.aux(self.bootstrap_room, last_rank)
+                if data is None:
+                    now = time.monotonic()
+                    if self.aux_deadline is None:
+                        self.aux_deadline = now + _AUX_WAIT_S
+                    if now < self.aux_deadline:
+                        return KVPoll.Transferring
+                    self.failed = _failed("aux_missing", f"room {self.bootstrap_room}: no metadata row "
+                                                         f"from PP rank {last_rank}")
+                    return KVPoll.Failed
+                try:
+                    self.kv_mgr.write_aux_row(int(self.aux_index), data)
+                except kvx.KvxError as e:
+                    self.failed = e
+                    return KVPoll.Failed
             self.succeeded = True
             return KVPoll.Success
         self.failed = outcome.error()

@@ -189,6 +189,20 @@ impl DecodeEngine {
         ))
     }
 
+    /// The payload PP rank `rank` sent beside its pages of `request` (`PrefillEngine.send_aux`),
+    /// taken once; `None` if it has not arrived (it can come a moment after the request completed).
+    fn aux(
+        &self,
+        py: Python<'_>,
+        request: u64,
+        rank: u16,
+    ) -> PyResult<Option<Py<pyo3::types::PyBytes>>> {
+        Ok(self
+            .engine()?
+            .aux(RequestId(request), rank)
+            .map(|d| pyo3::types::PyBytes::new(py, &d).unbind()))
+    }
+
     /// Fails `request` (if it had not ended) and tells every prefill rank.
     fn abort(&self, request: u64) -> PyResult<()> {
         self.engine()?.abort(RequestId(request));

@@ -350,6 +350,14 @@ impl PrefillEngine {
             .map(|_| ())
     }
 
+    /// Sends decode a payload of at most 64 KiB for `request` beside its pages (SGLang's metadata
+    /// row, for instance), before the request's last chunk; decode reads it with `aux`.
+    fn send_aux(&self, request: u64, data: Vec<u8>) -> PyResult<()> {
+        self.engine()?
+            .send_aux(RequestId(request), data)
+            .map_err(errors::engine)
+    }
+
     /// Fails `request` from this rank (decode and the PP peers are told), with a failure code:
     /// `aborted` (default), `write_failed`, `timeout`, `peer_lost`, `out_of_resources`, `internal`
     /// or `unspecified`.

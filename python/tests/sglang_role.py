@@ -35,6 +35,7 @@ SHAPES = {
     "gqa": dict(layers=6, bpt=1024, page=16, mla=False),
 }
 POISON = 0xEE
+AUX_ROWS = 8
 TERMINAL = (KVPoll.Success, KVPoll.Failed)
 
 
@@ -58,6 +59,8 @@ class Pool:
         else:
             self.buffers = [np.zeros((num_pages, self.page_bytes), np.uint8) for _ in range(n)]
         self.view = _Buffers(self.buffers, num_layers)
+        # SGLang's metadata buffers: one row per request slot (output token ids, logprob-like rows).
+        self.aux = [np.zeros((AUX_ROWS, 32), np.uint8), np.zeros((AUX_ROWS, 96), np.uint8)]
 
     def kv_args(self, page_size, pp_rank):
         a = KVArgs()
@@ -67,7 +70,9 @@ class Pool:
         a.kv_data_ptrs = [b.ctypes.data for b in self.buffers]
         a.kv_data_lens = [layer_len] * (self.regions * self.layers)
         a.kv_item_lens = [self.page_bytes] * (self.regions * self.layers)
-        a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = [], [], []
+        a.aux_data_ptrs = [b.ctypes.data for b in self.aux]
+        a.aux_data_lens = [b.nbytes for b in self.aux]
+        a.aux_item_lens = [b.shape[1] for b in self.aux]
         a.page_size = page_size
         a.prefill_start_layer = self.first
         a.gpu_id = 0
@@ -165,10 +170,12 @@ def main():
                     for l in range(count):
                         for i, p in enumerate(src):
                             pool.view[k, l, p] = pattern(room, rank, first + l, k, i, pool.page_bytes)
+                for j, b in enumerate(pool.aux):
+                    b[room % AUX_ROWS] = pattern(room, rank, 1000, j, 0, b.shape[1])
                 sender = sender_cls(mgr=mgr, bootstrap_addr=bootstrap_addr, bootstrap_room=room)
                 state = wait_poll(sender, (KVPoll.WaitingForInput,))
                 if state == KVPoll.WaitingForInput:
-                    sender.init(n, 0)
+                    sender.init(n, room % AUX_ROWS)
                     chunk_pages = plan["sglang_chunk_tokens"] // page
                     for c0 in range(0, n, chunk_pages):
                         last = c0 + chunk_pages >= n
@@ -223,7 +230,9 @@ def main():
                 verified = None
                 if state == KVPoll.WaitingForInput:
                     pool.view[:, :, dst] = POISON
-                    receiver.send_metadata(np.array(dst, dtype=np.int32), 0)
+                    for b in pool.aux:
+                        b[room % AUX_ROWS] = POISON
+                    receiver.send_metadata(np.array(dst, dtype=np.int32), room % AUX_ROWS)
                     if fault == "abort_decode":
                         wait_poll(receiver, (KVPoll.Transferring,), 0.2)
                         receiver.abort()
@@ -237,6 +246,10 @@ def main():
                                 for i, p in enumerate(dst):
                                     want = pattern(room, r, l, k, i, pool.page_bytes)
                                     verified &= bool(np.array_equal(pool.view[k, l, p], want))
+                        # The metadata row is the last PP rank's.
+                        for j, b in enumerate(pool.aux):
+                            want = pattern(room, pp - 1, 1000, j, 0, b.shape[1])
+                            verified &= bool(np.array_equal(b[room % AUX_ROWS], want))
                     elif state == KVPoll.Failed:
                         # Deferred KV release: the pages are reused only once no write can land.
                         deadline = time.monotonic() + 30

@@ -299,3 +299,30 @@ def test_one_registration_per_layer_and_kv(backend):
             if p is not None:
                 p.close()
         decode.shutdown(5)
+
+
+def test_aux_payload_travels_beside_the_pages(cluster):
+    src, dst = list(range(8)), list(range(48, 56))
+    cluster.prepare(95, src, dst)
+    pending = cluster.decode.expect(95, 128, 32, dst, timeout=10)
+    rows = {}
+    for r, p in enumerate(cluster.prefill):
+        assert p.next_request(10).request == 95
+        rows[r] = bytes(pattern(95, r, 1000, 0, 200))
+        p.send_aux(95, rows[r])
+        for c in range(4):
+            p.send_chunk(95, c, src, c == 3)
+    assert pending.wait(10).complete
+    deadline = time.monotonic() + 5
+    got = {}
+    while len(got) < len(rows) and time.monotonic() < deadline:
+        for r in rows:
+            if r not in got:
+                d = cluster.decode.aux(95, r)
+                if d is not None:
+                    got[r] = d
+        time.sleep(0.01)
+    assert got == rows
+    assert cluster.decode.aux(95, 0) is None  # taken once
+    with pytest.raises(kvx.ConfigError):
+        cluster.prefill[0].send_aux(96, bytes(64 * 1024 + 1))

@@ -4,10 +4,10 @@
 
 use proptest::prelude::*;
 use transfer_engine::control::{
-    Abort, AbortAck, BackendInfo, BackendKind, DEFAULT_MAX_FRAME_LEN, FrameDecoder, FrameError,
-    FrameHeader, HEADER_LEN, Hello, HelloAck, LayoutInfo, MAGIC, Msg, MsgKind, PROTOCOL_VERSION,
-    Reject, RejectReason, RemoteRegion, Role, Secret, Side, TpMode, TransferReject,
-    TransferRejectReason, TransferRequest, Vote, check_hello, encode_to_vec,
+    Abort, AbortAck, AuxData, BackendInfo, BackendKind, DEFAULT_MAX_FRAME_LEN, FrameDecoder,
+    FrameError, FrameHeader, HEADER_LEN, Hello, HelloAck, LayoutInfo, MAGIC, Msg, MsgKind,
+    PROTOCOL_VERSION, Reject, RejectReason, RemoteRegion, Role, Secret, Side, TpMode,
+    TransferReject, TransferRejectReason, TransferRequest, Vote, check_hello, encode_to_vec,
     validate_transfer_request,
 };
 
@@ -101,6 +101,10 @@ fn every_message() -> Vec<Msg> {
         }),
         Msg::Close,
         Msg::AbortAck(AbortAck { request: 42 }),
+        Msg::Aux(AuxData {
+            request: 42,
+            data: vec![7; 300],
+        }),
     ]
 }
 
@@ -622,7 +626,7 @@ fn feed_all(bytes: &[u8], splits: &[usize], max: u32) {
 }
 
 fn arb_kind() -> impl Strategy<Value = u8> {
-    prop_oneof![1u8..=8, any::<u8>()]
+    prop_oneof![1u8..=12, any::<u8>()]
 }
 
 proptest! {

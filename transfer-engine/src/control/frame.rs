@@ -15,7 +15,7 @@
 
 use super::auth::{Challenge, Proof};
 use super::msg::{
-    Abort, AbortAck, Hello, HelloAck, Msg, Reject, TransferReject, TransferRequest, Vote,
+    Abort, AbortAck, AuxData, Hello, HelloAck, Msg, Reject, TransferReject, TransferRequest, Vote,
 };
 
 /// First four bytes of every frame; catches a peer that is not speaking this protocol at all.
@@ -25,7 +25,7 @@ pub const MAGIC: [u8; 4] = *b"KVCP";
 pub const HEADER_LEN: usize = 12;
 
 /// The protocol version this build speaks (header field and [`Hello::protocol_version`]).
-pub const PROTOCOL_VERSION: u16 = 2;
+pub const PROTOCOL_VERSION: u16 = 3;
 
 /// Default cap on one frame's payload: 16 MiB, far above any Hello with a few thousand rkeys.
 pub const DEFAULT_MAX_FRAME_LEN: u32 = 16 << 20;
@@ -57,6 +57,8 @@ pub enum MsgKind {
     Challenge = 10,
     /// [`Msg::Proof`].
     Proof = 11,
+    /// [`Msg::Aux`] (protocol version 3).
+    Aux = 12,
 }
 
 impl MsgKind {
@@ -74,6 +76,7 @@ impl MsgKind {
             9 => Self::AbortAck,
             10 => Self::Challenge,
             11 => Self::Proof,
+            12 => Self::Aux,
             _ => return None,
         })
     }
@@ -266,6 +269,7 @@ pub fn encode_frame(msg: &Msg, max_len: u32, out: &mut Vec<u8>) -> Result<(), Fr
         Msg::AbortAck(m) => postcard::to_extend(m, Sink(out)),
         Msg::Challenge(m) => postcard::to_extend(m, Sink(out)),
         Msg::Proof(m) => postcard::to_extend(m, Sink(out)),
+        Msg::Aux(m) => postcard::to_extend(m, Sink(out)),
         Msg::Close => Ok(Sink(out)),
     };
     if let Err(source) = body {
@@ -341,6 +345,7 @@ pub fn decode_payload(kind: MsgKind, payload: &[u8]) -> Result<Msg, FrameError> 
         MsgKind::AbortAck => Msg::AbortAck(body::<AbortAck>(kind, payload)?),
         MsgKind::Challenge => Msg::Challenge(body::<Challenge>(kind, payload)?),
         MsgKind::Proof => Msg::Proof(body::<Proof>(kind, payload)?),
+        MsgKind::Aux => Msg::Aux(body::<AuxData>(kind, payload)?),
         MsgKind::Close => {
             if !payload.is_empty() {
                 return Err(FrameError::TrailingBytes {

@@ -74,7 +74,7 @@ pub use frame::{
     PROTOCOL_VERSION, decode_payload, encode_frame, encode_to_vec,
 };
 pub use msg::{
-    Abort, AbortAck, BackendInfo, BackendKind, Hello, HelloAck, LayoutInfo, Msg, Reject,
-    RejectReason, RemoteRegion, Role, TpMode, TransferReject, TransferRejectReason,
+    Abort, AbortAck, AuxData, BackendInfo, BackendKind, Hello, HelloAck, LayoutInfo, MAX_AUX_LEN,
+    Msg, Reject, RejectReason, RemoteRegion, Role, TpMode, TransferReject, TransferRejectReason,
     TransferRequest, Vote, check_hello, validate_transfer_request,
 };

@@ -330,6 +330,19 @@ pub struct AbortAck {
     pub request: u64,
 }
 
+/// Most bytes of one [`AuxData`] message.
+pub const MAX_AUX_LEN: usize = 64 << 10;
+
+/// A prefill rank's small per-request payload beside the KV pages (for an SGLang server: the
+/// metadata row with the first output token and its logprobs), sent before its last chunk.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AuxData {
+    /// Request id.
+    pub request: u64,
+    /// The bytes, at most [`MAX_AUX_LEN`].
+    pub data: Vec<u8>,
+}
+
 /// One PP rank's vote record, opaque here: the core encodes and checks it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Vote {
@@ -363,6 +376,8 @@ pub enum Msg {
     Challenge(super::auth::Challenge),
     /// Proof of the shared secret over both challenges.
     Proof(super::auth::Proof),
+    /// A prefill rank's per-request payload beside the KV pages.
+    Aux(AuxData),
 }
 
 impl Msg {
@@ -380,6 +395,7 @@ impl Msg {
             Self::Close => MsgKind::Close,
             Self::Challenge(_) => MsgKind::Challenge,
             Self::Proof(_) => MsgKind::Proof,
+            Self::Aux(_) => MsgKind::Aux,
         }
     }
 }

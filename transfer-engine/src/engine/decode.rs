@@ -158,6 +158,47 @@ struct State {
     closing: bool,
     /// Ranks whose connection ended with their Close: their writes are over.
     closed_ranks: std::collections::HashSet<u16>,
+    /// Payloads ranks sent beside their pages ([`DecodeEngine::aux`]), oldest dropped first.
+    aux: AuxStore,
+}
+
+/// Ranks' per-request payloads ([`Msg::Aux`]), bounded: at most [`AuxStore::MAX_ENTRIES`] and
+/// [`AuxStore::MAX_BYTES`] together, the oldest dropped first (a payload nobody takes must not pile
+/// up).
+#[derive(Debug, Default)]
+struct AuxStore {
+    at: HashMap<(RequestId, u16), Vec<u8>>,
+    order: std::collections::VecDeque<(RequestId, u16)>,
+    bytes: usize,
+}
+
+impl AuxStore {
+    const MAX_ENTRIES: usize = 4096;
+    const MAX_BYTES: usize = 32 << 20;
+
+    fn put(&mut self, key: (RequestId, u16), data: Vec<u8>) {
+        self.bytes += data.len();
+        if let Some(old) = self.at.insert(key, data) {
+            self.bytes -= old.len();
+        } else {
+            self.order.push_back(key);
+        }
+        while self.at.len() > Self::MAX_ENTRIES || self.bytes > Self::MAX_BYTES {
+            let Some(k) = self.order.pop_front() else {
+                break;
+            };
+            if let Some(d) = self.at.remove(&k) {
+                self.bytes -= d.len();
+            }
+        }
+    }
+
+    fn take(&mut self, key: (RequestId, u16)) -> Option<Vec<u8>> {
+        let d = self.at.remove(&key)?;
+        self.bytes -= d.len();
+        // Its order entry goes stale and is skipped when it reaches the front.
+        Some(d)
+    }
 }
 
 struct Unacked {
@@ -340,6 +381,7 @@ impl DecodeEngine {
                 released_waiters: HashMap::new(),
                 closing: false,
                 closed_ranks: std::collections::HashSet::new(),
+                aux: AuxStore::default(),
             }),
             secret: crate::control::Secret::from_config(cfg.token.as_deref()),
             cfg,
@@ -703,6 +745,13 @@ impl DecodeEngine {
     /// notification was handled), for latency measurements; taken once, kept for the last 4096.
     pub fn completed_at(&self, request: RequestId) -> Option<Instant> {
         self.inner.lock().completed_at.take(request)
+    }
+
+    /// The payload PP rank `rank` sent beside its pages of `request` (its `send_aux`), taken once.
+    /// A rank sends it before its last chunk, over the control connection, so it can arrive a moment
+    /// after the request completed. The most recent 4096 payloads (32 MiB) are kept.
+    pub fn aux(&self, request: RequestId, rank: u16) -> Option<Vec<u8>> {
+        self.inner.lock().aux.take((request, rank))
     }
 
     /// The tracker's own counters (duplicates, late, unknown, violations...).
@@ -1322,6 +1371,18 @@ async fn read_loop(inner: &Weak<Inner>, mut reader: control::ControlReader, rank
             Msg::AbortAck(a) => {
                 let mut st = i.lock();
                 i.acked(&mut st, RequestId(a.request), rank);
+            }
+            Msg::Aux(a) if a.data.len() <= control::MAX_AUX_LEN => {
+                i.lock().aux.put((RequestId(a.request), rank), a.data);
+            }
+            Msg::Aux(a) => {
+                tracing::warn!(
+                    rank,
+                    request = a.request,
+                    len = a.data.len(),
+                    "aux payload over the bound, dropped"
+                );
+                i.counters.refused.fetch_add(1, Ordering::Relaxed);
             }
             Msg::Close => return true,
             _ => {}

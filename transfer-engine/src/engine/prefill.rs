@@ -626,6 +626,29 @@ impl PrefillEngine {
         }
     }
 
+    /// Sends decode a small payload for `request` beside the pages (at most
+    /// [`MAX_AUX_LEN`](crate::control::MAX_AUX_LEN) bytes; decode reads it with `DecodeEngine::aux`).
+    /// Send it before the request's last chunk; it travels on the control connection.
+    ///
+    /// # Errors
+    /// A payload over the bound, or a decode side without our control plane.
+    pub fn send_aux(&self, request: RequestId, data: Vec<u8>) -> Result<(), EngineError> {
+        if data.len() > control::MAX_AUX_LEN {
+            return Err(EngineError::Config(format!(
+                "aux payload of {} bytes is over {}",
+                data.len(),
+                control::MAX_AUX_LEN
+            )));
+        }
+        self.inner
+            .decode_writer
+            .send(Msg::Aux(control::AuxData {
+                request: request.0,
+                data,
+            }))
+            .map_err(|_| EngineError::Shutdown)
+    }
+
     /// Fails `request` from this rank: tells the decode side (a FAILURE notification) and votes failed.
     pub fn fail(&self, request: RequestId, code: FailureCode) {
         self.inner.fail_local(request, code);

@@ -1,52 +1,39 @@
 //! `kvx.DecodeEngine`: the decode side, receiving every PP rank's pages of a request.
 
 use crate::errors;
-use crate::memory::{Keep, Memory};
+use crate::held::Held;
+use crate::memory::Memory;
 use crate::pending::{Done, Pending};
 use crate::{Layout, runtime, seconds};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::{Mutex, MutexGuard, PoisonError};
 use transfer_engine::core::RequestId;
 use transfer_engine::engine::{self, DecodeConfig, EngineError};
-
-/// The engine and what keeps its pool alive; both gone after `shutdown`.
-struct Live {
-    engine: engine::DecodeEngine,
-    keep: Keep,
-}
 
 /// The decode side of the engine: listens for the prefill ranks, receives every rank's pages of a
 /// request into its pool and says when they all arrived.
 #[pyclass(module = "kvx._kvx", frozen)]
 pub(crate) struct DecodeEngine {
-    live: Mutex<Option<Live>>,
+    held: Held<engine::DecodeEngine>,
     address: String,
     pool_len: u64,
 }
 
 impl DecodeEngine {
-    fn lock(&self) -> MutexGuard<'_, Option<Live>> {
-        self.live.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
     fn engine(&self) -> PyResult<engine::DecodeEngine> {
-        self.lock()
-            .as_ref()
-            .map(|l| l.engine.clone())
-            .ok_or_else(|| errors::engine(EngineError::Shutdown))
+        self.held.engine()
     }
 }
 
 impl Drop for DecodeEngine {
     fn drop(&mut self) {
-        if let Some(live) = self.lock().take() {
+        if let Some((engine, keep)) = self.held.take() {
             // Not shut down: a rank may still write into the pool, which the engine leaks; so is the
             // memory behind it.
-            drop(live.engine);
-            live.keep.leak();
+            drop(engine);
+            keep.leak();
         }
     }
 }
@@ -121,7 +108,7 @@ impl DecodeEngine {
         match py.detach(|| rt.block_on(engine::DecodeEngine::start_regions(cfg, pools))) {
             Ok(engine) => Ok(DecodeEngine {
                 address: engine.local_addr().to_string(),
-                live: Mutex::new(Some(Live { engine, keep })),
+                held: Held::new(engine, keep),
                 pool_len,
             }),
             Err(e) => {
@@ -301,11 +288,10 @@ impl DecodeEngine {
     #[pyo3(signature = (timeout = 10.0))]
     fn shutdown<'py>(&self, py: Python<'py>, timeout: f64) -> PyResult<Bound<'py, PyDict>> {
         let t = seconds("timeout", timeout)?;
-        let Some(live) = self.lock().take() else {
+        let Some((engine, keep)) = self.held.take() else {
             return Err(errors::engine(EngineError::Shutdown));
         };
         let rt = runtime()?;
-        let Live { engine, keep } = live;
         let report = py.detach(|| rt.block_on(engine.shutdown(t)));
         if report.pool_freed {
             drop(keep);
@@ -326,7 +312,7 @@ impl DecodeEngine {
 
     #[pyo3(signature = (*_args))]
     fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
-        if self.lock().is_some() {
+        if self.held.is_live() {
             self.shutdown(py, 10.0)?;
         }
         Ok(false)

@@ -7,6 +7,7 @@
 
 mod decode;
 mod errors;
+mod held;
 mod memory;
 mod pending;
 mod prefill;

@@ -2,6 +2,7 @@
 
 use crate::decode::stats_dict;
 use crate::errors::{self, ErrInfo};
+use crate::held::Held;
 use crate::memory::{Keep, Memory};
 use crate::pending::{Done, Pending};
 use crate::{Layout, runtime, seconds};
@@ -10,18 +11,10 @@ use pyo3::types::PyDict;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
 use transfer_engine::core::RequestId;
-use transfer_engine::engine::{self, EngineError, ExternalDecode, NotifyFormat, PrefillConfig};
+use transfer_engine::engine::{self, ExternalDecode, NotifyFormat, PrefillConfig};
 use transfer_engine::transport::RemoteRegion;
-
-/// The engine and what keeps its pool alive (dropped after the engine: field order).
-struct Live {
-    engine: engine::PrefillEngine,
-    #[expect(dead_code, reason = "held for its lifetime, never read")]
-    keep: Keep,
-}
 
 /// A page allocation decode sent: the request, its prompt length and chunk size.
 #[pyclass(module = "kvx._kvx", frozen, get_all)]
@@ -52,28 +45,32 @@ impl IncomingRequest {
 /// of each request, chunk by chunk, and agrees with its peers on how each request ended.
 #[pyclass(module = "kvx._kvx", frozen)]
 pub(crate) struct PrefillEngine {
-    live: Mutex<Option<Live>>,
+    held: Held<engine::PrefillEngine>,
     pp_rank: u16,
     closed: AtomicBool,
 }
 
 impl PrefillEngine {
-    fn lock(&self) -> MutexGuard<'_, Option<Live>> {
-        self.live.lock().unwrap_or_else(PoisonError::into_inner)
+    fn engine(&self) -> PyResult<engine::PrefillEngine> {
+        self.held.engine()
     }
 
-    fn engine(&self) -> PyResult<engine::PrefillEngine> {
-        self.lock()
-            .as_ref()
-            .map(|l| l.engine.clone())
-            .ok_or_else(|| errors::engine(EngineError::Shutdown))
+    fn started(engine: engine::PrefillEngine, keep: Keep, pp_rank: u16) -> Self {
+        PrefillEngine {
+            held: Held::new(engine, keep),
+            pp_rank,
+            closed: AtomicBool::new(false),
+        }
     }
 }
 
 impl Drop for PrefillEngine {
     fn drop(&mut self) {
-        // Nobody writes into a prefill pool; its own reads end with the engine.
-        drop(self.lock().take());
+        // Nobody writes into a prefill pool; its own reads end with the engine (dropped first).
+        if let Some((engine, keep)) = self.held.take() {
+            drop(engine);
+            drop(keep);
+        }
     }
 }
 
@@ -135,11 +132,7 @@ impl PrefillEngine {
         let engine = py
             .detach(|| rt.block_on(engine::PrefillEngine::start_regions(cfg, pools)))
             .map_err(errors::engine)?;
-        Ok(PrefillEngine {
-            live: Mutex::new(Some(Live { engine, keep })),
-            pp_rank,
-            closed: AtomicBool::new(false),
-        })
+        Ok(Self::started(engine, keep, pp_rank))
     }
 
     /// A rank whose decode side does not speak kvx's control plane (a NIXL agent, an SGLang decode
@@ -236,11 +229,7 @@ impl PrefillEngine {
         let engine = py
             .detach(|| rt.block_on(engine::PrefillEngine::start_external(cfg, pool, decode)))
             .map_err(errors::engine)?;
-        Ok(PrefillEngine {
-            live: Mutex::new(Some(Live { engine, keep })),
-            pp_rank,
-            closed: AtomicBool::new(false),
-        })
+        Ok(Self::started(engine, keep, pp_rank))
     }
 
     /// Gives an external decode's page allocation of `request` (see `external`).
@@ -431,8 +420,10 @@ impl PrefillEngine {
 
     /// Stops this rank (interpreter detached while its backend shuts down).
     fn close(&self, py: Python<'_>) {
-        let live = self.lock().take();
-        py.detach(move || drop(live));
+        if let Some((engine, keep)) = self.held.take() {
+            py.detach(move || drop(engine));
+            drop(keep);
+        }
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {

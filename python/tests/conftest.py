@@ -2,27 +2,15 @@
 unique to each request, rank, layer and page, for the tests of the kvx package."""
 
 import os
-import socket
 import threading
 
 import numpy as np
 import pytest
 
 import kvx
+from kvx.bench import free_addrs  # noqa: F401 (the tests' free loopback addresses)
 
 POISON = 0xEE
-
-
-def free_addrs(n):
-    """n free loopback addresses (bound and released at once)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [f"127.0.0.1:{s.getsockname()[1]}" for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def pattern(request, rank, layer, index, n):

@@ -81,6 +81,25 @@ def test_await_resolves_in_the_event_loop(cluster):
     assert cluster.mismatches(51, dst) == []
 
 
+class Counting:
+    """A thread that records the instants it runs at, from `with` until its end."""
+
+    def __enter__(self):
+        self.ticks, self.stop = [], threading.Event()
+        self.thread = threading.Thread(target=self._run)
+        self.thread.start()
+        return self
+
+    def _run(self):
+        while not self.stop.is_set():
+            self.ticks.append(time.monotonic())
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+        return False
+
+
 def longest_gap(ticks, t0, t1):
     """The longest time in [t0, t1] during which the counting thread did not run."""
     inside = [t0] + [x for x in ticks if t0 < x < t1] + [t1]
@@ -89,25 +108,14 @@ def longest_gap(ticks, t0, t1):
 
 def test_waits_release_the_interpreter(cluster):
     """Another Python thread runs while this one waits on the engine."""
-    ticks = []
-    stop = threading.Event()
-
-    def count():
-        while not stop.is_set():
-            ticks.append(time.monotonic())
-
-    t = threading.Thread(target=count)
-    t.start()
-    try:
+    with Counting() as counter:
         pending = cluster.decode.expect(61, 128, 32, list(range(40, 48)), timeout=10)
         time.sleep(0.05)
         t0 = time.monotonic()
         with pytest.raises(kvx.Timeout):
             pending.wait(0.5)  # nothing is sent: the wait runs to its bound
         t1 = time.monotonic()
-    finally:
-        stop.set()
-        t.join()
+    ticks = counter.ticks
     assert t1 - t0 >= 0.5
     # Held for the whole wait, the lock would stop the counter for about 0.5 s; detached, it counts
     # all along (a gap is a switch interval or a scheduling delay).
@@ -120,15 +128,7 @@ def test_long_transfer_releases_the_interpreter(backend):
     chunks and outcomes."""
     c = Cluster(backend, layers=4, pp=2, page_tokens=256, bytes_per_token=2048,
                 decode_pages=64, prefill_pages=64)
-    ticks = []
-    stop = threading.Event()
-
-    def count():
-        while not stop.is_set():
-            ticks.append(time.monotonic())
-
-    t = threading.Thread(target=count)
-    t.start()
+    counter = Counting().__enter__()
     try:
         src = dst = list(range(64))
         t0 = time.monotonic()
@@ -145,9 +145,9 @@ def test_long_transfer_releases_the_interpreter(backend):
                 p.release(request)
         t1 = time.monotonic()
     finally:
-        stop.set()
-        t.join()
+        counter.__exit__(None, None, None)
         c.close()
+    ticks = counter.ticks
     assert t1 - t0 >= 0.1, "too short to tell"
     assert longest_gap(ticks, t0, t1) < 0.5 * (t1 - t0), (longest_gap(ticks, t0, t1), t1 - t0)
 

@@ -199,6 +199,8 @@ struct Inner {
     pool: super::pools::Pools,
     /// Bytes of one segment of decode's pool (its whole pool when it is one registration).
     dst_seg: u64,
+    /// Bytes of decode's layout: `dst_seg` covers it when decode's pool is one registration.
+    dst_whole: u64,
     decode_peer: PeerId,
     planner: Planner,
     decode_writer: mpsc::UnboundedSender<Msg>,
@@ -389,6 +391,7 @@ impl PrefillEngine {
             transport,
             pool,
             dst_seg,
+            dst_whole: dst.buffer_len,
             decode_peer,
             planner,
             decode_writer: dtx,
@@ -544,23 +547,40 @@ impl PrefillEngine {
             n = n.with_checksum(h.finish());
         }
         let mut writes: Vec<WriteOp> = Vec::with_capacity(plan.len());
-        let src_seg = inner.pool.segment_len();
-        for w in &plan {
-            // Pieces that lie in one segment on both sides (the whole write, for one-region pools).
-            for (si, soff, n, pos) in super::pools::split(w.src_offset, w.len, src_seg) {
-                let local = inner.pool.id(si).ok_or_else(|| {
-                    EngineError::Config(format!("write at {} is outside the pool", w.src_offset))
-                })?;
-                for (di, doff, m, p) in super::pools::split(w.dst_offset + pos, n, inner.dst_seg) {
-                    writes.push(WriteOp {
-                        local,
-                        local_offset: soff + p,
-                        remote: u32::try_from(di).map_err(|_| {
-                            EngineError::Config("decode region index overflows".into())
-                        })?,
-                        remote_offset: doff,
-                        len: m,
-                    });
+        match (inner.pool.single(), inner.dst_seg >= inner.dst_whole) {
+            // One registration on each side (the usual pools): the plan's offsets are the writes'.
+            (Some(local), true) => writes.extend(plan.iter().map(|w| WriteOp {
+                local: local.id(),
+                local_offset: w.src_offset,
+                remote: 0,
+                remote_offset: w.dst_offset,
+                len: w.len,
+            })),
+            _ => {
+                let src_seg = inner.pool.segment_len();
+                for w in &plan {
+                    // Pieces that lie in one segment on both sides.
+                    for (si, soff, n, pos) in super::pools::split(w.src_offset, w.len, src_seg) {
+                        let local = inner.pool.id(si).ok_or_else(|| {
+                            EngineError::Config(format!(
+                                "write at {} is outside the pool",
+                                w.src_offset
+                            ))
+                        })?;
+                        for (di, doff, m, p) in
+                            super::pools::split(w.dst_offset + pos, n, inner.dst_seg)
+                        {
+                            writes.push(WriteOp {
+                                local,
+                                local_offset: soff + p,
+                                remote: u32::try_from(di).map_err(|_| {
+                                    EngineError::Config("decode region index overflows".into())
+                                })?,
+                                remote_offset: doff,
+                                len: m,
+                            });
+                        }
+                    }
                 }
             }
         }

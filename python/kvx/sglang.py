@@ -719,7 +719,10 @@ class KvxKVReceiver(BaseKVReceiver):
         return self.kv_mgr.is_abort_release_safe(self.bootstrap_room, 0)
 
     def clear(self):
-        pass
+        # SGLang clears a receiver once its pages are released (after a failure, once
+        # is_abort_release_safe said so): the manager forgets the room.
+        with self.kv_mgr._lock:
+            self.kv_mgr._rooms.pop(self.bootstrap_room, None)
 
 
 # --- installing into SGLang -----------------------------------------------------------------------

@@ -545,11 +545,7 @@ fn ucx_tool(tool: &Path) -> Command {
 /// messages per second.
 /// `None` when the tool fails; the reason is logged.
 pub fn perftest_put_bw(tool: &Path, size: u64, iters: u32) -> Option<(f64, f64)> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .ok()?
-        .local_addr()
-        .ok()?
-        .port();
+    let port = crate::cluster::free_addrs(1).ok()?.first()?.port();
     let mut server = ucx_tool(tool)
         .args(["-p", &port.to_string()])
         .stdout(Stdio::null())

@@ -3,12 +3,13 @@
 //! pattern and its destination pages are poisoned before it starts.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 use transfer_engine::core::planner::{KvLayout, PpSplit, RegionKind};
 use transfer_engine::core::{FailureCode, RequestId};
 use transfer_engine::engine::{
-    BackendConfig, DecodeConfig, DecodeEngine, EngineError, Outcome, Pool, PrefillConfig,
-    PrefillEngine,
+    BackendConfig, DecodeConfig, DecodeEngine, EngineError, MeshSocket, Outcome, Pool,
+    PrefillConfig, PrefillEngine,
 };
 use transfer_engine::mem::{HostBuffer, HostOptions};
 use transfer_engine::transport::BackendKind;
@@ -131,16 +132,40 @@ fn fresh_secret() -> std::io::Result<Vec<u8>> {
     Ok(secret)
 }
 
-/// `n` loopback addresses whose ports were free a moment ago (bound, then released).
+/// `n` loopback addresses whose ports were free a moment ago, for engines in other processes (which
+/// bind them later).
+///
+/// The ports are drawn below the kernel's ephemeral range (`ip_local_port_range`): the kernel
+/// hands out ports from that range to every `connect` and every bind to port 0 on the host, so a
+/// port taken from it and released can be given to someone else's connection before our engine
+/// binds it. Below the range only another explicit bind can take it.
 ///
 /// # Errors
-/// Binding failed.
+/// No free ports were found.
 pub fn free_addrs(n: usize) -> std::io::Result<Vec<SocketAddr>> {
-    // Bind and release, so each rank gets a port nobody else holds right now.
-    let socks: Vec<std::net::TcpListener> = (0..n)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
-        .collect::<Result<_, _>>()?;
-    socks.iter().map(|s| s.local_addr()).collect()
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let (first, last) = (10_000u16, low.saturating_sub(1).max(10_001));
+    let mut held: Vec<std::net::TcpListener> = Vec::with_capacity(n);
+    for _ in 0..n.saturating_mul(64) {
+        if held.len() == n {
+            break;
+        }
+        let port = rand::random_range(first..=last);
+        // A port we already hold cannot be bound again, so `held` has no duplicates.
+        if let Ok(s) = std::net::TcpListener::bind(("127.0.0.1", port)) {
+            held.push(s);
+        }
+    }
+    if held.len() < n {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::AddrInUse,
+            format!("found {} of {n} free ports in {first}..={last}", held.len()),
+        ));
+    }
+    held.iter().map(std::net::TcpListener::local_addr).collect()
 }
 
 impl Cluster {
@@ -184,11 +209,22 @@ impl Cluster {
             .map_err(|e| EngineError::Config(format!("decode pool: {e}")))?;
         let decode = DecodeEngine::start(dcfg, dpool).await?;
         let split = PpSplit::SglangEven;
-        let peers = if spec.pp > 1 {
-            free_addrs(usize::from(spec.pp)).map_err(|e| EngineError::Config(e.to_string()))?
-        } else {
-            Vec::new()
-        };
+        // Each rank's mesh socket is bound before the addresses are shared, so no port can be
+        // taken in between.
+        let mut sockets = Vec::new();
+        let mut peers = Vec::new();
+        if spec.pp > 1 {
+            for _ in 0..spec.pp {
+                let socket = MeshSocket::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
+                    .map_err(|e| EngineError::Config(format!("mesh socket: {e}")))?;
+                peers.push(
+                    socket
+                        .local_addr()
+                        .map_err(|e| EngineError::Config(format!("mesh socket: {e}")))?,
+                );
+                sockets.push(Arc::new(socket));
+            }
+        }
         let mut layers = Vec::new();
         let mut starts = Vec::new();
         for rank in 0..spec.pp {
@@ -215,6 +251,7 @@ impl Cluster {
             );
             cfg.backend = backend(Some(rank), &format!("prefill-{rank}-{tag}"));
             cfg.peers = peers.clone();
+            cfg.mesh_socket = sockets.get(usize::from(rank)).cloned();
             cfg.checksums = spec.checksums;
             cfg.token = Some(secret.clone());
             let buf = spec

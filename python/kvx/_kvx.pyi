@@ -120,6 +120,14 @@ class DecodeEngine:
     def __exit__(self, *args: object) -> bool: ...
 
 @final
+class MeshSocket:
+    """A rank's vote mesh socket, bound before the rank starts: share ``address`` in every rank's
+    ``peers`` and give the socket to the rank as ``mesh_socket``."""
+    def __init__(self, address: str = "127.0.0.1:0") -> None: ...
+    @property
+    def address(self) -> str: ...
+
+@final
 class PrefillEngine:
     def __init__(
         self,
@@ -132,6 +140,7 @@ class PrefillEngine:
         page_tokens: int,
         memory: Memory,
         peers: Sequence[str] = (),
+        mesh_socket: MeshSocket | None = None,
         secret: bytes | str | None = None,
         backend: Backend = "ucx",
         engine_id: str | None = None,
@@ -139,6 +148,32 @@ class PrefillEngine:
         checksums: bool = False,
         connect_timeout: float = 60.0,
         request_wait: float = 10.0,
+    ) -> None: ...
+    @staticmethod
+    def external(
+        *,
+        decode_metadata: bytes,
+        decode_region: tuple[int, int] | tuple[int, int, bytes],
+        decode_layout: Layout,
+        pp_rank: int,
+        pp_size: int,
+        layout: Layout,
+        total_layers: int,
+        page_tokens: int,
+        memory: Memory,
+        peers: Sequence[str] = (),
+        mesh_socket: MeshSocket | None = None,
+        secret: bytes | str | None = None,
+        backend: Backend = "nixl",
+        engine_id: str | None = None,
+        device: str = "cpu",
+        checksums: bool = False,
+        connect_timeout: float = 60.0,
+        request_wait: float = 10.0,
+        notify: Literal["binary", "sglang"] = "binary",
+    ) -> PrefillEngine: ...
+    def add_request(
+        self, request: int, prompt_tokens: int, chunk_tokens: int, dst_pages: Sequence[int]
     ) -> None: ...
     @property
     def pp_rank(self) -> int: ...

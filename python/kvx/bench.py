@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,15 +30,13 @@ import kvx
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
-def free_addrs(n):
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [f"127.0.0.1:{s.getsockname()[1]}" for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+def mesh_sockets(n):
+    """Vote mesh sockets for `n` PP ranks, bound before any rank starts, and the `peers` list of
+    their addresses (empty for one rank)."""
+    if n < 2:
+        return [None] * n, []
+    socks = [kvx.MeshSocket("127.0.0.1:0") for _ in range(n)]
+    return socks, [s.address for s in socks]
 
 
 def words(request, rank, layers, pages, n_words):
@@ -89,7 +86,7 @@ def run(w, backend, secret):
     decode = kvx.DecodeEngine(layout=dlayout, total_layers=w.layers, page_tokens=w.page_tokens,
                               pp_size=w.pp, memory=dmem, secret=secret, backend=backend,
                               engine_id=f"bench-decode-{tag}")
-    peers = free_addrs(w.pp) if w.pp > 1 else []
+    socks, peers = mesh_sockets(w.pp)
     layouts, mems, ranks = [], [], [None] * w.pp
     for r in range(w.pp):
         first, n = w.rank_layers(r)
@@ -103,6 +100,7 @@ def run(w, backend, secret):
             ranks[r] = kvx.PrefillEngine(
                 decode=decode.address, pp_rank=r, pp_size=w.pp, layout=layouts[r],
                 total_layers=w.layers, page_tokens=w.page_tokens, memory=mems[r], peers=peers,
+                mesh_socket=socks[r],
                 secret=secret, backend=backend, engine_id=f"bench-prefill-{r}-{tag}")
         except Exception as e:
             errors.append(e)

@@ -126,17 +126,6 @@ def _http(method: str, url: str, body: Optional[dict] = None, timeout: float = 5
     return json.loads(text) if text else None
 
 
-def _free_addr(host: str) -> str:
-    import socket
-
-    s = socket.socket()
-    try:
-        s.bind((host, 0))
-        return f"{host}:{s.getsockname()[1]}"
-    finally:
-        s.close()
-
-
 # --- the bootstrap server -------------------------------------------------------------------------
 
 
@@ -327,9 +316,11 @@ class KvxKVManager(BaseKVManager):
         """A PrefillEngine for the decode engine `d` announced, with this decode's vote mesh."""
         decode_id = d["decode_id"]
         try:
-            peers = []
+            peers, mesh_socket = [], None
             if self.pp_size > 1:
-                mine = _free_addr(self.host)
+                # Bound now and held, so the port published below stays ours until the rank starts.
+                mesh_socket = kvx.MeshSocket(f"{self.host}:0")
+                mine = mesh_socket.address
                 _http("PUT", f"{self.bootstrap_url}/kvx/mesh", {
                     "decode_id": decode_id, "tp_rank": self.tp_rank, "pp_rank": self.pp_rank,
                     "addr": mine})
@@ -347,6 +338,7 @@ class KvxKVManager(BaseKVManager):
                 decode=d["address"], pp_rank=self.pp_rank, pp_size=self.pp_size,
                 layout=self.pool.layout, total_layers=int(d["total_layers"]),
                 page_tokens=self.page_size, memory=self.pool.memory, peers=peers,
+                mesh_socket=mesh_socket,
                 secret=self.secret, backend=self.backend, device=self.device,
                 engine_id=f"sglang-prefill-{self.tp_rank}-{self.pp_rank}-{os.getpid()}-{decode_id}")
         except Exception:

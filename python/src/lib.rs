@@ -191,6 +191,7 @@ fn _kvx(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<decode::DecodeEngine>()?;
     m.add_class::<prefill::PrefillEngine>()?;
     m.add_class::<prefill::IncomingRequest>()?;
+    m.add_class::<prefill::MeshSocket>()?;
     m.add_class::<pending::Pending>()?;
     m.add_class::<pending::Outcome>()?;
     m.add_function(wrap_pyfunction!(version, m)?)?;

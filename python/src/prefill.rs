@@ -41,6 +41,47 @@ impl IncomingRequest {
     }
 }
 
+/// A rank's vote mesh socket, bound and listening before the rank starts, so that its address can
+/// be shared with the other ranks first and its port cannot be taken in between. Give it to the
+/// rank as `mesh_socket`, with its `address` in every rank's `peers`.
+#[pyclass(module = "kvx._kvx", frozen)]
+pub(crate) struct MeshSocket {
+    socket: std::sync::Arc<engine::MeshSocket>,
+    address: SocketAddr,
+}
+
+#[pymethods]
+impl MeshSocket {
+    /// Binds `address`, `host:port` (port 0 lets the kernel pick a free port).
+    #[new]
+    #[pyo3(signature = (address = "127.0.0.1:0"))]
+    fn new(address: &str) -> PyResult<Self> {
+        use std::net::ToSocketAddrs;
+        let want = address
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut a| a.next())
+            .ok_or_else(|| errors::config(format!("mesh address {address:?} does not resolve")))?;
+        let bound = engine::MeshSocket::bind(want)
+            .and_then(|s| Ok((s.local_addr()?, s)))
+            .map_err(|e| errors::config(format!("binding the mesh socket {want}: {e}")))?;
+        Ok(MeshSocket {
+            address: bound.0,
+            socket: std::sync::Arc::new(bound.1),
+        })
+    }
+
+    /// The bound address, `host:port`, for the other ranks' `peers`.
+    #[getter]
+    fn address(&self) -> String {
+        self.address.to_string()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("MeshSocket({:?})", self.address.to_string())
+    }
+}
+
 /// One PP rank of the prefill side: connects to decode and to its PP peers, writes its layers' pages
 /// of each request, chunk by chunk, and agrees with its peers on how each request ended.
 #[pyclass(module = "kvx._kvx", frozen)]
@@ -87,7 +128,7 @@ impl PrefillEngine {
     #[new]
     #[pyo3(signature = (
         *, decode, pp_rank, pp_size, layout, total_layers, page_tokens, memory, peers = Vec::new(),
-        secret = None, backend = "ucx", engine_id = None, device = "cpu", checksums = false,
+        mesh_socket = None, secret = None, backend = "ucx", engine_id = None, device = "cpu", checksums = false,
         connect_timeout = 60.0, request_wait = 10.0,
     ))]
     #[allow(clippy::too_many_arguments)]
@@ -101,6 +142,7 @@ impl PrefillEngine {
         page_tokens: u32,
         memory: &Bound<'_, PyAny>,
         peers: Vec<String>,
+        mesh_socket: Option<Bound<'_, MeshSocket>>,
         secret: Option<&Bound<'_, PyAny>>,
         backend: &str,
         engine_id: Option<String>,
@@ -119,6 +161,7 @@ impl PrefillEngine {
             page_tokens,
             memory,
             peers,
+            mesh_socket.map(|m| m.get().socket.clone()),
             secret,
             backend,
             engine_id,
@@ -143,8 +186,8 @@ impl PrefillEngine {
     #[staticmethod]
     #[pyo3(signature = (
         *, decode_metadata, decode_region, decode_layout, pp_rank, pp_size, layout, total_layers,
-        page_tokens, memory, peers = Vec::new(), secret = None, backend = "nixl", engine_id = None,
-        device = "cpu", checksums = false, connect_timeout = 60.0, request_wait = 10.0,
+        page_tokens, memory, peers = Vec::new(), mesh_socket = None, secret = None, backend = "nixl",
+        engine_id = None, device = "cpu", checksums = false, connect_timeout = 60.0, request_wait = 10.0,
         notify = "binary",
     ))]
     #[allow(clippy::too_many_arguments)]
@@ -160,6 +203,7 @@ impl PrefillEngine {
         page_tokens: u32,
         memory: &Bound<'_, PyAny>,
         peers: Vec<String>,
+        mesh_socket: Option<Bound<'_, MeshSocket>>,
         secret: Option<&Bound<'_, PyAny>>,
         backend: &str,
         engine_id: Option<String>,
@@ -196,6 +240,7 @@ impl PrefillEngine {
             page_tokens,
             memory,
             peers,
+            mesh_socket.map(|m| m.get().socket.clone()),
             secret,
             backend,
             engine_id,
@@ -452,6 +497,7 @@ fn config(
     page_tokens: u32,
     memory: &Bound<'_, PyAny>,
     peers: Vec<String>,
+    mesh_socket: Option<std::sync::Arc<engine::MeshSocket>>,
     secret: Option<&Bound<'_, PyAny>>,
     backend: &str,
     engine_id: Option<String>,
@@ -495,6 +541,7 @@ fn config(
     cfg.engine_id = name.clone();
     cfg.backend = crate::backend(backend, &name)?;
     cfg.peers = peers;
+    cfg.mesh_socket = mesh_socket;
     cfg.token = crate::secret(secret)?;
     cfg.checksums = checksums;
     cfg.connect_timeout = seconds("connect_timeout", connect_timeout)?;

@@ -8,9 +8,34 @@ import numpy as np
 import pytest
 
 import kvx
-from kvx.bench import free_addrs  # noqa: F401 (the tests' free loopback addresses)
+from kvx.bench import mesh_sockets  # noqa: F401 (vote mesh sockets for in-process ranks)
 
 POISON = 0xEE
+
+
+def free_addrs(n):
+    """`n` loopback addresses whose ports were free a moment ago, for servers in other processes.
+
+    Drawn below the kernel's ephemeral range: every outgoing connection on the host takes a port
+    from that range, so a port drawn from it and released can be taken before our server binds it.
+    Below it only another explicit bind can take one."""
+    import random
+    import socket
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    found = []
+    for port in random.sample(range(10000, max(low, 10002)), k=min(64 * n, max(low, 10002) - 10000)):
+        if len(found) == n:
+            break
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        found.append(f"127.0.0.1:{port}")
+    assert len(found) == n, f"found {len(found)} of {n} free ports below {low}"
+    return found
 
 
 def pattern(request, rank, layer, index, n):
@@ -36,7 +61,7 @@ class Cluster:
         self.decode = kvx.DecodeEngine(
             layout=self.dlayout, total_layers=layers, page_tokens=page_tokens, pp_size=pp,
             memory=self.dmem, secret=secret, backend=backend, engine_id=f"decode-{tag}", **decode_kw)
-        peers = free_addrs(pp) if pp > 1 else []
+        socks, peers = mesh_sockets(pp)
         per = layers // pp
         self.layouts = [kvx.Layout(first_layer=r * per, num_layers=per,
                                    page_bytes=self.page_bytes, num_pages=prefill_pages)
@@ -50,7 +75,8 @@ class Cluster:
                 self.prefill[r] = kvx.PrefillEngine(
                     decode=self.decode.address, pp_rank=r, pp_size=pp, layout=self.layouts[r],
                     total_layers=layers, page_tokens=page_tokens, memory=self.mems[r],
-                    peers=peers, secret=secret, backend=backend, engine_id=f"prefill-{r}-{tag}",
+                    peers=peers, mesh_socket=socks[r], secret=secret, backend=backend,
+                    engine_id=f"prefill-{r}-{tag}",
                     request_wait=2.0)
             except Exception as e:  # reported below, in the test's thread
                 errors.append(e)

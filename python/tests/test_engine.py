@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import kvx
-from conftest import POISON, Cluster, free_addrs, pattern
+from conftest import POISON, Cluster, mesh_sockets, pattern
 
 
 def test_requests_arrive_byte_for_byte(cluster):
@@ -193,6 +193,23 @@ def test_bad_arguments_raise_clear_errors():
                           page_tokens=16, memory=np.zeros(layout.buffer_len, np.uint8))
 
 
+
+def test_a_mesh_socket_holds_its_port_and_must_be_the_ranks_own_entry():
+    import socket
+
+    mine, other = kvx.MeshSocket(), kvx.MeshSocket("127.0.0.1:0")
+    host, port = mine.address.rsplit(":", 1)
+    with socket.socket() as s, pytest.raises(OSError):
+        s.bind((host, int(port)))
+    layout = kvx.Layout(first_layer=0, num_layers=2, page_bytes=1024, num_pages=4)
+    with pytest.raises(kvx.ConfigError, match="mesh socket is on port"):
+        kvx.PrefillEngine(decode="127.0.0.1:1", pp_rank=0, pp_size=2, layout=layout,
+                          total_layers=4, page_tokens=16, memory=np.zeros(layout.buffer_len, np.uint8),
+                          peers=[mine.address, other.address], mesh_socket=other)
+    with pytest.raises(kvx.ConfigError, match="resolve"):
+        kvx.MeshSocket("no-such-host.invalid:0")
+
+
 def test_page_lists_are_checked(cluster):
     with pytest.raises(kvx.ConfigError):
         cluster.decode.expect(81, 128, 32, list(range(1000, 1008)), timeout=5)
@@ -253,7 +270,7 @@ def test_one_registration_per_layer_and_kv(backend):
     decode = kvx.DecodeEngine(layout=dl, total_layers=layers, page_tokens=page_tokens, pp_size=pp,
                               memory=regions, secret=b"s", backend=backend,
                               engine_id=f"regions-decode-{backend}")
-    peers = free_addrs(pp)
+    socks, peers = mesh_sockets(pp)
     per = layers // pp
     ranks, pbufs = [None] * pp, []
     for r in range(pp):
@@ -265,7 +282,8 @@ def test_one_registration_per_layer_and_kv(backend):
         ranks[r] = kvx.PrefillEngine(
             decode=decode.address, pp_rank=r, pp_size=pp, layout=pl, total_layers=layers,
             page_tokens=page_tokens, memory=[(b.ctypes.data, b.nbytes) for b in pbufs[r]],
-            peers=peers, secret=b"s", backend=backend, engine_id=f"regions-prefill-{r}-{backend}")
+            peers=peers, mesh_socket=socks[r], secret=b"s", backend=backend,
+            engine_id=f"regions-prefill-{r}-{backend}")
 
     threads = [threading.Thread(target=start, args=(r,)) for r in range(pp)]
     for t in threads:

@@ -508,6 +508,26 @@ impl Listener {
         Ok(Self { inner, local })
     }
 
+    /// Takes over a socket that is already bound and listening (its port was held from the moment
+    /// it was bound, so nothing else could take it in between). Must run inside a tokio runtime.
+    ///
+    /// # Errors
+    /// [`ControlError::Bind`] when the socket cannot be made non-blocking or registered with the
+    /// runtime.
+    pub fn from_std(socket: std::net::TcpListener) -> Result<Self, ControlError> {
+        let addr = socket
+            .local_addr()
+            .map_or_else(|_| "a pre-bound socket".to_string(), |a| a.to_string());
+        let bind_err = |source| ControlError::Bind {
+            addr: addr.clone(),
+            source,
+        };
+        socket.set_nonblocking(true).map_err(bind_err)?;
+        let local = socket.local_addr().map_err(bind_err)?;
+        let inner = TcpListener::from_std(socket).map_err(bind_err)?;
+        Ok(Self { inner, local })
+    }
+
     /// The bound address.
     pub fn local_addr(&self) -> SocketAddr {
         self.local

@@ -12,7 +12,8 @@ mod prefill;
 
 pub use decode::{DecodeConfig, DecodeEngine, DecodeStats, ShutdownReport};
 pub use prefill::{
-    ExternalDecode, IncomingRequest, NotifyFormat, PrefillConfig, PrefillEngine, PrefillStats,
+    ExternalDecode, IncomingRequest, MeshSocket, NotifyFormat, PrefillConfig, PrefillEngine,
+    PrefillStats,
 };
 
 use crate::control::{self, ControlError};

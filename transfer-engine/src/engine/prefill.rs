@@ -61,6 +61,49 @@ pub struct PrefillConfig {
     pub request_wait: Duration,
     /// How chunk notifications are encoded for the decode side.
     pub notify_format: NotifyFormat,
+    /// This rank's vote mesh socket, bound before the peers' addresses were shared. `None` binds
+    /// `peers[pp_rank]` at start, which races with anything else on the host that takes ports
+    /// (an address picked as free can be gone by then); with a socket its port is held throughout.
+    pub mesh_socket: Option<Arc<MeshSocket>>,
+}
+
+/// A listening socket for a rank's vote mesh, bound before the rank starts: bind it with port 0,
+/// share [`local_addr`](Self::local_addr) with the other ranks, then start the rank with it in
+/// [`PrefillConfig::mesh_socket`]. The port stays this rank's from `bind` on.
+#[derive(Debug)]
+pub struct MeshSocket {
+    socket: std::net::TcpListener,
+}
+
+impl MeshSocket {
+    /// Binds and listens on `addr` (port 0 picks a free port).
+    ///
+    /// # Errors
+    /// The bind failed.
+    pub fn bind(addr: SocketAddr) -> std::io::Result<Self> {
+        Ok(MeshSocket {
+            socket: std::net::TcpListener::bind(addr)?,
+        })
+    }
+
+    /// The bound address (the port the kernel picked for port 0).
+    ///
+    /// # Errors
+    /// The socket could not be queried.
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.socket.local_addr()
+    }
+
+    /// A listener on the same socket for the engine (the caller's handle keeps it open too).
+    fn listener(&self) -> Result<Listener, EngineError> {
+        let dup = self.socket.try_clone().map_err(|source| {
+            EngineError::Control(crate::control::ControlError::Bind {
+                addr: "the vote mesh socket".into(),
+                source,
+            })
+        })?;
+        Ok(Listener::from_std(dup)?)
+    }
 }
 
 /// The encoding of chunk notifications a prefill sends.
@@ -116,6 +159,7 @@ impl PrefillConfig {
             connect_timeout: Duration::from_secs(10),
             request_wait: Duration::from_secs(10),
             notify_format: NotifyFormat::Binary,
+            mesh_socket: None,
         }
     }
 }
@@ -300,6 +344,16 @@ impl PrefillEngine {
                 cfg.pp_size
             )));
         }
+        if let (Some(socket), true) = (&cfg.mesh_socket, cfg.pp_size > 1) {
+            let port = socket.local_addr().map(|a| a.port()).unwrap_or(0);
+            let listed = cfg.peers[usize::from(cfg.pp_rank)];
+            if port != listed.port() {
+                return Err(EngineError::Config(format!(
+                    "the mesh socket is on port {port}, but peers lists {listed} for rank {}",
+                    cfg.pp_rank
+                )));
+            }
+        }
         if pools.iter().map(|p| p.desc().len()).sum::<u64>() < cfg.layout.buffer_len {
             return Err(EngineError::Config("pool smaller than its layout".into()));
         }
@@ -316,10 +370,10 @@ impl PrefillEngine {
         let notify_key: u64 = rand::random();
 
         // The vote mesh listener first, so peers can connect while we talk to decode.
-        let listener = if cfg.pp_size > 1 {
-            Some(Listener::bind(cfg.peers[usize::from(cfg.pp_rank)]).await?)
-        } else {
-            None
+        let listener = match (&cfg.mesh_socket, cfg.pp_size > 1) {
+            (_, false) => None,
+            (Some(socket), true) => Some(socket.listener()?),
+            (None, true) => Some(Listener::bind(cfg.peers[usize::from(cfg.pp_rank)]).await?),
         };
 
         let secret = Secret::from_config(cfg.token.as_deref());

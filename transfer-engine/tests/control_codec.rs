@@ -54,6 +54,7 @@ fn prefill_hello(rank: u16, size: u16) -> Hello {
         backend(),
     )
     .with_pp(rank, size)
+    .with_incarnation(0x1234_5678_9abc_def0 + u64::from(rank))
 }
 
 fn every_message() -> Vec<Msg> {
@@ -105,6 +106,7 @@ fn every_message() -> Vec<Msg> {
             request: 42,
             data: vec![7; 300],
         }),
+        Msg::Ready,
     ]
 }
 
@@ -626,7 +628,7 @@ fn feed_all(bytes: &[u8], splits: &[usize], max: u32) {
 }
 
 fn arb_kind() -> impl Strategy<Value = u8> {
-    prop_oneof![1u8..=12, any::<u8>()]
+    prop_oneof![1u8..=13, any::<u8>()]
 }
 
 proptest! {

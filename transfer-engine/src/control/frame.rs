@@ -7,7 +7,7 @@
 //!      8     2  version    protocol version, u16 little-endian
 //!     10     1  kind       message kind (see MsgKind)
 //!     11     1  reserved   must be 0
-//!     12     n  payload    postcard encoding of the message body (empty for Close)
+//!     12     n  payload    postcard encoding of the message body (empty for Close and Ready)
 //! ```
 //!
 //! The header layout and the `Reject` kind number are frozen across protocol versions, so a peer
@@ -25,7 +25,7 @@ pub const MAGIC: [u8; 4] = *b"KVCP";
 pub const HEADER_LEN: usize = 12;
 
 /// The protocol version this build speaks (header field and [`Hello::protocol_version`]).
-pub const PROTOCOL_VERSION: u16 = 3;
+pub const PROTOCOL_VERSION: u16 = 4;
 
 /// Default cap on one frame's payload: 16 MiB, far above any Hello with a few thousand rkeys.
 pub const DEFAULT_MAX_FRAME_LEN: u32 = 16 << 20;
@@ -59,6 +59,8 @@ pub enum MsgKind {
     Proof = 11,
     /// [`Msg::Aux`] (protocol version 3).
     Aux = 12,
+    /// [`Msg::Ready`] (protocol version 4).
+    Ready = 13,
 }
 
 impl MsgKind {
@@ -77,6 +79,7 @@ impl MsgKind {
             10 => Self::Challenge,
             11 => Self::Proof,
             12 => Self::Aux,
+            13 => Self::Ready,
             _ => return None,
         })
     }
@@ -270,7 +273,7 @@ pub fn encode_frame(msg: &Msg, max_len: u32, out: &mut Vec<u8>) -> Result<(), Fr
         Msg::Challenge(m) => postcard::to_extend(m, Sink(out)),
         Msg::Proof(m) => postcard::to_extend(m, Sink(out)),
         Msg::Aux(m) => postcard::to_extend(m, Sink(out)),
-        Msg::Close => Ok(Sink(out)),
+        Msg::Close | Msg::Ready => Ok(Sink(out)),
     };
     if let Err(source) = body {
         out.truncate(start);
@@ -346,14 +349,18 @@ pub fn decode_payload(kind: MsgKind, payload: &[u8]) -> Result<Msg, FrameError> 
         MsgKind::Challenge => Msg::Challenge(body::<Challenge>(kind, payload)?),
         MsgKind::Proof => Msg::Proof(body::<Proof>(kind, payload)?),
         MsgKind::Aux => Msg::Aux(body::<AuxData>(kind, payload)?),
-        MsgKind::Close => {
+        MsgKind::Close | MsgKind::Ready => {
             if !payload.is_empty() {
                 return Err(FrameError::TrailingBytes {
                     kind,
                     extra: payload.len(),
                 });
             }
-            Msg::Close
+            if kind == MsgKind::Close {
+                Msg::Close
+            } else {
+                Msg::Ready
+            }
         }
     })
 }

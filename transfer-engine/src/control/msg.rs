@@ -129,6 +129,10 @@ pub struct Hello {
     /// A random 64-bit key the prefill side carries with every UCX notification it sends, so the
     /// decode side can tell which connection (and so which PP rank) sent it. Zero when unused.
     pub notify_key: u64,
+    /// Which start of the sender's engine this is: larger for a later start of the same rank
+    /// (see [`crate::core::membership`]). A peer admits a rank only with an incarnation above the
+    /// last one it admitted for that rank, so nothing of an older start can bind again.
+    pub incarnation: u64,
 }
 
 impl Hello {
@@ -150,7 +154,15 @@ impl Hello {
             layout,
             backend,
             notify_key: 0,
+            incarnation: 0,
         }
+    }
+
+    /// Sets the incarnation.
+    #[must_use]
+    pub fn with_incarnation(mut self, incarnation: u64) -> Self {
+        self.incarnation = incarnation;
+        self
     }
 
     /// Sets the PP rank and size.
@@ -222,6 +234,19 @@ pub enum RejectReason {
     /// for another's rank.
     #[error("duplicate sender: {0} is already bound to a connected rank")]
     DuplicateSender(String),
+    /// The rank announced an incarnation not above the last one this side admitted for it: an
+    /// older start of the rank, or a second process claiming the rank.
+    #[error(
+        "stale incarnation: pp_rank {pp_rank} announced incarnation {got}, this side already admitted {last}"
+    )]
+    StaleIncarnation {
+        /// PP rank announced.
+        pp_rank: u16,
+        /// Incarnation announced.
+        got: u64,
+        /// Last incarnation admitted for the rank.
+        last: u64,
+    },
     /// The peer did not prove that it holds this side's shared secret (a wrong secret, or one side
     /// has a secret and the other none).
     #[error("authentication failed: the peer does not hold this side's shared secret")]
@@ -378,6 +403,9 @@ pub enum Msg {
     Proof(super::auth::Proof),
     /// A prefill rank's per-request payload beside the KV pages.
     Aux(AuxData),
+    /// A prefill rank's vote mesh is formed (every PP peer connected): decode asks it for requests
+    /// only from then on, so no PP peer's board starts a request without it.
+    Ready,
 }
 
 impl Msg {
@@ -396,6 +424,7 @@ impl Msg {
             Self::Challenge(_) => MsgKind::Challenge,
             Self::Proof(_) => MsgKind::Proof,
             Self::Aux(_) => MsgKind::Aux,
+            Self::Ready => MsgKind::Ready,
         }
     }
 }

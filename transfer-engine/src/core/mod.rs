@@ -37,6 +37,7 @@
 //! [`vote::VoteBoard::undecided`] let a driver check that its state is back to baseline.
 
 mod hash;
+pub mod membership;
 pub mod notify;
 pub mod planner;
 pub mod tracker;

@@ -154,6 +154,12 @@ pub enum FailureReason {
         /// What it did.
         kind: ViolationKind,
     },
+    /// The rank was not connected when the request was expected, and did not connect within the
+    /// wait the engine allows (the tracker never produces this: the request never reached it).
+    RankUnavailable {
+        /// The lowest absent PP rank.
+        rank: u16,
+    },
 }
 
 /// A terminal outcome, emitted exactly once per expected request.

@@ -666,6 +666,32 @@ impl VoteBoard {
         Ok(())
     }
 
+    /// A new start of the peer at `rank` connected after its loss or `Close` (the engine admitted
+    /// its new incarnation). Requests the board already holds keep that rank's slot as it is (an
+    /// old start's missing vote stays a failure, and nothing it sent counts again); requests the
+    /// board learns of from now on wait for the new start's vote. A no-op for a peer that is open.
+    ///
+    /// # Errors
+    /// [`VoteError::UnknownRank`], [`VoteError::OwnRank`], or [`VoteError::Closed`] after
+    /// [`close`](Self::close) (a closing board takes no new peers).
+    pub fn handle_peer_joined(&mut self, now: Instant, rank: u16) -> Result<(), VoteError> {
+        self.clock.observe(now);
+        if rank >= self.cfg.pp_size {
+            return Err(VoteError::UnknownRank {
+                rank,
+                pp_size: self.cfg.pp_size,
+            });
+        }
+        if rank == self.cfg.my_rank {
+            return Err(VoteError::OwnRank(rank));
+        }
+        if self.closed {
+            return Err(VoteError::Closed);
+        }
+        self.peers[usize::from(rank)] = PeerState::Open;
+        Ok(())
+    }
+
     /// Sets (or moves) the deadline for peers' votes on `request`, registering it if the board
     /// has not heard of it. Ignored for a request already decided.
     pub fn set_deadline(&mut self, now: Instant, request: RequestId, deadline: Instant) {

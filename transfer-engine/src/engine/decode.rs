@@ -13,6 +13,7 @@ use crate::control::{
     self, BackendInfo, Connection, ControlWriter, Hello, Listener, Msg, RejectReason, Role,
     TransferRequest,
 };
+use crate::core::membership::Incarnations;
 use crate::core::notify::{self, Notification};
 use crate::core::planner::{ChunkGeometry, KvLayout, Planner, TpMapping};
 use crate::core::tracker::{
@@ -61,6 +62,10 @@ pub struct DecodeConfig {
     /// its writes into the request's pages still runs, before its future resolves anyway (counted in
     /// [`DecodeStats::abort_ack_timeouts`]).
     pub abort_ack_timeout: Duration,
+    /// How long a request expected while a rank is not connected (a rank that died and has not
+    /// rejoined yet) waits for it, at most its own timeout; then it fails with
+    /// [`FailureReason::RankUnavailable`].
+    pub rank_wait: Duration,
 }
 
 impl DecodeConfig {
@@ -79,6 +84,7 @@ impl DecodeConfig {
             tracker: TrackerConfig::default(),
             handshake_timeout: Duration::from_secs(10),
             abort_ack_timeout: Duration::from_secs(5),
+            rank_wait: Duration::from_secs(10),
         }
     }
 }
@@ -100,6 +106,10 @@ pub struct DecodeStats {
     pub failed_peer_lost: u64,
     /// ... a rank broke the protocol (conflicting counts, bad checksum, ...).
     pub failed_violation: u64,
+    /// ... a rank was absent and did not connect within `rank_wait`.
+    pub failed_rank_unavailable: u64,
+    /// Ranks admitted again after their connection ended (a new incarnation).
+    pub rejoins: u64,
     /// Notifications that did not decode.
     pub malformed: u64,
     /// Notifications from a sender no rank is bound to.
@@ -132,6 +142,8 @@ struct RankConn {
     planner: Planner,
     /// Bound with `bind_external_rank`: no control connection, so it never confirms by itself.
     external: bool,
+    /// The rank said its vote mesh is formed ([`Msg::Ready`]); requests go to it only then.
+    ready: bool,
 }
 
 struct ReqInfo {
@@ -160,6 +172,65 @@ struct State {
     closed_ranks: std::collections::HashSet<u16>,
     /// Payloads ranks sent beside their pages ([`DecodeEngine::aux`]), oldest dropped first.
     aux: AuxStore,
+    /// The incarnation admitted last for each rank.
+    incarnations: Incarnations,
+    /// Requests expected while a rank was absent, in `expect` order: their pages are held, no rank
+    /// was asked for them yet.
+    parked: std::collections::VecDeque<Parked>,
+    /// When some rank was not ready, oldest first (the last one open while a rank is away).
+    absences: std::collections::VecDeque<Absence>,
+}
+
+/// A time during which at least one PP rank was not connected and ready.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Absence {
+    /// When the first rank went away (or the engine started).
+    pub from: Instant,
+    /// When every rank was back; `None` while one is still away.
+    pub until: Option<Instant>,
+}
+
+impl Absence {
+    /// Whether any part of `from..=until` falls in this absence.
+    pub fn overlaps(&self, from: Instant, until: Instant) -> bool {
+        self.from <= until && self.until.is_none_or(|u| u >= from)
+    }
+}
+
+/// How many absences an engine remembers.
+const ABSENCES_KEPT: usize = 1024;
+
+fn absence_begins(st: &mut State, now: Instant) {
+    if st.absences.back().is_some_and(|a| a.until.is_none()) {
+        return;
+    }
+    if st.absences.len() == ABSENCES_KEPT {
+        st.absences.pop_front();
+    }
+    st.absences.push_back(Absence {
+        from: now,
+        until: None,
+    });
+}
+
+fn absence_ends(st: &mut State, now: Instant) {
+    if st.ranks.iter().all(|r| r.as_ref().is_some_and(|r| r.ready))
+        && let Some(a) = st.absences.back_mut()
+        && a.until.is_none()
+    {
+        a.until = Some(now);
+    }
+}
+
+/// A request waiting for its absent ranks.
+struct Parked {
+    request: RequestId,
+    prompt_tokens: u32,
+    chunk_tokens: u32,
+    /// The transfer's deadline (from `expect`).
+    deadline: Instant,
+    /// When it fails with `RankUnavailable` unless every rank is connected.
+    wait_until: Instant,
 }
 
 /// Ranks' per-request payloads ([`Msg::Aux`]), bounded: at most [`AuxStore::MAX_ENTRIES`] and
@@ -234,7 +305,8 @@ struct Counters {
     completed: AtomicU64,
     failed: AtomicU64,
     /// By reason, in the order of `DecodeStats`'s `failed_*` fields.
-    failed_by: [AtomicU64; 5],
+    failed_by: [AtomicU64; 6],
+    rejoins: AtomicU64,
     malformed: AtomicU64,
     unknown_sender: AtomicU64,
     refused: AtomicU64,
@@ -382,6 +454,12 @@ impl DecodeEngine {
                 closing: false,
                 closed_ranks: std::collections::HashSet::new(),
                 aux: AuxStore::default(),
+                incarnations: Incarnations::new(cfg.pp_size),
+                parked: std::collections::VecDeque::new(),
+                absences: std::collections::VecDeque::from([Absence {
+                    from: Instant::now(),
+                    until: None,
+                }]),
             }),
             secret: crate::control::Secret::from_config(cfg.token.as_deref()),
             cfg,
@@ -418,10 +496,11 @@ impl DecodeEngine {
                 st.tracker.handle_timeout(now);
                 i.drain(&mut st);
                 let acks = i.expire_unacked(&mut st, now);
-                match (st.tracker.poll_timeout(), acks) {
-                    (Some(a), Some(b)) => Some(a.min(b)),
-                    (a, b) => a.or(b),
-                }
+                let parked = i.unpark(&mut st, now);
+                [st.tracker.poll_timeout(), acks, parked]
+                    .into_iter()
+                    .flatten()
+                    .min()
             },
         ));
         Ok(DecodeEngine {
@@ -524,30 +603,7 @@ impl DecodeEngine {
             {
                 return Err(EngineError::PageHeld { page, by });
             }
-            let mut peers = Vec::with_capacity(st.ranks.len());
-            for (rank, r) in st.ranks.iter().enumerate() {
-                match r {
-                    Some(r) => peers.push(r.peer),
-                    None => {
-                        return Err(EngineError::Config(format!(
-                            "prefill rank {rank} is not connected"
-                        )));
-                    }
-                }
-            }
-            st.tracker
-                .expect(now, request, cfg.pp_size, &peers, now + timeout)
-                .map_err(|e| EngineError::Tracker(e.to_string()))?;
-            let msg = Msg::TransferRequest(TransferRequest {
-                request: request.0,
-                prompt_tokens,
-                chunk_tokens,
-                dst_pages: dst_pages.clone(),
-                deadline_ms: timeout.as_millis().min(u128::from(u32::MAX)) as u32,
-            });
-            for r in st.ranks.iter().flatten() {
-                let _ = r.writer.send(msg.clone());
-            }
+            let deadline = now + timeout;
             for &p in &dst_pages {
                 st.held_pages.insert(p, request);
             }
@@ -559,6 +615,27 @@ impl DecodeEngine {
                 },
             );
             st.waiters.insert(request, tx);
+            if st.ranks.iter().all(|r| r.as_ref().is_some_and(|r| r.ready)) {
+                let launched =
+                    self.inner
+                        .launch(&mut st, request, prompt_tokens, chunk_tokens, now, deadline);
+                if let Err(e) = launched {
+                    st.waiters.remove(&request);
+                    if let Some(info) = st.requests.remove(&request) {
+                        release_pages(&mut st, request, &info.dst_pages);
+                    }
+                    return Err(e);
+                }
+            } else {
+                // A rank is away (dead, restarting): the request waits for it, pages held.
+                st.parked.push_back(Parked {
+                    request,
+                    prompt_tokens,
+                    chunk_tokens,
+                    deadline,
+                    wait_until: now + self.inner.cfg.rank_wait.min(timeout),
+                });
+            }
             self.inner.drain(&mut st);
         }
         self.inner.timer.notify_one();
@@ -568,6 +645,13 @@ impl DecodeEngine {
     /// Aborts `request`: it fails with `Aborted` (if it had not ended) and every prefill rank is told.
     pub fn abort(&self, request: RequestId) {
         let mut st = self.inner.lock();
+        if let Some(at) = st.parked.iter().position(|p| p.request == request) {
+            // No rank was asked for it: nobody to tell, nothing can have been written.
+            st.parked.remove(at);
+            self.inner
+                .fail_unlaunched(&mut st, request, FailureReason::Aborted);
+            return;
+        }
         // The ranks are told by `drain`, as for every other failure.
         let _ = st.tracker.abort(request);
         self.inner.drain(&mut st);
@@ -642,6 +726,10 @@ impl DecodeEngine {
         {
             let mut st = self.inner.lock();
             st.closing = true;
+            while let Some(p) = st.parked.pop_front() {
+                self.inner
+                    .fail_unlaunched(&mut st, p.request, FailureReason::Aborted);
+            }
             let live: Vec<RequestId> = st.requests.keys().copied().collect();
             for request in live {
                 let _ = st.tracker.abort(request);
@@ -722,6 +810,8 @@ impl DecodeEngine {
             failed_peer_failed: c.failed_by[2].load(Ordering::Relaxed),
             failed_peer_lost: c.failed_by[3].load(Ordering::Relaxed),
             failed_violation: c.failed_by[4].load(Ordering::Relaxed),
+            failed_rank_unavailable: c.failed_by[5].load(Ordering::Relaxed),
+            rejoins: c.rejoins.load(Ordering::Relaxed),
             malformed: c.malformed.load(Ordering::Relaxed),
             unknown_sender: c.unknown_sender.load(Ordering::Relaxed),
             refused: c.refused.load(Ordering::Relaxed),
@@ -739,6 +829,13 @@ impl DecodeEngine {
                 .map(|t| t.stats().registered_bytes)
                 .unwrap_or(0),
         }
+    }
+
+    /// The times at least one PP rank was not connected and ready, oldest first (the last
+    /// 1024; the first from the engine's start until every rank was there). A server or benchmark
+    /// can tell failures a rank's absence explains from others with [`Absence::overlaps`].
+    pub fn absences(&self) -> Vec<Absence> {
+        self.inner.lock().absences.iter().copied().collect()
     }
 
     /// When the tracker saw `request` complete (on the transport's progress thread, as the last
@@ -856,9 +953,13 @@ impl DecodeEngine {
             writer: tx,
             planner,
             external: true,
+            ready: true,
         });
+        absence_ends(&mut st, Instant::now());
+        self.inner.unpark(&mut st, Instant::now());
         drop(st);
         self.inner.connected.send_modify(|n| *n += 1);
+        self.inner.timer.notify_one();
         Ok(())
     }
 }
@@ -868,6 +969,104 @@ impl Inner {
         // A panic while holding the lock is a bug elsewhere; the tracker's state is still whole
         // (it never panics mid-update), so keep serving.
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Registers an expected request with the tracker and asks every rank for it. Every rank must
+    /// be connected.
+    fn launch(
+        &self,
+        st: &mut State,
+        request: RequestId,
+        prompt_tokens: u32,
+        chunk_tokens: u32,
+        now: Instant,
+        deadline: Instant,
+    ) -> Result<(), EngineError> {
+        let peers = st
+            .ranks
+            .iter()
+            .map(|r| r.as_ref().filter(|r| r.ready).map(|r| r.peer))
+            .collect::<Option<Vec<PeerId>>>()
+            .ok_or_else(|| EngineError::Config("a prefill rank is not connected".into()))?;
+        let dst_pages = st
+            .requests
+            .get(&request)
+            .map(|r| r.dst_pages.clone())
+            .ok_or_else(|| EngineError::Tracker(format!("request {} is not held", request.0)))?;
+        st.tracker
+            .expect(now, request, self.cfg.pp_size, &peers, deadline)
+            .map_err(|e| EngineError::Tracker(e.to_string()))?;
+        let left = deadline.saturating_duration_since(now);
+        let msg = Msg::TransferRequest(TransferRequest {
+            request: request.0,
+            prompt_tokens,
+            chunk_tokens,
+            dst_pages: dst_pages.to_vec(),
+            deadline_ms: left.as_millis().min(u128::from(u32::MAX)) as u32,
+        });
+        for r in st.ranks.iter().flatten() {
+            let _ = r.writer.send(msg.clone());
+        }
+        Ok(())
+    }
+
+    /// Ends a request that no rank was asked for (parked): its pages are free at once.
+    fn fail_unlaunched(&self, st: &mut State, request: RequestId, reason: FailureReason) {
+        self.counters.failed.fetch_add(1, Ordering::Relaxed);
+        self.counters.failed_by[reason_index(reason)].fetch_add(1, Ordering::Relaxed);
+        tracing::info!(
+            request = request.0,
+            ?reason,
+            "request failed before any rank was asked"
+        );
+        if let Some(info) = st.requests.remove(&request) {
+            release_pages(st, request, &info.dst_pages);
+        }
+        if let Some(w) = st.waiters.remove(&request) {
+            let _ = w.send(Outcome::Failed(reason));
+        }
+    }
+
+    /// Launches the parked requests once every rank is connected; otherwise fails those whose
+    /// wait is over. Returns the next wait to end.
+    fn unpark(&self, st: &mut State, now: Instant) -> Option<Instant> {
+        if st.parked.is_empty() {
+            return None;
+        }
+        match st
+            .ranks
+            .iter()
+            .position(|r| !r.as_ref().is_some_and(|r| r.ready))
+        {
+            None => {
+                while let Some(p) = st.parked.pop_front() {
+                    let launched = self.launch(
+                        st,
+                        p.request,
+                        p.prompt_tokens,
+                        p.chunk_tokens,
+                        now,
+                        p.deadline,
+                    );
+                    if let Err(e) = launched {
+                        tracing::warn!(request = p.request.0, error = %e, "parked request not launched");
+                        self.fail_unlaunched(st, p.request, FailureReason::Aborted);
+                    }
+                }
+                self.drain(st);
+                None
+            }
+            Some(rank) => {
+                let rank = rank as u16;
+                let (due, keep): (Vec<Parked>, Vec<Parked>) =
+                    st.parked.drain(..).partition(|p| p.wait_until <= now);
+                st.parked = keep.into();
+                for p in due {
+                    self.fail_unlaunched(st, p.request, FailureReason::RankUnavailable { rank });
+                }
+                st.parked.iter().map(|p| p.wait_until).min()
+            }
+        }
     }
 
     /// Hands every terminal event to its waiter, and tells every rank about each failure.
@@ -881,14 +1080,7 @@ impl Inner {
                 }
                 TrackerEvent::Failed { request, reason } => {
                     self.counters.failed.fetch_add(1, Ordering::Relaxed);
-                    let by = match reason {
-                        FailureReason::Aborted => 0,
-                        FailureReason::Timeout => 1,
-                        FailureReason::PeerFailed { .. } => 2,
-                        FailureReason::PeerLost { .. } => 3,
-                        FailureReason::ProtocolViolation { .. } => 4,
-                    };
-                    self.counters.failed_by[by].fetch_add(1, Ordering::Relaxed);
+                    self.counters.failed_by[reason_index(reason)].fetch_add(1, Ordering::Relaxed);
                     tracing::info!(request = request.0, ?reason, "request failed");
                     // Whatever failed it (an abort, the deadline, one rank's FAILURE, a lost rank, a
                     // bad checksum), the other ranks must stop writing into pages the caller may now
@@ -897,7 +1089,9 @@ impl Inner {
                     let code = match reason {
                         FailureReason::Timeout => FailureCode::Timeout,
                         FailureReason::PeerFailed { code, .. } => code,
-                        FailureReason::PeerLost { .. } => FailureCode::PeerLost,
+                        FailureReason::PeerLost { .. } | FailureReason::RankUnavailable { .. } => {
+                            FailureCode::PeerLost
+                        }
                         FailureReason::Aborted | FailureReason::ProtocolViolation { .. } => {
                             FailureCode::Aborted
                         }
@@ -1127,6 +1321,25 @@ impl Inner {
         next
     }
 
+    /// `rank` (its connection `peer`) formed its vote mesh: requests may go to it, and those that
+    /// waited for it go out if it was the last rank missing.
+    fn on_ready(&self, rank: u16, peer: PeerId) {
+        let mut st = self.lock();
+        let Some(r) = st.ranks.get_mut(usize::from(rank)).and_then(Option::as_mut) else {
+            return;
+        };
+        if r.peer != peer || r.ready {
+            return;
+        }
+        r.ready = true;
+        let now = Instant::now();
+        absence_ends(&mut st, now);
+        self.unpark(&mut st, now);
+        drop(st);
+        self.connected.send_modify(|n| *n += 1);
+        self.timer.notify_one();
+    }
+
     /// `rank`'s connection ended: with its Close (`closed`, its writes are over) or without.
     fn peer_lost(&self, rank: u16, peer: PeerId, sender: &Sender, closed: bool) {
         let mut st = self.lock();
@@ -1139,9 +1352,15 @@ impl Inner {
             .and_then(|r| r.as_ref())
             .is_some_and(|r| r.peer == peer)
         {
+            let was_ready = st.ranks[usize::from(rank)]
+                .as_ref()
+                .is_some_and(|r| r.ready);
             st.ranks[usize::from(rank)] = None;
             st.senders.remove(sender);
-            self.connected.send_modify(|n| *n = n.saturating_sub(1));
+            absence_begins(&mut st, Instant::now());
+            if was_ready {
+                self.connected.send_modify(|n| *n = n.saturating_sub(1));
+            }
         }
         let failed = st.tracker.handle_peer_lost(Instant::now(), peer);
         if closed && st.closing {
@@ -1160,6 +1379,18 @@ impl Inner {
         for request in waiting {
             self.acked(&mut st, request, rank);
         }
+    }
+}
+
+/// `reason`'s slot in `Counters::failed_by` (the order of `DecodeStats`'s `failed_*` fields).
+fn reason_index(reason: FailureReason) -> usize {
+    match reason {
+        FailureReason::Aborted => 0,
+        FailureReason::Timeout => 1,
+        FailureReason::PeerFailed { .. } => 2,
+        FailureReason::PeerLost { .. } => 3,
+        FailureReason::ProtocolViolation { .. } => 4,
+        FailureReason::RankUnavailable { .. } => 5,
     }
 }
 
@@ -1254,16 +1485,13 @@ async fn serve_rank(inner: Weak<Inner>, mut conn: Connection) {
         if st.closing {
             return Err(RejectReason::Refused("decode is shutting down".into()));
         }
-        if st
+        let busy = st
             .ranks
             .get(usize::from(remote.pp_rank))
-            .is_some_and(|r| r.is_some())
-        {
-            return Err(RejectReason::DuplicateRank {
-                pp_rank: remote.pp_rank,
-                tp_rank: remote.tp_rank,
-            });
-        }
+            .is_some_and(|r| r.is_some());
+        st.incarnations
+            .check(remote.pp_rank, remote.incarnation, busy)
+            .map_err(RejectReason::from)?;
         if st.senders.contains_key(&sender) {
             return Err(RejectReason::DuplicateSender(format!("{sender:?}")));
         }
@@ -1295,12 +1523,27 @@ async fn serve_rank(inner: Weak<Inner>, mut conn: Connection) {
     let (tx, rx) = mpsc::unbounded_channel();
     let peer = {
         let mut st = i.lock();
-        if st.ranks[usize::from(rank)].is_some() || st.senders.contains_key(&sender) {
+        let busy = st.ranks[usize::from(rank)].is_some();
+        let admitted = if st.senders.contains_key(&sender) {
+            None
+        } else {
+            st.incarnations.admit(rank, remote.incarnation, busy).ok()
+        };
+        let Some(previous) = admitted else {
             // Lost a race with another connection for the same rank or sender.
             i.counters
                 .handshake_failures
                 .fetch_add(1, Ordering::Relaxed);
             return;
+        };
+        if let Some(previous) = previous {
+            i.counters.rejoins.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(
+                rank,
+                previous,
+                incarnation = remote.incarnation,
+                "prefill rank rejoined"
+            );
         }
         let peer = PeerId(st.next_peer);
         st.next_peer += 1;
@@ -1311,14 +1554,14 @@ async fn serve_rank(inner: Weak<Inner>, mut conn: Connection) {
             writer: tx,
             planner,
             external: false,
+            ready: false,
         });
         peer
     };
-    i.connected.send_modify(|n| *n += 1);
     tracing::info!(rank, peer = peer.0, "prefill rank connected");
     drop(i);
     let write_task = tokio::spawn(write_loop(writer, rx));
-    let closed = read_loop(&inner, reader, rank).await;
+    let closed = read_loop(&inner, reader, rank, peer).await;
     write_task.abort();
     if let Some(i) = inner.upgrade() {
         i.peer_lost(rank, peer, &sender, closed);
@@ -1335,7 +1578,12 @@ async fn write_loop(mut writer: ControlWriter, mut rx: mpsc::UnboundedReceiver<M
 
 /// Handles a rank's messages until its connection ends; true if it ended with the rank's Close
 /// (which a rank sends only once none of its writes into the pool still runs).
-async fn read_loop(inner: &Weak<Inner>, mut reader: control::ControlReader, rank: u16) -> bool {
+async fn read_loop(
+    inner: &Weak<Inner>,
+    mut reader: control::ControlReader,
+    rank: u16,
+    peer: PeerId,
+) -> bool {
     loop {
         let msg = match reader.recv().await {
             Ok(Some(m)) => m,
@@ -1384,6 +1632,7 @@ async fn read_loop(inner: &Weak<Inner>, mut reader: control::ControlReader, rank
                 );
                 i.counters.refused.fetch_add(1, Ordering::Relaxed);
             }
+            Msg::Ready => i.on_ready(rank, peer),
             Msg::Close => return true,
             _ => {}
         }

@@ -10,7 +10,7 @@ mod decode;
 mod pools;
 mod prefill;
 
-pub use decode::{DecodeConfig, DecodeEngine, DecodeStats, ShutdownReport};
+pub use decode::{Absence, DecodeConfig, DecodeEngine, DecodeStats, ShutdownReport};
 pub use prefill::{
     ExternalDecode, IncomingRequest, MeshSocket, NotifyFormat, PrefillConfig, PrefillEngine,
     PrefillStats,
@@ -314,6 +314,36 @@ async fn run_timer<T>(
         tokio::select! {
             _ = sleep => {}
             _ = wake.notified() => {}
+        }
+    }
+}
+
+/// A new incarnation: nanoseconds since the Unix epoch, so a restart of a rank on any host whose
+/// clock does not step back by more than the restart takes gets a larger one.
+pub(crate) fn fresh_incarnation() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+        .max(1)
+}
+
+impl From<crate::core::membership::Refusal> for crate::control::RejectReason {
+    fn from(r: crate::core::membership::Refusal) -> Self {
+        use crate::control::RejectReason;
+        use crate::core::membership::Refusal;
+        match r {
+            Refusal::UnknownRank { rank, pp_size } => {
+                RejectReason::PpMismatch(format!("rank {rank} is not below the PP size {pp_size}"))
+            }
+            Refusal::Busy { rank } => RejectReason::DuplicateRank {
+                pp_rank: rank,
+                tp_rank: 0,
+            },
+            Refusal::Stale { rank, got, last } => RejectReason::StaleIncarnation {
+                pp_rank: rank,
+                got,
+                last,
+            },
         }
     }
 }

@@ -12,6 +12,7 @@ use super::{
 use crate::control::{
     self, BackendInfo, Connection, ControlWriter, Hello, Listener, Msg, RejectReason, Role, Secret,
 };
+use crate::core::membership::Incarnations;
 use crate::core::notify::{ChunkNotification, ChunkStatus, TextForm};
 use crate::core::planner::{ChunkGeometry, KvLayout, Planner, TpMapping, Write};
 use crate::core::vote::{Decision, Vote, VoteBoard, VoteConfig, VoteMessage};
@@ -65,6 +66,10 @@ pub struct PrefillConfig {
     /// `peers[pp_rank]` at start, which races with anything else on the host that takes ports
     /// (an address picked as free can be gone by then); with a socket its port is held throughout.
     pub mesh_socket: Option<Arc<MeshSocket>>,
+    /// This start of the rank, carried in its Hello: decode and the PP peers admit a rank again
+    /// only with a larger one (see [`crate::core::membership`]). [`PrefillConfig::new`] takes the
+    /// clock's nanoseconds since the Unix epoch, so a restarted process gets a larger one.
+    pub incarnation: u64,
 }
 
 /// A listening socket for a rank's vote mesh, bound before the rank starts: bind it with port 0,
@@ -160,6 +165,7 @@ impl PrefillConfig {
             request_wait: Duration::from_secs(10),
             notify_format: NotifyFormat::Binary,
             mesh_socket: None,
+            incarnation: super::fresh_incarnation(),
         }
     }
 }
@@ -218,6 +224,8 @@ struct State {
     decided: HashMap<RequestId, Decision>,
     decided_waiters: HashMap<RequestId, Vec<oneshot::Sender<Decision>>>,
     peer_writers: Vec<Option<mpsc::UnboundedSender<Msg>>>,
+    /// The incarnation admitted last for each PP peer.
+    mesh_incarnations: Incarnations,
     last_done_at: super::Stamps,
     /// Chunks posted to decode and not yet over, all requests together.
     posted_total: u32,
@@ -251,6 +259,10 @@ struct Inner {
     state: Mutex<State>,
     counters: Counters,
     timer: Arc<Notify>,
+    /// Counts PP peer bindings, for the mesh's first formation to wait on.
+    mesh_changed: tokio::sync::watch::Sender<u64>,
+    /// PP peer tasks started after the engine, stopped when it is dropped.
+    mesh_tasks: TaskGuard,
 }
 
 /// One prefill PP rank. Cheap to clone.
@@ -396,12 +408,12 @@ impl PrefillEngine {
                 regions: Vec::new(),
             },
         )
-        .with_pp(cfg.pp_rank, cfg.pp_size);
+        .with_pp(cfg.pp_rank, cfg.pp_size)
+        .with_incarnation(cfg.incarnation);
         hello.notify_key = notify_key;
         let (conn, dst, decode_meta, decode_regions) = match external {
             None => {
-                let mut conn = Connection::connect(cfg.decode, deadline).await?;
-                let remote = control::handshake(&mut conn, &hello, &secret, deadline).await?;
+                let (conn, remote) = connect_decode(&cfg, &hello, &secret, deadline).await?;
                 let dst = layout_from_info(&remote.layout)?;
                 let regions = remote_regions(&remote.backend);
                 (Some(conn), dst, remote.backend.worker_or_agent, regions)
@@ -435,6 +447,7 @@ impl PrefillEngine {
                 decided: HashMap::new(),
                 decided_waiters: HashMap::new(),
                 peer_writers: (0..cfg.pp_size).map(|_| None).collect(),
+                mesh_incarnations: Incarnations::new(cfg.pp_size),
                 last_done_at: super::Stamps::default(),
                 posted_total: 0,
                 decode_closed: false,
@@ -451,6 +464,8 @@ impl PrefillEngine {
             decode_writer: dtx,
             counters: Counters::default(),
             timer: Arc::new(Notify::new()),
+            mesh_changed: tokio::sync::watch::channel(0).0,
+            mesh_tasks: TaskGuard(Mutex::new(Vec::new())),
         });
         let (itx, irx) = mpsc::unbounded_channel();
         let mut tasks = Vec::new();
@@ -476,6 +491,8 @@ impl PrefillEngine {
         if let Some(listener) = listener {
             tasks.extend(form_mesh(&inner, listener, &hello, deadline).await?);
         }
+        // Every PP peer is connected: decode may ask this rank for requests now.
+        let _ = inner.decode_writer.send(Msg::Ready);
         Ok(PrefillEngine {
             inner,
             incoming: Arc::new(tokio::sync::Mutex::new(irx)),
@@ -1074,6 +1091,34 @@ impl Inner {
         self.flush_board(&mut st);
     }
 
+    /// Whether a peer connection of `rank` with `incarnation` may bind now.
+    fn mesh_admissible(&self, rank: u16, incarnation: u64) -> Result<(), RejectReason> {
+        let st = lock(&self.state);
+        if st.decode_closed {
+            return Err(RejectReason::Refused("this rank is closing".into()));
+        }
+        let busy = st
+            .peer_writers
+            .get(usize::from(rank))
+            .is_some_and(Option::is_some);
+        st.mesh_incarnations
+            .check(rank, incarnation, busy)
+            .map_err(RejectReason::from)
+    }
+
+    /// The engine is closing: no PP peer is connected to again.
+    fn mesh_closed(&self) -> bool {
+        lock(&self.state).decode_closed
+    }
+
+    /// Keeps a task spawned after start, to be stopped with the engine.
+    fn keep_task(&self, task: tokio::task::JoinHandle<()>) {
+        if let Ok(mut tasks) = self.mesh_tasks.0.lock() {
+            tasks.retain(|t| !t.is_finished());
+            tasks.push(task);
+        }
+    }
+
     fn on_peer_lost(&self, rank: u16) {
         let mut st = lock(&self.state);
         if let Some(w) = st.peer_writers.get_mut(usize::from(rank)) {
@@ -1145,7 +1190,40 @@ async fn decode_read_loop(
     }
 }
 
-/// Connects to every lower rank and accepts every higher one; returns the per-peer tasks.
+/// Connects to decode and runs the handshake. A restarted rank may find its previous start still
+/// bound there for a moment (decode has not seen that connection end yet): it tries again until
+/// `deadline` while decode says the rank is taken.
+async fn connect_decode(
+    cfg: &PrefillConfig,
+    hello: &Hello,
+    secret: &Secret,
+    deadline: tokio::time::Instant,
+) -> Result<(Connection, Hello), EngineError> {
+    loop {
+        let mut conn = Connection::connect(cfg.decode, deadline).await?;
+        match control::handshake(&mut conn, hello, secret, deadline).await {
+            Ok(remote) => return Ok((conn, remote)),
+            Err(control::ControlError::PeerRejected {
+                reason: RejectReason::DuplicateRank { .. },
+                ..
+            }) if tokio::time::Instant::now() + MESH_RETRY < deadline => {
+                tracing::info!(
+                    rank = cfg.pp_rank,
+                    "decode still holds this rank's previous connection; trying again"
+                );
+                tokio::time::sleep(MESH_RETRY).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// How often a rank tries again to reach a lower rank whose connection ended.
+const MESH_RETRY: Duration = Duration::from_millis(100);
+
+/// Connects to every lower rank and waits until every higher one connected; the listener keeps
+/// accepting afterwards, and a lower rank whose connection ends is connected to again, so a rank
+/// that restarts (a new incarnation) rejoins the mesh. Returns the tasks to stop with the engine.
 async fn form_mesh(
     inner: &Arc<Inner>,
     listener: Listener,
@@ -1157,74 +1235,174 @@ async fn form_mesh(
     // PP peers need no backend data: votes travel on the control connection.
     hello.backend.worker_or_agent.clear();
     hello.backend.regions.clear();
+    let hello = Arc::new(hello);
     let me = cfg.pp_rank;
-    let mut conns: Vec<(u16, Connection)> = Vec::new();
+    let mut changed = inner.mesh_changed.subscribe();
+    let tasks = vec![tokio::spawn(mesh_accept_loop(
+        Arc::downgrade(inner),
+        listener,
+        hello.clone(),
+    ))];
     for rank in 0..me {
-        let mut c = Connection::connect(cfg.peers[usize::from(rank)], deadline).await?;
-        let remote = control::handshake(&mut c, &hello, &inner.secret, deadline).await?;
-        if remote.pp_rank != rank {
-            return Err(EngineError::Config(format!(
-                "peer at rank {rank}'s address says it is rank {}",
-                remote.pp_rank
-            )));
-        }
-        conns.push((rank, c));
+        let c = connect_peer(inner, &hello, rank, deadline).await?;
+        attach_peer(inner, &hello, rank, c);
     }
-    let higher = cfg.pp_size - me - 1;
-    let mut seen = vec![false; usize::from(cfg.pp_size)];
-    while conns.len() < usize::from(cfg.pp_size - 1) {
-        let accept = tokio::time::timeout_at(deadline, listener.accept()).await;
-        let mut c = match accept {
-            Ok(Ok(c)) => c,
-            Ok(Err(e)) => return Err(e.into()),
+    loop {
+        let missing = {
+            let st = lock(&inner.state);
+            st.peer_writers
+                .iter()
+                .enumerate()
+                .filter(|&(r, w)| r != usize::from(me) && w.is_none())
+                .count()
+        };
+        if missing == 0 {
+            break;
+        }
+        match tokio::time::timeout_at(deadline, changed.changed()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => return Err(EngineError::Shutdown),
             Err(_) => {
                 return Err(EngineError::Timeout(format!(
-                    "{higher} higher PP ranks did not connect"
+                    "{missing} PP peers did not connect"
                 )));
             }
-        };
-        let check = |r: &Hello| -> Result<(), RejectReason> {
-            if r.pp_rank <= me || seen[usize::from(r.pp_rank)] {
-                return Err(RejectReason::DuplicateRank {
-                    pp_rank: r.pp_rank,
-                    tp_rank: r.tp_rank,
-                });
-            }
-            Ok(())
-        };
-        match control::handshake_with(&mut c, &hello, &inner.secret, deadline, check).await {
-            Ok(remote) => {
-                seen[usize::from(remote.pp_rank)] = true;
-                conns.push((remote.pp_rank, c));
-            }
-            Err(e) => tracing::warn!(error = %e, "PP peer handshake failed"),
         }
-    }
-    let mut tasks = Vec::new();
-    for (rank, c) in conns {
-        let (mut reader, writer) = c.into_split();
-        let (tx, rx) = mpsc::unbounded_channel();
-        lock(&inner.state).peer_writers[usize::from(rank)] = Some(tx);
-        tasks.push(tokio::spawn(write_loop(writer, rx)));
-        let weak = Arc::downgrade(inner);
-        tasks.push(tokio::spawn(async move {
-            loop {
-                match reader.recv().await {
-                    Ok(Some(Msg::Vote(v))) => match weak.upgrade() {
-                        Some(i) => i.on_peer_message(rank, &v.bytes),
-                        None => return,
-                    },
-                    Ok(Some(Msg::Close)) | Ok(None) | Err(_) => break,
-                    Ok(Some(_)) => {}
-                }
-            }
-            if let Some(i) = weak.upgrade() {
-                i.on_peer_lost(rank);
-            }
-        }));
     }
     // Votes cast before the mesh existed were queued by the board; send them now.
     let mut st = lock(&inner.state);
     inner.flush_board(&mut st);
     Ok(tasks)
+}
+
+/// Connects to the lower rank `rank` and runs the handshake; its incarnation must be new.
+async fn connect_peer(
+    inner: &Arc<Inner>,
+    hello: &Hello,
+    rank: u16,
+    deadline: tokio::time::Instant,
+) -> Result<(Connection, u64), EngineError> {
+    let mut c = Connection::connect(inner.cfg.peers[usize::from(rank)], deadline).await?;
+    let remote = control::handshake(&mut c, hello, &inner.secret, deadline).await?;
+    if remote.pp_rank != rank {
+        return Err(EngineError::Config(format!(
+            "peer at rank {rank}'s address says it is rank {}",
+            remote.pp_rank
+        )));
+    }
+    Ok((c, remote.incarnation))
+}
+
+/// Accepts higher ranks for as long as the engine lives: the first start of each, then every new
+/// incarnation of one whose connection ended.
+async fn mesh_accept_loop(inner: Weak<Inner>, listener: Listener, hello: Arc<Hello>) {
+    loop {
+        let c = match listener.accept().await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "PP peer accept failed");
+                tokio::time::sleep(MESH_RETRY).await;
+                continue;
+            }
+        };
+        let Some(i) = inner.upgrade() else { return };
+        let hello = hello.clone();
+        // Each handshake on its own task: a slow or silent client holds up nobody.
+        tokio::spawn(async move {
+            let mut c = c;
+            let deadline = tokio::time::Instant::now() + i.cfg.connect_timeout;
+            let me = i.cfg.pp_rank;
+            let check = |r: &Hello| -> Result<(), RejectReason> {
+                if r.pp_rank <= me {
+                    return Err(RejectReason::PpMismatch(format!(
+                        "rank {me} accepts only higher ranks, not {}",
+                        r.pp_rank
+                    )));
+                }
+                i.mesh_admissible(r.pp_rank, r.incarnation)
+            };
+            match control::handshake_with(&mut c, &hello, &i.secret, deadline, check).await {
+                Ok(remote) => attach_peer(&i, &hello, remote.pp_rank, (c, remote.incarnation)),
+                Err(e) => tracing::warn!(error = %e, "PP peer handshake failed"),
+            }
+        });
+    }
+}
+
+/// Binds an authenticated peer connection to `rank` (unless another won the race), and starts
+/// its reader; when it ends, the rank is lost and, for a lower rank, reconnection begins.
+fn attach_peer(
+    inner: &Arc<Inner>,
+    hello: &Arc<Hello>,
+    rank: u16,
+    (c, incarnation): (Connection, u64),
+) {
+    let (mut reader, writer) = c.into_split();
+    let (tx, rx) = mpsc::unbounded_channel();
+    {
+        let mut st = lock(&inner.state);
+        let busy = st.peer_writers[usize::from(rank)].is_some();
+        let rejoin = match st.mesh_incarnations.admit(rank, incarnation, busy) {
+            Ok(previous) => previous.is_some(),
+            Err(e) => {
+                tracing::warn!(rank, error = %e, "PP peer not admitted");
+                return;
+            }
+        };
+        if rejoin {
+            if let Err(e) = st.board.handle_peer_joined(Instant::now(), rank) {
+                tracing::warn!(rank, error = %e, "PP peer not admitted");
+                return;
+            }
+            tracing::info!(rank, incarnation, "PP peer rejoined");
+        }
+        st.peer_writers[usize::from(rank)] = Some(tx);
+        inner.flush_board(&mut st);
+    }
+    inner.mesh_changed.send_modify(|n| *n += 1);
+    let write = tokio::spawn(write_loop(writer, rx));
+    let weak = Arc::downgrade(inner);
+    let hello = hello.clone();
+    let read = tokio::spawn(async move {
+        loop {
+            match reader.recv().await {
+                Ok(Some(Msg::Vote(v))) => match weak.upgrade() {
+                    Some(i) => i.on_peer_message(rank, &v.bytes),
+                    None => return,
+                },
+                Ok(Some(Msg::Close)) | Ok(None) | Err(_) => break,
+                Ok(Some(_)) => {}
+            }
+        }
+        let Some(i) = weak.upgrade() else { return };
+        i.on_peer_lost(rank);
+        if rank < i.cfg.pp_rank {
+            let task = tokio::spawn(reconnect_peer(Arc::downgrade(&i), hello, rank));
+            i.keep_task(task);
+        }
+    });
+    inner.keep_task(write);
+    inner.keep_task(read);
+}
+
+/// Connects to the lower rank `rank` again after its connection ended, until a new incarnation
+/// of it answers or the engine closes.
+async fn reconnect_peer(inner: Weak<Inner>, hello: Arc<Hello>, rank: u16) {
+    loop {
+        tokio::time::sleep(MESH_RETRY).await;
+        let Some(i) = inner.upgrade() else { return };
+        if i.mesh_closed() {
+            return;
+        }
+        let deadline = tokio::time::Instant::now() + i.cfg.connect_timeout;
+        match connect_peer(&i, &hello, rank, deadline).await {
+            Ok(c) => {
+                if i.mesh_admissible(rank, c.1).is_ok() {
+                    attach_peer(&i, &hello, rank, c);
+                    return;
+                }
+            }
+            Err(e) => tracing::debug!(rank, error = %e, "PP peer not back yet"),
+        }
+    }
 }

@@ -149,11 +149,17 @@ pub struct Report {
     pub requests: u64,
     /// Requests that failed.
     pub failed: u64,
+    /// Of those, requests that were live while a PP rank was away (its process died or was
+    /// restarting): failures the loss explains. Only the multi-process decode tells them apart.
+    pub failed_during_absence: u64,
+    /// Requests that were live while a PP rank was away and completed all the same (they waited
+    /// for it to come back). Only the multi-process decode counts them.
+    pub completed_across_absence: u64,
     /// Requests that completed after the last failed one, counted in the order their outcomes
     /// arrived (every completed request when none failed): shows that a run recovered from a fault.
     pub completed_after_last_failure: u64,
-    /// Every byte of every checked request matched, at least one was checked, and none failed (false
-    /// with `--verify none`).
+    /// Every byte of every checked request matched, at least one was checked, and none failed but
+    /// while a rank was away (false with `--verify none`).
     pub verified: bool,
     /// Requests checked byte for byte.
     pub verified_requests: u64,
@@ -175,6 +181,9 @@ pub(crate) struct Ran {
     pub latency: Duration,
     /// Last rank's final chunk over to decode seeing Complete, where measured.
     pub complete: Option<Duration>,
+    /// The request was live while a PP rank was away (its process died or restarted): a failure
+    /// that the absence explains, or a request that waited for the rank and completed.
+    pub during_absence: bool,
 }
 
 /// What [`drive`] tells its caller as it happens (for logs a test may be watching).
@@ -201,6 +210,10 @@ pub(crate) struct Tally {
     pub completes_us: Vec<f64>,
     pub done: u64,
     pub failed: u64,
+    /// Of `failed`, those a rank's absence explains.
+    pub failed_during_absence: u64,
+    /// Completed requests that were live while a rank was away (they waited for it).
+    pub completed_across_absence: u64,
     pub after_failure: u64,
     pub verified_requests: u64,
     pub mismatches: u64,
@@ -220,6 +233,7 @@ impl Tally {
         match ran.outcome {
             Outcome::Complete => {
                 self.after_failure += 1;
+                self.completed_across_absence += u64::from(ran.during_absence);
                 self.latencies_us.push(ran.latency.as_secs_f64() * 1e6);
                 if let Some(c) = ran.complete {
                     self.completes_us.push(c.as_secs_f64() * 1e6);
@@ -227,6 +241,7 @@ impl Tally {
             }
             Outcome::Failed(_) => {
                 self.failed += 1;
+                self.failed_during_absence += u64::from(ran.during_absence);
                 self.after_failure = 0;
             }
         }
@@ -267,8 +282,12 @@ impl Tally {
             baseline_msg_rate: 0.0,
             requests: self.done,
             failed: self.failed,
+            failed_during_absence: self.failed_during_absence,
+            completed_across_absence: self.completed_across_absence,
             completed_after_last_failure: self.after_failure,
-            verified: self.verified_requests > 0 && self.mismatches == 0 && self.failed == 0,
+            verified: self.verified_requests > 0
+                && self.mismatches == 0
+                && self.failed == self.failed_during_absence,
             verified_requests: self.verified_requests,
         }
     }
@@ -518,6 +537,7 @@ async fn one_request(
         outcome,
         latency,
         complete: Some(complete),
+        during_absence: false,
     })
 }
 

@@ -133,6 +133,13 @@ pub async fn run_decode(
                 };
                 let outcome = fut.await;
                 let latency = t0.elapsed();
+                let ended = Instant::now();
+                // The first absence is the start, before every rank was there.
+                let during_absence = decode
+                    .absences()
+                    .iter()
+                    .skip(1)
+                    .any(|a| a.overlaps(t0, ended));
                 if let Some(at) = decode.completed_at(request).and_then(wall_ns) {
                     lock(&completed).insert(request.0, at);
                 }
@@ -140,6 +147,7 @@ pub async fn run_decode(
                     outcome,
                     latency,
                     complete: None,
+                    during_absence,
                 })
             })
         },
@@ -158,6 +166,8 @@ pub async fn run_decode(
         &on,
     )
     .await?;
+    // Before shutdown, whose closing ranks would count as absences too.
+    let away = decode.absences().len().saturating_sub(1);
     let closed = decode
         .as_ref()
         .clone()
@@ -176,6 +186,18 @@ pub async fn run_decode(
     }
     let mut report = tally.report(w, backend);
     report.baseline = "none (multi-process)".into();
+    if report.failed > 0 || away > 0 {
+        eprintln!(
+            "kvbench decode: ranks went away {away} times after the start; {} of {} requests \
+             failed, {} while a rank was away and {} outside (reasons above); {} waited for a rank \
+             and completed",
+            report.failed,
+            report.requests,
+            report.failed_during_absence,
+            report.failed - report.failed_during_absence,
+            report.completed_across_absence,
+        );
+    }
     Ok(report)
 }
 

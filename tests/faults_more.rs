@@ -394,22 +394,30 @@ async fn rank_dies_before_voting_fails_promptly_everywhere() {
     }
     assert!(killed.elapsed() < 2 * PROMPTLY + took);
 
-    // Decode's one outcome per request holds, and new requests are refused (rank 2 is not connected)
-    // rather than left to time out.
+    // Decode's one outcome per request holds. A new request waits for rank 2 (at most its own
+    // timeout here), no rank is asked for it, and it fails naming the absent rank.
     one_outcome_each(&f.c.decode, 1, 1);
     let s = f.c.decode.stats();
     assert_eq!(s.failed_peer_lost, 1, "{s:?}");
-    match f
-        .c
-        .decode
-        .expect(RequestId(3), PROMPT, CHUNK, DST_A.to_vec(), LONG)
-    {
-        Err(EngineError::Config(m)) => assert!(m.contains("rank 2"), "{m}"),
-        Err(e) => panic!("{e}"),
-        Ok(_) => panic!("expect succeeded with rank 2 gone"),
-    }
+    let wait = Duration::from_millis(300);
+    let t = Instant::now();
+    let o =
+        f.c.decode
+            .expect(RequestId(3), PROMPT, CHUNK, DST_A.to_vec(), wait)
+            .unwrap();
+    let o = tokio::time::timeout(BOUND, o).await.unwrap();
+    assert_eq!(
+        o,
+        Outcome::Failed(FailureReason::RankUnavailable { rank: 2 })
+    );
+    assert!(t.elapsed() >= wait, "{:?}", t.elapsed());
     quiescent(&f.c).await;
-    one_outcome_each(&f.c.decode, 1, 1);
+    let s = f.c.decode.stats();
+    assert_eq!((s.failed, s.failed_rank_unavailable), (2, 1), "{s:?}");
+    // The tracker never saw it: it was never launched.
+    assert_eq!(f.c.decode.tracker_counters().failed, 1);
+    // Its pages are free again.
+    assert!(f.c.decode.quarantined().is_empty());
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -631,12 +639,15 @@ async fn wrong_or_missing_token_is_rejected_and_binds_nothing() {
             "rejection took {:?}",
             t.elapsed()
         );
-        // Decode bound no rank: it refuses a request rather than waiting for one.
-        match d.expect(A, PROMPT, CHUNK, DST_A.to_vec(), LONG) {
-            Err(EngineError::Config(m)) => assert!(m.contains("not connected"), "{m}"),
-            Err(e) => panic!("{e}"),
-            Ok(_) => panic!("decode bound a rank that presented a {what} token"),
-        }
+        // Decode bound no rank: a request waits for rank 0 and fails naming it.
+        let o = d
+            .expect(A, PROMPT, CHUNK, DST_A.to_vec(), Duration::from_millis(200))
+            .unwrap();
+        assert_eq!(
+            tokio::time::timeout(BOUND, o).await.unwrap(),
+            Outcome::Failed(FailureReason::RankUnavailable { rank: 0 }),
+            "decode bound a rank that presented a {what} token"
+        );
     }
     // The right token still gets in, and a request completes.
     let p = prefill_with_token(&d, Some(b"the right secret"))
@@ -649,8 +660,15 @@ async fn wrong_or_missing_token_is_rejected_and_binds_nothing() {
     }
     let o = tokio::time::timeout(BOUND, o).await.unwrap();
     assert_eq!(o, Outcome::Complete);
-    one_outcome_each(&d, 1, 0);
-    assert_eq!(d.stats().unknown_sender, 0);
+    let s = d.stats();
+    // The two requests that waited for a rank failed before any rank was asked for them.
+    assert_eq!(
+        (s.completed, s.failed, s.failed_rank_unavailable),
+        (1, 2, 2),
+        "{s:?}"
+    );
+    assert_eq!(d.tracker_counters().failed, 0);
+    assert_eq!(s.unknown_sender, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -97,6 +97,7 @@ class DecodeEngine:
         checksums: bool = False,
         abort_ack_timeout: float = 5.0,
         handshake_timeout: float = 10.0,
+        rank_wait: float = 10.0,
     ) -> None: ...
     @property
     def address(self) -> str: ...

@@ -49,8 +49,8 @@ class ProtocolError(KvxError):
 
 
 class TransferFailed(KvxError):
-    """A request failed: ``reason`` is aborted, timeout, peer_failed, peer_lost, protocol_violation
-    or closed_without_vote; ``rank`` and ``code`` say which PP rank and what it sent, where known."""
+    """A request failed: ``reason`` is aborted, timeout, peer_failed, peer_lost, protocol_violation,
+    rank_unavailable or closed_without_vote; ``rank`` and ``code`` say which PP rank and what it sent, where known."""
 
     request: int
     reason: str

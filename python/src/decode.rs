@@ -53,12 +53,14 @@ pub(crate) fn stats_dict<'py>(
 impl DecodeEngine {
     /// Registers `memory` as the pool (`layout` says where each layer's pages are; it holds every
     /// layer), starts the backend and listens on `listen` for `pp_size` prefill ranks, which must
-    /// prove they hold `secret`.
+    /// prove they hold `secret`. A request expected while a rank is away (dead, restarting) waits
+    /// up to `rank_wait` seconds (at most its own timeout) for it, then fails with
+    /// `TransferFailed(reason="rank_unavailable")`.
     #[new]
     #[pyo3(signature = (
         *, layout, total_layers, page_tokens, pp_size, memory, listen = "127.0.0.1:0",
         secret = None, backend = "ucx", engine_id = None, device = "cpu", checksums = false,
-        abort_ack_timeout = 5.0, handshake_timeout = 10.0,
+        abort_ack_timeout = 5.0, handshake_timeout = 10.0, rank_wait = 10.0,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -76,6 +78,7 @@ impl DecodeEngine {
         checksums: bool,
         abort_ack_timeout: f64,
         handshake_timeout: f64,
+        rank_wait: f64,
     ) -> PyResult<Self> {
         let listen: SocketAddr = listen
             .parse()
@@ -102,6 +105,7 @@ impl DecodeEngine {
         cfg.verify_checksums = checksums;
         cfg.abort_ack_timeout = seconds("abort_ack_timeout", abort_ack_timeout)?;
         cfg.handshake_timeout = seconds("handshake_timeout", handshake_timeout)?;
+        cfg.rank_wait = seconds("rank_wait", rank_wait)?;
         let pool_len = mem.len();
         let (pools, keep) = mem.into_pools();
         let rt = runtime()?;
@@ -267,6 +271,8 @@ impl DecodeEngine {
                 ("failed_peer_failed", s.failed_peer_failed),
                 ("failed_peer_lost", s.failed_peer_lost),
                 ("failed_violation", s.failed_violation),
+                ("failed_rank_unavailable", s.failed_rank_unavailable),
+                ("rejoins", s.rejoins),
                 ("malformed", s.malformed),
                 ("unknown_sender", s.unknown_sender),
                 ("refused", s.refused),

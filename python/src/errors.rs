@@ -168,7 +168,7 @@ pub(crate) fn engine(e: EngineError) -> PyErr {
 }
 
 /// Why a request failed on the decode side: `reason` (`aborted`, `timeout`, `peer_failed`,
-/// `peer_lost`, `protocol_violation`), with the rank and code where there are.
+/// `peer_lost`, `protocol_violation`, `rank_unavailable`), with the rank and code where there are.
 pub(crate) fn failure(request: u64, reason: &FailureReason) -> ErrInfo {
     let (name, rank, code) = match reason {
         FailureReason::Aborted => ("aborted", None, None),
@@ -176,6 +176,7 @@ pub(crate) fn failure(request: u64, reason: &FailureReason) -> ErrInfo {
         FailureReason::PeerFailed { rank, code } => ("peer_failed", Some(*rank), Some(*code)),
         FailureReason::PeerLost { rank, .. } => ("peer_lost", Some(*rank), None),
         FailureReason::ProtocolViolation { rank, .. } => ("protocol_violation", Some(*rank), None),
+        FailureReason::RankUnavailable { rank } => ("rank_unavailable", Some(*rank), None),
         _ => ("other", None, None),
     };
     let mut e = ErrInfo::new(

@@ -5,5 +5,6 @@
 
 pub mod bench;
 pub mod cluster;
+pub mod etcd_server;
 pub mod roles;
 pub mod verify;

@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use transfer_engine::core::planner::{KvLayout, PpSplit};
 use transfer_engine::core::{FailureCode, RequestId};
+use transfer_engine::discovery::{self, EngineRecord, EtcdConfig, RecordRole};
 use transfer_engine::engine::{
     BackendConfig, DecodeConfig, DecodeEngine, EngineError, Outcome, Pool, PrefillConfig,
     PrefillEngine,
@@ -40,13 +41,34 @@ fn ranks_of(w: &Workload) -> Result<Vec<std::ops::Range<u32>>, String> {
         .collect()
 }
 
+/// Where the decode role listens, and whether it registers in etcd.
+#[derive(Debug, Clone)]
+pub enum Place {
+    /// This address; registered in etcd too when given.
+    Fixed(SocketAddr, Option<EtcdConfig>),
+    /// Any free loopback port, registered in etcd.
+    Etcd(EtcdConfig),
+}
+
+/// How a prefill role finds decode and its PP peers.
+#[derive(Debug, Clone)]
+pub enum Find {
+    /// Decode's control address and every rank's vote mesh address.
+    Fixed(SocketAddr, Vec<SocketAddr>),
+    /// Through etcd (the rank registers itself there too).
+    Etcd(EtcdConfig),
+}
+
+/// How long a role waits for the rest of its cluster to register in etcd.
+const DISCOVERY_WAIT: Duration = Duration::from_secs(120);
+
 /// Runs the decode role and returns its report. Only prefill processes holding `token` (the
 /// shared secret; `None` admits anyone) are let in.
 ///
 /// # Errors
 /// Engine failures, as text.
 pub async fn run_decode(
-    listen: SocketAddr,
+    place: Place,
     w: &Workload,
     backend: BackendKind,
     token: Option<Vec<u8>>,
@@ -62,6 +84,10 @@ pub async fn run_decode(
         decode_pages,
     );
     let mut cfg = DecodeConfig::new(w.shape.layers, w.shape.page_tokens, layout.clone(), w.pp);
+    let (listen, etcd) = match place {
+        Place::Fixed(l, etcd) => (l, etcd),
+        Place::Etcd(etcd) => (SocketAddr::from(([127, 0, 0, 1], 0)), Some(etcd)),
+    };
     cfg.listen = listen;
     cfg.backend = BackendConfig::default_for(backend, "decode");
     cfg.verify_checksums = w.checksums;
@@ -76,6 +102,32 @@ pub async fn run_decode(
             .map_err(|e| e.to_string())?,
     );
     eprintln!("kvbench decode: listening on {}", decode.local_addr());
+    let membership = match &etcd {
+        Some(etcd) => {
+            let record = EngineRecord {
+                role: RecordRole::Decode,
+                engine_id: "decode".into(),
+                address: decode.local_addr(),
+                tp_rank: 0,
+                pp_rank: 0,
+                pp_size: w.pp,
+                total_layers: w.shape.layers,
+                page_tokens: w.shape.page_tokens,
+                first_layer: 0,
+                num_layers: w.shape.layers,
+                incarnation: transfer_engine::engine::fresh_incarnation(),
+            };
+            let m = discovery::join_decode(etcd, &decode, record)
+                .await
+                .map_err(|e| e.to_string())?;
+            eprintln!(
+                "kvbench decode: registered in etcd as cluster {:?}",
+                etcd.cluster
+            );
+            Some(m)
+        }
+        None => None,
+    };
     decode
         .wait_for_ranks(Duration::from_secs(120))
         .await
@@ -168,6 +220,12 @@ pub async fn run_decode(
     .await?;
     // Before shutdown, whose closing ranks would count as absences too.
     let away = decode.absences().len().saturating_sub(1);
+    // Revokes the record and lets go of the engine handle its watch held.
+    if let Some(m) = membership
+        && let Err(e) = m.leave().await
+    {
+        eprintln!("kvbench decode: leaving etcd: {e}");
+    }
     let closed = decode
         .as_ref()
         .clone()
@@ -283,9 +341,8 @@ fn complete_latencies(completed: &HashMap<u64, u128>, last: &HashMap<u64, u128>)
 /// # Errors
 /// Engine failures, as text.
 pub async fn run_prefill(
-    connect: SocketAddr,
+    find: Find,
     rank: u16,
-    peers: Vec<SocketAddr>,
     w: &Workload,
     backend: BackendKind,
     token: Option<Vec<u8>>,
@@ -306,6 +363,14 @@ pub async fn run_prefill(
         w.shape.page_bytes(),
         pages * slots,
     );
+    let (connect, peers, etcd) = match find {
+        Find::Fixed(c, p) => (c, p, None),
+        Find::Etcd(etcd) => (
+            SocketAddr::from(([127, 0, 0, 1], 0)),
+            Vec::new(),
+            Some(etcd),
+        ),
+    };
     let mut cfg = PrefillConfig::new(
         connect,
         rank,
@@ -322,9 +387,21 @@ pub async fn run_prefill(
     cfg.token = token;
     let buf = HostBuffer::new(layout.buffer_len as usize, HostOptions::default())
         .map_err(|e| e.to_string())?;
+    let found = match &etcd {
+        Some(etcd) => {
+            let host = std::net::IpAddr::from([127, 0, 0, 1]);
+            Some(
+                discovery::find_prefill_cluster(etcd, &mut cfg, 0, host, DISCOVERY_WAIT)
+                    .await
+                    .map_err(|e| e.to_string())?,
+            )
+        }
+        None => None,
+    };
     let engine = PrefillEngine::start(cfg, Pool::Owned(buf))
         .await
         .map_err(|e| e.to_string())?;
+    let membership = found.map(|(reg, dir)| discovery::join_prefill(&engine, reg, dir, 0));
     let layout = Arc::new(layout);
     // Free source slots, taken in the order requests arrive (the same on every rank), so a rank
     // waiting for a slot only ever waits on older requests, which never wait on it.
@@ -344,6 +421,11 @@ pub async fn run_prefill(
             }
             let _ = free_tx.send(slot);
         });
+    }
+    if let Some(m) = membership
+        && let Err(e) = m.leave().await
+    {
+        eprintln!("kvbench prefill {rank}: leaving etcd: {e}");
     }
     if let Some(dir) = stamps {
         write_stamps(dir, rank, &lock(&last_writes))

@@ -16,6 +16,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 use transfer_engine::core::planner::RegionKind;
+use transfer_engine::discovery::EtcdConfig;
 use transfer_engine::transport::BackendKind;
 
 /// The environment variable holding the roles' shared secret when `--token-file` is not given.
@@ -147,28 +148,41 @@ struct Opts {
     /// `--processes` makes one by itself.
     #[arg(long, global = true)]
     stamps: Option<PathBuf>,
+    /// `decode` and `prefill`: find each other through etcd at these endpoints (comma-separated
+    /// `http://host:port`) instead of `--listen`/`--connect`/`--peers`. With `--processes`,
+    /// `auto` starts a local etcd server (Debian's `etcd`) for the run.
+    #[arg(long, global = true)]
+    etcd: Option<String>,
+    /// The cluster's name in etcd: engines under different names never see each other.
+    #[arg(long, default_value = "kvbench", global = true)]
+    cluster: String,
+    /// Seconds an engine's etcd lease lives without renewal: a dead or stopped engine is seen gone
+    /// within it.
+    #[arg(long, default_value_t = 5.0, global = true)]
+    lease_ttl: f64,
 }
 
 #[derive(Debug, Subcommand)]
 enum Role {
     /// Run a decode engine that prefill processes connect to, drive the requests, print the table.
     Decode {
-        /// Control address to listen on.
+        /// Control address to listen on (with --etcd, default 127.0.0.1 on any free port).
         #[arg(long)]
-        listen: std::net::SocketAddr,
+        listen: Option<std::net::SocketAddr>,
     },
     /// Run one prefill PP rank that connects to a decode process and serves its requests.
     Prefill {
-        /// The decode process's control address.
+        /// The decode process's control address (found through --etcd otherwise).
         #[arg(long)]
-        connect: std::net::SocketAddr,
+        connect: Option<std::net::SocketAddr>,
         /// This rank.
         #[arg(long)]
         pp_rank: u16,
         /// PP size (defaults to --pp).
         #[arg(long)]
         pp_size: Option<u16>,
-        /// Vote-mesh addresses of all ranks, comma-separated, in rank order (needed when PP > 1).
+        /// Vote-mesh addresses of all ranks, comma-separated, in rank order (needed when PP > 1,
+        /// found through --etcd otherwise).
         #[arg(long, value_delimiter = ',')]
         peers: Vec<std::net::SocketAddr>,
     },
@@ -256,6 +270,27 @@ impl Opts {
                 PoolArg::Caller => PoolKind::Caller,
             },
         })
+    }
+
+    /// The etcd settings of the multi-process roles, if `--etcd` was given.
+    fn discovery(&self) -> Result<Option<EtcdConfig>, String> {
+        let Some(urls) = &self.etcd else {
+            return Ok(None);
+        };
+        if urls == "auto" {
+            return Err("--etcd auto starts a server only with --processes".into());
+        }
+        if !(self.lease_ttl.is_finite() && (1.0..=3600.0).contains(&self.lease_ttl)) {
+            return Err(format!(
+                "--lease-ttl {} must be 1 to 3600 seconds",
+                self.lease_ttl
+            ));
+        }
+        let mut cfg = EtcdConfig::new(String::new(), self.cluster.clone());
+        cfg.endpoints = urls.split(',').map(str::to_string).collect();
+        cfg.lease_ttl = Duration::from_secs_f64(self.lease_ttl);
+        cfg.prefix().map_err(|e| e.to_string())?;
+        Ok(Some(cfg))
     }
 
     /// The shared secret of the multi-process roles: `--token-file`, else `KVX_TOKEN`, else none.
@@ -510,13 +545,21 @@ fn main() -> ExitCode {
     let result = match cli.role {
         None => rt.block_on(run_local(&cli.opts, &w)),
         Some(Role::Decode { listen }) => rt
-            .block_on(roles::run_decode(
-                listen,
-                &w,
-                cli.opts.backends()[0],
-                token,
-                cli.opts.stamps.as_deref(),
-            ))
+            .block_on(async {
+                let place = match (listen, cli.opts.discovery()?) {
+                    (Some(l), etcd) => roles::Place::Fixed(l, etcd),
+                    (None, Some(etcd)) => roles::Place::Etcd(etcd),
+                    (None, None) => return Err("decode needs --listen or --etcd".to_string()),
+                };
+                roles::run_decode(
+                    place,
+                    &w,
+                    cli.opts.backends()[0],
+                    token,
+                    cli.opts.stamps.as_deref(),
+                )
+                .await
+            })
             .map(|mut r| {
                 // Measured after the run, when the prefill processes have exited, so that they do
                 // not compete with it; the same baselines as the one-process run.
@@ -533,15 +576,22 @@ fn main() -> ExitCode {
         }) => {
             let mut w = w.clone();
             w.pp = pp_size.unwrap_or(w.pp);
-            rt.block_on(roles::run_prefill(
-                connect,
-                pp_rank,
-                peers,
-                &w,
-                cli.opts.backends()[0],
-                token,
-                cli.opts.stamps.as_deref(),
-            ))
+            rt.block_on(async {
+                let find = match (connect, cli.opts.discovery()?) {
+                    (Some(c), None) => roles::Find::Fixed(c, peers),
+                    (_, Some(etcd)) => roles::Find::Etcd(etcd),
+                    (None, None) => return Err("prefill needs --connect or --etcd".to_string()),
+                };
+                roles::run_prefill(
+                    find,
+                    pp_rank,
+                    &w,
+                    cli.opts.backends()[0],
+                    token,
+                    cli.opts.stamps.as_deref(),
+                )
+                .await
+            })
             .map(|_| Vec::new())
         }
     };
@@ -634,15 +684,35 @@ fn run_processes(opts: &Opts, w: &Workload) -> ExitCode {
     while let Some(a) = args.next() {
         match a.as_str() {
             "--processes" => {}
-            "--backend" | "--stamps" => {
+            "--backend" | "--stamps" | "--etcd" | "--cluster" => {
                 let _ = args.next();
             }
-            _ if a.starts_with("--backend=") || a.starts_with("--stamps=") => {}
+            _ if ["--backend=", "--stamps=", "--etcd=", "--cluster="]
+                .iter()
+                .any(|p| a.starts_with(p)) => {}
             _ => passed.push(a),
         }
     }
+    // With --etcd, the roles find each other there, each backend's run under a cluster of its own.
+    let mut _server = None;
+    let etcd = match opts.etcd.as_deref() {
+        None => None,
+        Some("auto") => match kvbench::etcd_server::EtcdServer::start() {
+            Ok(s) => {
+                let url = s.url();
+                _server = Some(s);
+                Some(url)
+            }
+            Err(e) => {
+                eprintln!("kvbench: --etcd auto: {e}");
+                return ExitCode::FAILURE;
+            }
+        },
+        Some(urls) => Some(urls.to_string()),
+    };
     let mut ok = true;
     for backend in opts.backends() {
+        let cluster = format!("{}-{}-{backend}", opts.cluster, std::process::id());
         let addrs = match kvbench::cluster::free_addrs(usize::from(w.pp) + 1) {
             Ok(a) => a,
             Err(e) => {
@@ -674,15 +744,17 @@ fn run_processes(opts: &Opts, w: &Workload) -> ExitCode {
                 .arg(&stamps)
                 .env(TOKEN_ENV, &secret)
                 .stdin(std::process::Stdio::null());
+            if let Some(url) = &etcd {
+                c.args(["--etcd", url, "--cluster", &cluster]);
+            }
             c
         };
-        let mut decode = match role(vec![
-            "decode".into(),
-            "--listen".into(),
-            addrs[0].to_string(),
-        ])
-        .spawn()
-        {
+        let decode_args = if etcd.is_some() {
+            vec!["decode".into()]
+        } else {
+            vec!["decode".into(), "--listen".into(), addrs[0].to_string()]
+        };
+        let mut decode = match role(decode_args).spawn() {
             Ok(c) => c,
             Err(e) => {
                 eprintln!("kvbench: cannot start decode: {e}");
@@ -691,15 +763,12 @@ fn run_processes(opts: &Opts, w: &Workload) -> ExitCode {
         };
         let mut prefills = Vec::new();
         for rank in 0..w.pp {
-            let mut c = role(vec![
-                "prefill".into(),
-                "--connect".into(),
-                addrs[0].to_string(),
-                "--pp-rank".into(),
-                rank.to_string(),
-                "--peers".into(),
-                peers.clone(),
-            ]);
+            let mut args = vec!["prefill".into(), "--pp-rank".into(), rank.to_string()];
+            if etcd.is_none() {
+                args.extend(["--connect".into(), addrs[0].to_string()]);
+                args.extend(["--peers".into(), peers.clone()]);
+            }
+            let mut c = role(args);
             match c.stdout(std::process::Stdio::null()).spawn() {
                 Ok(p) => prefills.push((rank, p)),
                 Err(e) => {

@@ -7,6 +7,8 @@
 
 pub mod control;
 pub mod core;
+#[cfg(feature = "etcd")]
+pub mod discovery;
 pub mod engine;
 pub mod mem;
 pub mod transport;

@@ -144,6 +144,18 @@ struct RankConn {
     external: bool,
     /// The rank said its vote mesh is formed ([`Msg::Ready`]); requests go to it only then.
     ready: bool,
+    /// The start of the rank this connection belongs to.
+    incarnation: u64,
+    /// An outside liveness signal (its etcd lease ended) says this start is gone while its
+    /// connection is up: no requests go to it until it is readmitted.
+    evicted: bool,
+}
+
+impl RankConn {
+    /// Whether requests go to this rank.
+    fn serving(&self) -> bool {
+        self.ready && !self.evicted
+    }
 }
 
 struct ReqInfo {
@@ -214,7 +226,10 @@ fn absence_begins(st: &mut State, now: Instant) {
 }
 
 fn absence_ends(st: &mut State, now: Instant) {
-    if st.ranks.iter().all(|r| r.as_ref().is_some_and(|r| r.ready))
+    if st
+        .ranks
+        .iter()
+        .all(|r| r.as_ref().is_some_and(RankConn::serving))
         && let Some(a) = st.absences.back_mut()
         && a.until.is_none()
     {
@@ -615,7 +630,11 @@ impl DecodeEngine {
                 },
             );
             st.waiters.insert(request, tx);
-            if st.ranks.iter().all(|r| r.as_ref().is_some_and(|r| r.ready)) {
+            if st
+                .ranks
+                .iter()
+                .all(|r| r.as_ref().is_some_and(RankConn::serving))
+            {
                 let launched =
                     self.inner
                         .launch(&mut st, request, prompt_tokens, chunk_tokens, now, deadline);
@@ -831,6 +850,61 @@ impl DecodeEngine {
         }
     }
 
+    /// An outside liveness signal says that start `incarnation` of `rank` is gone (its etcd lease
+    /// ended: the process died, or is stopped with its sockets open). If that start is connected,
+    /// its live requests fail with `PeerLost` at once (their outcomes do not wait for its
+    /// confirmation), every rank is told, and requests wait for the rank as for an absent one.
+    /// Its connection stays open: a stopped process may still write when it resumes, so the
+    /// failed requests' pages stay quarantined until it confirms (its AbortAck) or its connection
+    /// ends. Returns whether the rank was evicted now.
+    pub fn evict(&self, rank: u16, incarnation: u64) -> bool {
+        let mut st = self.inner.lock();
+        let Some(r) = st.ranks.get_mut(usize::from(rank)).and_then(Option::as_mut) else {
+            return false;
+        };
+        if r.incarnation != incarnation || r.evicted || r.external {
+            return false;
+        }
+        let was_serving = r.serving();
+        r.evicted = true;
+        let peer = r.peer;
+        let now = Instant::now();
+        absence_begins(&mut st, now);
+        st.tracker.handle_peer_lost(now, peer);
+        self.inner.drain(&mut st);
+        drop(st);
+        if was_serving {
+            self.inner
+                .connected
+                .send_modify(|n| *n = n.saturating_sub(1));
+        }
+        self.inner.timer.notify_one();
+        true
+    }
+
+    /// Undoes [`evict`](Self::evict) for the same start of `rank` (it registered again: it was
+    /// stopped, not dead, or etcd lost its record). Returns whether it was readmitted now.
+    pub fn readmit(&self, rank: u16, incarnation: u64) -> bool {
+        let mut st = self.inner.lock();
+        let Some(r) = st.ranks.get_mut(usize::from(rank)).and_then(Option::as_mut) else {
+            return false;
+        };
+        if r.incarnation != incarnation || !r.evicted {
+            return false;
+        }
+        r.evicted = false;
+        let serving = r.serving();
+        let now = Instant::now();
+        absence_ends(&mut st, now);
+        self.inner.unpark(&mut st, now);
+        drop(st);
+        if serving {
+            self.inner.connected.send_modify(|n| *n += 1);
+        }
+        self.inner.timer.notify_one();
+        true
+    }
+
     /// The times at least one PP rank was not connected and ready, oldest first (the last
     /// 1024; the first from the engine's start until every rank was there). A server or benchmark
     /// can tell failures a rank's absence explains from others with [`Absence::overlaps`].
@@ -954,6 +1028,8 @@ impl DecodeEngine {
             planner,
             external: true,
             ready: true,
+            incarnation: 0,
+            evicted: false,
         });
         absence_ends(&mut st, Instant::now());
         self.inner.unpark(&mut st, Instant::now());
@@ -985,7 +1061,7 @@ impl Inner {
         let peers = st
             .ranks
             .iter()
-            .map(|r| r.as_ref().filter(|r| r.ready).map(|r| r.peer))
+            .map(|r| r.as_ref().filter(|r| r.serving()).map(|r| r.peer))
             .collect::<Option<Vec<PeerId>>>()
             .ok_or_else(|| EngineError::Config("a prefill rank is not connected".into()))?;
         let dst_pages = st
@@ -1036,7 +1112,7 @@ impl Inner {
         match st
             .ranks
             .iter()
-            .position(|r| !r.as_ref().is_some_and(|r| r.ready))
+            .position(|r| !r.as_ref().is_some_and(RankConn::serving))
         {
             None => {
                 while let Some(p) = st.parked.pop_front() {
@@ -1107,6 +1183,12 @@ impl Inner {
                     for (rank, r) in st.ranks.iter().enumerate() {
                         match r {
                             Some(r) if r.external => external.push(rank as u16),
+                            // An evicted rank (lease ended: stopped or dead) is told, but the
+                            // outcome does not wait for it; its pages do, as for an external one.
+                            Some(r) if r.evicted => {
+                                let _ = r.writer.send(msg.clone());
+                                external.push(rank as u16);
+                            }
                             Some(r) if r.writer.send(msg.clone()).is_ok() => {
                                 ranks.push(rank as u16)
                             }
@@ -1332,6 +1414,9 @@ impl Inner {
             return;
         }
         r.ready = true;
+        if r.evicted {
+            return;
+        }
         let now = Instant::now();
         absence_ends(&mut st, now);
         self.unpark(&mut st, now);
@@ -1354,7 +1439,7 @@ impl Inner {
         {
             let was_ready = st.ranks[usize::from(rank)]
                 .as_ref()
-                .is_some_and(|r| r.ready);
+                .is_some_and(RankConn::serving);
             st.ranks[usize::from(rank)] = None;
             st.senders.remove(sender);
             absence_begins(&mut st, Instant::now());
@@ -1369,11 +1454,12 @@ impl Inner {
             tracing::warn!(rank, failed, "prefill rank lost");
         }
         self.drain(&mut st);
-        // A rank that is gone writes nothing more (its process or its connection ended).
+        // A rank that is gone writes nothing more (its process or its connection ended); that
+        // includes one evicted earlier, whose confirmations were pending beside the outcome.
         let waiting: Vec<RequestId> = st
             .unacked
             .iter()
-            .filter(|(_, u)| u.ranks.contains(&rank))
+            .filter(|(_, u)| u.ranks.contains(&rank) || u.external.contains(&rank))
             .map(|(r, _)| *r)
             .collect();
         for request in waiting {
@@ -1555,6 +1641,8 @@ async fn serve_rank(inner: Weak<Inner>, mut conn: Connection) {
             planner,
             external: false,
             ready: false,
+            incarnation: remote.incarnation,
+            evicted: false,
         });
         peer
     };

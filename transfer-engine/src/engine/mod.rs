@@ -320,7 +320,7 @@ async fn run_timer<T>(
 
 /// A new incarnation: nanoseconds since the Unix epoch, so a restart of a rank on any host whose
 /// clock does not step back by more than the restart takes gets a larger one.
-pub(crate) fn fresh_incarnation() -> u64 {
+pub fn fresh_incarnation() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(1, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))

@@ -263,6 +263,8 @@ struct Inner {
     mesh_changed: tokio::sync::watch::Sender<u64>,
     /// PP peer tasks started after the engine, stopped when it is dropped.
     mesh_tasks: TaskGuard,
+    /// Where each PP peer's vote mesh listens now (a restarted peer may listen elsewhere).
+    peer_addrs: Mutex<Vec<SocketAddr>>,
 }
 
 /// One prefill PP rank. Cheap to clone.
@@ -291,6 +293,13 @@ impl Drop for TaskGuard {
             }
         }
     }
+}
+
+fn lock_peers(inner: &Inner) -> std::sync::MutexGuard<'_, Vec<SocketAddr>> {
+    inner
+        .peer_addrs
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
@@ -439,6 +448,7 @@ impl PrefillEngine {
         vote_cfg.my_rank = cfg.pp_rank;
         let board = VoteBoard::new(vote_cfg)?;
         let (dtx, drx) = mpsc::unbounded_channel();
+        let cfg_peers = cfg.peers.clone();
         let inner = Arc::new(Inner {
             state: Mutex::new(State {
                 requests: HashMap::new(),
@@ -466,6 +476,7 @@ impl PrefillEngine {
             timer: Arc::new(Notify::new()),
             mesh_changed: tokio::sync::watch::channel(0).0,
             mesh_tasks: TaskGuard(Mutex::new(Vec::new())),
+            peer_addrs: Mutex::new(cfg_peers),
         });
         let (itx, irx) = mpsc::unbounded_channel();
         let mut tasks = Vec::new();
@@ -507,6 +518,19 @@ impl PrefillEngine {
     /// Cancel-safe: an allocation not yet returned stays queued.
     pub async fn next_request(&self) -> Option<IncomingRequest> {
         self.incoming.lock().await.recv().await
+    }
+
+    /// This start's incarnation (as its Hello carries it).
+    pub fn incarnation(&self) -> u64 {
+        self.inner.cfg.incarnation
+    }
+
+    /// PP peer `rank` listens for the vote mesh at `addr` now (a restarted peer registered a new
+    /// address): reconnection goes there from now on.
+    pub fn set_peer_address(&self, rank: u16, addr: SocketAddr) {
+        if let Some(a) = lock_peers(&self.inner).get_mut(usize::from(rank)) {
+            *a = addr;
+        }
     }
 
     /// Gives this rank a request's page allocation directly, for a decode side that does not speak
@@ -1220,6 +1244,8 @@ async fn connect_decode(
 
 /// How often a rank tries again to reach a lower rank whose connection ended.
 const MESH_RETRY: Duration = Duration::from_millis(100);
+/// Bound on one such attempt (connection and handshake).
+const MESH_ATTEMPT: Duration = Duration::from_secs(2);
 
 /// Connects to every lower rank and waits until every higher one connected; the listener keeps
 /// accepting afterwards, and a lower rank whose connection ends is connected to again, so a rank
@@ -1282,7 +1308,11 @@ async fn connect_peer(
     rank: u16,
     deadline: tokio::time::Instant,
 ) -> Result<(Connection, u64), EngineError> {
-    let mut c = Connection::connect(inner.cfg.peers[usize::from(rank)], deadline).await?;
+    let addr = lock_peers(inner)
+        .get(usize::from(rank))
+        .copied()
+        .ok_or_else(|| EngineError::Config(format!("no address for PP rank {rank}")))?;
+    let mut c = Connection::connect(addr, deadline).await?;
     let remote = control::handshake(&mut c, hello, &inner.secret, deadline).await?;
     if remote.pp_rank != rank {
         return Err(EngineError::Config(format!(
@@ -1394,7 +1424,8 @@ async fn reconnect_peer(inner: Weak<Inner>, hello: Arc<Hello>, rank: u16) {
         if i.mesh_closed() {
             return;
         }
-        let deadline = tokio::time::Instant::now() + i.cfg.connect_timeout;
+        // A short attempt, so that a new address (a restarted peer on a new port) is picked up.
+        let deadline = tokio::time::Instant::now() + MESH_ATTEMPT.min(i.cfg.connect_timeout);
         match connect_peer(&i, &hello, rank, deadline).await {
             Ok(c) => {
                 if i.mesh_admissible(rank, c.1).is_ok() {

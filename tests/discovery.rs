@@ -1,0 +1,225 @@
+//! Discovery against a real etcd server (Debian's `etcd`, started by each test on free ports):
+//! records and their leases, clusters kept apart by name, a restart of etcd under registered
+//! engines, and what 64 engines registering and watching cost.
+//!
+//! A missing `etcd` binary fails these tests (`scripts/provision` installs it).
+#![allow(clippy::unwrap_used)]
+
+use kvbench::etcd_server::EtcdServer;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+use transfer_engine::discovery::{
+    Directory, DirectoryEvent, EngineRecord, EtcdConfig, RecordRole, Registration,
+};
+
+/// Bound on every wait for etcd to show a change.
+const BOUND: Duration = Duration::from_secs(15);
+
+fn record(role: RecordRole, pp_rank: u16, port: u16, incarnation: u64) -> EngineRecord {
+    EngineRecord {
+        role,
+        engine_id: format!("{role:?}-{pp_rank}"),
+        address: SocketAddr::from(([127, 0, 0, 1], port)),
+        tp_rank: 0,
+        pp_rank,
+        pp_size: 4,
+        total_layers: 8,
+        page_tokens: 16,
+        first_layer: 2 * u32::from(pp_rank),
+        num_layers: 2,
+        incarnation,
+    }
+}
+
+fn cfg(server: &EtcdServer, cluster: &str, ttl: u64) -> EtcdConfig {
+    let mut c = EtcdConfig::new(server.url(), cluster);
+    c.lease_ttl = Duration::from_secs(ttl);
+    c
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clusters_under_different_names_do_not_see_each_other() {
+    let server = EtcdServer::start().unwrap();
+    // "a" is a prefix of "ab" as a string: the key layout must still keep them apart.
+    let (a, ab) = (cfg(&server, "a", 5), cfg(&server, "ab", 5));
+    let dir_a = Directory::open(&a).await.unwrap();
+    let dir_ab = Directory::open(&ab).await.unwrap();
+    let _ra = Registration::register(&a, record(RecordRole::Decode, 0, 1000, 1))
+        .await
+        .unwrap();
+    let _rab = Registration::register(&ab, record(RecordRole::Decode, 0, 2000, 1))
+        .await
+        .unwrap();
+    let _rab2 = Registration::register(&ab, record(RecordRole::Prefill, 1, 2001, 1))
+        .await
+        .unwrap();
+    dir_ab
+        .wait_for("both of ab's records", BOUND, |r| {
+            (r.len() == 2).then_some(())
+        })
+        .await
+        .unwrap();
+    dir_a
+        .wait_for("a's record", BOUND, |r| (!r.is_empty()).then_some(()))
+        .await
+        .unwrap();
+    // A fresh listing too, not only what the watch delivered.
+    let fresh_a = Directory::open(&a).await.unwrap();
+    for d in [&dir_a, &fresh_a] {
+        let rs = d.records();
+        assert_eq!(rs.len(), 1, "{rs:?}");
+        assert_eq!(rs[0].address.port(), 1000);
+    }
+    assert!(dir_ab.records().iter().all(|r| r.address.port() >= 2000));
+    assert!(EtcdConfig::new(server.url(), "a/b").prefix().is_err());
+    assert!(EtcdConfig::new(server.url(), "").prefix().is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_registration_is_deleted_and_an_unrenewed_one_expires() {
+    let server = EtcdServer::start().unwrap();
+    let c = cfg(&server, "leases", 2);
+    let dir = Directory::open(&c).await.unwrap();
+    let mut events = dir.events();
+    let reg = Registration::register(&c, record(RecordRole::Prefill, 2, 3000, 7))
+        .await
+        .unwrap();
+    let ev = tokio::time::timeout(BOUND, events.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(ev, DirectoryEvent::Put(ref r) if r.incarnation == 7),
+        "{ev:?}"
+    );
+    // Dropping revokes the lease: the record is gone at once, not a lease later.
+    let t = Instant::now();
+    drop(reg);
+    let ev = tokio::time::timeout(BOUND, events.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(ev, DirectoryEvent::Deleted(ref r) if r.pp_rank == 2),
+        "{ev:?}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+
+    // A lease nobody renews (a stopped engine) ends within its TTL, and the record with it.
+    let mut client = etcd_client::Client::connect([server.url()], None)
+        .await
+        .unwrap();
+    let lease = client.lease_grant(2, None).await.unwrap().id();
+    let r = record(RecordRole::Prefill, 3, 3001, 9);
+    let key = r.key(&c.prefix().unwrap());
+    let opts = etcd_client::PutOptions::new().with_lease(lease);
+    client
+        .put(key, serde_json::to_vec(&r).unwrap(), Some(opts))
+        .await
+        .unwrap();
+    let put_at = Instant::now();
+    let mut deleted = None;
+    while deleted.is_none() {
+        match tokio::time::timeout(BOUND, events.recv())
+            .await
+            .unwrap()
+            .unwrap()
+        {
+            DirectoryEvent::Deleted(r) => deleted = Some(r),
+            DirectoryEvent::Put(_) => {}
+        }
+    }
+    let took = put_at.elapsed();
+    assert_eq!(deleted.unwrap().incarnation, 9);
+    // etcd's expiry is the TTL plus its own check interval (about half a second).
+    assert!(took < Duration::from_secs(4), "expired after {took:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_of_etcd_keeps_records_and_registrations_renew() {
+    let mut server = EtcdServer::start().unwrap();
+    let c = cfg(&server, "restart", 3);
+    let reg = Registration::register(&c, record(RecordRole::Decode, 0, 4000, 1))
+        .await
+        .unwrap();
+    let dir = Directory::open(&c).await.unwrap();
+    assert_eq!(dir.records().len(), 1);
+    server.stop();
+    // Down for longer than the lease: etcd keeps leases across a restart and renews them from it.
+    std::thread::sleep(Duration::from_secs(4));
+    assert!(reg.state().unreachable, "{:?}", reg.state());
+    server.resume().unwrap();
+    let t = Instant::now();
+    while reg.state().unreachable && t.elapsed() < BOUND {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        !reg.state().unreachable,
+        "the registration did not reconnect"
+    );
+    // Past another lease: still registered (renewed), and the directory follows again.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let fresh = Directory::open(&c).await.unwrap();
+    assert_eq!(fresh.records().len(), 1, "the record did not survive");
+    let _r2 = Registration::register(&c, record(RecordRole::Prefill, 0, 4001, 1))
+        .await
+        .unwrap();
+    dir.wait_for("the new record", BOUND, |r| (r.len() == 2).then_some(()))
+        .await
+        .unwrap();
+}
+
+/// Registration and watch cost with 64 engines in one process against one etcd: every engine
+/// registers and opens a directory of the cluster (as every prefill rank does). Prints what it
+/// took; asserts that every directory saw every record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_four_engines_register_and_watch() {
+    const N: u16 = 64;
+    let server = EtcdServer::start().unwrap();
+    let c = cfg(&server, "scale", 10);
+    let t0 = Instant::now();
+    let mut dirs = Vec::new();
+    for _ in 0..N {
+        dirs.push(Directory::open(&c).await.unwrap());
+    }
+    let opened = t0.elapsed();
+    let t1 = Instant::now();
+    let mut regs = Vec::new();
+    for i in 0..N {
+        let mut r = record(RecordRole::Prefill, i, 5000 + i, 1);
+        r.pp_size = N;
+        regs.push(Registration::register(&c, r).await.unwrap());
+    }
+    let registered = t1.elapsed();
+    for d in &dirs {
+        d.wait_for("every record", BOUND, |r| {
+            (r.len() == usize::from(N)).then_some(())
+        })
+        .await
+        .unwrap();
+    }
+    let seen = t1.elapsed();
+    // One restart of a rank: every directory sees its new incarnation.
+    let t2 = Instant::now();
+    regs.swap_remove(5);
+    let mut r = record(RecordRole::Prefill, 5, 6005, 2);
+    r.pp_size = N;
+    regs.push(Registration::register(&c, r).await.unwrap());
+    for d in &dirs {
+        d.wait_for("rank 5's new start", BOUND, |r| {
+            r.iter()
+                .any(|r| r.pp_rank == 5 && r.incarnation == 2)
+                .then_some(())
+        })
+        .await
+        .unwrap();
+    }
+    let rejoin = t2.elapsed();
+    eprintln!(
+        "{N} engines: {N} directories opened in {opened:?}, {N} registrations in {registered:?} \
+         ({:?} each), every directory saw all {N} records {seen:?} after the first registration \
+         ({} watch events); one rank's restart reached all {N} directories in {rejoin:?}",
+        registered / u32::from(N),
+        u32::from(N) * u32::from(N),
+    );
+}

@@ -1,0 +1,701 @@
+//! Discovery through etcd (v3): engines find each other by a cluster name instead of addresses.
+//!
+//! Every engine puts one [`EngineRecord`] under `kvx/<cluster>/` with a lease it keeps alive
+//! ([`Registration`]): decode its control address, each prefill rank the address of its vote mesh,
+//! with role, PP and TP rank, the layout's summary and the engine start's incarnation. Engines
+//! read the others through a [`Directory`], which lists the prefix and then follows it with a
+//! watch. What goes into etcd is only what a peer needs to *reach* an engine: worker addresses,
+//! rkeys and the shared secret travel on the authenticated control plane only, never here.
+//!
+//! A lease that expires deletes the record: a second liveness signal beside the control
+//! connection, which also catches a process that is stopped rather than dead (its sockets stay
+//! open). [`watch_decode`] turns such a deletion into [`DecodeEngine::evict`] and a record that
+//! comes back into [`DecodeEngine::readmit`].
+//!
+//! When etcd restarts (or a client loses it for a while), the connection is made again: a
+//! registration keeps its lease if etcd still has it and registers anew otherwise, and a
+//! directory lists the prefix again. Engine-to-engine connections do not go through etcd and
+//! keep working meanwhile.
+//!
+//! The one etcd client is the maintained `etcd-client` crate (gRPC through tonic).
+
+use crate::engine::{DecodeEngine, EngineError, MeshSocket, PrefillConfig, PrefillEngine};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// Where the cluster's records live.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EtcdConfig {
+    /// etcd endpoints, as `http://host:port`.
+    pub endpoints: Vec<String>,
+    /// The cluster name: records live under `kvx/<cluster>/`, so clusters under different names
+    /// never see each other. Non-empty, without `/`.
+    pub cluster: String,
+    /// The lease's time to live: a record outlives its engine (or a stopped engine) by at most
+    /// this, and the engine renews it every third of it. At least one second (etcd counts in
+    /// seconds).
+    pub lease_ttl: Duration,
+}
+
+impl EtcdConfig {
+    /// One endpoint, a cluster name, a 5 s lease.
+    pub fn new(endpoint: impl Into<String>, cluster: impl Into<String>) -> Self {
+        EtcdConfig {
+            endpoints: vec![endpoint.into()],
+            cluster: cluster.into(),
+            lease_ttl: Duration::from_secs(5),
+        }
+    }
+
+    /// `kvx/<cluster>/`.
+    ///
+    /// # Errors
+    /// [`DiscoveryError::BadCluster`] for an empty name or one with `/`.
+    pub fn prefix(&self) -> Result<String, DiscoveryError> {
+        if self.cluster.is_empty() || self.cluster.contains('/') {
+            return Err(DiscoveryError::BadCluster(self.cluster.clone()));
+        }
+        Ok(format!("kvx/{}/", self.cluster))
+    }
+
+    fn ttl_secs(&self) -> i64 {
+        i64::try_from(self.lease_ttl.as_secs().max(1)).unwrap_or(i64::MAX)
+    }
+
+    async fn connect(&self) -> Result<etcd_client::Client, DiscoveryError> {
+        let options = etcd_client::ConnectOptions::new()
+            .with_connect_timeout(Duration::from_secs(2))
+            .with_timeout(Duration::from_secs(5));
+        etcd_client::Client::connect(&self.endpoints, Some(options))
+            .await
+            .map_err(DiscoveryError::from)
+    }
+}
+
+/// What went wrong with etcd.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DiscoveryError {
+    /// The cluster name cannot be a key prefix.
+    #[error("cluster name {0:?} must be non-empty and without '/'")]
+    BadCluster(String),
+    /// etcd refused or could not be reached.
+    #[error("etcd: {0}")]
+    Etcd(#[from] etcd_client::Error),
+    /// A record that does not parse (written by something else under our prefix).
+    #[error("record {key}: {reason}")]
+    BadRecord {
+        /// Its key.
+        key: String,
+        /// Why it does not parse.
+        reason: String,
+    },
+    /// What a caller waited for did not appear in time.
+    #[error("timed out waiting for {0}")]
+    Timeout(String),
+}
+
+impl From<DiscoveryError> for EngineError {
+    fn from(e: DiscoveryError) -> Self {
+        EngineError::Config(format!("discovery: {e}"))
+    }
+}
+
+/// An engine's role in its record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RecordRole {
+    /// A decode engine: `address` is its control address.
+    Decode,
+    /// A prefill PP rank: `address` is its vote mesh address.
+    Prefill,
+}
+
+/// What an engine publishes about itself: how to reach it and what it is, nothing secret.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct EngineRecord {
+    /// Decode or prefill.
+    pub role: RecordRole,
+    /// The engine's name.
+    pub engine_id: String,
+    /// Decode: its control address. Prefill: its vote mesh address (peers connect there).
+    pub address: SocketAddr,
+    /// TP rank.
+    pub tp_rank: u16,
+    /// PP rank (0 for decode).
+    pub pp_rank: u16,
+    /// PP size.
+    pub pp_size: u16,
+    /// The model's layer count.
+    pub total_layers: u32,
+    /// Tokens per page.
+    pub page_tokens: u32,
+    /// The first layer this engine holds and how many (decode: all).
+    pub first_layer: u32,
+    /// Layers held.
+    pub num_layers: u32,
+    /// The engine start's incarnation (see [`crate::core::membership`]).
+    pub incarnation: u64,
+}
+
+impl EngineRecord {
+    /// The record's key under the cluster `prefix`: one key per role, TP and PP rank, so a
+    /// restarted rank's record replaces its previous start's.
+    pub fn key(&self, prefix: &str) -> String {
+        let role = match self.role {
+            RecordRole::Decode => "decode",
+            RecordRole::Prefill => "prefill",
+        };
+        format!("{prefix}{role}/{}/{}", self.tp_rank, self.pp_rank)
+    }
+}
+
+/// An engine's record in etcd, kept alive until dropped (then revoked, so peers see it gone at
+/// once rather than after the lease).
+pub struct Registration {
+    state: watch::Receiver<RegState>,
+    task: tokio::task::JoinHandle<()>,
+    client: etcd_client::Client,
+}
+
+impl std::fmt::Debug for Registration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registration")
+            .field("state", &*self.state.borrow())
+            .finish_non_exhaustive()
+    }
+}
+
+/// How a registration stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RegState {
+    /// The current lease.
+    pub lease: i64,
+    /// Times the record was put anew after its lease was lost (etcd restarted without its data,
+    /// or the engine could not renew it in time).
+    pub reregistered: u64,
+    /// etcd cannot be reached now.
+    pub unreachable: bool,
+}
+
+impl Registration {
+    /// Revokes the lease, deleting the record now, and stops renewing it.
+    ///
+    /// # Errors
+    /// etcd did not take the revocation (the record then ends with its lease).
+    pub async fn revoke(self) -> Result<(), DiscoveryError> {
+        self.task.abort();
+        let lease = self.state.borrow().lease;
+        let mut client = self.client.clone();
+        client.lease_revoke(lease).await?;
+        Ok(())
+    }
+
+    /// Puts `record` under `cfg`'s prefix with a new lease, and keeps it there.
+    ///
+    /// # Errors
+    /// etcd unreachable, or a bad cluster name.
+    pub async fn register(cfg: &EtcdConfig, record: EngineRecord) -> Result<Self, DiscoveryError> {
+        let key = record.key(&cfg.prefix()?);
+        let value = serde_json::to_vec(&record).map_err(|e| DiscoveryError::BadRecord {
+            key: key.clone(),
+            reason: e.to_string(),
+        })?;
+        let mut client = cfg.connect().await?;
+        let lease = put_with_lease(&mut client, cfg.ttl_secs(), &key, &value).await?;
+        let (tx, rx) = watch::channel(RegState {
+            lease,
+            ..RegState::default()
+        });
+        let task = tokio::spawn(keep_alive(cfg.clone(), client.clone(), key, value, tx));
+        Ok(Registration {
+            state: rx,
+            task,
+            client,
+        })
+    }
+
+    /// How the registration stands now.
+    pub fn state(&self) -> RegState {
+        *self.state.borrow()
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        self.task.abort();
+        let lease = self.state.borrow().lease;
+        // Best effort: revoke so that peers see the engine gone now, not a lease later.
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let mut client = self.client.clone();
+            rt.spawn(async move {
+                let _ = client.lease_revoke(lease).await;
+            });
+        }
+    }
+}
+
+async fn put_with_lease(
+    client: &mut etcd_client::Client,
+    ttl: i64,
+    key: &str,
+    value: &[u8],
+) -> Result<i64, DiscoveryError> {
+    let lease = client.lease_grant(ttl, None).await?.id();
+    let opts = etcd_client::PutOptions::new().with_lease(lease);
+    client.put(key, value, Some(opts)).await?;
+    Ok(lease)
+}
+
+/// Renews the lease every third of its TTL; reconnects while etcd is away; puts the record again
+/// with a new lease when the old one is gone.
+async fn keep_alive(
+    cfg: EtcdConfig,
+    mut client: etcd_client::Client,
+    key: String,
+    value: Vec<u8>,
+    tx: watch::Sender<RegState>,
+) {
+    let period = Duration::from_secs_f64(cfg.lease_ttl.as_secs_f64().max(1.0) / 3.0);
+    loop {
+        let lease = tx.borrow().lease;
+        // One keep-alive stream until it fails.
+        if let Ok((mut keeper, mut stream)) = client.lease_keep_alive(lease).await {
+            tx.send_modify(|s| s.unreachable = false);
+            loop {
+                if keeper.keep_alive().await.is_err() {
+                    break;
+                }
+                match tokio::time::timeout(period, stream.message()).await {
+                    Ok(Ok(Some(r))) if r.ttl() > 0 => {}
+                    Ok(Ok(Some(_))) => {
+                        // The lease is gone: put the record again under a new one.
+                        match put_with_lease(&mut client, cfg.ttl_secs(), &key, &value).await {
+                            Ok(new) => {
+                                tracing::info!(key, lease = new, "registered again in etcd");
+                                tx.send_modify(|s| {
+                                    s.lease = new;
+                                    s.reregistered += 1;
+                                });
+                            }
+                            Err(e) => tracing::warn!(key, error = %e, "etcd registration failed"),
+                        }
+                        break;
+                    }
+                    _ => break,
+                }
+                tokio::time::sleep(period).await;
+            }
+        }
+        tx.send_modify(|s| s.unreachable = true);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        if let Ok(c) = cfg.connect().await {
+            client = c;
+        }
+    }
+}
+
+/// A change the directory saw.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DirectoryEvent {
+    /// A record was put (new, or a restarted engine's replacing its previous start's).
+    Put(EngineRecord),
+    /// A record was deleted: its lease expired or was revoked.
+    Deleted(EngineRecord),
+}
+
+/// The cluster's records as etcd has them, followed with a watch.
+#[derive(Debug, Clone)]
+pub struct Directory {
+    records: Arc<Mutex<HashMap<String, EngineRecord>>>,
+    changed: watch::Receiver<u64>,
+    events: tokio::sync::broadcast::Sender<DirectoryEvent>,
+    _task: Arc<AbortOnDrop>,
+}
+
+#[derive(Debug)]
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+impl Directory {
+    /// Lists `cfg`'s prefix and follows it.
+    ///
+    /// # Errors
+    /// etcd unreachable, or a bad cluster name.
+    pub async fn open(cfg: &EtcdConfig) -> Result<Self, DiscoveryError> {
+        let prefix = cfg.prefix()?;
+        let mut client = cfg.connect().await?;
+        let records: Arc<Mutex<HashMap<String, EngineRecord>>> = Arc::default();
+        let (ctx, crx) = watch::channel(0u64);
+        let (events, _) = tokio::sync::broadcast::channel(1024);
+        let rev = list(&mut client, &prefix, &records, &events).await?;
+        let task = tokio::spawn(follow(
+            cfg.clone(),
+            client,
+            prefix,
+            rev,
+            records.clone(),
+            ctx,
+            events.clone(),
+        ));
+        Ok(Directory {
+            records,
+            changed: crx,
+            events,
+            _task: Arc::new(AbortOnDrop(task)),
+        })
+    }
+
+    /// Every record now.
+    pub fn records(&self) -> Vec<EngineRecord> {
+        lock(&self.records).values().cloned().collect()
+    }
+
+    /// Changes from now on (a receiver that falls 1024 events behind loses the oldest).
+    pub fn events(&self) -> tokio::sync::broadcast::Receiver<DirectoryEvent> {
+        self.events.subscribe()
+    }
+
+    /// Waits until `pick` finds what it wants in the records, or `timeout` passes.
+    ///
+    /// # Errors
+    /// [`DiscoveryError::Timeout`] naming `what`.
+    pub async fn wait_for<T>(
+        &self,
+        what: &str,
+        timeout: Duration,
+        pick: impl Fn(&[EngineRecord]) -> Option<T>,
+    ) -> Result<T, DiscoveryError> {
+        let mut changed = self.changed.clone();
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if let Some(t) = pick(&self.records()) {
+                return Ok(t);
+            }
+            match tokio::time::timeout_at(deadline, changed.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) | Err(_) => return Err(DiscoveryError::Timeout(what.to_string())),
+            }
+        }
+    }
+
+    /// The decode engine of TP rank `tp_rank` and the vote mesh addresses of its `pp_size` prefill
+    /// ranks, in rank order, once all are registered.
+    ///
+    /// # Errors
+    /// [`DiscoveryError::Timeout`].
+    pub async fn wait_for_cluster(
+        &self,
+        tp_rank: u16,
+        pp_size: u16,
+        timeout: Duration,
+    ) -> Result<(EngineRecord, Vec<SocketAddr>), DiscoveryError> {
+        self.wait_for("the decode engine and every prefill rank", timeout, |rs| {
+            let decode = rs
+                .iter()
+                .find(|r| r.role == RecordRole::Decode && r.tp_rank == tp_rank)?;
+            let peers = (0..pp_size)
+                .map(|p| {
+                    rs.iter()
+                        .find(|r| {
+                            r.role == RecordRole::Prefill && r.tp_rank == tp_rank && r.pp_rank == p
+                        })
+                        .map(|r| r.address)
+                })
+                .collect::<Option<Vec<_>>>()?;
+            Some((decode.clone(), peers))
+        })
+        .await
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn parse(key: &str, value: &[u8]) -> Result<EngineRecord, DiscoveryError> {
+    serde_json::from_slice(value).map_err(|e| DiscoveryError::BadRecord {
+        key: key.to_string(),
+        reason: e.to_string(),
+    })
+}
+
+/// Replaces the records with the prefix's listing; returns its revision. Records that vanished
+/// while the directory was not following are dropped without a `Deleted` event: only a watched
+/// deletion says that an engine's lease ended.
+async fn list(
+    client: &mut etcd_client::Client,
+    prefix: &str,
+    records: &Mutex<HashMap<String, EngineRecord>>,
+    events: &tokio::sync::broadcast::Sender<DirectoryEvent>,
+) -> Result<i64, DiscoveryError> {
+    let resp = client
+        .get(prefix, Some(etcd_client::GetOptions::new().with_prefix()))
+        .await?;
+    let rev = resp
+        .header()
+        .map_or(0, etcd_client::ResponseHeader::revision);
+    let mut fresh = HashMap::new();
+    for kv in resp.kvs() {
+        let key = String::from_utf8_lossy(kv.key()).into_owned();
+        match parse(&key, kv.value()) {
+            Ok(r) => {
+                fresh.insert(key, r);
+            }
+            Err(e) => tracing::warn!(error = %e, "ignoring a record"),
+        }
+    }
+    let mut map = lock(records);
+    for (k, r) in &fresh {
+        if map.get(k) != Some(r) {
+            let _ = events.send(DirectoryEvent::Put(r.clone()));
+        }
+    }
+    *map = fresh;
+    Ok(rev)
+}
+
+async fn follow(
+    cfg: EtcdConfig,
+    mut client: etcd_client::Client,
+    prefix: String,
+    mut rev: i64,
+    records: Arc<Mutex<HashMap<String, EngineRecord>>>,
+    changed: watch::Sender<u64>,
+    events: tokio::sync::broadcast::Sender<DirectoryEvent>,
+) {
+    loop {
+        let opts = etcd_client::WatchOptions::new()
+            .with_prefix()
+            .with_prev_key()
+            .with_start_revision(rev + 1);
+        if let Ok(mut stream) = client.watch(prefix.as_str(), Some(opts)).await {
+            while let Ok(Some(resp)) = stream.message().await {
+                if resp.canceled() {
+                    break;
+                }
+                if let Some(h) = resp.header() {
+                    rev = rev.max(h.revision());
+                }
+                for ev in resp.events() {
+                    let Some(kv) = ev.kv() else { continue };
+                    let key = String::from_utf8_lossy(kv.key()).into_owned();
+                    rev = rev.max(kv.mod_revision());
+                    match ev.event_type() {
+                        etcd_client::EventType::Put => match parse(&key, kv.value()) {
+                            Ok(r) => {
+                                lock(&records).insert(key, r.clone());
+                                let _ = events.send(DirectoryEvent::Put(r));
+                            }
+                            Err(e) => tracing::warn!(error = %e, "ignoring a record"),
+                        },
+                        etcd_client::EventType::Delete => {
+                            let old = lock(&records)
+                                .remove(&key)
+                                .or_else(|| ev.prev_kv().and_then(|p| parse(&key, p.value()).ok()));
+                            if let Some(r) = old {
+                                let _ = events.send(DirectoryEvent::Deleted(r));
+                            }
+                        }
+                    }
+                }
+                changed.send_modify(|n| *n += 1);
+            }
+        }
+        // etcd went away (or compacted past us): connect again and list afresh.
+        loop {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let Ok(mut c) = cfg.connect().await else {
+                continue;
+            };
+            if let Ok(r) = list(&mut c, &prefix, &records, &events).await {
+                rev = r;
+                client = c;
+                changed.send_modify(|n| *n += 1);
+                break;
+            }
+        }
+    }
+}
+
+/// Follows `directory` for decode `engine` (TP rank `tp_rank`): a prefill rank whose record is
+/// deleted while that start of it is connected is evicted (its lease expired: the process died or
+/// is stopped), and readmitted if the same start registers again. Runs until the engine is
+/// dropped or the directory closes.
+pub async fn watch_decode(engine: DecodeEngine, directory: Directory, tp_rank: u16) {
+    let mut events = directory.events();
+    loop {
+        let ev = match events.recv().await {
+            Ok(ev) => ev,
+            Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
+                tracing::warn!(missed = n, "directory events missed");
+                continue;
+            }
+            Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+        };
+        let (r, deleted) = match ev {
+            DirectoryEvent::Deleted(r) => (r, true),
+            DirectoryEvent::Put(r) => (r, false),
+        };
+        if r.role != RecordRole::Prefill || r.tp_rank != tp_rank {
+            continue;
+        }
+        if deleted && engine.evict(r.pp_rank, r.incarnation) {
+            tracing::warn!(
+                rank = r.pp_rank,
+                incarnation = r.incarnation,
+                "prefill rank's etcd lease ended while it is connected: evicted"
+            );
+        } else if !deleted && engine.readmit(r.pp_rank, r.incarnation) {
+            tracing::info!(
+                rank = r.pp_rank,
+                "prefill rank registered again: readmitted"
+            );
+        }
+    }
+}
+
+/// Makes `cfg` a prefill rank found through etcd: binds its vote mesh socket on `host` (any free
+/// port), registers the rank (record `address`: that socket), and waits up to `timeout` for the
+/// decode engine of `tp_rank` and every PP rank of it to be registered; then fills `cfg.decode`,
+/// `cfg.peers` and `cfg.mesh_socket`. Keep the registration as long as the engine runs.
+///
+/// # Errors
+/// etcd unreachable, the socket cannot be bound, or the cluster incomplete at `timeout`.
+pub async fn find_prefill_cluster(
+    etcd: &EtcdConfig,
+    cfg: &mut PrefillConfig,
+    tp_rank: u16,
+    host: std::net::IpAddr,
+    timeout: Duration,
+) -> Result<(Registration, Directory), DiscoveryError> {
+    let mut address = SocketAddr::new(host, 0);
+    if cfg.pp_size > 1 {
+        let socket = MeshSocket::bind(address).map_err(|e| DiscoveryError::BadRecord {
+            key: "the vote mesh socket".into(),
+            reason: e.to_string(),
+        })?;
+        address = socket.local_addr().map_err(|e| DiscoveryError::BadRecord {
+            key: "the vote mesh socket".into(),
+            reason: e.to_string(),
+        })?;
+        cfg.mesh_socket = Some(Arc::new(socket));
+    }
+    let record = EngineRecord {
+        role: RecordRole::Prefill,
+        engine_id: cfg.engine_id.clone(),
+        address,
+        tp_rank,
+        pp_rank: cfg.pp_rank,
+        pp_size: cfg.pp_size,
+        total_layers: cfg.total_layers,
+        page_tokens: cfg.page_tokens,
+        first_layer: cfg.layout.first_layer,
+        num_layers: cfg.layout.num_layers,
+        incarnation: cfg.incarnation,
+    };
+    let directory = Directory::open(etcd).await?;
+    let registration = Registration::register(etcd, record).await?;
+    let (decode, peers) = directory
+        .wait_for_cluster(tp_rank, cfg.pp_size, timeout)
+        .await?;
+    cfg.decode = decode.address;
+    if cfg.pp_size > 1 {
+        cfg.peers = peers;
+        // Our own entry is the socket we hold, whatever an older record of this rank said.
+        cfg.peers[usize::from(cfg.pp_rank)] = address;
+    }
+    Ok((registration, directory))
+}
+
+/// Follows `directory` for prefill rank `engine` (TP rank `tp_rank`): a PP peer that registers a
+/// new address (a restarted rank listens on a new port) is reconnected to there. A peer whose
+/// lease ends is left to decode, which evicts it; this rank's board still waits for that peer's
+/// votes (a stopped peer that resumes casts them) up to their deadline. Runs until the directory
+/// closes.
+pub async fn watch_prefill(engine: PrefillEngine, directory: Directory, tp_rank: u16) {
+    let mut events = directory.events();
+    loop {
+        let ev = match events.recv().await {
+            Ok(ev) => ev,
+            Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
+            Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+        };
+        if let DirectoryEvent::Put(r) = ev
+            && r.role == RecordRole::Prefill
+            && r.tp_rank == tp_rank
+            && r.pp_rank != engine.pp_rank()
+        {
+            engine.set_peer_address(r.pp_rank, r.address);
+        }
+    }
+}
+
+/// An engine's membership in an etcd cluster: its registration, its directory and the task that
+/// follows the directory for it (which holds a handle to the engine). Drop it before shutting the
+/// engine down: that revokes the record and stops the task.
+#[derive(Debug)]
+pub struct Membership {
+    /// The engine's record.
+    pub registration: Registration,
+    /// The cluster as etcd has it.
+    pub directory: Directory,
+    _follow: AbortOnDrop,
+}
+
+/// Registers decode engine `engine` with `record` and follows the cluster for it
+/// ([`watch_decode`]).
+///
+/// # Errors
+/// etcd unreachable.
+pub async fn join_decode(
+    etcd: &EtcdConfig,
+    engine: &DecodeEngine,
+    record: EngineRecord,
+) -> Result<Membership, DiscoveryError> {
+    let tp_rank = record.tp_rank;
+    let directory = Directory::open(etcd).await?;
+    let registration = Registration::register(etcd, record).await?;
+    let task = tokio::spawn(watch_decode(engine.clone(), directory.clone(), tp_rank));
+    Ok(Membership {
+        registration,
+        directory,
+        _follow: AbortOnDrop(task),
+    })
+}
+
+/// Follows the cluster for prefill rank `engine`, started with a configuration from
+/// [`find_prefill_cluster`] ([`watch_prefill`]).
+pub fn join_prefill(
+    engine: &PrefillEngine,
+    registration: Registration,
+    directory: Directory,
+    tp_rank: u16,
+) -> Membership {
+    let task = tokio::spawn(watch_prefill(engine.clone(), directory.clone(), tp_rank));
+    Membership {
+        registration,
+        directory,
+        _follow: AbortOnDrop(task),
+    }
+}
+
+impl Membership {
+    /// Leaves the cluster: stops following it and revokes the record, so that peers see the
+    /// engine gone now rather than a lease later.
+    ///
+    /// # Errors
+    /// etcd did not take the revocation.
+    pub async fn leave(self) -> Result<(), DiscoveryError> {
+        drop(self._follow);
+        self.registration.revoke().await
+    }
+}

@@ -210,6 +210,25 @@ def test_a_mesh_socket_holds_its_port_and_must_be_the_ranks_own_entry():
         kvx.MeshSocket("no-such-host.invalid:0")
 
 
+
+def test_a_request_waits_for_an_absent_rank_then_fails_naming_it():
+    layout = kvx.Layout(first_layer=0, num_layers=2, page_bytes=1024, num_pages=4)
+    d = kvx.DecodeEngine(layout=layout, total_layers=2, page_tokens=16, pp_size=2,
+                         memory=np.zeros(layout.buffer_len, np.uint8), rank_wait=0.2)
+    t = time.monotonic()
+    outcome = d.expect(1, 32, 16, [0, 1], timeout=30).wait(10)
+    assert not outcome.complete
+    with pytest.raises(kvx.TransferFailed) as e:
+        outcome.raise_for_failure()
+    assert (e.value.reason, e.value.rank) == ("rank_unavailable", 0)
+    assert 0.2 <= time.monotonic() - t < 5
+    s = d.stats()
+    assert (s["failed"], s["failed_rank_unavailable"]) == (1, 1)
+    # Its pages were never asked for: free again at once.
+    d.expect(2, 32, 16, [0, 1], timeout=0.1)
+    d.shutdown(1.0)
+
+
 def test_page_lists_are_checked(cluster):
     with pytest.raises(kvx.ConfigError):
         cluster.decode.expect(81, 128, 32, list(range(1000, 1008)), timeout=5)

@@ -559,10 +559,15 @@ impl DecodeEngine {
     /// `expect` keeps refusing their pages, and [`released`](Self::released) resolves once the late
     /// confirmation (or the rank's disconnection) makes them safe.
     ///
+    /// While a rank is not connected and ready (it died and has not come back, or was evicted),
+    /// the request holds its pages and waits for it, at most [`DecodeConfig::rank_wait`] and at
+    /// most `timeout`; no rank is asked for it meanwhile. Then it fails with
+    /// [`FailureReason::RankUnavailable`] naming the lowest absent rank.
+    ///
     /// # Errors
     /// A request id already tracked, a page list that does not fit the prompt or the pool, a page
-    /// another request holds ([`EngineError::PageHeld`]), a rank not connected, or
-    /// [`EngineError::Shutdown`] once [`shutdown`](Self::shutdown) began.
+    /// another request holds ([`EngineError::PageHeld`]), or [`EngineError::Shutdown`] once
+    /// [`shutdown`](Self::shutdown) began.
     ///
     /// # Cancel safety
     /// The returned future may be dropped: the request stays tracked until it ends (or

@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::procs::{Children, read, strings};
+use common::procs::{Children, read, strings, without_colors};
 use kvbench::etcd_server::EtcdServer;
 use std::time::{Duration, Instant};
 
@@ -134,24 +134,6 @@ fn n(r: &serde_json::Value, k: &str) -> u64 {
     r[k].as_u64().unwrap_or_else(|| panic!("no {k} in {r}"))
 }
 
-/// A log without its terminal color sequences.
-fn plain(log: &str) -> String {
-    let mut out = String::with_capacity(log.len());
-    let mut it = log.chars();
-    while let Some(c) = it.next() {
-        if c == '\u{1b}' {
-            for d in it.by_ref() {
-                if d == 'm' {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
-}
-
 #[test]
 fn one_decode_and_four_prefill_ranks_find_each_other_through_etcd() {
     let server = EtcdServer::start().unwrap();
@@ -193,7 +175,7 @@ fn a_killed_rank_restarts_on_a_new_port_and_serves_again() {
     std::thread::sleep(Duration::from_secs(1));
     prefill(&mut kids, "prefill-2-again", 2, &w, &etcd); // child 5
     assert!(
-        kids.wait_stderr(0, Instant::now() + UP_BOUND, |e| plain(e)
+        kids.wait_stderr(0, Instant::now() + UP_BOUND, |e| without_colors(e)
             .contains("prefill rank rejoined rank=2")),
         "decode did not admit rank 2 again\n{}",
         kids.logs()

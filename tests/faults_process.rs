@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::procs::{Children, read, strings};
+use common::procs::{Children, read, strings, without_colors};
 use kvbench::cluster::free_addrs;
 use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -186,24 +186,6 @@ const RESTARTABLE: &[&str] = &[
     "ucx",
     "--no-baseline",
 ];
-
-/// A log without its terminal color sequences (`ESC [ ... m`).
-fn without_colors(log: &str) -> String {
-    let mut out = String::with_capacity(log.len());
-    let mut it = log.chars();
-    while let Some(c) = it.next() {
-        if c == '\u{1b}' {
-            for d in it.by_ref() {
-                if d == 'm' {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
-}
 
 /// How long rank 2 stays dead before it is started again (the scenario, not a wait for a result).
 const DEAD_FOR: Duration = Duration::from_secs(1);

@@ -133,3 +133,21 @@ pub fn read(path: &Path) -> String {
 pub fn strings(s: &[&str]) -> Vec<String> {
     s.iter().map(|s| s.to_string()).collect()
 }
+
+/// A log without its terminal color sequences (`ESC [ ... m`), for matching `key=value` fields.
+pub fn without_colors(log: &str) -> String {
+    let mut out = String::with_capacity(log.len());
+    let mut it = log.chars();
+    while let Some(c) = it.next() {
+        if c == '\u{1b}' {
+            for d in it.by_ref() {
+                if d == 'm' {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}

@@ -640,14 +640,8 @@ impl VoteBoard {
         }
     }
 
-    /// The engine lost the peer at `rank` (its connection or process died). Its missing votes
-    /// become terminal failures ([`FailCause::PeerLost`]), which may decide requests; nothing more
-    /// is queued for it. Repeating the call is a no-op.
-    ///
-    /// # Errors
-    /// [`VoteError::UnknownRank`] or [`VoteError::OwnRank`].
-    pub fn handle_peer_lost(&mut self, now: Instant, rank: u16) -> Result<(), VoteError> {
-        self.clock.observe(now);
+    /// `rank` is a peer of this board: below the PP size and not this rank.
+    fn check_other_rank(&self, rank: u16) -> Result<(), VoteError> {
         if rank >= self.cfg.pp_size {
             return Err(VoteError::UnknownRank {
                 rank,
@@ -657,6 +651,18 @@ impl VoteBoard {
         if rank == self.cfg.my_rank {
             return Err(VoteError::OwnRank(rank));
         }
+        Ok(())
+    }
+
+    /// The engine lost the peer at `rank` (its connection or process died). Its missing votes
+    /// become terminal failures ([`FailCause::PeerLost`]), which may decide requests; nothing more
+    /// is queued for it. Repeating the call is a no-op.
+    ///
+    /// # Errors
+    /// [`VoteError::UnknownRank`] or [`VoteError::OwnRank`].
+    pub fn handle_peer_lost(&mut self, now: Instant, rank: u16) -> Result<(), VoteError> {
+        self.clock.observe(now);
+        self.check_other_rank(rank)?;
         if self.peers[usize::from(rank)] != PeerState::Lost {
             self.peers[usize::from(rank)] = PeerState::Lost;
             self.transmit.retain(|(to, _)| *to != rank);
@@ -676,15 +682,7 @@ impl VoteBoard {
     /// [`close`](Self::close) (a closing board takes no new peers).
     pub fn handle_peer_joined(&mut self, now: Instant, rank: u16) -> Result<(), VoteError> {
         self.clock.observe(now);
-        if rank >= self.cfg.pp_size {
-            return Err(VoteError::UnknownRank {
-                rank,
-                pp_size: self.cfg.pp_size,
-            });
-        }
-        if rank == self.cfg.my_rank {
-            return Err(VoteError::OwnRank(rank));
-        }
+        self.check_other_rank(rank)?;
         if self.closed {
             return Err(VoteError::Closed);
         }

@@ -119,6 +119,8 @@ pub struct Cluster {
     pub prefill: Vec<PrefillEngine>,
     /// Each rank's global layer range.
     pub layers: Vec<std::ops::Range<u32>>,
+    /// Each rank's settings, to start it again ([`restart_rank`](Self::restart_rank)).
+    configs: Vec<PrefillConfig>,
 }
 
 static CLUSTER_SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -227,6 +229,7 @@ impl Cluster {
         }
         let mut layers = Vec::new();
         let mut starts = Vec::new();
+        let mut configs = Vec::new();
         for rank in 0..spec.pp {
             let range = split
                 .layer_range(s.layers, spec.pp, rank)
@@ -259,6 +262,7 @@ impl Cluster {
                 .pool(layout.buffer_len)
                 .map_err(|e| EngineError::Config(format!("prefill pool: {e}")))?;
             layers.push(range);
+            configs.push(cfg.clone());
             starts.push(tokio::spawn(PrefillEngine::start(cfg, buf)));
         }
         let mut prefill = Vec::new();
@@ -274,6 +278,7 @@ impl Cluster {
             decode,
             prefill,
             layers,
+            configs,
         })
     }
 
@@ -322,6 +327,42 @@ impl Cluster {
                 .map_err(|e| EngineError::Config(format!("send task: {e}")))??;
         }
         Ok(outcome)
+    }
+
+    /// Takes prefill rank `rank`'s engine out of the cluster; dropping it ends its connections, as
+    /// when its process dies. Until [`start_rank`](Self::start_rank) puts a new start back,
+    /// `prefill` lacks the rank (the ranks above it sit one place lower).
+    pub fn take_rank(&mut self, rank: u16) -> PrefillEngine {
+        self.prefill.remove(usize::from(rank))
+    }
+
+    /// Starts prefill rank `rank` again, after [`take_rank`](Self::take_rank), with a fresh pool,
+    /// the same secret and vote mesh port, and `incarnation` (a fresh one for `None`); returns the
+    /// incarnation.
+    ///
+    /// # Errors
+    /// The start failed (the rank then stays out of `prefill`).
+    pub async fn start_rank(
+        &mut self,
+        rank: u16,
+        incarnation: Option<u64>,
+    ) -> Result<u64, EngineError> {
+        let i = usize::from(rank);
+        let mut cfg = self
+            .configs
+            .get(i)
+            .cloned()
+            .ok_or_else(|| EngineError::Config(format!("no rank {rank}")))?;
+        cfg.incarnation = incarnation.unwrap_or_else(transfer_engine::engine::fresh_incarnation);
+        let pool = self
+            .spec
+            .decode_pool
+            .pool(cfg.layout.buffer_len)
+            .map_err(|e| EngineError::Config(format!("prefill pool: {e}")))?;
+        let inc = cfg.incarnation;
+        let engine = PrefillEngine::start(cfg, pool).await?;
+        self.prefill.insert(i.min(self.prefill.len()), engine);
+        Ok(inc)
     }
 
     /// The decode pool's layout.

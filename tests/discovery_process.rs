@@ -13,6 +13,16 @@ use common::procs::{Children, read, strings, without_colors};
 use kvbench::etcd_server::EtcdServer;
 use std::time::{Duration, Instant};
 
+/// One test at a time: each runs five processes and an etcd server, and the stopped-rank test times
+/// an eviction against the lease, which twenty processes on two cores would blur.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// From spawn until decode has every rank connected (debug builds, five processes, two cores).
 const UP_BOUND: Duration = Duration::from_secs(45);
 /// How long a run goes on before the fault (the scenario, so requests are in flight).
@@ -136,6 +146,7 @@ fn n(r: &serde_json::Value, k: &str) -> u64 {
 
 #[test]
 fn one_decode_and_four_prefill_ranks_find_each_other_through_etcd() {
+    let _one = one_at_a_time();
     let server = EtcdServer::start().unwrap();
     let mut kids = Children::new("etcd-discovery");
     let w = workload("2");
@@ -160,6 +171,7 @@ fn one_decode_and_four_prefill_ranks_find_each_other_through_etcd() {
 
 #[test]
 fn a_killed_rank_restarts_on_a_new_port_and_serves_again() {
+    let _one = one_at_a_time();
     let server = EtcdServer::start().unwrap();
     let mut kids = Children::new("etcd-restart");
     let w = workload("10");
@@ -190,6 +202,7 @@ fn a_killed_rank_restarts_on_a_new_port_and_serves_again() {
 
 #[test]
 fn transfers_go_on_while_etcd_restarts() {
+    let _one = one_at_a_time();
     let mut server = EtcdServer::start().unwrap();
     let mut kids = Children::new("etcd-down");
     let w = workload("10");
@@ -214,6 +227,7 @@ fn transfers_go_on_while_etcd_restarts() {
 
 #[test]
 fn a_stopped_rank_is_evicted_within_its_lease_and_readmitted_when_it_resumes() {
+    let _one = one_at_a_time();
     const TTL: u64 = 2;
     let server = EtcdServer::start().unwrap();
     let mut kids = Children::new("etcd-stop");

@@ -136,6 +136,45 @@ async fn a_dropped_registration_is_deleted_and_an_unrenewed_one_expires() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_record_is_put_back_by_its_registration() {
+    let server = EtcdServer::start().unwrap();
+    let c = cfg(&server, "deleted", 3);
+    let dir = Directory::open(&c).await.unwrap();
+    let mut events = dir.events();
+    let reg = Registration::register(&c, record(RecordRole::Prefill, 1, 3500, 4))
+        .await
+        .unwrap();
+    let ev = tokio::time::timeout(BOUND, events.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(matches!(ev, DirectoryEvent::Put(_)), "{ev:?}");
+    let mut client = etcd_client::Client::connect([server.url()], None)
+        .await
+        .unwrap();
+    let key = record(RecordRole::Prefill, 1, 3500, 4).key(&c.prefix().unwrap());
+    client.delete(key, None).await.unwrap();
+    let deleted_at = Instant::now();
+    let ev = tokio::time::timeout(BOUND, events.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(matches!(ev, DirectoryEvent::Deleted(_)), "{ev:?}");
+    // Back within a renewal period (a third of the lease) and its check.
+    let ev = tokio::time::timeout(BOUND, events.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(ev, DirectoryEvent::Put(ref r) if r.incarnation == 4),
+        "{ev:?}"
+    );
+    let took = deleted_at.elapsed();
+    assert!(took < Duration::from_secs(3), "put back after {took:?}");
+    assert_eq!(reg.state().reregistered, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_of_etcd_keeps_records_and_registrations_renew() {
     let mut server = EtcdServer::start().unwrap();
     let c = cfg(&server, "restart", 3);

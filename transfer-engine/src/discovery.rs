@@ -157,7 +157,8 @@ impl EngineRecord {
 /// once rather than after the lease).
 pub struct Registration {
     state: watch::Receiver<RegState>,
-    task: tokio::task::JoinHandle<()>,
+    /// The renewal task; `None` once revoked.
+    task: Option<tokio::task::JoinHandle<()>>,
     client: etcd_client::Client,
 }
 
@@ -174,8 +175,8 @@ impl std::fmt::Debug for Registration {
 pub struct RegState {
     /// The current lease.
     pub lease: i64,
-    /// Times the record was put anew after its lease was lost (etcd restarted without its data,
-    /// or the engine could not renew it in time).
+    /// Times the record was put anew: after its lease was lost (etcd restarted without its data,
+    /// or the engine could not renew it in time), or after someone deleted it.
     pub reregistered: u64,
     /// etcd cannot be reached now.
     pub unreachable: bool,
@@ -186,8 +187,12 @@ impl Registration {
     ///
     /// # Errors
     /// etcd did not take the revocation (the record then ends with its lease).
-    pub async fn revoke(self) -> Result<(), DiscoveryError> {
-        self.task.abort();
+    pub async fn revoke(mut self) -> Result<(), DiscoveryError> {
+        if let Some(task) = self.task.take() {
+            task.abort();
+            // Stopped for sure: it cannot put the record back after the revocation.
+            let _ = task.await;
+        }
         let lease = self.state.borrow().lease;
         let mut client = self.client.clone();
         client.lease_revoke(lease).await?;
@@ -213,7 +218,7 @@ impl Registration {
         let task = tokio::spawn(keep_alive(cfg.clone(), client.clone(), key, value, tx));
         Ok(Registration {
             state: rx,
-            task,
+            task: Some(task),
             client,
         })
     }
@@ -226,7 +231,10 @@ impl Registration {
 
 impl Drop for Registration {
     fn drop(&mut self) {
-        self.task.abort();
+        let Some(task) = self.task.take() else {
+            return;
+        };
+        task.abort();
         let lease = self.state.borrow().lease;
         // Best effort: revoke so that peers see the engine gone now, not a lease later.
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
@@ -251,7 +259,7 @@ async fn put_with_lease(
 }
 
 /// Renews the lease every third of its TTL; reconnects while etcd is away; puts the record again
-/// with a new lease when the old one is gone.
+/// with a new lease when the old one is gone, and under the live lease when someone deleted it.
 async fn keep_alive(
     cfg: EtcdConfig,
     mut client: etcd_client::Client,
@@ -270,7 +278,26 @@ async fn keep_alive(
                     break;
                 }
                 match tokio::time::timeout(period, stream.message()).await {
-                    Ok(Ok(Some(r))) if r.ttl() > 0 => {}
+                    Ok(Ok(Some(r))) if r.ttl() > 0 => {
+                        // A record deleted while its lease lives (by hand, or by another writer)
+                        // would leave decode evicting this engine for good: put it back.
+                        let only_keys = etcd_client::GetOptions::new().with_keys_only();
+                        match client.get(key.as_str(), Some(only_keys)).await {
+                            Ok(resp) if resp.kvs().is_empty() => {
+                                let opts = etcd_client::PutOptions::new().with_lease(lease);
+                                if client
+                                    .put(key.as_str(), value.clone(), Some(opts))
+                                    .await
+                                    .is_ok()
+                                {
+                                    tracing::info!(key, "record was deleted: put back");
+                                    tx.send_modify(|s| s.reregistered += 1);
+                                }
+                            }
+                            Ok(_) => {}
+                            Err(_) => break,
+                        }
+                    }
                     Ok(Ok(Some(_))) => {
                         // The lease is gone: put the record again under a new one.
                         match put_with_lease(&mut client, cfg.ttl_secs(), &key, &value).await {
@@ -536,7 +563,15 @@ pub async fn watch_decode(engine: DecodeEngine, directory: Directory, tp_rank: u
         let ev = match events.recv().await {
             Ok(ev) => ev,
             Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
+                // A missed put may have been a rank registering again: readmit whoever is there
+                // (a no-op for a rank not evicted). A missed deletion goes unseen: that rank is
+                // then caught by its control connection or by its requests' deadlines.
                 tracing::warn!(missed = n, "directory events missed");
+                for r in directory.records() {
+                    if r.role == RecordRole::Prefill && r.tp_rank == tp_rank {
+                        engine.readmit(r.pp_rank, r.incarnation);
+                    }
+                }
                 continue;
             }
             Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
@@ -577,6 +612,12 @@ pub async fn find_prefill_cluster(
     host: std::net::IpAddr,
     timeout: Duration,
 ) -> Result<(Registration, Directory), DiscoveryError> {
+    if cfg.pp_rank >= cfg.pp_size {
+        return Err(DiscoveryError::BadRecord {
+            key: "this rank".into(),
+            reason: format!("pp_rank {} not below pp_size {}", cfg.pp_rank, cfg.pp_size),
+        });
+    }
     let mut address = SocketAddr::new(host, 0);
     if cfg.pp_size > 1 {
         let socket = MeshSocket::bind(address).map_err(|e| DiscoveryError::BadRecord {

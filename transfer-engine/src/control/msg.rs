@@ -130,8 +130,8 @@ pub struct Hello {
     /// decode side can tell which connection (and so which PP rank) sent it. Zero when unused.
     pub notify_key: u64,
     /// Which start of the sender's engine this is: larger for a later start of the same rank
-    /// (see [`crate::core::membership`]). A peer admits a rank only with an incarnation above the
-    /// last one it admitted for that rank, so nothing of an older start can bind again.
+    /// (see [`crate::core::membership`]). A peer never admits an incarnation below the last one it
+    /// admitted for that rank, so an older start cannot bind again.
     pub incarnation: u64,
 }
 
@@ -234,10 +234,10 @@ pub enum RejectReason {
     /// for another's rank.
     #[error("duplicate sender: {0} is already bound to a connected rank")]
     DuplicateSender(String),
-    /// The rank announced an incarnation not above the last one this side admitted for it: an
-    /// older start of the rank, or a second process claiming the rank.
+    /// The rank announced an incarnation below the last one this side admitted for it: an older
+    /// start of the rank.
     #[error(
-        "stale incarnation: pp_rank {pp_rank} announced incarnation {got}, this side already admitted {last}"
+        "stale incarnation: pp_rank {pp_rank} announced incarnation {got}, this side already admitted the later {last}"
     )]
     StaleIncarnation {
         /// PP rank announced.

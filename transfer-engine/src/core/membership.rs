@@ -6,8 +6,10 @@
 //! - no connection of that rank is bound (the old one must be gone first: while it is bound, its
 //!   writes and votes may still arrive, and a second binding would let them count for the new
 //!   start), and
-//! - the incarnation is above every incarnation admitted for that rank before, so an older start
-//!   (a process that was thought dead, or a delayed connection attempt of one) never binds again.
+//! - the incarnation is not below the last one admitted for that rank: an older start (a process
+//!   that was thought dead, or a delayed connection attempt of one) never binds again. The same
+//!   start may bind again once its connection is gone (a PP peer's vote mesh connection that broke
+//!   while both processes live).
 //!
 //! Requests, votes, notifications and acknowledgements are keyed by the connection they came on,
 //! which ends with the old start: nothing of it counts after the new one is admitted.
@@ -30,8 +32,8 @@ pub enum Refusal {
         /// The rank.
         rank: u16,
     },
-    /// The incarnation is not above the last one admitted for the rank.
-    #[error("rank {rank} announced incarnation {got}, already admitted {last}")]
+    /// The incarnation is below the last one admitted for the rank.
+    #[error("rank {rank} announced incarnation {got}, already admitted the later {last}")]
     Stale {
         /// The rank.
         rank: u16,
@@ -72,13 +74,13 @@ impl Incarnations {
             return Err(Refusal::Busy { rank });
         }
         match *last {
-            Some(last) if got <= last => Err(Refusal::Stale { rank, got, last }),
+            Some(last) if got < last => Err(Refusal::Stale { rank, got, last }),
             _ => Ok(()),
         }
     }
 
     /// [`check`](Self::check), then records `got` as `rank`'s incarnation. Returns the previous
-    /// one (`Some` when this is a rejoin).
+    /// one (`Some` when this is a rejoin: a new start, or the same one connecting again).
     ///
     /// # Errors
     /// As [`check`](Self::check); nothing is recorded then.

@@ -1448,9 +1448,12 @@ impl Inner {
             st.ranks[usize::from(rank)] = None;
             st.senders.remove(sender);
             absence_begins(&mut st, Instant::now());
-            if was_ready {
-                self.connected.send_modify(|n| *n = n.saturating_sub(1));
-            }
+            // Always a change: `shutdown` waits on it for every rank's slot to clear.
+            self.connected.send_modify(|n| {
+                if was_ready {
+                    *n = n.saturating_sub(1);
+                }
+            });
         }
         let failed = st.tracker.handle_peer_lost(Instant::now(), peer);
         if closed && st.closing {

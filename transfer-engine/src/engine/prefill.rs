@@ -66,8 +66,8 @@ pub struct PrefillConfig {
     /// `peers[pp_rank]` at start, which races with anything else on the host that takes ports
     /// (an address picked as free can be gone by then); with a socket its port is held throughout.
     pub mesh_socket: Option<Arc<MeshSocket>>,
-    /// This start of the rank, carried in its Hello: decode and the PP peers admit a rank again
-    /// only with a larger one (see [`crate::core::membership`]). [`PrefillConfig::new`] takes the
+    /// This start of the rank, carried in its Hello: decode and the PP peers never admit a smaller
+    /// one for the rank again (see [`crate::core::membership`]). [`PrefillConfig::new`] takes the
     /// clock's nanoseconds since the Unix epoch, so a restarted process gets a larger one.
     pub incarnation: u64,
 }
@@ -226,6 +226,9 @@ struct State {
     peer_writers: Vec<Option<mpsc::UnboundedSender<Msg>>>,
     /// The incarnation admitted last for each PP peer.
     mesh_incarnations: Incarnations,
+    /// PP peers that said (with `Ready` on the mesh) that they attached their connection to us:
+    /// their boards count us for requests from then on.
+    mesh_confirmed: Vec<bool>,
     last_done_at: super::Stamps,
     /// Chunks posted to decode and not yet over, all requests together.
     posted_total: u32,
@@ -458,6 +461,7 @@ impl PrefillEngine {
                 decided_waiters: HashMap::new(),
                 peer_writers: (0..cfg.pp_size).map(|_| None).collect(),
                 mesh_incarnations: Incarnations::new(cfg.pp_size),
+                mesh_confirmed: vec![false; usize::from(cfg.pp_size)],
                 last_done_at: super::Stamps::default(),
                 posted_total: 0,
                 decode_closed: false,
@@ -500,7 +504,16 @@ impl PrefillEngine {
             },
         ))]);
         if let Some(listener) = listener {
-            tasks.extend(form_mesh(&inner, listener, &hello, deadline).await?);
+            match form_mesh(&inner, listener, &hello, deadline).await {
+                Ok(mesh) => tasks.extend(mesh),
+                Err(e) => {
+                    // Nothing of a start that failed keeps running.
+                    for t in &tasks {
+                        t.abort();
+                    }
+                    return Err(e);
+                }
+            }
         }
         // Every PP peer is connected: decode may ask this rank for requests now.
         let _ = inner.decode_writer.send(Msg::Ready);
@@ -1148,6 +1161,9 @@ impl Inner {
         if let Some(w) = st.peer_writers.get_mut(usize::from(rank)) {
             *w = None;
         }
+        if let Some(ok) = st.mesh_confirmed.get_mut(usize::from(rank)) {
+            *ok = false;
+        }
         let _ = st.board.handle_peer_lost(Instant::now(), rank);
         self.flush_board(&mut st);
     }
@@ -1223,8 +1239,20 @@ async fn connect_decode(
     secret: &Secret,
     deadline: tokio::time::Instant,
 ) -> Result<(Connection, Hello), EngineError> {
+    connect_taken(cfg.decode, hello, secret, deadline, "decode").await
+}
+
+/// Connects to `addr` and runs the handshake, trying again until `deadline` while the peer says
+/// this rank is still taken (it has not seen this rank's previous connection end yet).
+async fn connect_taken(
+    addr: SocketAddr,
+    hello: &Hello,
+    secret: &Secret,
+    deadline: tokio::time::Instant,
+    what: &str,
+) -> Result<(Connection, Hello), EngineError> {
     loop {
-        let mut conn = Connection::connect(cfg.decode, deadline).await?;
+        let mut conn = Connection::connect(addr, deadline).await?;
         match control::handshake(&mut conn, hello, secret, deadline).await {
             Ok(remote) => return Ok((conn, remote)),
             Err(control::ControlError::PeerRejected {
@@ -1232,8 +1260,9 @@ async fn connect_decode(
                 ..
             }) if tokio::time::Instant::now() + MESH_RETRY < deadline => {
                 tracing::info!(
-                    rank = cfg.pp_rank,
-                    "decode still holds this rank's previous connection; trying again"
+                    rank = hello.pp_rank,
+                    peer = what,
+                    "the peer still holds this rank's previous connection; trying again"
                 );
                 tokio::time::sleep(MESH_RETRY).await;
             }
@@ -1264,22 +1293,26 @@ async fn form_mesh(
     let hello = Arc::new(hello);
     let me = cfg.pp_rank;
     let mut changed = inner.mesh_changed.subscribe();
-    let tasks = vec![tokio::spawn(mesh_accept_loop(
+    // Stopped if the mesh does not form: a caller may start again on the same mesh socket.
+    let tasks = TaskGuard(Mutex::new(vec![tokio::spawn(mesh_accept_loop(
         Arc::downgrade(inner),
         listener,
         hello.clone(),
-    ))];
+    ))]));
     for rank in 0..me {
         let c = connect_peer(inner, &hello, rank, deadline).await?;
         attach_peer(inner, &hello, rank, c);
     }
     loop {
+        // A peer counts once both sides attached the connection: ours is in `peer_writers`, and
+        // its `Ready` says its board counts us. Only then may decode ask this rank for requests.
         let missing = {
             let st = lock(&inner.state);
             st.peer_writers
                 .iter()
+                .zip(&st.mesh_confirmed)
                 .enumerate()
-                .filter(|&(r, w)| r != usize::from(me) && w.is_none())
+                .filter(|&(r, (w, ok))| r != usize::from(me) && !(w.is_some() && *ok))
                 .count()
         };
         if missing == 0 {
@@ -1298,7 +1331,8 @@ async fn form_mesh(
     // Votes cast before the mesh existed were queued by the board; send them now.
     let mut st = lock(&inner.state);
     inner.flush_board(&mut st);
-    Ok(tasks)
+    let formed = std::mem::take(&mut *tasks.0.lock().unwrap_or_else(|e| e.into_inner()));
+    Ok(formed)
 }
 
 /// Connects to the lower rank `rank` and runs the handshake; its incarnation must be new.
@@ -1312,8 +1346,7 @@ async fn connect_peer(
         .get(usize::from(rank))
         .copied()
         .ok_or_else(|| EngineError::Config(format!("no address for PP rank {rank}")))?;
-    let mut c = Connection::connect(addr, deadline).await?;
-    let remote = control::handshake(&mut c, hello, &inner.secret, deadline).await?;
+    let (c, remote) = connect_taken(addr, hello, &inner.secret, deadline, "PP peer").await?;
     if remote.pp_rank != rank {
         return Err(EngineError::Config(format!(
             "peer at rank {rank}'s address says it is rank {}",
@@ -1386,6 +1419,8 @@ fn attach_peer(
             }
             tracing::info!(rank, incarnation, "PP peer rejoined");
         }
+        // Tell the peer that our board counts it from now on.
+        let _ = tx.send(Msg::Ready);
         st.peer_writers[usize::from(rank)] = Some(tx);
         inner.flush_board(&mut st);
     }
@@ -1398,6 +1433,15 @@ fn attach_peer(
             match reader.recv().await {
                 Ok(Some(Msg::Vote(v))) => match weak.upgrade() {
                     Some(i) => i.on_peer_message(rank, &v.bytes),
+                    None => return,
+                },
+                Ok(Some(Msg::Ready)) => match weak.upgrade() {
+                    Some(i) => {
+                        if let Some(ok) = lock(&i.state).mesh_confirmed.get_mut(usize::from(rank)) {
+                            *ok = true;
+                        }
+                        i.mesh_changed.send_modify(|n| *n += 1);
+                    }
                     None => return,
                 },
                 Ok(Some(Msg::Close)) | Ok(None) | Err(_) => break,

@@ -103,7 +103,13 @@ impl PoolKind {
     pub fn pool(self, len: u64) -> std::io::Result<Pool> {
         Ok(match self {
             PoolKind::Shared => Pool::Shared(len),
-            PoolKind::Caller => Pool::Owned(HostBuffer::new(len as usize, HostOptions::default())?),
+            PoolKind::Caller => Pool::Owned(HostBuffer::new(
+                len as usize,
+                HostOptions {
+                    prefault: true,
+                    ..HostOptions::default()
+                },
+            )?),
         })
     }
 }

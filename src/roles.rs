@@ -385,7 +385,13 @@ pub async fn run_prefill(
     cfg.checksums = w.checksums;
     cfg.connect_timeout = Duration::from_secs(60);
     cfg.token = token;
-    let buf = HostBuffer::new(layout.buffer_len as usize, HostOptions::default())
+    let buf = HostBuffer::new(
+        layout.buffer_len as usize,
+        HostOptions {
+            prefault: true,
+            ..HostOptions::default()
+        },
+    )
         .map_err(|e| e.to_string())?;
     let found = match &etcd {
         Some(etcd) => {

@@ -132,10 +132,11 @@ struct Opts {
     /// Destination pages in reverse order: no coalescing, one write per page (page-rate workload).
     #[arg(long, global = true)]
     scatter: bool,
-    /// The pools: caller (private memory, as a server's own pool; UCX writes into it with a
-    /// process_vm_writev call per write) or shared (allocated by the transport; with UCX, shared
-    /// memory that same-host peers map).
-    #[arg(long, value_enum, default_value = "caller", global = true)]
+    /// The pools: shared (allocated by the transport; with UCX, shared memory that same-host peers
+    /// map and write with their own CPU copies; NIXL cannot allocate and gets private memory) or
+    /// caller (private memory, as a server's own buffers; UCX writes into it with a
+    /// process_vm_writev call per write).
+    #[arg(long, value_enum, default_value = "shared", global = true)]
     pool: PoolArg,
     /// `decode` and `prefill`: a file holding the secret every process of a run shares (a trailing
     /// newline is not part of it). Without it, the `KVX_TOKEN` environment variable. The loopback

@@ -329,7 +329,14 @@ impl Registration {
                 }
                 None => {
                     let buf =
-                        HostBuffer::new(len as usize, HostOptions::default()).map_err(|e| {
+                        HostBuffer::new(
+                        len as usize,
+                        HostOptions {
+                            prefault: true,
+                            ..HostOptions::default()
+                        },
+                    )
+                    .map_err(|e| {
                             TransportError::Library {
                                 op: "allocating a host pool",
                                 code: i64::from(e.raw_os_error().unwrap_or(0)),

@@ -48,6 +48,145 @@ fn padded(blob: &[u8]) -> Vec<u8> {
     v
 }
 
+/// Pieces at least this large are copied with non-temporal stores (see [`copy_streaming`]); smaller
+/// ones with plain copies, which cost less to start.
+const STREAMING_COPY_MIN: usize = 16 << 10;
+
+/// Where UCX maps a peer's region `[addr, addr + len)` into this process, or null if it does not, or
+/// if the mapping it names does not hold the whole region.
+///
+/// `ucp_rkey_ptr` answers for shared-memory transports only (the peer's memory was allocated by
+/// UCX, which attached it here when the rkey was unpacked) and checks no length: the pointer is the
+/// peer's address plus an offset. So the region the peer claims is checked here against this
+/// process's own memory map: it must lie wholly inside one shared mapping, or we write nothing
+/// through it.
+fn mapped(rkey: ffi::ucp_rkey_h, addr: u64, len: u64) -> *mut u8 {
+    let mut local: *mut c_void = ptr::null_mut();
+    // SAFETY: rkey is a live rkey this thread unpacked; UCX only writes the out pointer.
+    let st = unsafe { ffi::ucp_rkey_ptr(rkey, addr, &mut local) };
+    if !st.is_ok() || local.is_null() || len == 0 {
+        return ptr::null_mut();
+    }
+    let start = local as u64;
+    let Some(end) = start.checked_add(len) else {
+        return ptr::null_mut();
+    };
+    if shared_mapping_holds(start, end) {
+        // Map every page now, so the first writes do not fault page by page.
+        populate(local.cast(), len);
+        local.cast()
+    } else {
+        tracing::warn!(
+            addr,
+            len,
+            "a peer's region is not wholly inside the memory UCX mapped for it; using puts"
+        );
+        ptr::null_mut()
+    }
+}
+
+/// The smallest page size `madvise` aligns to.
+const PAGE: usize = 4096;
+
+/// Asks the kernel to fault in `[addr, addr + len)` for writing (`MADV_POPULATE_WRITE`): pages are
+/// allocated and mapped, contents are not touched. Best effort: kernels before 5.14 refuse it, and
+/// the pages then fault in on first write as before.
+fn populate(addr: *mut u8, len: u64) {
+    // madvise takes whole pages; the mapping holds the pages around the range too.
+    let start = addr as usize & !(PAGE - 1);
+    let Some(len) = usize::try_from(len)
+        .ok()
+        .and_then(|l| l.checked_add(addr as usize - start))
+    else {
+        return;
+    };
+    let addr = start as *mut u8;
+    // SAFETY: the range is a mapping of this process (memory UCX allocated for us, or a peer's
+    // region UCX attached, checked against our memory map); MADV_POPULATE_WRITE only prefaults it
+    // as a write would and never changes its contents, so memory others use concurrently is safe.
+    let rc = unsafe { libc::madvise(addr.cast(), len, libc::MADV_POPULATE_WRITE) };
+    if rc != 0 {
+        tracing::debug!(
+            error = %std::io::Error::last_os_error(),
+            "cannot prefault a pool; its pages fault in on first write"
+        );
+    }
+}
+
+/// Whether `[start, end)` lies inside one shared mapping of this process (`/proc/self/maps`).
+fn shared_mapping_holds(start: u64, end: u64) -> bool {
+    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
+        return false;
+    };
+    maps.lines().any(|line| {
+        let mut fields = line.split_whitespace();
+        let (Some(range), Some(perms)) = (fields.next(), fields.next()) else {
+            return false;
+        };
+        let Some((lo, hi)) = range.split_once('-') else {
+            return false;
+        };
+        let (Ok(lo), Ok(hi)) = (u64::from_str_radix(lo, 16), u64::from_str_radix(hi, 16)) else {
+            return false;
+        };
+        // Readable, writable and shared ("rw?s").
+        lo <= start && end <= hi && perms.starts_with("rw") && perms.as_bytes().get(3) == Some(&b's')
+    })
+}
+
+/// Copies `len` bytes from `src` to `dst` with non-temporal (streaming) stores, which write whole
+/// cache lines to memory without reading them first. The caller issues [`store_fence`] before
+/// anything may tell another process that the bytes are there.
+///
+/// # Safety
+/// `src` is readable and `dst` writable for `len` bytes, and the two ranges do not overlap.
+#[cfg(target_arch = "x86_64")]
+unsafe fn copy_streaming(dst: *mut u8, src: *const u8, len: usize) {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+    let head = dst.align_offset(16).min(len);
+    // SAFETY (this block and the loops): every access stays within `[0, len)` of both ranges, which
+    // the caller vouches for; the streaming stores go to 16-byte aligned addresses (`head` aligns
+    // dst), as `_mm_stream_si128` requires; SSE2 is part of the x86_64 baseline.
+    unsafe {
+        ptr::copy_nonoverlapping(src, dst, head);
+        let mut i = head;
+        while i + 64 <= len {
+            let s = src.add(i);
+            let d = dst.add(i);
+            let a = _mm_loadu_si128(s.cast::<__m128i>());
+            let b = _mm_loadu_si128(s.add(16).cast::<__m128i>());
+            let c = _mm_loadu_si128(s.add(32).cast::<__m128i>());
+            let e = _mm_loadu_si128(s.add(48).cast::<__m128i>());
+            _mm_stream_si128(d.cast::<__m128i>(), a);
+            _mm_stream_si128(d.add(16).cast::<__m128i>(), b);
+            _mm_stream_si128(d.add(32).cast::<__m128i>(), c);
+            _mm_stream_si128(d.add(48).cast::<__m128i>(), e);
+            i += 64;
+        }
+        ptr::copy_nonoverlapping(src.add(i), dst.add(i), len - i);
+    }
+}
+
+/// Other architectures copy plainly.
+///
+/// # Safety
+/// As the x86_64 version.
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn copy_streaming(dst: *mut u8, src: *const u8, len: usize) {
+    // SAFETY: the caller vouches for both ranges.
+    unsafe { ptr::copy_nonoverlapping(src, dst, len) };
+}
+
+/// Orders every streaming store before the stores that follow (the notification).
+fn store_fence() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `sfence` has no memory operands; SSE is part of the x86_64 baseline.
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    };
+    std::sync::atomic::fence(Ordering::SeqCst);
+}
+
 /// How long shutdown waits for posted chunks before closing endpoints under them.
 const SHUTDOWN_BOUND: Duration = Duration::from_secs(5);
 
@@ -78,6 +217,13 @@ pub struct UcxConfig {
     /// state. The transport now has UCX resolve remote endpoints when they are created
     /// (`RESOLVE_REMOTE_EP_ID`), before any put, as NIXL's endpoints do through peer error handling.
     pub tcp_native_put: bool,
+    /// Write into a peer's region with our own CPU copies where UCX maps that region into this
+    /// process (`ucp_rkey_ptr`: the peer allocated it through UCX's shared memory, see
+    /// `Transport::allocate`), instead of `ucp_put_nbx`. Large pieces are copied with non-temporal
+    /// stores, which stream through memory without first reading the destination into the cache.
+    /// On by default; where UCX cannot map a region (private memory, another host), puts go
+    /// through UCX as before.
+    pub direct_copy: bool,
 }
 
 impl Default for UcxConfig {
@@ -89,6 +235,7 @@ impl Default for UcxConfig {
             max_sleep: Duration::from_millis(1),
             peer_error_handling: false,
             tcp_native_put: true,
+            direct_copy: true,
         }
     }
 }
@@ -390,6 +537,9 @@ struct RemoteKey {
     addr: u64,
     len: u64,
     rkey: ffi::ucp_rkey_h,
+    /// Where UCX mapped the whole region into this process, if it did (see `UcxConfig::direct_copy`):
+    /// `addr` in the peer is `direct` here. Null otherwise. Valid while `rkey` lives.
+    direct: *mut u8,
 }
 
 struct Peer {
@@ -449,6 +599,7 @@ struct Worker {
     min_sleep: Duration,
     max_sleep: Duration,
     peer_error_handling: bool,
+    direct_copy: bool,
     regions: HashMap<u64, Region>,
     peers: HashMap<u64, Peer>,
     next_id: u64,
@@ -621,6 +772,7 @@ impl Worker {
             min_sleep: config.min_sleep,
             max_sleep: config.max_sleep,
             peer_error_handling: config.peer_error_handling,
+            direct_copy: config.direct_copy,
             regions: HashMap::new(),
             peers: HashMap::new(),
             next_id: 1,
@@ -820,6 +972,8 @@ impl Worker {
                 ),
             });
         }
+        // The pool's pages are made now, not by the first writes into them.
+        populate(attr.address.cast(), len);
         self.add_region(memh, attr.address as u64, len)
     }
 
@@ -976,10 +1130,16 @@ impl Worker {
                 self.maybe_close_peer(id);
                 return Err(e);
             }
+            let direct = if self.direct_copy {
+                mapped(rkey, r.addr, r.len)
+            } else {
+                ptr::null_mut()
+            };
             peer.remote.push(RemoteKey {
                 addr: r.addr,
                 len: r.len,
                 rkey,
+                direct,
             });
         }
         peer.closing = false;
@@ -1075,6 +1235,7 @@ impl Worker {
         message.extend_from_slice(&notification);
         let ep = p.ep;
         let mut error = None;
+        let mut streamed = false;
         for w in &writes {
             let (Some(r), Some(rr)) = (
                 self.regions.get(&w.local.0),
@@ -1082,6 +1243,25 @@ impl Worker {
             ) else {
                 break;
             };
+            if !rr.direct.is_null() {
+                let len = w.len as usize;
+                let src = (r.addr + w.local_offset) as *const u8;
+                // SAFETY: `direct` maps the peer's whole region (checked against this process's
+                // memory map when the rkey was unpacked) and stays mapped while the rkey lives, which
+                // is longer than this call; the write was bounds-checked against that region and the
+                // source against our registration above. The source is our own registered memory,
+                // the destination the peer's, so they do not overlap.
+                unsafe {
+                    let dst = rr.direct.add(w.remote_offset as usize);
+                    if len >= STREAMING_COPY_MIN {
+                        copy_streaming(dst, src, len);
+                        streamed = true;
+                    } else {
+                        ptr::copy_nonoverlapping(src, dst, len);
+                    }
+                }
+                continue;
+            }
             let param = ffi::ucp_request_param_t {
                 op_attr_mask: ffi::ucp_op_attr_t::UCP_OP_ATTR_FIELD_MEMH.0,
                 memh: r.memh,
@@ -1114,6 +1294,9 @@ impl Worker {
                 // SAFETY: req is a live request we do not use again.
                 unsafe { ffi::ucp_request_free(req) };
             }
+        }
+        if streamed {
+            store_fence();
         }
         for id in &regions {
             if let Some(r) = self.regions.get_mut(id) {

@@ -392,7 +392,7 @@ pub async fn run_prefill(
             ..HostOptions::default()
         },
     )
-        .map_err(|e| e.to_string())?;
+    .map_err(|e| e.to_string())?;
     let found = match &etcd {
         Some(etcd) => {
             let host = std::net::IpAddr::from([127, 0, 0, 1]);

@@ -64,17 +64,33 @@ fn wait_done() -> (Done, std::sync::mpsc::Receiver<Result<(), TransportError>>) 
 }
 
 #[test]
-fn notification_follows_its_bytes() {
+fn notification_follows_its_bytes_through_puts() {
+    notification_follows_its_bytes(false);
+}
+
+#[test]
+fn notification_follows_its_bytes_through_direct_copies() {
+    notification_follows_its_bytes(true);
+}
+
+/// Into private memory (UCX puts) or into memory UCX allocated (our own copies into its mapping).
+fn notification_follows_its_bytes(shared: bool) {
     let len = 8 << 20;
     let expect: Expect = Arc::default();
     let (rx_t, seen) = receiver(expect.clone());
     let tx_t = transport(noop_sink());
-    let dst = Arc::new(Registration::new(&rx_t, host(len)).unwrap());
+    let pool = if shared {
+        Pool::Shared(len as u64)
+    } else {
+        host(len)
+    };
+    let dst = Arc::new(Registration::new(&rx_t, pool).unwrap());
     let src = Registration::new(&tx_t, host(len)).unwrap();
     let src_id = src.id();
     let peer = tx_t
         .connect(&rx_t.metadata().unwrap(), &[dst.remote().clone()], 0xfeed)
         .unwrap();
+    assert_eq!(tx_t.stats().direct_regions, u64::from(shared));
 
     for round in 1..=3u8 {
         src.fill_at(0, len, round).unwrap();
@@ -110,6 +126,100 @@ fn notification_follows_its_bytes() {
     assert!(all_bytes(&dst, 3));
     assert_eq!(tx_t.stats().in_flight, 0);
     assert_eq!(tx_t.stats().bytes_posted, 3 * len as u64);
+    tx_t.disconnect(peer);
+    let deadline = std::time::Instant::now() + BOUND;
+    while tx_t.stats().direct_regions != 0 {
+        assert!(std::time::Instant::now() < deadline, "mapping not released");
+        std::thread::yield_now();
+    }
+    // SAFETY: the only peer given `dst`, `tx_t`, disconnected after its posts ended.
+    unsafe { dst.assume_quiesced() };
+}
+
+/// Direct copies of every size class, at odd offsets: small plain copies, streaming copies with an
+/// unaligned head and a tail, each landing exactly on its range of a poisoned destination.
+#[test]
+fn direct_copies_land_exactly_at_odd_offsets_and_lengths() {
+    let len: usize = 4 << 20;
+    let rx = transport(noop_sink());
+    let tx = transport(noop_sink());
+    let dst = Registration::new(&rx, Pool::Shared(len as u64)).unwrap();
+    dst.fill_at(0, len, 0xEE).unwrap();
+    let src = Registration::new(&tx, host(len)).unwrap();
+    // Each source byte differs from its neighbours, so a shifted copy shows.
+    let pattern: Vec<u8> = (0..len).map(|i| (i * 7 + i / 251) as u8).collect();
+    src.write_at(0, &pattern).unwrap();
+    let peer = tx
+        .connect(&rx.metadata().unwrap(), &[dst.remote().clone()], 5)
+        .unwrap();
+    assert_eq!(tx.stats().direct_regions, 1, "UCX's memory was not mapped");
+    // (source offset, destination offset, length)
+    let pieces: [(u64, u64, u64); 6] = [
+        (0, 0, 1),
+        (3, 17, 4093),
+        (1 << 20, (1 << 20) + 5, (16 << 10) - 1),
+        ((2 << 20) + 1, (2 << 20) + 9, 16 << 10),
+        (11, (3 << 20) + 3, 100_003),
+        (64, 640 << 10, 64 << 10),
+    ];
+    let writes = pieces
+        .iter()
+        .map(|&(s, d, n)| WriteOp {
+            local: src.id(),
+            local_offset: s,
+            remote: 0,
+            remote_offset: d,
+            len: n,
+        })
+        .collect();
+    let (done, got) = wait_done();
+    tx.post(peer, writes, vec![1], done);
+    got.recv_timeout(BOUND).unwrap().unwrap();
+    let mut want = vec![0xEEu8; len];
+    for &(s, d, n) in &pieces {
+        let (s, d, n) = (s as usize, d as usize, n as usize);
+        want[d..d + n].copy_from_slice(&pattern[s..s + n]);
+    }
+    let mut back = vec![0u8; len];
+    dst.read_at(0, &mut back).unwrap();
+    let first_bad = back.iter().zip(&want).position(|(a, b)| a != b);
+    assert_eq!(first_bad, None, "wrong byte at this offset");
+    tx.disconnect(peer);
+    std::thread::sleep(Duration::from_millis(100));
+    // SAFETY: the only peer given `dst`, `tx`, disconnected after its one post ended.
+    unsafe { dst.assume_quiesced() };
+}
+
+/// A region whose claimed length runs past the memory UCX mapped for it is never written by our
+/// own copies (which would write past the mapping); private memory is not mapped at all.
+#[test]
+fn a_region_longer_than_its_mapping_or_private_is_written_through_puts() {
+    let len: u64 = 1 << 20;
+    let rx = transport(noop_sink());
+    let tx = transport(noop_sink());
+    let shared = Registration::new(&rx, Pool::Shared(len)).unwrap();
+    let private = Registration::new(&rx, host(len as usize)).unwrap();
+    let mut lying = shared.remote().clone();
+    lying.len += 1 << 30;
+    let peer = tx
+        .connect(
+            &rx.metadata().unwrap(),
+            &[lying, private.remote().clone(), shared.remote().clone()],
+            6,
+        )
+        .unwrap();
+    assert_eq!(
+        tx.stats().direct_regions,
+        1,
+        "only the honest shared region is mapped"
+    );
+    tx.disconnect(peer);
+    std::thread::sleep(Duration::from_millis(100));
+    // SAFETY: the only peer given these registrations, `tx`, disconnected and posted nothing.
+    unsafe {
+        shared.assume_quiesced();
+        private.assume_quiesced();
+    }
 }
 
 #[test]

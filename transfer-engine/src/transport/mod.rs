@@ -122,6 +122,9 @@ pub struct TransportStats {
     /// Library handles (endpoints, remote keys, memory handles, worker, context) left allocated at
     /// shutdown because operations that might use them had not finished within the bound.
     pub leaked_handles: u64,
+    /// Peer regions this transport writes with its own CPU copies because the library mapped them
+    /// into this process (UCX's `direct_copy`); the rest are written by the library's puts.
+    pub direct_regions: u64,
 }
 
 /// A transport error, keeping the library's raw status where there is one.
@@ -328,21 +331,18 @@ impl Registration {
                     });
                 }
                 None => {
-                    let buf =
-                        HostBuffer::new(
+                    let buf = HostBuffer::new(
                         len as usize,
                         HostOptions {
                             prefault: true,
                             ..HostOptions::default()
                         },
                     )
-                    .map_err(|e| {
-                            TransportError::Library {
-                                op: "allocating a host pool",
-                                code: i64::from(e.raw_os_error().unwrap_or(0)),
-                                message: e.to_string(),
-                            }
-                        })?;
+                    .map_err(|e| TransportError::Library {
+                        op: "allocating a host pool",
+                        code: i64::from(e.raw_os_error().unwrap_or(0)),
+                        message: e.to_string(),
+                    })?;
                     Pool::Owned(buf)
                 }
             },

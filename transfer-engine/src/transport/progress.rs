@@ -19,6 +19,7 @@ pub(crate) struct Counters {
     pub(crate) notifications: AtomicU64,
     pub(crate) bytes_posted: AtomicU64,
     pub(crate) leaked: AtomicU64,
+    pub(crate) direct_regions: AtomicU64,
 }
 
 /// State shared between a progress thread and the threads that talk to it.
@@ -90,6 +91,7 @@ impl Shared {
             leaked_handles: c.leaked.load(Ordering::Relaxed),
             notifications: c.notifications.load(Ordering::Relaxed),
             bytes_posted: c.bytes_posted.load(Ordering::Relaxed),
+            direct_regions: c.direct_regions.load(Ordering::Relaxed),
         }
     }
 }

@@ -130,7 +130,10 @@ fn shared_mapping_holds(start: u64, end: u64) -> bool {
             return false;
         };
         // Readable, writable and shared ("rw?s").
-        lo <= start && end <= hi && perms.starts_with("rw") && perms.as_bytes().get(3) == Some(&b's')
+        lo <= start
+            && end <= hi
+            && perms.starts_with("rw")
+            && perms.as_bytes().get(3) == Some(&b's')
     })
 }
 
@@ -1135,6 +1138,12 @@ impl Worker {
             } else {
                 ptr::null_mut()
             };
+            if !direct.is_null() {
+                self.shared
+                    .counters
+                    .direct_regions
+                    .fetch_add(1, Ordering::Relaxed);
+            }
             peer.remote.push(RemoteKey {
                 addr: r.addr,
                 len: r.len,
@@ -1159,7 +1168,14 @@ impl Worker {
             return;
         };
         for r in &p.remote {
-            // SAFETY: rkey was unpacked on this ep and no posted write uses it any more (in_flight == 0).
+            if !r.direct.is_null() {
+                self.shared
+                    .counters
+                    .direct_regions
+                    .fetch_sub(1, Ordering::Relaxed);
+            }
+            // SAFETY: rkey was unpacked on this ep and no posted write uses it any more (in_flight ==
+            // 0); its mapping (`direct`) is not used after this.
             unsafe { ffi::ucp_rkey_destroy(r.rkey) };
         }
         let param = if self.peer_error_handling {

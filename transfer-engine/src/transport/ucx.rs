@@ -147,9 +147,9 @@ fn shared_mapping_holds(start: u64, end: u64) -> bool {
 unsafe fn copy_streaming(dst: *mut u8, src: *const u8, len: usize) {
     use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
     let head = dst.align_offset(16).min(len);
-    // SAFETY (this block and the loops): every access stays within `[0, len)` of both ranges, which
-    // the caller vouches for; the streaming stores go to 16-byte aligned addresses (`head` aligns
-    // dst), as `_mm_stream_si128` requires; SSE2 is part of the x86_64 baseline.
+    // SAFETY: every access stays within `[0, len)` of both ranges, which the caller vouches for; the
+    // streaming stores go to 16-byte aligned addresses (`head` aligns dst), as `_mm_stream_si128`
+    // requires; SSE2 is part of the x86_64 baseline.
     unsafe {
         ptr::copy_nonoverlapping(src, dst, head);
         let mut i = head;

@@ -261,9 +261,9 @@ pub trait Transport: Send + Sync + 'static {
     fn stats(&self) -> TransportStats;
 
     /// Tells the transport whether its owner expects traffic soon (a receiver with requests in
-    /// flight). An active transport keeps polling instead of sleeping when idle, so a notification is
-    /// seen within microseconds instead of within its idle back-off; it yields the core between
-    /// polls. The default ignores the hint.
+    /// flight). An active transport polls often instead of backing off when idle, so a notification
+    /// is seen within microseconds instead of within its idle back-off. The default ignores the
+    /// hint.
     fn set_active(&self, _active: bool) {}
 }
 

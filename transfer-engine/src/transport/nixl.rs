@@ -18,8 +18,8 @@
 //! parks for a time growing from [`NixlConfig::min_sleep`] to [`NixlConfig::max_sleep`]. NIXL gives
 //! no event fd to wake on, so the sleep is bounded; command senders unpark the thread only when it is
 //! asleep, so a busy engine pays no system call per command. While requests are in flight, or while
-//! the owner says notifications are expected (`Transport::set_active`), the thread never sleeps (it
-//! yields instead), because their completion is only seen by polling.
+//! the owner says notifications are expected (`Transport::set_active`), every nap is
+//! [`NixlConfig::min_sleep`], because their completion is only seen by polling.
 //!
 //! NIXL's metadata carries the agent's registrations, so a peer must fetch [`Transport::metadata`]
 //! after registering the regions it will be written into; [`Transport::connect`] checks that the
@@ -569,9 +569,10 @@ impl Worker {
                 self.sleep(rx, nap);
                 nap = (nap * 2).min(self.max_sleep);
             } else {
-                // A completion (or an expected notification) is only seen by polling: stay on, but
-                // let others have the core.
-                std::thread::yield_now();
+                // A completion (or an expected notification) is only seen by polling: poll again
+                // after the shortest nap, which (unlike yielding) lets the thread back on a busy
+                // core ahead of the threads that keep it busy.
+                self.sleep(rx, self.min_sleep);
             }
         }
     }

@@ -66,6 +66,9 @@ pub struct NixlConfig {
     /// Parameters of the UCX backend that replace the plugin's defaults (for instance
     /// `("num_workers", "2")`).
     pub backend_params: Vec<(String, String)>,
+    /// The nice value the progress thread takes when it posts its first write, as the UCX backend's
+    /// [`UcxConfig::sender_nice`](super::ucx::UcxConfig::sender_nice); 0 leaves it as it is.
+    pub sender_nice: i32,
 }
 
 impl Default for NixlConfig {
@@ -90,6 +93,7 @@ impl Default for NixlConfig {
             min_sleep: Duration::from_micros(20),
             max_sleep: Duration::from_millis(1),
             backend_params: Vec::new(),
+            sender_nice: super::ucx::SENDER_NICE,
         }
     }
 }
@@ -502,6 +506,9 @@ struct Worker {
     spin: Duration,
     min_sleep: Duration,
     max_sleep: Duration,
+    sender_nice: i32,
+    /// Whether `sender_nice` was applied (at the first post).
+    reniced: bool,
     sink: Sink,
     shared: Arc<Shared>,
     agent: Agent,
@@ -537,6 +544,8 @@ impl Worker {
             spin: config.spin,
             min_sleep: config.min_sleep.max(Duration::from_micros(1)),
             max_sleep: config.max_sleep.max(config.min_sleep),
+            sender_nice: config.sender_nice,
+            reniced: false,
             sink,
             shared,
             agent,
@@ -829,6 +838,10 @@ impl Worker {
     }
 
     fn post(&mut self, peer: PeerId, writes: Vec<WriteOp>, notification: Vec<u8>, done: Done) {
+        if !self.reniced {
+            self.reniced = true;
+            super::ucx::lower_thread_priority(self.sender_nice);
+        }
         let Some(p) = self.peers.get(&peer.0).filter(|p| !p.closing) else {
             done(Err(TransportError::UnknownPeer(peer)));
             return;

@@ -188,6 +188,33 @@ unsafe fn copy_streaming(dst: *mut u8, src: *const u8, len: usize) {
     unsafe { ptr::copy_nonoverlapping(src, dst, len) };
 }
 
+/// The nice value a sending progress thread takes by default (see [`lower_thread_priority`]).
+pub const SENDER_NICE: i32 = 10;
+
+/// Lowers the calling thread's CPU priority to `nice` (higher is lower; only ever raised, which
+/// needs no privilege). A sender's progress thread does the bulk copies of its writes: at nice 10
+/// it still takes every idle cycle, but on a busy host a woken thread of normal priority (the
+/// receiver's polling, a server's scheduler loop) preempts it at once instead of waiting for its
+/// time slice to end at a scheduler tick. With four ranks copying on two cores, `kvbench
+/// --processes` measured last write to Complete p99 of 0.14 to 2 ms this way against 2 to 5 ms at
+/// nice 0, with the same throughput. Best effort: a failure changes nothing.
+pub(crate) fn lower_thread_priority(nice: i32) {
+    if nice <= 0 {
+        return;
+    }
+    // SAFETY: gettid takes no arguments and cannot fail.
+    let tid = unsafe { libc::gettid() };
+    // SAFETY: setpriority only changes the scheduling of thread `tid` (this thread); it touches no
+    // memory. On Linux, PRIO_PROCESS with a thread id applies to that thread alone.
+    let rc = unsafe { libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, nice) };
+    if rc != 0 {
+        tracing::debug!(
+            error = %std::io::Error::last_os_error(),
+            "cannot lower the sending progress thread's priority"
+        );
+    }
+}
+
 /// Orders every streaming store before the stores that follow (the notification).
 fn store_fence() {
     #[cfg(target_arch = "x86_64")]
@@ -235,6 +262,9 @@ pub struct UcxConfig {
     /// On by default; where UCX cannot map a region (private memory, another host), puts go
     /// through UCX as before.
     pub direct_copy: bool,
+    /// The nice value the progress thread takes when it posts its first write (see
+    /// [`lower_thread_priority`]); 0 leaves it as it is.
+    pub sender_nice: i32,
 }
 
 impl Default for UcxConfig {
@@ -247,6 +277,7 @@ impl Default for UcxConfig {
             peer_error_handling: false,
             tcp_native_put: true,
             direct_copy: true,
+            sender_nice: SENDER_NICE,
         }
     }
 }
@@ -611,6 +642,9 @@ struct Worker {
     max_sleep: Duration,
     peer_error_handling: bool,
     direct_copy: bool,
+    sender_nice: i32,
+    /// Whether `sender_nice` was applied (at the first post).
+    reniced: bool,
     regions: HashMap<u64, Region>,
     peers: HashMap<u64, Peer>,
     next_id: u64,
@@ -784,6 +818,8 @@ impl Worker {
             max_sleep: config.max_sleep,
             peer_error_handling: config.peer_error_handling,
             direct_copy: config.direct_copy,
+            sender_nice: config.sender_nice,
+            reniced: false,
             regions: HashMap::new(),
             peers: HashMap::new(),
             next_id: 1,
@@ -1213,6 +1249,10 @@ impl Worker {
     }
 
     fn post(&mut self, peer: PeerId, writes: Vec<WriteOp>, notification: Vec<u8>, done: Done) {
+        if !self.reniced {
+            self.reniced = true;
+            lower_thread_priority(self.sender_nice);
+        }
         let Some(p) = self.peers.get(&peer.0) else {
             done(Err(TransportError::UnknownPeer(peer)));
             return;

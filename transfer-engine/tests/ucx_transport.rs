@@ -400,3 +400,68 @@ fn a_pool_ucx_allocates_takes_writes_and_is_freed_with_its_registration() {
     assert!(matches!(dst.into_inner(), Ok(Pool::Shared(l)) if l == len as u64));
     assert_eq!(rx.stats().registered_bytes, 0);
 }
+
+/// The nice value of this process's thread named `comm`, from `/proc/self/task/*/stat`.
+fn thread_nice(comm: &str) -> Option<i64> {
+    for task in std::fs::read_dir("/proc/self/task").ok()? {
+        let dir = task.ok()?.path();
+        let name = std::fs::read_to_string(dir.join("comm")).ok()?;
+        if name.trim_end() != comm {
+            continue;
+        }
+        let stat = std::fs::read_to_string(dir.join("stat")).ok()?;
+        // Fields after the parenthesised name: state is field 3, nice is field 19.
+        let rest = &stat[stat.rfind(')')? + 2..];
+        return rest.split_whitespace().nth(16)?.parse().ok();
+    }
+    None
+}
+
+/// A sender's progress thread takes `sender_nice` at its first post; a receiver's keeps its own.
+#[test]
+fn a_senders_progress_thread_lowers_its_priority_at_its_first_post() {
+    let named = |name: &str| -> Arc<dyn Transport> {
+        Arc::new(
+            UcxTransport::new(
+                UcxConfig {
+                    name: name.into(),
+                    ..UcxConfig::default()
+                },
+                noop_sink(),
+            )
+            .unwrap(),
+        )
+    };
+    let rx = named("nice-rx");
+    let tx = named("nice-tx");
+    let dst = Registration::new(&rx, Pool::Shared(1 << 16)).unwrap();
+    let src = Registration::new(&tx, host(1 << 16)).unwrap();
+    let peer = tx
+        .connect(&rx.metadata().unwrap(), &[dst.remote().clone()], 9)
+        .unwrap();
+    let before = thread_nice("ucx-nice-tx").expect("the sender's thread");
+    assert_eq!(before, 0, "niced before posting anything");
+    let (done, got) = wait_done();
+    tx.post(
+        peer,
+        vec![WriteOp {
+            local: src.id(),
+            local_offset: 0,
+            remote: 0,
+            remote_offset: 0,
+            len: 4096,
+        }],
+        vec![1],
+        done,
+    );
+    got.recv_timeout(BOUND).unwrap().unwrap();
+    assert_eq!(
+        thread_nice("ucx-nice-tx"),
+        Some(i64::from(transfer_engine::transport::ucx::SENDER_NICE))
+    );
+    assert_eq!(thread_nice("ucx-nice-rx"), Some(0), "the receiver was niced");
+    tx.disconnect(peer);
+    std::thread::sleep(Duration::from_millis(100));
+    // SAFETY: the only peer given `dst`, `tx`, disconnected after its one post ended.
+    unsafe { dst.assume_quiesced() };
+}

@@ -459,7 +459,11 @@ fn a_senders_progress_thread_lowers_its_priority_at_its_first_post() {
         thread_nice("ucx-nice-tx"),
         Some(i64::from(transfer_engine::transport::ucx::SENDER_NICE))
     );
-    assert_eq!(thread_nice("ucx-nice-rx"), Some(0), "the receiver was niced");
+    assert_eq!(
+        thread_nice("ucx-nice-rx"),
+        Some(0),
+        "the receiver was niced"
+    );
     tx.disconnect(peer);
     std::thread::sleep(Duration::from_millis(100));
     // SAFETY: the only peer given `dst`, `tx`, disconnected after its one post ended.

@@ -18,7 +18,7 @@
 //! polled. While the owner expects notifications (`Transport::set_active`) every nap is
 //! [`UcxConfig::min_sleep`]: a thread that sleeps briefly is woken ahead of busy threads, while one
 //! that polls and yields the core waits behind every busy thread's time slice (`kvbench`'s last
-//! write to Complete p50 fell from 0.5 to 1 ms to 50 to 80 µs on two cores). The worker's own event
+//! write to Complete p50 fell from 170 to 660 µs to 46 to 60 µs on two cores). The worker's own event
 //! fd is not used: asking UCX for `UCP_FEATURE_WAKEUP` excludes the shared-memory zero-copy
 //! transport (cma), which has no event fd, and puts into private memory then fall back to emulation
 //! over TCP, five times slower.
@@ -199,7 +199,7 @@ pub const SENDER_NICE: i32 = 10;
 /// it still takes every idle cycle, but on a busy host a woken thread of normal priority (the
 /// receiver's polling, a server's scheduler loop) preempts it at once instead of waiting for its
 /// time slice to end at a scheduler tick. With four ranks copying on two cores, `kvbench
-/// --processes` measured last write to Complete p99 of 0.14 to 2 ms this way against 2 to 5 ms at
+/// --processes` measured last write to Complete p99 of 0.14 to 2 ms this way against 2.8 to 4.4 ms at
 /// nice 0, with the same throughput. Best effort: a failure changes nothing.
 pub(crate) fn lower_thread_priority(nice: i32) {
     if nice <= 0 {

@@ -258,6 +258,8 @@ class KvxKVManager(BaseKVManager):
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self.failures: dict = {}
+        corrupt = os.environ.get("KVX_TEST_CORRUPT_ROOM")
+        self.corrupt_room: Optional[int] = int(corrupt) if corrupt else None
         # The metadata buffers (first output token, logprobs...): one row per request slot.
         self.aux = [(int(p), int(n), int(i)) for p, n, i in zip(
             getattr(args, "aux_data_ptrs", None) or [], getattr(args, "aux_data_lens", None) or [],
@@ -270,6 +272,9 @@ class KvxKVManager(BaseKVManager):
             self._prefills: dict = {}  # decode_id -> PrefillEngine
             self._allocations: dict = {}  # room -> (PrefillEngine, IncomingRequest)
             self._alloc_cv = threading.Condition(self._lock)
+            # SGLang's scheduler never calls register_to_bootstrap(): a backend registers its
+            # prefill rank when the manager is made, as SGLang's own managers do.
+            self.register_to_bootstrap()
         else:
             self.pool = _Pool(args, self.is_mla_backend, 0)
             self._decodes: dict = {}  # bootstrap_addr -> DecodeEngine
@@ -439,6 +444,21 @@ class KvxKVManager(BaseKVManager):
             ctypes.memmove(ptr + index * item, data[at:at + item], item)
             at += item
 
+    def corrupt_first_page(self, pages: List[int]) -> None:
+        """Test only (``KVX_TEST_CORRUPT_ROOM``): flips one bit of the top byte of the first value
+        of the request's first page in the first buffer, after it arrived, so a test can see that
+        decode's tokens come from the moved pages."""
+        import ctypes
+
+        if not pages:
+            return
+        ptr, _ = self.pool.memory[0]
+        at = ptr + pages[0] * self.pool.page_bytes + 3
+        byte = ctypes.c_uint8.from_address(at)
+        byte.value ^= 0x40
+        logger.warning("kvx: KVX_TEST_CORRUPT_ROOM: corrupted page %d of room %d", pages[0],
+                       self.corrupt_room)
+
     def chunk_tokens(self) -> int:
         want = int(os.environ.get("KVX_CHUNK_TOKENS", "1024"))
         return max(1, want // self.page_size) * self.page_size
@@ -549,12 +569,9 @@ class KvxKVSender(BaseKVSender):
         if self.engine is None and not self._bind():
             return KVPoll.Bootstrapping
         if self.decision.done():
-            for p in self.posted:
-                try:
-                    p.wait(0)
-                except kvx.KvxError as e:
-                    self._fail(e)
-                    return KVPoll.Failed
+            # The decision is the answer: it needs this rank's own vote, cast once its writes were
+            # over, so no post of ours is still in flight; a local completion not yet reported to
+            # its Pending says nothing more.
             outcome = self.decision.wait(0)
             if not outcome.complete:
                 self._fail(outcome.error())
@@ -625,6 +642,7 @@ class KvxKVReceiver(BaseKVReceiver):
         # The prefill ranks that may write this room's pages (their count is what SGLang's deferred
         # release waits for; kvx's own acknowledgements decide it).
         self.bootstrap_infos: list = []
+        self.pages: List[int] = []
 
     def init(self, prefill_dp_rank: int = 0):
         try:
@@ -640,6 +658,7 @@ class KvxKVReceiver(BaseKVReceiver):
             return
         self.aux_index = aux_index
         pages = [int(p) for p in np.asarray(kv_indices).reshape(-1)]
+        self.pages = pages
         try:
             self.pending = self.engine.expect(self.bootstrap_room, len(pages) * self.kv_mgr.page_size,
                                               self.kv_mgr.chunk_tokens(), pages, _request_timeout())
@@ -689,6 +708,8 @@ class KvxKVReceiver(BaseKVReceiver):
                 except kvx.KvxError as e:
                     self.failed = e
                     return KVPoll.Failed
+            if self.kv_mgr.corrupt_room == self.bootstrap_room:
+                self.kv_mgr.corrupt_first_page(self.pages)
             self.succeeded = True
             return KVPoll.Success
         self.failed = outcome.error()

@@ -1,6 +1,9 @@
 """One SGLang scheduler rank using kvx.sglang, in the order SGLang 0.5.23's scheduler calls the
-transfer backend (disaggregation/prefill.py and decode.py): the manager over the rank's KV pool,
-``register_to_bootstrap``; per request, prefill: sender, poll until ``WaitingForInput``, ``init``,
+transfer backend (disaggregation/prefill.py and decode.py): the manager over the rank's KV pool
+(which registers a prefill rank itself: the scheduler never calls ``register_to_bootstrap``);
+decode: ``try_ensure_parallel_info`` until the prefill instance is there; per request, prefill:
+sender, poll until ``WaitingForInput`` (PP rank 0 only, as SGLang polls only rank 0 while
+bootstrapping), ``init``,
 ``send`` per prefill chunk with that chunk's pages, poll until terminal, ``clear``; decode: receiver,
 ``init``, poll until ``WaitingForInput``, ``send_metadata``, poll until terminal, ``clear``.
 
@@ -157,9 +160,9 @@ def main():
                 server_cls = utils.get_kv_class(KVX, utils.KVClassType.BOOTSTRAP_SERVER)
                 keep.append(server_cls(host="127.0.0.1", port=port))
             mgr_cls = utils.get_kv_class(KVX, utils.KVClassType.MANAGER)
+            # The manager registers the rank itself, as SGLang's scheduler expects.
             mgr = mgr_cls(pool.kv_args(page, rank), utils.DisaggregationMode.PREFILL, server_args,
                           shape["mla"])
-            mgr.register_to_bootstrap()
             keep.append((mgr, pool))
             sender_cls = utils.get_kv_class(KVX, utils.KVClassType.SENDER)
             for req in phase["requests"]:
@@ -173,7 +176,10 @@ def main():
                 for j, b in enumerate(pool.aux):
                     b[room % AUX_ROWS] = pattern(room, rank, 1000, j, 0, b.shape[1])
                 sender = sender_cls(mgr=mgr, bootstrap_addr=bootstrap_addr, bootstrap_room=room)
-                state = wait_poll(sender, (KVPoll.WaitingForInput,))
+                # SGLang polls only PP rank 0 while bootstrapping; the other ranks take its answer,
+                # so a higher rank may send before its own allocation arrived.
+                state = wait_poll(sender, (KVPoll.WaitingForInput,)) if rank == 0 else \
+                    KVPoll.WaitingForInput
                 if state == KVPoll.WaitingForInput:
                     sender.init(n, room % AUX_ROWS)
                     chunk_pages = plan["sglang_chunk_tokens"] // page
@@ -204,19 +210,12 @@ def main():
             mgr_cls = utils.get_kv_class(KVX, utils.KVClassType.MANAGER)
             mgr = mgr_cls(pool.kv_args(page, 0), utils.DisaggregationMode.DECODE, server_args,
                           shape["mla"])
-            mgr.register_to_bootstrap()
             keep.append((mgr, pool))
             receiver_cls = utils.get_kv_class(KVX, utils.KVClassType.RECEIVER)
-            # The prefill side's bootstrap server may still be starting.
+            # As SGLang's decode scheduler does before it makes a receiver (the prefill side's
+            # directory may still be starting).
             deadline = time.monotonic() + 120
-            while True:
-                try:
-                    kvx.sglang._http("GET", f"http://{bootstrap_addr}/kvx/prefill")
-                    ranks = kvx.sglang._http("GET", f"http://{bootstrap_addr}/kvx/prefill")["ranks"]
-                    if len(ranks) == pp:
-                        break
-                except OSError:
-                    pass
+            while not mgr.try_ensure_parallel_info(bootstrap_addr):
                 if time.monotonic() > deadline:
                     raise SystemExit("prefill ranks never registered")
                 time.sleep(0.1)

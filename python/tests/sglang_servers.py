@@ -74,7 +74,9 @@ def sglang_env(extra=None):
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in [CPU_SHIMS, SGLANG_SERVER, SGLANG, env.get("PYTHONPATH")] if p)
     env.update({"SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-                "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"})
+                "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+                # SGLang's transfer backends (kvx and mooncake) publish this host address.
+                "SGLANG_HOST_IP": "127.0.0.1"})
     env.update(extra or {})
     return env
 
@@ -117,9 +119,16 @@ class Server:
                "--disable-cuda-graph", "--skip-server-warmup", "--dtype", "float32",
                "--max-total-tokens", "4096", "--mem-fraction-static", "0.05",
                "--page-size", str(PAGE_SIZE), "--chunked-prefill-size", str(CHUNKED_PREFILL),
-               "--disable-overlap-schedule", "--random-seed", "1", *args]
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, env=sglang_env(env), stdout=self._log,
+               "--disable-overlap-schedule", "--random-seed", "1",
+               # Idle schedulers otherwise poll without rest: five of them starve 2 cores.
+               "--sleep-on-idle", *args]
+        self._cmd, self._env, self._log = cmd, sglang_env(env), None
+        self.start()
+
+    def start(self):
+        """Starts the process (again, after ``kill``: same ports, same arguments)."""
+        self._log = open(self.log_path, "a")
+        self.proc = subprocess.Popen(self._cmd, env=self._env, stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
     def log(self, tail=6000):
@@ -155,6 +164,9 @@ class Server:
             self.proc.wait(timeout=30)
         self._log.close()
 
+    def alive(self):
+        return self.proc.poll() is None
+
 
 def start_all(servers, timeout=420):
     deadline = time.monotonic() + timeout
@@ -174,11 +186,13 @@ def generate(server, input_ids, max_new_tokens, timeout=120):
     return out["output_ids"]
 
 
-def pair_generate(prefill, decode, bootstrap_port, input_ids, max_new_tokens, room, timeout=120):
+def pair_generate(prefill, decode, bootstrap_port, input_ids, max_new_tokens, room, timeout=120,
+                  **extra):
     """One request through a disaggregated pair, as SGLang's load balancer sends it. Returns
-    ``{"prefill": (status, reply), "decode": (status, reply), "seconds": wall time}``."""
+    ``{"prefill": (status, reply), "decode": (status, reply), "seconds": wall time}``; a call
+    that got no answer (connection refused or reset) has status None."""
     b = body(input_ids, max_new_tokens, bootstrap_host="127.0.0.1",
-             bootstrap_port=bootstrap_port, bootstrap_room=room)
+             bootstrap_port=bootstrap_port, bootstrap_room=room, **extra)
     got = {}
 
     def call(role, server):

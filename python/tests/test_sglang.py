@@ -53,7 +53,8 @@ def test_sglang_backend_in_three_processes(tmp_path):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in [SGLANG, str(HERE), env.get("PYTHONPATH")] if p)
     env.update({"KVX_SECRET": "sglang-test-secret", "KVX_CHUNK_TOKENS": "64",
-                "KVX_REQUEST_TIMEOUT": "3", "PYTHONWARNINGS": "ignore"})
+                "KVX_REQUEST_TIMEOUT": "3", "PYTHONWARNINGS": "ignore",
+                "SGLANG_HOST_IP": "127.0.0.1"})
     role = HERE / "sglang_role.py"
     out = {name: tmp_path / f"{name}.json" for name in ("p0", "p1", "d")}
     logs = {name: open(tmp_path / f"{name}.log", "w") for name in out}

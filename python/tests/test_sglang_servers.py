@@ -10,6 +10,8 @@ at a time and four at a time. SGLang and its server packages come from ``scripts
 without them these tests fail."""
 
 import random
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -42,24 +44,11 @@ def prompts():
     return [[rng.randrange(1, 1000) for _ in range(n)] for n in LENGTHS]
 
 
-@pytest.fixture(scope="module")
-def normal(model, logs, prompts):
-    """One normal server, and its greedy tokens for every prompt."""
-    (port,) = ports(1)
-    server = S.Server("normal", model, port, logs)
-    try:
-        S.start_all([server])
-        server.expected = [S.generate(server, p, NEW_TOKENS) for p in prompts]
-        yield server
-    finally:
-        server.kill()
-
-
 class Pair:
     """A prefill and a decode server on one transfer backend."""
 
-    def __init__(self, name, model, logs, backend, env):
-        prefill_port, decode_port, self.bootstrap_port = ports(3)
+    def __init__(self, name, model, logs, backend, env, three_ports):
+        prefill_port, decode_port, self.bootstrap_port = three_ports
         self.prefill = S.Server(f"{name}-prefill", model, prefill_port, logs, [
             "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", backend,
             "--disaggregation-bootstrap-port", str(self.bootstrap_port)], env)
@@ -67,20 +56,12 @@ class Pair:
             "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", backend,
             "--disaggregation-decode-retraction-backup", "cpu_tensor"], env)
 
-    def __enter__(self):
-        try:
-            S.start_all([self.prefill, self.decode])
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
+    def servers(self):
+        return [self.prefill, self.decode]
 
-    def __exit__(self, *exc):
-        self.prefill.kill()
-        self.decode.kill()
-
-    def generate(self, ids, room):
-        return S.pair_generate(self.prefill, self.decode, self.bootstrap_port, ids, NEW_TOKENS, room)
+    def generate(self, ids, room, **extra):
+        return S.pair_generate(self.prefill, self.decode, self.bootstrap_port, ids, NEW_TOKENS, room,
+                               **extra)
 
     def logs(self):
         return self.prefill.log() + "\n" + self.decode.log()
@@ -99,23 +80,153 @@ def check(pair, normal, prompts, results, label):
         assert got["decode"][1]["output_ids"] == want, f"{what}: {got['decode'][1]} != {want}"
 
 
-@pytest.mark.parametrize("backend", ["ucx", "nixl"])
-def test_a_kvx_pair_answers_like_one_server(backend, model, logs, normal, prompts):
+BACKENDS = ["ucx", "nixl"]
+
+
+@pytest.fixture(scope="module")
+def servers(model, logs, prompts):
+    """One normal server and a kvx pair per backend, all started at once (their start is CPU-bound
+    imports: together they are ready sooner than one after another); the normal server's greedy
+    tokens for every prompt."""
+    # Drawn in one call, so no two servers are given the same port.
+    free = ports(1 + 3 * len(BACKENDS))
+    normal = S.Server("normal", model, free.pop(), logs)
+    pairs = {}
+    try:
+        for backend in BACKENDS:
+            env = {"KVX_SECRET": SECRET, "KVX_BACKEND": backend, "KVX_CHUNK_TOKENS": "64",
+                   "KVX_TEST_CORRUPT_ROOM": str(corrupt_room(backend)), "UCX_MODULES": "^efa"}
+            pairs[backend] = Pair(f"kvx-{backend}", model, logs, "kvx", env,
+                                  [free.pop() for _ in range(3)])
+        S.start_all([normal] + [s for p in pairs.values() for s in p.servers()])
+        normal.expected = [S.generate(normal, p, NEW_TOKENS) for p in prompts]
+        yield normal, pairs
+    finally:
+        for server in [normal] + [s for p in pairs.values() for s in p.servers()]:
+            server.kill()
+
+
+def corrupt_room(backend):
+    return random.Random(f"corrupt-{backend}").randrange(1 << 62)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_kvx_pair_answers_like_one_server(backend, servers, prompts):
+    normal, pairs = servers
+    pair = pairs[backend]
     rng = random.Random(backend)
-    corrupt_room = rng.randrange(1 << 62)
-    env = {"KVX_SECRET": SECRET, "KVX_BACKEND": backend, "KVX_CHUNK_TOKENS": "64",
-           "KVX_TEST_CORRUPT_ROOM": str(corrupt_room), "UCX_MODULES": "^efa"}
-    with Pair(f"kvx-{backend}", model, logs, "kvx", env) as pair:
-        for concurrency in (1, 4):
-            rooms = [rng.randrange(1 << 62) for _ in prompts]
-            results = run_prompts(pair, prompts, rooms, concurrency)
-            check(pair, normal, prompts, results, f"{backend}, concurrency {concurrency}")
-        # One byte of one moved page flipped on decode: that request's tokens differ, both servers
-        # still answer, and the requests around it are intact.
-        victim = LENGTHS.index(200)
-        got = pair.generate(prompts[victim], corrupt_room)
-        assert got["prefill"][0] == 200 and got["decode"][0] == 200, pair.logs()
-        assert got["decode"][1]["output_ids"] != normal.expected[victim], (
-            "a corrupted page did not change decode's tokens: the check does not read moved KV")
-        after = run_prompts(pair, prompts[:3], [rng.randrange(1 << 62) for _ in range(3)], 1)
-        check(pair, normal, prompts[:3], after, f"{backend}, after the corrupted request")
+    for concurrency in (1, 4):
+        rooms = [rng.randrange(1 << 62) for _ in prompts]
+        results = run_prompts(pair, prompts, rooms, concurrency)
+        check(pair, normal, prompts, results, f"{backend}, concurrency {concurrency}")
+    # One byte of one moved page flipped on decode: that request's tokens differ, both servers
+    # still answer, and the requests after it are intact.
+    victim = LENGTHS.index(200)
+    got = pair.generate(prompts[victim], corrupt_room(backend))
+    assert got["prefill"][0] == 200 and got["decode"][0] == 200, pair.logs()
+    assert got["decode"][1]["output_ids"] != normal.expected[victim], (
+        "a corrupted page did not change decode's tokens: the check does not read moved KV")
+    after = run_prompts(pair, prompts[:3], [rng.randrange(1 << 62) for _ in range(3)], 1)
+    check(pair, normal, prompts[:3], after, f"{backend}, after the corrupted request")
+
+
+# How long a request through a pair may take to end, in any way, once a server is aborted or killed
+# (kvx's request timeout is set well above it, so only the failure path can meet it).
+FAULT_BOUND_S = 30
+
+
+def in_background(fn, *args, **kw):
+    out = {}
+    t = threading.Thread(target=lambda: out.update(result=fn(*args, **kw)), daemon=True)
+    t.start()
+    return t, out
+
+
+# What SGLang logs when a backend breaks its contract (a missing method, a failed release).
+CONTRACT_ERRORS = ("AttributeError", "Deferred KV release failed", "NotImplementedError")
+
+
+def assert_clean_logs(pair):
+    for server in pair.servers():
+        text = server.log_path.read_text()
+        for needle in CONTRACT_ERRORS:
+            assert needle not in text, f"{server.name} logged {needle!r}\n{server.log()}"
+
+
+def test_aborts_on_either_server_mid_transfer(servers, prompts):
+    """SGLang's /abort_request on prefill, then on decode, while a 13-chunk prompt moves: both
+    calls end within the bound, an aborted request never answers with wrong tokens, and the
+    requests after it are intact."""
+    normal, pairs = servers
+    pair = pairs["ucx"]
+    rng = random.Random("aborts")
+    longest = LENGTHS.index(792)
+    for side in ("prefill", "decode"):
+        server = getattr(pair, side)
+        rid = f"abort-on-{side}-{rng.randrange(1 << 30)}"
+        t, out = in_background(pair.generate, prompts[longest], rng.randrange(1 << 62), rid=rid)
+        time.sleep(0.2)
+        status, reply = S.http("POST", f"{server.url}/abort_request", {"rid": rid})
+        assert status == 200, reply
+        t.join(FAULT_BOUND_S)
+        assert not t.is_alive(), f"abort on {side}: the request did not end\n{pair.logs()}"
+        got = out["result"]
+        if got["decode"][0] == 200 and "output_ids" in got["decode"][1]:
+            aborted = got["decode"][1]["meta_info"]["finish_reason"]["type"] == "abort"
+            assert aborted or got["decode"][1]["output_ids"] == normal.expected[longest], got
+        after = run_prompts(pair, prompts[:3], [rng.randrange(1 << 62) for _ in range(3)], 2)
+        check(pair, normal, prompts[:3], after, f"after an abort on {side}")
+    assert_clean_logs(pair)
+
+
+def test_a_killed_prefill_fails_its_requests_and_its_restart_serves(servers, prompts):
+    """kill -9 of the prefill server while requests move: decode ends each of them within the
+    bound (through SGLang's own failure path; none answers wrong tokens), stays up, and once the
+    prefill server is started again on the same ports, new requests succeed, decode untouched."""
+    normal, pairs = servers
+    pair = pairs["ucx"]
+    rng = random.Random("kill-prefill")
+    longest = LENGTHS.index(792)
+    decode_pid = pair.decode.proc.pid
+    calls = [in_background(pair.generate, prompts[longest], rng.randrange(1 << 62))
+             for _ in range(3)]
+    time.sleep(0.3)
+    pair.prefill.kill()
+    for t, _ in calls:
+        t.join(FAULT_BOUND_S)
+        assert not t.is_alive(), f"a request outlived its prefill server\n{pair.logs()}"
+    for _, out in calls:
+        got = out["result"]
+        assert got["decode"][0] is not None, got
+        if got["decode"][0] == 200 and "output_ids" in got["decode"][1]:
+            finish = got["decode"][1]["meta_info"]["finish_reason"]["type"]
+            assert finish == "abort" or got["decode"][1]["output_ids"] == normal.expected[longest], got
+    assert pair.decode.alive() and pair.decode.proc.pid == decode_pid
+    pair.prefill.start()
+    S.start_all([pair.prefill])
+    after = run_prompts(pair, prompts[:4], [rng.randrange(1 << 62) for _ in range(4)], 2)
+    check(pair, normal, prompts[:4], after, "after prefill's restart")
+    assert pair.decode.proc.pid == decode_pid
+    assert_clean_logs(pair)
+
+
+def test_a_killed_decode_fails_prefills_requests(servers, prompts):
+    """kill -9 of the decode server while requests move: prefill ends each of them within the
+    bound and stays up; a decode server started again on the same ports is served."""
+    normal, pairs = servers
+    pair = pairs["nixl"]
+    rng = random.Random("kill-decode")
+    longest = LENGTHS.index(792)
+    calls = [in_background(pair.generate, prompts[longest], rng.randrange(1 << 62))
+             for _ in range(3)]
+    time.sleep(0.3)
+    pair.decode.kill()
+    for t, _ in calls:
+        t.join(FAULT_BOUND_S)
+        assert not t.is_alive(), f"a request outlived its decode server\n{pair.logs()}"
+    assert pair.prefill.alive()
+    pair.decode.start()
+    S.start_all([pair.decode])
+    after = run_prompts(pair, prompts[:4], [rng.randrange(1 << 62) for _ in range(4)], 2)
+    check(pair, normal, prompts[:4], after, "after decode's restart")
+    assert_clean_logs(pair)

@@ -1,0 +1,182 @@
+"""The prefill instance's bootstrap directory (SGLang's bootstrap server, for kvx) and its client.
+
+Each prefill rank publishes its PP/TP rank and layer range; each decode rank publishes the control
+address of the ``kvx.DecodeEngine`` it runs for that prefill instance; each prefill rank publishes,
+per decode, the address its PP vote mesh listens on. Those are addresses, so every ``/kvx/``
+request, read or write, proves the deployment's shared secret: an HMAC-SHA256 over a timestamp,
+the method, the path and the body (header ``X-Kvx-Auth: <unix seconds>:<hex>``), checked in
+constant time and refused (401) when wrong, missing or more than ``MAX_SKEW_S`` old. Without a
+secret the directory is open, as the engines are (they warn). Worker addresses, rkeys and agent
+metadata never travel here: only kvx's authenticated control connections carry them.
+
+Every directory draws an ``instance`` token at start: decode tells a prefill instance that
+restarted on the same address from one that stayed up, and announces itself again."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import secrets
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Optional
+from urllib.parse import parse_qs, urlparse
+
+from sglang.srt.disaggregation.base.conn import BaseKVBootstrapServer
+
+from .settings import secret
+
+logger = logging.getLogger(__name__)
+
+MAX_SKEW_S = 120
+MAX_BODY = 1 << 20
+
+
+def _mac(key: bytes, stamp: str, method: str, path: str, body: bytes) -> str:
+    msg = b"\n".join([stamp.encode(), method.encode(), path.encode(), body])
+    return hmac.new(key, msg, hashlib.sha256).hexdigest()
+
+
+def sign(key: Optional[bytes], method: str, path: str, body: bytes) -> dict:
+    if key is None:
+        return {}
+    stamp = str(int(time.time()))
+    return {"X-Kvx-Auth": f"{stamp}:{_mac(key, stamp, method, path, body)}"}
+
+
+def verify(key: Optional[bytes], header: Optional[str], method: str, path: str, body: bytes,
+           now: Optional[float] = None) -> bool:
+    """Whether `header` proves `key` for this request (always true without a key)."""
+    if key is None:
+        return True
+    if not header or ":" not in header:
+        return False
+    stamp, mac = header.split(":", 1)
+    try:
+        age = abs((time.time() if now is None else now) - int(stamp))
+    except ValueError:
+        return False
+    return age <= MAX_SKEW_S and hmac.compare_digest(mac, _mac(key, stamp, method, path, body))
+
+
+def http(method: str, url: str, body: Optional[dict] = None, timeout: float = 5.0,
+         key: Optional[bytes] = None):
+    """One signed call to a directory; raises OSError (urllib's errors are OSErrors) on failure."""
+    data = b"" if body is None else json.dumps(body).encode()
+    path = urlparse(url).path
+    headers = {"Content-Type": "application/json", **sign(key, method, path, data)}
+    req = urllib.request.Request(url, data=data if body is not None else None, method=method,
+                                 headers=headers)
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        text = r.read()
+    return json.loads(text) if text else None
+
+
+class KvxBootstrapServer(BaseKVBootstrapServer):
+    """The prefill instance's directory (HTTP, JSON), started by SGLang on the prefill server."""
+
+    def __init__(self, host: str, port: int):
+        self.host, self.port = host, port
+        self.instance = secrets.token_hex(8)
+        self.key = secret()
+        self.refused = 0  # requests that did not prove the secret
+        self._lock = threading.Lock()
+        self._prefill: dict = {}  # "tp/pp" -> info
+        self._decodes: list = []  # announcements, in order
+        self._mesh: dict = {}  # (decode_id, tp) -> {pp: addr}
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):  # quiet
+                pass
+
+            def _reply(self, code, obj=None):
+                body = b"" if obj is None else json.dumps(obj).encode()
+                try:
+                    self.send_response(code)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except OSError:  # the caller went away (a heartbeat that timed out)
+                    pass
+
+            def _authentic(self, method: str, path: str, body: bytes) -> bool:
+                if verify(server.key, self.headers.get("X-Kvx-Auth"), method, path, body):
+                    return True
+                with server._lock:
+                    server.refused += 1
+                self._reply(401, {"error": "the request did not prove the shared secret"})
+                return False
+
+            def do_GET(self):
+                u = urlparse(self.path)
+                if u.path == "/health":
+                    return self._reply(200, {"ok": True})
+                if not u.path.startswith("/kvx/"):
+                    return self._reply(404)
+                if not self._authentic("GET", u.path, b""):
+                    return
+                q = {k: v[0] for k, v in parse_qs(u.query).items()}
+                try:
+                    with server._lock:
+                        if u.path == "/kvx/prefill":
+                            return self._reply(200, {"instance": server.instance,
+                                                     "ranks": list(server._prefill.values())})
+                        if u.path == "/kvx/decode":
+                            since = int(q.get("since", 0))
+                            return self._reply(200, {"instance": server.instance,
+                                                     "decodes": server._decodes[since:]})
+                        if u.path == "/kvx/mesh":
+                            key = (q.get("decode_id", ""), int(q.get("tp_rank", 0)))
+                            return self._reply(200, {"mesh": server._mesh.get(key, {})})
+                except ValueError as e:
+                    return self._reply(400, {"error": str(e)})
+                return self._reply(404)
+
+            def do_PUT(self):
+                u = urlparse(self.path)
+                try:
+                    n = int(self.headers.get("Content-Length") or 0)
+                except ValueError:
+                    return self._reply(400, {"error": "bad Content-Length"})
+                if n < 0 or n > MAX_BODY:
+                    return self._reply(413, {"error": "body too large"})
+                raw = self.rfile.read(n)
+                if not self._authentic("PUT", u.path, raw):
+                    return
+                try:
+                    b = json.loads(raw or b"{}")
+                    with server._lock:
+                        if u.path == "/kvx/prefill":
+                            server._prefill[f"{int(b['tp_rank'])}/{int(b['pp_rank'])}"] = b
+                        elif u.path == "/kvx/decode":
+                            if not any(d["decode_id"] == b["decode_id"] for d in server._decodes):
+                                server._decodes.append(b)
+                        elif u.path == "/kvx/mesh":
+                            key = (str(b["decode_id"]), int(b["tp_rank"]))
+                            server._mesh.setdefault(key, {})[str(int(b["pp_rank"]))] = str(b["addr"])
+                        else:
+                            return self._reply(404)
+                    return self._reply(200, {})
+                except (KeyError, ValueError, TypeError, AttributeError) as e:
+                    return self._reply(400, {"error": str(e)})
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
+                                        name="kvx-bootstrap")
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        h, p = self._server.server_address[:2]
+        return f"{h}:{p}"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

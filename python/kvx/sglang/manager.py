@@ -1,0 +1,397 @@
+"""``KvxKVManager``: one per SGLang scheduler rank.
+
+Prefill: registers the rank in its instance's directory when it is made (SGLang's scheduler never
+calls ``register_to_bootstrap``), and starts a ``PrefillEngine`` for every decode engine that
+announces itself there. Decode: one ``DecodeEngine`` per prefill instance, announced in that
+instance's directory, and a heartbeat of every instance it knows: an instance that stops answering
+is forgotten (SGLang asks for it again), and one that comes back, or restarted on the same
+address, is told of the decode engine again, so its new ranks rejoin it."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import time
+import types
+from typing import List, Optional
+
+from sglang.srt.disaggregation.base.conn import BaseKVManager, KVArgs
+from sglang.srt.disaggregation.utils import DisaggregationMode
+
+import kvx
+
+from . import settings
+from .directory import http
+
+logger = logging.getLogger(__name__)
+
+
+class _Pool:
+    """A rank's KV pool as kvx sees it, from SGLang's KVArgs."""
+
+    def __init__(self, args: KVArgs, is_mla: bool, first_layer: int):
+        ptrs, lens, items = list(args.kv_data_ptrs), list(args.kv_data_lens), list(args.kv_item_lens)
+        if not ptrs or len(ptrs) != len(lens) or len(lens) != len(items):
+            raise kvx.ConfigError("kvx: KVArgs has no KV buffers, or mismatched lists")
+        if len(set(lens)) != 1 or len(set(items)) != 1:
+            raise kvx.ConfigError("kvx: every KV buffer must have the same length and page size")
+        split = not is_mla
+        if split and len(ptrs) % 2:
+            raise kvx.ConfigError("kvx: an MHA pool needs K and V buffers for every layer")
+        self.num_layers = len(ptrs) // (2 if split else 1)
+        self.page_bytes = items[0]
+        self.num_pages = lens[0] // items[0]
+        self.split = split
+        self.first_layer = first_layer
+        self.memory = [(p, n) for p, n in zip(ptrs, lens)]
+        self.layout = kvx.Layout(first_layer=first_layer, num_layers=self.num_layers,
+                                 page_bytes=self.page_bytes, num_pages=self.num_pages, split_kv=split)
+
+
+def _refuse_unsupported(args: KVArgs, server_args) -> None:
+    """State kvx does not carry is refused at start, by name, never dropped: decode would run on
+    uninitialised state."""
+    states = [getattr(s, "value", str(s)) for s in (getattr(args, "state_types", None) or [])]
+    if states:
+        raise kvx.ConfigError(
+            f"kvx: this model keeps state beside its KV pages ({', '.join(states)}); kvx carries "
+            "KV pages and metadata rows only: use another --disaggregation-transfer-backend")
+    if getattr(server_args, "disaggregation_decode_enable_radix_cache", False):
+        raise kvx.ConfigError(
+            "kvx: --disaggregation-decode-enable-radix-cache (a decode-side prefix, "
+            "decode_prefix_len) is not supported by kvx yet")
+
+
+class KvxKVManager(BaseKVManager):
+    """One per scheduler rank (see the module's doc)."""
+
+    supports_deferred_decode_kv_release = True
+    enable_deferred_decode_kv_release = True
+
+    def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args,
+                 is_mla_backend: Optional[bool] = False):
+        _refuse_unsupported(args, server_args)
+        self.kv_args = args
+        self.disaggregation_mode = disaggregation_mode
+        self.server_args = server_args
+        self.is_mla_backend = bool(is_mla_backend)
+        self.tp_rank = int(args.engine_rank)
+        self.pp_rank = int(getattr(args, "pp_rank", 0) or 0)
+        self.pp_size = int(getattr(server_args, "pp_size", 1) or 1)
+        self.page_size = int(args.page_size)
+        self.local_ip = settings.local_ip()
+        self.backend = os.environ.get("KVX_BACKEND", "ucx")
+        self.secret = settings.secret()
+        self.device = settings.device(args)
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self.failures: dict = {}
+        corrupt = os.environ.get("KVX_TEST_CORRUPT_ROOM")
+        self.corrupt_room: Optional[int] = int(corrupt) if corrupt else None
+        # The metadata buffers (first output token, logprobs...): one row per request slot.
+        self.aux = [(int(p), int(n), int(i)) for p, n, i in zip(
+            getattr(args, "aux_data_ptrs", None) or [], getattr(args, "aux_data_lens", None) or [],
+            getattr(args, "aux_item_lens", None) or [])]
+        if disaggregation_mode == DisaggregationMode.PREFILL:
+            first = int(getattr(args, "prefill_start_layer", 0) or 0)
+            self.pool = _Pool(args, self.is_mla_backend, first)
+            port = getattr(server_args, "disaggregation_bootstrap_port", None)
+            host = settings.url_host(settings.bootstrap_host(server_args))
+            self.bootstrap_url = f"http://{host}:{port}"
+            self._prefills: dict = {}  # decode_id -> PrefillEngine
+            self._allocations: dict = {}  # room -> (PrefillEngine, IncomingRequest)
+            self._waiting: dict = {}  # room -> sender whose allocation has not arrived
+            self._registered = False
+            self.register_to_bootstrap()
+        else:
+            self.pool = _Pool(args, self.is_mla_backend, 0)
+            self._decodes: dict = {}  # bootstrap_addr -> DecodeEngine
+            self._pp: dict = {}  # bootstrap_addr -> that prefill instance's PP size
+            self._instances: dict = {}  # bootstrap_addr -> directory instance we announced to
+            self._misses: dict = {}  # bootstrap_addr -> heartbeats missed in a row
+            self._rooms: dict = {}  # room -> DecodeEngine
+            # What the decode scheduler reads of each prefill instance (one DP rank each).
+            self.prefill_info_table: dict = {}
+            self.id = f"{os.getpid()}-{self.tp_rank}-{id(self):x}"
+            threading.Thread(target=self._heartbeat, daemon=True, name="kvx-heartbeat").start()
+
+    def _get(self, url: str, timeout: float = 5.0):
+        return http("GET", url, timeout=timeout, key=self.secret)
+
+    def _put(self, url: str, body: dict, timeout: float = 5.0):
+        return http("PUT", url, body, timeout=timeout, key=self.secret)
+
+    # Prefill side.
+
+    def register_to_bootstrap(self):
+        """Publishes this prefill rank in its instance's directory (once; called from __init__)."""
+        if self.disaggregation_mode != DisaggregationMode.PREFILL or self._registered:
+            return
+        info = {"tp_rank": self.tp_rank, "pp_rank": self.pp_rank, "pp_size": self.pp_size,
+                "first_layer": self.pool.first_layer, "num_layers": self.pool.num_layers,
+                "page_size": self.page_size, "page_bytes": self.pool.page_bytes,
+                "split_kv": self.pool.split, "backend": self.backend}
+        deadline = time.monotonic() + settings.bootstrap_timeout()
+        while True:
+            try:
+                self._put(f"{self.bootstrap_url}/kvx/prefill", info)
+                break
+            except OSError:
+                # Rank 0's server starts the directory; other ranks may get here first.
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        self._registered = True
+        threading.Thread(target=self._watch_decodes, daemon=True, name="kvx-watch").start()
+
+    def _watch_decodes(self):
+        seen = 0
+        while not self._closed.is_set():
+            try:
+                got = self._get(f"{self.bootstrap_url}/kvx/decode?since={seen}")["decodes"]
+            except OSError:
+                got = []
+            for d in got:
+                seen += 1
+                if int(d.get("tp_rank", -1)) == self.tp_rank:
+                    threading.Thread(target=self._connect, args=(d,), daemon=True).start()
+            self._closed.wait(0.05)
+
+    def _connect(self, d: dict):
+        """A PrefillEngine for the decode engine `d` announced, with this decode's vote mesh."""
+        decode_id = d["decode_id"]
+        try:
+            peers, mesh_socket = [], None
+            if self.pp_size > 1:
+                # Bound now and held, so the port published below stays ours until the rank starts.
+                mesh_socket = kvx.MeshSocket(f"{settings.url_host(self.local_ip)}:0")
+                self._put(f"{self.bootstrap_url}/kvx/mesh", {
+                    "decode_id": decode_id, "tp_rank": self.tp_rank, "pp_rank": self.pp_rank,
+                    "addr": mesh_socket.address})
+                deadline = time.monotonic() + 60
+                while True:
+                    mesh = self._get(f"{self.bootstrap_url}/kvx/mesh?decode_id={decode_id}"
+                                     f"&tp_rank={self.tp_rank}")["mesh"]
+                    if len(mesh) == self.pp_size:
+                        peers = [mesh[str(r)] for r in range(self.pp_size)]
+                        break
+                    if time.monotonic() > deadline:
+                        raise kvx.Timeout(f"PP ranks of decode {decode_id} never all published")
+                    time.sleep(0.02)
+            engine = kvx.PrefillEngine(
+                decode=d["address"], pp_rank=self.pp_rank, pp_size=self.pp_size,
+                layout=self.pool.layout, total_layers=int(d["total_layers"]),
+                page_tokens=self.page_size, memory=self.pool.memory, peers=peers,
+                mesh_socket=mesh_socket,
+                secret=self.secret, backend=self.backend, device=self.device,
+                engine_id=f"sglang-prefill-{self.tp_rank}-{self.pp_rank}-{os.getpid()}-{decode_id}")
+        except Exception:
+            logger.exception("kvx: cannot connect to decode %s", decode_id)
+            return
+        with self._lock:
+            self._prefills[decode_id] = engine
+        try:
+            while not self._closed.is_set():
+                req = engine.next_request(0.5)
+                if req is None:
+                    if engine.closed:
+                        return
+                    continue
+                with self._lock:
+                    self._allocations[req.request] = (engine, req)
+                    waiting = self._waiting.pop(req.request, None)
+                if waiting is not None:
+                    # A rank SGLang does not poll for bootstrap got its pages before the
+                    # allocation: they go now.
+                    waiting.flush()
+        finally:
+            # That decode is gone (or we close): its engine's requests failed with it.
+            with self._lock:
+                if self._prefills.get(decode_id) is engine:
+                    del self._prefills[decode_id]
+
+    def allocation(self, room: int):
+        with self._lock:
+            return self._allocations.get(room)
+
+    def wait_for_allocation(self, room: int, sender) -> bool:
+        """Registers `sender` to be flushed when `room`'s allocation arrives; False if it already
+        has (the caller binds at once)."""
+        with self._lock:
+            if room in self._allocations:
+                return False
+            self._waiting[room] = sender
+            return True
+
+    def forget(self, room: int):
+        with self._lock:
+            self._allocations.pop(room, None)
+            self._waiting.pop(room, None)
+
+    # Decode side.
+
+    def decode_engine(self, bootstrap_addr: str) -> "kvx.DecodeEngine":
+        """The DecodeEngine for the prefill instance at `bootstrap_addr`, started (and announced to
+        it) on first use."""
+        with self._lock:
+            e = self._decodes.get(bootstrap_addr)
+            if e is not None:
+                return e
+        url = f"http://{bootstrap_addr}"
+        got = self._get(f"{url}/kvx/prefill")
+        mine = [r for r in got["ranks"] if int(r["tp_rank"]) == self.tp_rank]
+        if not mine:
+            raise kvx.ConfigError(f"kvx: no prefill rank of TP rank {self.tp_rank} at {bootstrap_addr}")
+        pp_size = int(mine[0]["pp_size"])
+        e = kvx.DecodeEngine(
+            layout=self.pool.layout, total_layers=self.pool.num_layers, page_tokens=self.page_size,
+            pp_size=pp_size, memory=self.pool.memory,
+            listen=f"{settings.url_host(self.local_ip)}:0",
+            secret=self.secret, backend=self.backend, device=self.device,
+            engine_id=f"sglang-decode-{self.id}-{len(self._decodes)}")
+        with self._lock:
+            if bootstrap_addr in self._decodes:  # another receiver won the race
+                e.shutdown(1)
+                return self._decodes[bootstrap_addr]
+            self._decodes[bootstrap_addr] = e
+            self._pp[bootstrap_addr] = pp_size
+        self._announce(bootstrap_addr, got["instance"])
+        return e
+
+    def _announce(self, bootstrap_addr: str, instance: str) -> None:
+        e = self._decodes[bootstrap_addr]
+        self._put(f"http://{bootstrap_addr}/kvx/decode", {
+            "decode_id": f"{self.id}-{bootstrap_addr}", "tp_rank": self.tp_rank,
+            "address": e.address, "total_layers": self.pool.num_layers})
+        with self._lock:
+            self._instances[bootstrap_addr] = instance
+
+    def _heartbeat(self):
+        interval, max_misses = settings.heartbeat()
+        while not self._closed.wait(interval):
+            with self._lock:
+                addrs = list(self._decodes)
+            for addr in addrs:
+                try:
+                    got = self._get(f"http://{addr}/kvx/prefill", timeout=interval)
+                except OSError:
+                    got = None
+                with self._lock:
+                    misses = 0 if got is not None else self._misses.get(addr, 0) + 1
+                    self._misses[addr] = misses
+                    known = self._instances.get(addr)
+                if got is None:
+                    if misses >= max_misses and known is not None:
+                        # Lost: SGLang fetches the instance again before its next request; the
+                        # engine has failed the requests of the ranks whose connections ended.
+                        logger.warning("kvx: prefill instance %s lost (%d heartbeats missed)",
+                                       addr, misses)
+                        with self._lock:
+                            self.prefill_info_table.pop(addr, None)
+                            self._instances[addr] = None
+                    continue
+                if got.get("instance") != known:
+                    pp = [int(r["pp_size"]) for r in got.get("ranks", [])
+                          if int(r["tp_rank"]) == self.tp_rank]
+                    if pp and pp[0] != self._pp.get(addr):
+                        logger.error("kvx: prefill instance %s came back with PP size %d, not %d: "
+                                     "not served", addr, pp[0], self._pp.get(addr))
+                        continue
+                    logger.info("kvx: prefill instance %s is %s: announcing decode again", addr,
+                                "back" if known is None else "a new start")
+                    try:
+                        self._announce(addr, got["instance"])
+                    except OSError:
+                        logger.warning("kvx: cannot announce decode to %s yet", addr)
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """Whether the prefill instance at `bootstrap_addr` registered its ranks (without
+        blocking the scheduler for long)."""
+        if bootstrap_addr in self.prefill_info_table:
+            return True
+        try:
+            ranks = self._get(f"http://{bootstrap_addr}/kvx/prefill", timeout=1.0)["ranks"]
+        except OSError:
+            return False
+        mine = [r for r in ranks if int(r["tp_rank"]) == self.tp_rank]
+        if not mine or len(mine) < int(mine[0]["pp_size"]):
+            return False
+        self.prefill_info_table[bootstrap_addr] = types.SimpleNamespace(
+            dp_size=1, follow_bootstrap_room=True, pp_size=int(mine[0]["pp_size"]))
+        return True
+
+    def aux_row(self, index: int) -> bytes:
+        """The metadata row `index` of every aux buffer, concatenated."""
+        out = bytearray()
+        for ptr, length, item in self.aux:
+            if (index + 1) * item > length:
+                raise kvx.ConfigError(f"kvx: aux row {index} is outside its buffer")
+            out += ctypes.string_at(ptr + index * item, item)
+        return bytes(out)
+
+    def write_aux_row(self, index: int, data: bytes) -> None:
+        """Writes `data` (as `aux_row` reads it) into metadata row `index`."""
+        if len(data) != sum(item for _, _, item in self.aux):
+            raise kvx.ConfigError(
+                f"kvx: aux payload of {len(data)} bytes does not match this side's metadata rows")
+        at = 0
+        for ptr, length, item in self.aux:
+            if (index + 1) * item > length:
+                raise kvx.ConfigError(f"kvx: aux row {index} is outside its buffer")
+            ctypes.memmove(ptr + index * item, data[at:at + item], item)
+            at += item
+
+    def corrupt_first_page(self, pages: List[int]) -> None:
+        """Test only (``KVX_TEST_CORRUPT_ROOM``): flips one bit of the top byte of the first value
+        of the request's first page in the first buffer, after it arrived, so a test can see that
+        decode's tokens come from the moved pages."""
+        if not pages:
+            return
+        ptr, _ = self.pool.memory[0]
+        byte = ctypes.c_uint8.from_address(ptr + pages[0] * self.pool.page_bytes + 3)
+        byte.value ^= 0x40
+        logger.warning("kvx: KVX_TEST_CORRUPT_ROOM: corrupted page %d of room %d", pages[0],
+                       self.corrupt_room)
+
+    def chunk_tokens(self) -> int:
+        want = int(os.environ.get("KVX_CHUNK_TOKENS", "1024"))
+        return max(1, want // self.page_size) * self.page_size
+
+    def room_count(self) -> int:
+        """Per-room state this manager holds (tests: back to zero once requests are cleared)."""
+        with self._lock:
+            if self.disaggregation_mode == DisaggregationMode.PREFILL:
+                return len(self._allocations) + len(self._waiting)
+            return len(self._rooms) + len(self.failures)
+
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int = 0) -> bool:
+        """True once no write of any prefill rank can still land in the room's pages."""
+        with self._lock:
+            e = self._rooms.get(bootstrap_room)
+        if e is None:
+            return True
+        return e.is_released(bootstrap_room)
+
+    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        """SGLang releases a failed room's pages: this rank forgets the room."""
+        with self._lock:
+            self._rooms.pop(bootstrap_room, None)
+            self.failures.pop(bootstrap_room, None)
+
+    def record_failure(self, room: int, reason: str):
+        with self._lock:
+            self.failures[room] = reason
+
+    def close(self):
+        self._closed.set()
+        with self._lock:
+            prefills = list(getattr(self, "_prefills", {}).values())
+            decodes = list(getattr(self, "_decodes", {}).values())
+        for p in prefills:
+            p.close()
+        for d in decodes:
+            d.shutdown(5)
+
+    teardown = close

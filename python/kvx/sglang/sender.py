@@ -1,0 +1,193 @@
+"""``KvxKVSender``: one request on one prefill rank.
+
+Its poll says ``WaitingForInput`` once decode's page allocation for its room arrived; ``send`` is
+called once per prefill chunk with that chunk's pages, and the sender posts kvx chunks (decode's
+chunk size) as soon as their pages are known, the last with the final send. SGLang polls only PP
+rank 0 during bootstrap, so a higher rank may be given pages before its allocation arrived: they
+wait, and go as soon as it does. Success means every PP rank voted complete on kvx's vote board."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import List, Optional
+
+import numpy as np
+from sglang.srt.disaggregation.base.conn import BaseKVSender, KVPoll, KVTransferMetric
+
+import kvx
+
+from . import settings
+
+
+class KvxKVSender(BaseKVSender):
+    """One request on one prefill rank."""
+
+    def __init__(self, mgr, bootstrap_addr: str, bootstrap_room: int,
+                 req_has_disagg_prefill_dp_rank: bool = False):
+        self.kv_mgr = mgr
+        self.bootstrap_addr = bootstrap_addr
+        self.bootstrap_room = int(bootstrap_room)
+        self.num_pages: Optional[int] = None
+        self.aux_index = None
+        self.pages: List[int] = []
+        self.posted: list = []
+        self.next_chunk = 0
+        self.decision = None
+        self.failed: Optional[BaseException] = None
+        self.created = time.monotonic()
+        self.started: Optional[float] = None
+        self.finished: Optional[float] = None
+        self.bytes = 0
+        self.engine = None
+        self.request = None
+        # send() runs on the scheduler's thread, flush() on the allocation watcher's.
+        self._lock = threading.Lock()
+
+    def _fail(self, e: BaseException):
+        if self.failed is None:
+            self.failed = e
+            if self.finished is None:
+                self.finished = time.monotonic()
+
+    def init(self, num_kv_indices: int, aux_index: Optional[int] = None):
+        self.num_pages = int(num_kv_indices)
+        self.aux_index = aux_index
+
+    def _bind(self) -> bool:
+        if self.engine is None:
+            got = self.kv_mgr.allocation(self.bootstrap_room)
+            if got is None:
+                return False
+            self.engine, self.request = got
+            # Every rank's vote: it also ends (failed) when decode or a PP peer fails the request.
+            self.decision = self.engine.decided(self.bootstrap_room)
+        return True
+
+    def send(self, kv_indices, state_indices=None, num_kv_tokens: Optional[int] = None):
+        with self._lock:
+            if self.failed is not None:
+                return
+            if self.started is None:
+                self.started = time.monotonic()
+            self.pages.extend(int(p) for p in np.asarray(kv_indices).reshape(-1))
+            if not self._bind():
+                if self.kv_mgr.wait_for_allocation(self.bootstrap_room, self):
+                    return
+                self._bind()
+            self._post_ready()
+
+    def flush(self) -> None:
+        """Posts what `send` was given before the allocation arrived."""
+        with self._lock:
+            if self.failed is None and self._bind():
+                self._post_ready()
+
+    def _post_ready(self) -> None:
+        """Posts every kvx chunk whose pages are all known. Holds `_lock`, is bound."""
+        total = self.num_pages if self.num_pages is not None else len(self.pages)
+        per = max(1, self.request.chunk_tokens // self.kv_mgr.page_size)
+        chunks = self.request.chunks
+        pool = self.kv_mgr.pool
+        # The engine reads a chunk's pages at their places in the request's whole list; pages not
+        # known yet are never read (a chunk goes only once its pages are all known).
+        src = self.pages + [self.pages[0] if self.pages else 0] * max(0, total - len(self.pages))
+        try:
+            while self.next_chunk < chunks:
+                end = min((self.next_chunk + 1) * per, total)
+                if len(self.pages) < end:
+                    break
+                last = self.next_chunk + 1 == chunks
+                if last and self.kv_mgr.aux and self.aux_index is not None:
+                    # The metadata row goes first, on the control connection.
+                    self.engine.send_aux(self.bootstrap_room, self.kv_mgr.aux_row(int(self.aux_index)))
+                self.posted.append(self.engine.post_chunk(self.bootstrap_room, self.next_chunk,
+                                                          src, last))
+                self.bytes += (end - self.next_chunk * per) * pool.page_bytes * pool.num_layers * \
+                    (2 if pool.split else 1)
+                self.next_chunk += 1
+        except kvx.KvxError as e:
+            self._fail(e)
+
+    def poll(self) -> KVPoll:
+        if self.failed is not None:
+            return KVPoll.Failed
+        if self.engine is None and not self._bind():
+            if time.monotonic() - self.created > settings.bootstrap_timeout():
+                self._fail(settings.failed("timeout", f"room {self.bootstrap_room}: decode's page "
+                                                      "allocation did not arrive within "
+                                                      "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"))
+                return KVPoll.Failed
+            return KVPoll.Bootstrapping
+        if self.decision.done():
+            # The decision is the answer: it needs this rank's own vote, cast once its writes were
+            # over, so no post of ours is still in flight; a local completion not yet reported to
+            # its Pending says nothing more.
+            outcome = self.decision.wait(0)
+            if not outcome.complete:
+                self._fail(outcome.error())
+                return KVPoll.Failed
+            if self.finished is None:
+                self.finished = time.monotonic()
+            return KVPoll.Success
+        for p in self.posted:
+            if p.done():
+                try:
+                    p.wait(0)
+                except kvx.KvxError as e:
+                    self._fail(e)
+                    return KVPoll.Failed
+        return KVPoll.Transferring if self.posted else KVPoll.WaitingForInput
+
+    def poll_pp_consensus(self) -> KVPoll:
+        # Success already means every PP rank voted complete (kvx's vote board).
+        return self.poll()
+
+    def mark_prefill_complete(self) -> None:
+        pass
+
+    def pop_decode_prefix_len(self) -> int:
+        # A decode-side prefix is refused at start (see manager._refuse_unsupported).
+        return 0
+
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        # The last send goes even when empty, as for SGLang's own senders: it may be the one
+        # that completes the request.
+        return num_pages > 0 or last_chunk
+
+    def failure_exception(self):
+        # SGLang calls only this on a failed request, never clear(): the room is cleared here.
+        self.clear()
+        raise self.failed or settings.failed("other", f"room {self.bootstrap_room}: failed")
+
+    def abort(self):
+        if self.engine is not None:
+            try:
+                self.engine.fail(self.bootstrap_room, "aborted")
+            except kvx.KvxError:
+                pass
+        self._fail(settings.failed("aborted", f"room {self.bootstrap_room}: aborted on prefill"))
+
+    def clear(self):
+        self.kv_mgr.forget(self.bootstrap_room)
+        if self.engine is None:
+            return
+        engine, room = self.engine, self.bootstrap_room
+
+        def release():
+            try:
+                engine.release(room)
+            except kvx.KvxError:
+                pass
+
+        # The engine keeps a request's bookkeeping until it is decided; released once it is.
+        if self.decision.done():
+            release()
+        else:
+            self.decision.add_done_callback(release)
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        latency = None
+        if self.started is not None and self.finished is not None:
+            latency = self.finished - self.started
+        return KVTransferMetric(transfer_latency_s=latency, transfer_total_bytes=self.bytes)

@@ -1,0 +1,106 @@
+"""What kvx.sglang reads of its environment and of SGLang's own settings."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+import kvx
+
+logger = logging.getLogger(__name__)
+
+# How long a complete request waits for its metadata row, which travels on the control connection.
+AUX_WAIT_S = 10.0
+
+
+def secret() -> Optional[bytes]:
+    """The deployment's shared secret (``KVX_SECRET_FILE`` or ``KVX_SECRET``), or None."""
+    path = os.environ.get("KVX_SECRET_FILE")
+    if path:
+        with open(path, "rb") as f:
+            return f.read().rstrip(b"\n")
+    s = os.environ.get("KVX_SECRET")
+    if s:
+        return s.encode()
+    logger.warning("kvx: no KVX_SECRET or KVX_SECRET_FILE: engines and directory accept any peer")
+    return None
+
+
+def device(args) -> str:
+    d = os.environ.get("KVX_DEVICE")
+    if d:
+        return d
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return f"cuda:{getattr(args, 'gpu_id', 0)}"
+    except ImportError:
+        pass
+    return "cpu"
+
+
+def _sglang_env(name: str, default: float) -> float:
+    """One of SGLang's own ``SGLANG_DISAGGREGATION_*`` settings, as SGLang reads it."""
+    try:
+        from sglang.srt.environ import envs
+
+        return float(getattr(envs, name).get())
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return float(os.environ.get(name, default))
+
+
+def bootstrap_timeout() -> float:
+    """SGLang's bound on a request waiting for its peer's bootstrap (prefill: decode's page
+    allocation; decode: the prefill instance's ranks)."""
+    return _sglang_env("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300)
+
+
+def request_timeout() -> float:
+    """How long decode waits for a request's KV once its pages were sent (``KVX_REQUEST_TIMEOUT``,
+    else SGLang's ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``)."""
+    v = os.environ.get("KVX_REQUEST_TIMEOUT")
+    return float(v) if v else _sglang_env("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300)
+
+
+def heartbeat() -> "tuple[float, int]":
+    """SGLang's heartbeat of prefill instances: (interval, misses before an instance is lost), with
+    SGLang's own floors (2 s, 1 miss)."""
+    return (max(_sglang_env("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", 5.0), 2.0),
+            max(int(_sglang_env("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", 2)), 1))
+
+
+def local_ip() -> str:
+    """The address this host's engines listen on and publish: SGLang's own choice for its transfer
+    backends (``SGLANG_HOST_IP`` / ``HOST_IP``, else the host's routable address), never a
+    wildcard."""
+    from sglang.srt.utils.network import get_local_ip_auto
+
+    ip = get_local_ip_auto()
+    if ip in ("0.0.0.0", "::", ""):
+        raise kvx.ConfigError(f"kvx: the local address resolved to {ip!r}: set SGLANG_HOST_IP")
+    return ip
+
+
+def bootstrap_host(server_args) -> str:
+    """Where a prefill rank reaches its instance's bootstrap directory, by SGLang's rule:
+    ``dist_init_addr``'s host where it is set (several nodes), else ``--host`` (a wildcard listener is reached
+    on loopback)."""
+    dist = getattr(server_args, "dist_init_addr", None)
+    if dist:
+        from sglang.srt.utils.network import NetworkAddress
+
+        return NetworkAddress.parse(dist).resolved().host
+    host = getattr(server_args, "host", None) or "127.0.0.1"
+    return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+
+
+def url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def failed(cause: str, message: str) -> "kvx.TransferFailed":
+    e = kvx.TransferFailed(message)
+    e.cause = e.reason = cause
+    return e

@@ -117,7 +117,10 @@ class Server:
                "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
                "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
                "--disable-cuda-graph", "--skip-server-warmup", "--dtype", "float32",
-               "--max-total-tokens", "4096", "--mem-fraction-static", "0.05",
+               "--max-total-tokens", "4096",
+               # The KV pool is capped by --max-total-tokens; a low fraction fails the start when
+               # other servers load at the same time (their memory looks like this one's weights).
+               "--mem-fraction-static", "0.5",
                "--page-size", str(PAGE_SIZE), "--chunked-prefill-size", str(CHUNKED_PREFILL),
                "--disable-overlap-schedule", "--random-seed", "1",
                # Idle schedulers otherwise poll without rest: five of them starve 2 cores.

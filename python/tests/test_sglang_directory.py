@@ -1,0 +1,127 @@
+"""kvx.sglang's bootstrap directory and its start-time checks, in this process, with SGLang's own
+classes (SGLang from the provisioned ``.deps/sglang``; without it these tests fail).
+
+The directory holds addresses (decode engines' control addresses, vote-mesh addresses), so every
+``/kvx/`` call, read or write, must prove the shared secret; a relay or a stranger gets 401 and a
+count, and what it sent is not stored. Models whose state kvx does not carry are refused at start
+with their state types named, never served with that state dropped."""
+
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+SGLANG = os.environ.get("KVX_SGLANG_PATH", str(HERE.parent.parent / ".deps" / "sglang"))
+assert (Path(SGLANG) / "sglang").is_dir(), f"SGLang is not provisioned at {SGLANG}"
+sys.path.insert(0, SGLANG)
+
+from conftest import free_addrs  # noqa: E402
+
+SECRET = b"directory-test-secret"
+
+
+@pytest.fixture
+def directory(monkeypatch):
+    monkeypatch.setenv("KVX_SECRET", SECRET.decode())
+    from kvx.sglang.directory import KvxBootstrapServer
+
+    port = int(free_addrs(1)[0].rsplit(":", 1)[1])
+    server = KvxBootstrapServer("127.0.0.1", port)
+    yield server
+    server.close()
+
+
+def raw(method, url, body=None, headers=None):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, None
+
+
+RANK = {"tp_rank": 0, "pp_rank": 0, "pp_size": 1, "first_layer": 0, "num_layers": 2}
+
+
+def test_the_directory_serves_only_callers_that_prove_the_secret(directory):
+    from kvx.sglang.directory import http, sign
+
+    url = f"http://127.0.0.1:{directory.port}"
+    # The secret's holder writes and reads.
+    http("PUT", f"{url}/kvx/prefill", RANK, key=SECRET)
+    got = http("GET", f"{url}/kvx/prefill", key=SECRET)
+    assert got["ranks"] == [RANK] and got["instance"] == directory.instance
+    # No proof, a wrong secret, a proof for another path, a stale proof: refused, nothing stored.
+    poisoned = dict(RANK, tp_rank=0, first_layer=99)
+    body = json.dumps(poisoned).encode()
+    wrong = sign(b"not-the-secret", "PUT", "/kvx/prefill", body)
+    other_path = sign(SECRET, "PUT", "/kvx/decode", body)
+    stamp = str(int(time.time()) - 3600)
+    from kvx.sglang.directory import _mac
+
+    stale = {"X-Kvx-Auth": f"{stamp}:{_mac(SECRET, stamp, 'PUT', '/kvx/prefill', body)}"}
+    for headers in ({}, wrong, other_path, stale, {"X-Kvx-Auth": "garbage"}):
+        assert raw("PUT", f"{url}/kvx/prefill", poisoned, headers)[0] == 401, headers
+    for path in ("/kvx/prefill", "/kvx/decode", "/kvx/mesh?decode_id=x&tp_rank=0"):
+        assert raw("GET", url + path)[0] == 401, path
+    assert directory.refused == 5 + 3
+    assert http("GET", f"{url}/kvx/prefill", key=SECRET)["ranks"] == [RANK]
+    # A proof binds the body: the same header with another body is refused.
+    good = sign(SECRET, "PUT", "/kvx/prefill", json.dumps(RANK).encode())
+    assert raw("PUT", f"{url}/kvx/prefill", poisoned, good)[0] == 401
+    # Health stays open (SGLang and load balancers probe it).
+    assert raw("GET", f"{url}/health")[0] == 200
+
+
+def test_each_start_of_a_directory_has_its_own_instance(monkeypatch):
+    monkeypatch.setenv("KVX_SECRET", SECRET.decode())
+    from kvx.sglang.directory import KvxBootstrapServer
+
+    a_port, b_port = (int(a.rsplit(":", 1)[1]) for a in free_addrs(2))
+    a, b = KvxBootstrapServer("127.0.0.1", a_port), KvxBootstrapServer("127.0.0.1", b_port)
+    try:
+        assert a.instance != b.instance
+    finally:
+        a.close()
+        b.close()
+
+
+def test_state_beside_the_kv_pages_is_refused_at_start():
+    import kvx
+    from kvx.sglang.manager import _refuse_unsupported
+    from sglang.srt.disaggregation.base.conn import KVArgs, StateType
+
+    args, server_args = KVArgs(), type("ServerArgs", (), {})()
+    args.state_types = [StateType.MAMBA, StateType.SWA]
+    with pytest.raises(kvx.ConfigError, match="mamba, swa"):
+        _refuse_unsupported(args, server_args)
+    args.state_types = []
+    _refuse_unsupported(args, server_args)
+    server_args.disaggregation_decode_enable_radix_cache = True
+    with pytest.raises(kvx.ConfigError, match="decode-enable-radix-cache"):
+        _refuse_unsupported(args, server_args)
+
+
+def test_engines_publish_sglangs_local_address_never_a_wildcard(monkeypatch):
+    import kvx
+    from kvx.sglang import settings
+
+    monkeypatch.setenv("SGLANG_HOST_IP", "127.0.0.7")
+    assert settings.local_ip() == "127.0.0.7"
+    monkeypatch.setenv("SGLANG_HOST_IP", "0.0.0.0")
+    with pytest.raises(kvx.ConfigError):
+        settings.local_ip()
+    ns = type("ServerArgs", (), {})
+    wildcard = ns()
+    wildcard.host, wildcard.dist_init_addr = "0.0.0.0", None
+    assert settings.bootstrap_host(wildcard) == "127.0.0.1"
+    multi = ns()
+    multi.host, multi.dist_init_addr = "0.0.0.0", "127.0.0.9:5000"
+    assert settings.bootstrap_host(multi) == "127.0.0.9"

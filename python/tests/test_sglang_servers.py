@@ -4,6 +4,8 @@ one normal server of the same model does, token for token, with both servers ans
 the same check fails for the one request whose moved KV had one byte corrupted on decode
 (``KVX_TEST_CORRUPT_ROOM``), so the check reads the moved pages.
 
+The UCX pair's decode runs two TokenizerWorker processes (``--tokenizer-worker-num 2``).
+
 Requests go to the pair as SGLang's own load balancer sends them (``sglang_servers.pair_generate``).
 Prompts run from 1 token to 792 (13 chunks of SGLang's chunked prefill of 64 at page size 16), one
 at a time and four at a time. SGLang and its server packages come from ``scripts/provision-sglang``;
@@ -47,14 +49,14 @@ def prompts():
 class Pair:
     """A prefill and a decode server on one transfer backend."""
 
-    def __init__(self, name, model, logs, backend, env, three_ports):
+    def __init__(self, name, model, logs, backend, env, three_ports, decode_args=()):
         prefill_port, decode_port, self.bootstrap_port = three_ports
         self.prefill = S.Server(f"{name}-prefill", model, prefill_port, logs, [
             "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", backend,
             "--disaggregation-bootstrap-port", str(self.bootstrap_port)], env)
         self.decode = S.Server(f"{name}-decode", model, decode_port, logs, [
             "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", backend,
-            "--disaggregation-decode-retraction-backup", "cpu_tensor"], env)
+            "--disaggregation-decode-retraction-backup", "cpu_tensor", *decode_args], env)
 
     def servers(self):
         return [self.prefill, self.decode]
@@ -95,9 +97,14 @@ def servers(model, logs, prompts):
     try:
         for backend in BACKENDS:
             env = {"KVX_SECRET": SECRET, "KVX_BACKEND": backend, "KVX_CHUNK_TOKENS": "64",
-                   "KVX_TEST_CORRUPT_ROOM": str(corrupt_room(backend)), "UCX_MODULES": "^efa"}
+                   "KVX_TEST_CORRUPT_ROOM": str(corrupt_room(backend)), "UCX_MODULES": "^efa",
+                   # uvicorn's 10 s for a worker to come up is too short on 2 busy cores.
+                   "SGLANG_UVICORN_WORKER_HEALTHCHECK_TIMEOUT": "300"}
+            # The UCX pair's decode runs two TokenizerWorker processes, which resolve the transfer
+            # backend without loading plugins (kvx.sglang.http_app).
+            decode_args = ["--tokenizer-worker-num", "2"] if backend == "ucx" else []
             pairs[backend] = Pair(f"kvx-{backend}", model, logs, "kvx", env,
-                                  [free.pop() for _ in range(3)])
+                                  [free.pop() for _ in range(3)], decode_args)
         S.start_all([normal] + [s for p in pairs.values() for s in p.servers()])
         normal.expected = [S.generate(normal, p, NEW_TOKENS) for p in prompts]
         yield normal, pairs

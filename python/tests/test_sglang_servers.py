@@ -160,6 +160,18 @@ def assert_clean_logs(pair):
             assert needle not in text, f"{server.name} logged {needle!r}\n{server.log()}"
 
 
+def kill_mid_request(pair, victim, ids, rng):
+    """Three requests of `ids` through `pair`; `victim` (one of its servers) is killed with SIGKILL
+    while they move. Returns their results, once each ended within the bound."""
+    calls = [in_background(pair.generate, ids, rng.randrange(1 << 62)) for _ in range(3)]
+    time.sleep(0.3)
+    victim.kill()
+    for t, _ in calls:
+        t.join(FAULT_BOUND_S)
+        assert not t.is_alive(), f"a request outlived {victim.name}\n{pair.logs()}"
+    return [out["result"] for _, out in calls]
+
+
 def test_aborts_on_either_server_mid_transfer(servers, prompts):
     """SGLang's /abort_request on prefill, then on decode, while a 13-chunk prompt moves: both
     calls end within the bound, an aborted request never answers with wrong tokens, and the
@@ -195,15 +207,7 @@ def test_a_killed_prefill_fails_its_requests_and_its_restart_serves(servers, pro
     rng = random.Random("kill-prefill")
     longest = LENGTHS.index(792)
     decode_pid = pair.decode.proc.pid
-    calls = [in_background(pair.generate, prompts[longest], rng.randrange(1 << 62))
-             for _ in range(3)]
-    time.sleep(0.3)
-    pair.prefill.kill()
-    for t, _ in calls:
-        t.join(FAULT_BOUND_S)
-        assert not t.is_alive(), f"a request outlived its prefill server\n{pair.logs()}"
-    for _, out in calls:
-        got = out["result"]
+    for got in kill_mid_request(pair, pair.prefill, prompts[longest], rng):
         assert got["decode"][0] is not None, got
         if got["decode"][0] == 200 and "output_ids" in got["decode"][1]:
             finish = got["decode"][1]["meta_info"]["finish_reason"]["type"]
@@ -224,13 +228,7 @@ def test_a_killed_decode_fails_prefills_requests(servers, prompts):
     pair = pairs["nixl"]
     rng = random.Random("kill-decode")
     longest = LENGTHS.index(792)
-    calls = [in_background(pair.generate, prompts[longest], rng.randrange(1 << 62))
-             for _ in range(3)]
-    time.sleep(0.3)
-    pair.decode.kill()
-    for t, _ in calls:
-        t.join(FAULT_BOUND_S)
-        assert not t.is_alive(), f"a request outlived its decode server\n{pair.logs()}"
+    kill_mid_request(pair, pair.decode, prompts[longest], rng)
     assert pair.prefill.alive()
     pair.decode.start()
     S.start_all([pair.decode])

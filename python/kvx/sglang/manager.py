@@ -359,13 +359,6 @@ class KvxKVManager(BaseKVManager):
         want = int(os.environ.get("KVX_CHUNK_TOKENS", "1024"))
         return max(1, want // self.page_size) * self.page_size
 
-    def room_count(self) -> int:
-        """Per-room state this manager holds (tests: back to zero once requests are cleared)."""
-        with self._lock:
-            if self.disaggregation_mode == DisaggregationMode.PREFILL:
-                return len(self._allocations) + len(self._waiting)
-            return len(self._rooms) + len(self.failures)
-
     def is_abort_release_safe(self, bootstrap_room: int, required_acks: int = 0) -> bool:
         """True once no write of any prefill rank can still land in the room's pages."""
         with self._lock:

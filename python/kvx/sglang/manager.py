@@ -87,7 +87,6 @@ class KvxKVManager(BaseKVManager):
         self.device = settings.device(args)
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        self.failures: dict = {}
         corrupt = os.environ.get("KVX_TEST_CORRUPT_ROOM")
         self.corrupt_room: Optional[int] = int(corrupt) if corrupt else None
         # The metadata buffers (first output token, logprobs...): one row per request slot.
@@ -371,11 +370,6 @@ class KvxKVManager(BaseKVManager):
         """SGLang releases a failed room's pages: this rank forgets the room."""
         with self._lock:
             self._rooms.pop(bootstrap_room, None)
-            self.failures.pop(bootstrap_room, None)
-
-    def record_failure(self, room: int, reason: str):
-        with self._lock:
-            self.failures[room] = reason
 
     def close(self):
         self._closed.set()

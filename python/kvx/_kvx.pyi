@@ -77,6 +77,8 @@ class IncomingRequest:
     @property
     def chunk_tokens(self) -> int: ...
     @property
+    def prefix_tokens(self) -> int: ...
+    @property
     def chunks(self) -> int: ...
 
 @final
@@ -105,7 +107,13 @@ class DecodeEngine:
     def pool_len(self) -> int: ...
     def wait_for_ranks(self, timeout: float = 60.0) -> None: ...
     def expect(
-        self, request: int, prompt_tokens: int, chunk_tokens: int, dst_pages: Sequence[int], timeout: float = 60.0
+        self,
+        request: int,
+        prompt_tokens: int,
+        chunk_tokens: int,
+        dst_pages: Sequence[int],
+        timeout: float = 60.0,
+        prefix_tokens: int = 0,
     ) -> Pending:
         """The Pending's result is the request's Outcome."""
     def abort(self, request: int) -> None: ...

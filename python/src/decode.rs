@@ -144,8 +144,10 @@ impl DecodeEngine {
 
     /// Starts receiving `request`: `dst_pages` are the pool pages its prompt fills, in order; every
     /// PP rank is sent them. Returns a `Pending` whose result is the request's `Outcome`; it fails
-    /// with `timeout` if not complete within `timeout` seconds.
-    #[pyo3(signature = (request, prompt_tokens, chunk_tokens, dst_pages, timeout = 60.0))]
+    /// with `timeout` if not complete within `timeout` seconds. `prefix_tokens` (whole pages) are
+    /// tokens before the prompt's moved ones that this side already holds: the ranks are told, and
+    /// `prompt_tokens` and `dst_pages` cover only the tokens after them.
+    #[pyo3(signature = (request, prompt_tokens, chunk_tokens, dst_pages, timeout = 60.0, prefix_tokens = 0))]
     fn expect(
         &self,
         request: u64,
@@ -153,6 +155,7 @@ impl DecodeEngine {
         chunk_tokens: u32,
         dst_pages: Vec<u32>,
         timeout: f64,
+        prefix_tokens: u32,
     ) -> PyResult<Pending> {
         let t = seconds("timeout", timeout)?;
         if t.is_zero() {
@@ -160,8 +163,9 @@ impl DecodeEngine {
         }
         let e = self.engine()?;
         let fut = e
-            .expect(
+            .expect_after_prefix(
                 RequestId(request),
+                prefix_tokens,
                 prompt_tokens,
                 chunk_tokens,
                 dst_pages,

@@ -16,13 +16,16 @@ use transfer_engine::core::RequestId;
 use transfer_engine::engine::{self, ExternalDecode, NotifyFormat, PrefillConfig};
 use transfer_engine::transport::RemoteRegion;
 
-/// A page allocation decode sent: the request, its prompt length and chunk size.
+/// A page allocation decode sent: the request, the tokens to move and the chunk size, and the
+/// tokens before them that decode already holds (its own prefix cache; the moved tokens start
+/// there).
 #[pyclass(module = "kvx._kvx", frozen, get_all)]
 #[derive(Debug, Clone)]
 pub(crate) struct IncomingRequest {
     request: u64,
     prompt_tokens: u32,
     chunk_tokens: u32,
+    prefix_tokens: u32,
 }
 
 #[pymethods]
@@ -35,8 +38,8 @@ impl IncomingRequest {
 
     fn __repr__(&self) -> String {
         format!(
-            "IncomingRequest(request={}, prompt_tokens={}, chunk_tokens={})",
-            self.request, self.prompt_tokens, self.chunk_tokens
+            "IncomingRequest(request={}, prompt_tokens={}, chunk_tokens={}, prefix_tokens={})",
+            self.request, self.prompt_tokens, self.chunk_tokens, self.prefix_tokens
         )
     }
 }
@@ -326,6 +329,7 @@ impl PrefillEngine {
                 request: r.request.0,
                 prompt_tokens: r.prompt_tokens,
                 chunk_tokens: r.chunk_tokens,
+                prefix_tokens: r.prefix_tokens,
             }),
             Some(None) => {
                 self.closed.store(true, Ordering::Relaxed);

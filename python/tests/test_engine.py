@@ -243,6 +243,24 @@ def test_page_lists_are_checked(cluster):
     assert pending.wait(10).reason == "aborted"
 
 
+def test_a_decode_prefix_reaches_every_rank(cluster):
+    """Decode already holds the first 64 tokens (a prefix cache of its own): it asks for the 128
+    after them, and every rank is told where they start; a prefix that is not whole pages is
+    refused."""
+    src, dst = list(range(8)), list(range(32, 40))
+    cluster.prepare(85, src, dst)
+    pending = cluster.decode.expect(85, 128, 32, dst, timeout=10, prefix_tokens=64)
+    for p in cluster.prefill:
+        got = p.next_request(10)
+        assert (got.request, got.prompt_tokens, got.prefix_tokens) == (85, 128, 64), got
+        for c in range(got.chunks):
+            p.send_chunk(85, c, src, c + 1 == got.chunks)
+    assert pending.wait(10).complete
+    assert cluster.mismatches(85, dst) == []
+    with pytest.raises(kvx.ConfigError, match="whole pages"):
+        cluster.decode.expect(86, 128, 32, list(range(40, 48)), timeout=5, prefix_tokens=24)
+
+
 def test_unknown_request_on_prefill(cluster):
     with pytest.raises(kvx.UnknownRequest):
         cluster.prefill[0].send_chunk(999, 0, list(range(8)), False)

@@ -8,7 +8,7 @@ use transfer_engine::control::{
     FrameError, FrameHeader, HEADER_LEN, Hello, HelloAck, LayoutInfo, MAGIC, Msg, MsgKind,
     PROTOCOL_VERSION, Reject, RejectReason, RemoteRegion, Role, Secret, Side, TpMode,
     TransferReject, TransferRejectReason, TransferRequest, Vote, check_hello, encode_to_vec,
-    validate_transfer_request,
+    validate_prefix, validate_transfer_request,
 };
 
 fn layout(first_layer: u32, layers: u32) -> LayoutInfo {
@@ -83,6 +83,7 @@ fn every_message() -> Vec<Msg> {
             prompt_tokens: 8192,
             chunk_tokens: 1024,
             dst_pages: (0..128).collect(),
+            prefix_tokens: 4096,
             deadline_ms: 30_000,
         }),
         Msg::TransferReject(TransferReject {
@@ -559,6 +560,7 @@ fn req(pages: Vec<u32>) -> TransferRequest {
         prompt_tokens: 256,
         chunk_tokens: 128,
         dst_pages: pages,
+        prefix_tokens: 0,
         deadline_ms: 1000,
     }
 }
@@ -603,6 +605,30 @@ fn transfer_request_bounds() {
         validate_transfer_request(&req(vec![0]), 0, 1),
         Err(TransferRejectReason::PageOutOfRange { .. })
     ));
+    let mut long = req(vec![0, 1]);
+    long.prefix_tokens = u32::MAX - 255;
+    assert!(matches!(
+        validate_transfer_request(&long, 100, 2),
+        Err(TransferRejectReason::Invalid(_))
+    ));
+}
+
+#[test]
+fn a_decode_prefix_must_be_whole_pages() {
+    let mut r = req(vec![0, 1]);
+    for (prefix, ok) in [
+        (0, true),
+        (16, true),
+        (4096, true),
+        (1, false),
+        (15, false),
+        (17, false),
+    ] {
+        r.prefix_tokens = prefix;
+        assert_eq!(validate_prefix(&r, 16).is_ok(), ok, "prefix {prefix}");
+    }
+    r.prefix_tokens = 0;
+    assert!(validate_prefix(&r, 0).is_err(), "no page size");
 }
 
 // ---- never a panic on any bytes ----
@@ -656,8 +682,8 @@ proptest! {
     #[test]
     fn transfer_requests_round_trip_any_split(request in any::<u64>(), prompt in any::<u32>(), chunk in any::<u32>(),
                                               pages in proptest::collection::vec(any::<u32>(), 0..200),
-                                              deadline in any::<u32>(), split in 0usize..2000) {
-        let m = Msg::TransferRequest(TransferRequest { request, prompt_tokens: prompt, chunk_tokens: chunk, dst_pages: pages, deadline_ms: deadline });
+                                              prefix in any::<u32>(), deadline in any::<u32>(), split in 0usize..2000) {
+        let m = Msg::TransferRequest(TransferRequest { request, prompt_tokens: prompt, chunk_tokens: chunk, dst_pages: pages, prefix_tokens: prefix, deadline_ms: deadline });
         let wire = encode_to_vec(&m, DEFAULT_MAX_FRAME_LEN).unwrap();
         let split = split.min(wire.len());
         let mut d = FrameDecoder::default();

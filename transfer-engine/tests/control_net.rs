@@ -744,6 +744,7 @@ fn every_message() -> Vec<Msg> {
             prompt_tokens: 8192,
             chunk_tokens: 1024,
             dst_pages: (0..128).collect(),
+            prefix_tokens: 0,
             deadline_ms: 5000,
         }),
         Msg::TransferReject(TransferReject {
@@ -844,6 +845,7 @@ async fn out_of_range_pages_get_a_typed_rejection_and_nothing_else_is_disturbed(
             prompt_tokens: 128,
             chunk_tokens: 64,
             dst_pages,
+            prefix_tokens: 0,
             deadline_ms: 1000,
         };
         decode

@@ -37,7 +37,7 @@
 //!
 //! let mut conn = Connection::connect(addr, deadline).await?;
 //! handshake(&mut conn, &decode, &secret, deadline).await?;
-//! let req = TransferRequest { request: 7, prompt_tokens: 32, chunk_tokens: 16, dst_pages: vec![3, 4], deadline_ms: 1000 };
+//! let req = TransferRequest { request: 7, prompt_tokens: 32, chunk_tokens: 16, dst_pages: vec![3, 4], prefix_tokens: 0, deadline_ms: 1000 };
 //! conn.send(&Msg::TransferRequest(req.clone())).await?;
 //! let Some(Msg::TransferRequest(got)) = server.await?? else { panic!("expected a transfer request") };
 //! assert_eq!(got, req);
@@ -76,5 +76,5 @@ pub use frame::{
 pub use msg::{
     Abort, AbortAck, AuxData, BackendInfo, BackendKind, Hello, HelloAck, LayoutInfo, MAX_AUX_LEN,
     Msg, Reject, RejectReason, RemoteRegion, Role, TpMode, TransferReject, TransferRejectReason,
-    TransferRequest, Vote, check_hello, validate_transfer_request,
+    TransferRequest, Vote, check_hello, validate_prefix, validate_transfer_request,
 };

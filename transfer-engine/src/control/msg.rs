@@ -280,6 +280,9 @@ pub struct TransferRequest {
     pub chunk_tokens: u32,
     /// Destination page indices on the decode side, in token order.
     pub dst_pages: Vec<u32>,
+    /// Tokens at the start of the prompt that decode already holds (a prefix cache of its own):
+    /// the request moves the `prompt_tokens` tokens after them. Whole pages.
+    pub prefix_tokens: u32,
     /// Milliseconds, from receipt, within which the transfer must finish.
     pub deadline_ms: u32,
 }
@@ -655,6 +658,12 @@ pub fn validate_transfer_request(
             req.prompt_tokens, req.chunk_tokens
         )));
     }
+    if req.prefix_tokens.checked_add(req.prompt_tokens).is_none() {
+        return Err(TransferRejectReason::Invalid(format!(
+            "a prefix of {} tokens and {} more do not fit a u32",
+            req.prefix_tokens, req.prompt_tokens
+        )));
+    }
     if req.dst_pages.len() != expected_pages {
         return Err(TransferRejectReason::PageCountMismatch {
             expected: expected_pages as u64,
@@ -679,6 +688,24 @@ pub fn validate_transfer_request(
     sorted.sort_unstable();
     if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
         return Err(TransferRejectReason::DuplicatePage { page: w[0] });
+    }
+    Ok(())
+}
+
+/// Checks that a transfer request's decode-side prefix is whole pages of `page_tokens` tokens, so
+/// the moved tokens start on a page boundary on both sides.
+///
+/// # Errors
+/// [`TransferRejectReason::Invalid`] naming the prefix and the page size.
+pub fn validate_prefix(
+    req: &TransferRequest,
+    page_tokens: u32,
+) -> Result<(), TransferRejectReason> {
+    if page_tokens == 0 || !req.prefix_tokens.is_multiple_of(page_tokens) {
+        return Err(TransferRejectReason::Invalid(format!(
+            "a decode-side prefix of {} tokens is not whole pages of {page_tokens} tokens",
+            req.prefix_tokens
+        )));
     }
     Ok(())
 }

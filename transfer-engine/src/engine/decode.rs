@@ -161,6 +161,8 @@ impl RankConn {
 struct ReqInfo {
     geometry: ChunkGeometry,
     dst_pages: Arc<Vec<u32>>,
+    /// Tokens before the moved ones that this side already holds (told to the ranks).
+    prefix_tokens: u32,
 }
 
 struct State {
@@ -580,6 +582,25 @@ impl DecodeEngine {
         dst_pages: Vec<u32>,
         timeout: Duration,
     ) -> Result<impl std::future::Future<Output = Outcome> + Send + 'static, EngineError> {
+        self.expect_after_prefix(request, 0, prompt_tokens, chunk_tokens, dst_pages, timeout)
+    }
+
+    /// [`expect`](Self::expect) for a request whose first `prefix_tokens` tokens this side already
+    /// holds (a prefix cache of the server's own): the ranks are asked for the `prompt_tokens`
+    /// tokens after them, into `dst_pages` (one page per page of those tokens), and told the
+    /// prefix, so they send from that token on. The prefix is whole pages.
+    ///
+    /// # Errors
+    /// As [`expect`](Self::expect); [`EngineError::Config`] for a prefix that is not whole pages.
+    pub fn expect_after_prefix(
+        &self,
+        request: RequestId,
+        prefix_tokens: u32,
+        prompt_tokens: u32,
+        chunk_tokens: u32,
+        dst_pages: Vec<u32>,
+        timeout: Duration,
+    ) -> Result<impl std::future::Future<Output = Outcome> + Send + 'static, EngineError> {
         let cfg = &self.inner.cfg;
         let geometry = ChunkGeometry::new(
             u64::from(prompt_tokens),
@@ -590,17 +611,20 @@ impl DecodeEngine {
             request: Some(request),
             source,
         })?;
+        let check = TransferRequest {
+            request: request.0,
+            prompt_tokens,
+            chunk_tokens,
+            dst_pages: dst_pages.clone(),
+            prefix_tokens,
+            deadline_ms: 0,
+        };
         control::validate_transfer_request(
-            &TransferRequest {
-                request: request.0,
-                prompt_tokens,
-                chunk_tokens,
-                dst_pages: dst_pages.clone(),
-                deadline_ms: 0,
-            },
+            &check,
             cfg.layout.num_pages,
             geometry.num_pages() as usize,
         )
+        .and_then(|()| control::validate_prefix(&check, cfg.page_tokens))
         .map_err(|e| EngineError::Config(e.to_string()))?;
         let now = Instant::now();
         let (tx, rx) = oneshot::channel();
@@ -632,6 +656,7 @@ impl DecodeEngine {
                 ReqInfo {
                     geometry,
                     dst_pages: Arc::new(dst_pages),
+                    prefix_tokens,
                 },
             );
             st.waiters.insert(request, tx);
@@ -1069,10 +1094,10 @@ impl Inner {
             .map(|r| r.as_ref().filter(|r| r.serving()).map(|r| r.peer))
             .collect::<Option<Vec<PeerId>>>()
             .ok_or_else(|| EngineError::Config("a prefill rank is not connected".into()))?;
-        let dst_pages = st
+        let (dst_pages, prefix_tokens) = st
             .requests
             .get(&request)
-            .map(|r| r.dst_pages.clone())
+            .map(|r| (r.dst_pages.clone(), r.prefix_tokens))
             .ok_or_else(|| EngineError::Tracker(format!("request {} is not held", request.0)))?;
         st.tracker
             .expect(now, request, self.cfg.pp_size, &peers, deadline)
@@ -1083,6 +1108,7 @@ impl Inner {
             prompt_tokens,
             chunk_tokens,
             dst_pages: dst_pages.to_vec(),
+            prefix_tokens,
             deadline_ms: left.as_millis().min(u128::from(u32::MAX)) as u32,
         });
         for r in st.ranks.iter().flatten() {

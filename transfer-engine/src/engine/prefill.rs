@@ -179,6 +179,9 @@ pub struct IncomingRequest {
     pub prompt_tokens: u32,
     /// Its chunk size.
     pub chunk_tokens: u32,
+    /// Tokens at the start of the prompt that decode already holds: the request moves the
+    /// `prompt_tokens` after them, and chunk 0 starts at that token of the prompt.
+    pub prefix_tokens: u32,
 }
 
 /// Counters of a [`PrefillEngine`].
@@ -565,6 +568,7 @@ impl PrefillEngine {
                 prompt_tokens,
                 chunk_tokens,
                 dst_pages,
+                prefix_tokens: 0,
                 deadline_ms: 0,
             })
             .map_err(|reason| {
@@ -1052,6 +1056,7 @@ impl Inner {
                 self.planner.dst().num_pages,
                 g.num_pages() as usize,
             )
+            .and_then(|()| control::validate_prefix(&req, self.cfg.page_tokens))
         });
         let mut st = lock(&self.state);
         let reason = match (geometry, check) {
@@ -1194,6 +1199,7 @@ async fn decode_read_loop(
                     request: RequestId(r.request),
                     prompt_tokens: r.prompt_tokens,
                     chunk_tokens: r.chunk_tokens,
+                    prefix_tokens: r.prefix_tokens,
                 };
                 if i.on_transfer_request(r) {
                     let _ = incoming.send(next);

@@ -33,7 +33,8 @@ impl IncomingRequest {
     /// Chunks the prompt is sent in.
     #[getter]
     fn chunks(&self) -> u32 {
-        self.prompt_tokens.div_ceil(self.chunk_tokens.max(1))
+        // One chunk of no pages when decode holds the whole prompt (its prefix).
+        self.prompt_tokens.div_ceil(self.chunk_tokens.max(1)).max(1)
     }
 
     fn __repr__(&self) -> String {

@@ -259,6 +259,18 @@ def test_a_decode_prefix_reaches_every_rank(cluster):
     assert cluster.mismatches(85, dst) == []
     with pytest.raises(kvx.ConfigError, match="whole pages"):
         cluster.decode.expect(86, 128, 32, list(range(40, 48)), timeout=5, prefix_tokens=24)
+    # Decode holds the whole prompt: one chunk of no pages, whose notification (and the aux
+    # payload before it) ends the request.
+    pending = cluster.decode.expect(87, 0, 32, [], timeout=10, prefix_tokens=128)
+    for r, p in enumerate(cluster.prefill):
+        got = p.next_request(10)
+        assert (got.request, got.prompt_tokens, got.prefix_tokens, got.chunks) == (87, 0, 128, 1)
+        p.send_aux(87, b"first token %d" % r)
+        p.send_chunk(87, 0, [], True)
+    assert pending.wait(10).complete
+    assert cluster.decode.aux(87, 1) == b"first token 1"
+    with pytest.raises(kvx.ConfigError):
+        cluster.decode.expect(88, 0, 32, [], timeout=5)
 
 
 def test_unknown_request_on_prefill(cluster):

@@ -605,6 +605,15 @@ fn transfer_request_bounds() {
         validate_transfer_request(&req(vec![0]), 0, 1),
         Err(TransferRejectReason::PageOutOfRange { .. })
     ));
+    // Nothing to move is a request only after a prefix that decode holds.
+    let mut none = req(vec![]);
+    none.prompt_tokens = 0;
+    assert!(matches!(
+        validate_transfer_request(&none, 100, 0),
+        Err(TransferRejectReason::Invalid(_))
+    ));
+    none.prefix_tokens = 256;
+    validate_transfer_request(&none, 100, 0).unwrap();
     let mut long = req(vec![0, 1]);
     long.prefix_tokens = u32::MAX - 255;
     assert!(matches!(

@@ -652,10 +652,11 @@ pub fn validate_transfer_request(
     registered_pages: u32,
     expected_pages: usize,
 ) -> Result<(), TransferRejectReason> {
-    if req.prompt_tokens == 0 || req.chunk_tokens == 0 {
+    // Nothing to move is a request only after a prefix decode holds (its metadata still moves).
+    if (req.prompt_tokens == 0 && req.prefix_tokens == 0) || req.chunk_tokens == 0 {
         return Err(TransferRejectReason::Invalid(format!(
-            "prompt_tokens {} and chunk_tokens {} must both be positive",
-            req.prompt_tokens, req.chunk_tokens
+            "prompt_tokens {} (after a prefix of {}) and chunk_tokens {} must be positive",
+            req.prompt_tokens, req.prefix_tokens, req.chunk_tokens
         )));
     }
     if req.prefix_tokens.checked_add(req.prompt_tokens).is_none() {

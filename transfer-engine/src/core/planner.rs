@@ -349,14 +349,40 @@ impl ChunkGeometry {
         })
     }
 
+    /// The geometry of a request that moves the `prompt_tokens` after a prefix of `prefix_tokens`
+    /// that the receiver already holds. When the receiver holds the whole prompt (no token to
+    /// move after a non-empty prefix), the request is one chunk of no pages: its notification
+    /// alone tells that the rank is done (and what rides beside it, such as metadata rows, is
+    /// in place).
+    ///
+    /// # Errors
+    /// [`PlanError::BadGeometry`] when the chunk or page size is 0, or nothing is moved and
+    /// there is no prefix either.
+    pub fn after_prefix(
+        prompt_tokens: u64,
+        chunk_tokens: u64,
+        page_tokens: u64,
+        prefix_tokens: u64,
+    ) -> Result<Self, PlanError> {
+        if prompt_tokens == 0 && prefix_tokens > 0 && chunk_tokens > 0 && page_tokens > 0 {
+            return Ok(Self {
+                prompt_tokens,
+                chunk_tokens,
+                page_tokens,
+            });
+        }
+        Self::new(prompt_tokens, chunk_tokens, page_tokens)
+    }
+
     /// Pages the prompt fills.
     pub fn num_pages(&self) -> u64 {
         self.prompt_tokens.div_ceil(self.page_tokens.max(1))
     }
 
-    /// Chunks the prompt is computed in (the count each rank announces with `LAST`).
+    /// Chunks the prompt is computed in (the count each rank announces with `LAST`); one, of no
+    /// pages, when nothing is moved (see [`after_prefix`](Self::after_prefix)).
     pub fn num_chunks(&self) -> u64 {
-        self.prompt_tokens.div_ceil(self.chunk_tokens.max(1))
+        self.prompt_tokens.div_ceil(self.chunk_tokens.max(1)).max(1)
     }
 
     /// Positions (into the request's page lists) of the pages chunk `chunk` sends.
@@ -364,7 +390,7 @@ impl ChunkGeometry {
     /// # Errors
     /// [`PlanError::BadGeometry`], [`PlanError::ChunkOutOfRange`].
     pub fn pages_of_chunk(&self, chunk: u64) -> Result<Range<u64>, PlanError> {
-        if self.prompt_tokens == 0 || self.chunk_tokens == 0 || self.page_tokens == 0 {
+        if self.chunk_tokens == 0 || self.page_tokens == 0 {
             return Err(PlanError::BadGeometry);
         }
         let n = self.num_chunks();
@@ -778,6 +804,26 @@ mod tests {
             .collect();
         assert_eq!(got, vec![0..0, 0..1, 1..1, 1..2, 2..3]);
         assert!(g.pages_of_chunk(5).is_err());
+    }
+
+    #[test]
+    fn a_prompt_held_whole_is_one_chunk_of_no_pages() {
+        let g = ChunkGeometry::after_prefix(0, 64, 16, 128).unwrap();
+        assert_eq!((g.num_pages(), g.num_chunks()), (0, 1));
+        assert_eq!(g.pages_of_chunk(0).unwrap(), 0..0);
+        assert!(g.pages_of_chunk(1).is_err());
+        // Nothing to move and no prefix, or a zero size, is no request.
+        assert_eq!(
+            ChunkGeometry::after_prefix(0, 64, 16, 0),
+            Err(PlanError::BadGeometry)
+        );
+        assert!(ChunkGeometry::after_prefix(0, 0, 16, 128).is_err());
+        assert!(ChunkGeometry::after_prefix(0, 64, 0, 128).is_err());
+        // A prefix changes nothing about the moved tokens' chunks.
+        assert_eq!(
+            ChunkGeometry::after_prefix(100, 24, 16, 32),
+            ChunkGeometry::new(100, 24, 16)
+        );
     }
 
     #[test]

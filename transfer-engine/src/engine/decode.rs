@@ -602,10 +602,11 @@ impl DecodeEngine {
         timeout: Duration,
     ) -> Result<impl std::future::Future<Output = Outcome> + Send + 'static, EngineError> {
         let cfg = &self.inner.cfg;
-        let geometry = ChunkGeometry::new(
+        let geometry = ChunkGeometry::after_prefix(
             u64::from(prompt_tokens),
             u64::from(chunk_tokens),
             u64::from(cfg.page_tokens),
+            u64::from(prefix_tokens),
         )
         .map_err(|source| EngineError::Plan {
             request: Some(request),

@@ -1045,10 +1045,11 @@ impl Inner {
         req: control::TransferRequest,
     ) -> Result<(), control::TransferRejectReason> {
         let request = RequestId(req.request);
-        let geometry = ChunkGeometry::new(
+        let geometry = ChunkGeometry::after_prefix(
             u64::from(req.prompt_tokens),
             u64::from(req.chunk_tokens),
             u64::from(self.cfg.page_tokens),
+            u64::from(req.prefix_tokens),
         );
         let check = geometry.as_ref().ok().map(|g| {
             control::validate_transfer_request(

@@ -24,9 +24,9 @@ local address (``SGLANG_HOST_IP``, else the host's routable address).
 A rank's KV buffers (one per layer, then per K and V, in SGLang's order) are registered one by one
 (or as one region when they happen to be adjacent); writes never cross a buffer. The metadata rows
 (``aux_index``: the first output token, logprobs...) travel on kvx's control connection
-(``send_aux``) before the last chunk. Limits: models with state beside their KV pages (Mamba, SWA,
-DSA...) and a decode-side radix cache are refused at start; identical TP on both sides; one decode
-PP rank.
+(``send_aux``) before the last chunk. A decode-side radix cache's prefix (``decode_prefix_len``) travels
+with the page allocation. Limits: models with state beside their KV pages (Mamba, SWA, DSA...)
+are refused at start; identical TP on both sides; one decode PP rank.
 """
 
 from __future__ import annotations

@@ -52,17 +52,15 @@ class KvxKVReceiver(BaseKVReceiver):
                       decode_prefix_len: Optional[int] = None, destination=None, **_):
         if self.failed is not None:
             return
-        if decode_prefix_len:
-            self.failed = kvx.ConfigError(
-                f"kvx: room {self.bootstrap_room}: a decode-side prefix ({decode_prefix_len} "
-                "tokens) is not supported")
-            return
         self.aux_index = aux_index
         pages = [int(p) for p in np.asarray(kv_indices).reshape(-1)]
         self.pages = pages
         try:
+            # Pages and tokens after decode's own prefix (its radix cache), which prefill is told.
             self.pending = self.engine.expect(self.bootstrap_room, len(pages) * self.kv_mgr.page_size,
-                                              self.kv_mgr.chunk_tokens(), pages, settings.request_timeout())
+                                              self.kv_mgr.chunk_tokens(), pages,
+                                              settings.request_timeout(),
+                                              prefix_tokens=int(decode_prefix_len or 0))
             with self.kv_mgr._lock:
                 self.kv_mgr._rooms[self.bootstrap_room] = self.engine
         except (kvx.KvxError, AttributeError) as e:

@@ -12,7 +12,13 @@ own ``KVArgs``, ``KVPoll``, ``DisaggregationMode`` and ``get_kv_class``; the boo
 one ``get_kv_class`` gives for ``kvx``, started by prefill rank 0. Each plan phase is one model shape
 on its own bootstrap port; requests run one after another. Faults a request may carry:
 ``skip_last`` (PP rank 1 never sends its last chunk), ``abort_decode``, ``abort_prefill`` (rank 0
-aborts after its first chunk), ``kill`` (rank 1 kills itself with SIGKILL after its first chunk).
+aborts after its first chunk), ``kill`` (rank 1 kills itself with SIGKILL after its first chunk),
+``early_event`` (the first send is the early send of a cached prefix under overlap scheduling:
+SGLang sets the sender's ``_early_send_wait_event``, here an object whose ``synchronize`` returns
+after 0.5 s as a CUDA event does once the previous forward is over; nothing on this CPU-only
+machine records a real one). A request's ``prefix`` is a decode-side prefix (decode's radix cache):
+decode allocates and sends the pages after it and passes ``decode_prefix_len``; prefill asks
+``pop_decode_prefix_len`` on every rank in ``finalize_bootstrap``, as SGLang does.
 Writes ``{room: {"state", "reason", "verified"}}`` per phase to OUT.json as it goes.
 """
 
@@ -40,6 +46,19 @@ SHAPES = {
 POISON = 0xEE
 AUX_ROWS = 8
 TERMINAL = (KVPoll.Success, KVPoll.Failed)
+EARLY_EVENT_S = 0.5
+
+
+class HeldEvent:
+    """What the sender is given of SGLang's CUDA event: ``synchronize()`` returns once the forward
+    that writes the early-sent pages is over (here after EARLY_EVENT_S)."""
+
+    def __init__(self):
+        self.fired = None
+
+    def synchronize(self):
+        time.sleep(EARLY_EVENT_S)
+        self.fired = time.monotonic()
 
 
 def pattern(room, rank, layer, region, index, n):
@@ -167,7 +186,7 @@ def main():
             sender_cls = utils.get_kv_class(KVX, utils.KVClassType.SENDER)
             for req in phase["requests"]:
                 room, tokens, fault = req["room"], req["tokens"], req.get("fault")
-                n = -(-tokens // page)
+                n = -(-(tokens - req.get("prefix", 0)) // page)
                 src = pages_for(room, n, pool.pages, 1)
                 for k in range(pool.regions):
                     for l in range(count):
@@ -180,15 +199,27 @@ def main():
                 # so a higher rank may send before its own allocation arrived.
                 state = wait_poll(sender, (KVPoll.WaitingForInput,)) if rank == 0 else \
                     KVPoll.WaitingForInput
+                extra = {}
                 if state == KVPoll.WaitingForInput:
+                    # finalize_bootstrap, on every rank.
+                    extra["prefix"] = sender.pop_decode_prefix_len()
                     sender.init(n, room % AUX_ROWS)
                     chunk_pages = plan["sglang_chunk_tokens"] // page
+                    if n == 0:
+                        # Decode holds the whole prompt: the last send is made, empty.
+                        sender.send(np.array([], dtype=np.int32), None, num_kv_tokens=0)
                     for c0 in range(0, n, chunk_pages):
+                        if c0 == 0 and fault == "early_event":
+                            event = HeldEvent()
+                            sender._early_send_wait_event = event
                         last = c0 + chunk_pages >= n
                         if last and fault == "skip_last" and rank == 1:
                             break
                         sender.send(np.array(src[c0:c0 + chunk_pages], dtype=np.int32), None,
                                     num_kv_tokens=min(tokens, (c0 + chunk_pages) * page) - c0 * page)
+                        if c0 == 0 and fault == "early_event":
+                            # Posted before the forward that writes them was over: none may be.
+                            extra["posted_before_event"] = len(sender.posted)
                         sender.poll()  # the scheduler polls between chunks
                         if c0 == 0 and fault == "abort_prefill" and rank == 0:
                             sender.abort()
@@ -199,9 +230,13 @@ def main():
                             time.sleep(0.2)
                             os.kill(os.getpid(), signal.SIGKILL)
                     state = wait_poll(sender, TERMINAL)
+                if fault == "early_event" and extra:
+                    extra["posted_after_event"] = len(sender.posted)
+                    extra["event_fired"] = event.fired is not None
                 res[str(room)] = {
                     "state": {KVPoll.Success: "success", KVPoll.Failed: "failed"}.get(state, str(state)),
                     "reason": failure(sender) if state == KVPoll.Failed else None,
+                    **extra,
                 }
                 sender.clear()
                 save()
@@ -221,7 +256,8 @@ def main():
                 time.sleep(0.1)
             for req in phase["requests"]:
                 room, tokens, fault = req["room"], req["tokens"], req.get("fault")
-                n = -(-tokens // page)
+                prefix = req.get("prefix", 0)
+                n = -(-(tokens - prefix) // page)
                 dst = pages_for(room, n, pool.pages, 2)
                 receiver = receiver_cls(mgr=mgr, bootstrap_addr=bootstrap_addr, bootstrap_room=room)
                 receiver.init(0)
@@ -231,7 +267,8 @@ def main():
                     pool.view[:, :, dst] = POISON
                     for b in pool.aux:
                         b[room % AUX_ROWS] = POISON
-                    receiver.send_metadata(np.array(dst, dtype=np.int32), room % AUX_ROWS)
+                    receiver.send_metadata(np.array(dst, dtype=np.int32), room % AUX_ROWS,
+                                           decode_prefix_len=prefix)
                     if fault == "abort_decode":
                         wait_poll(receiver, (KVPoll.Transferring,), 0.2)
                         receiver.abort()

@@ -167,6 +167,10 @@ class Server:
             self.proc.wait(timeout=30)
         self._log.close()
 
+    def signal(self, sig):
+        """Sends `sig` to the server and every process it started."""
+        os.killpg(self.proc.pid, sig)
+
     def alive(self):
         return self.proc.poll() is None
 

@@ -40,6 +40,10 @@ def test_sglang_backend_in_three_processes(tmp_path):
                 {"room": 105, "tokens": 200, "fault": "abort_decode"},
                 {"room": 106, "tokens": 200, "fault": "abort_prefill"},
                 {"room": 107, "tokens": 300},
+                {"room": 108, "tokens": 300, "fault": "early_event"},
+                # Decode's radix cache holds a prefix: 4 of 13 pages, then the whole prompt.
+                {"room": 109, "tokens": 200, "prefix": 64},
+                {"room": 110, "tokens": 128, "prefix": 128},
             ]},
             {"name": "gqa", "model": "gqa", "port": ports[1], "requests": [
                 {"room": 201, "tokens": 200},
@@ -85,12 +89,21 @@ def test_sglang_backend_in_three_processes(tmp_path):
     p1 = json.loads(out["p1"].read_text())
     context = json.dumps({"decode": d, "p0": p0, "p1": p1}, indent=1)
 
-    for phase, rooms in (("mla", [101, 102, 104, 107]), ("gqa", [201, 202])):
+    for phase, rooms in (("mla", [101, 102, 104, 107, 108, 109, 110]), ("gqa", [201, 202])):
         for room in rooms:
             r = d[phase][str(room)]
             assert r["state"] == "success" and r["verified"] is True, context
             assert p0[phase][str(room)]["state"] == "success", context
             assert p1[phase][str(room)]["state"] == "success", context
+    # The early send waited for the forward's event: nothing went before it fired.
+    for p in (p0, p1):
+        early = p["mla"]["108"]
+        assert early["event_fired"] and early["posted_before_event"] == 0, context
+        assert early["posted_after_event"] > 0, context
+    # Every rank learnt decode's prefix before it sent (rank 1 is never polled, so it waits).
+    for p in (p0, p1):
+        assert (p["mla"]["109"]["prefix"], p["mla"]["110"]["prefix"]) == (64, 128), context
+        assert p["mla"]["101"]["prefix"] == 0, context
     # Rank 1 never sent its last chunk: decode's deadline fails the request, and both ranks learn.
     assert d["mla"]["103"]["state"] == "failed" and d["mla"]["103"]["reason"] == "TransferFailed:timeout", context
     assert p0["mla"]["103"]["state"] == "failed" and p1["mla"]["103"]["state"] == "failed", context

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import threading
 import time
@@ -58,10 +59,38 @@ def _refuse_unsupported(args: KVArgs, server_args) -> None:
         raise kvx.ConfigError(
             f"kvx: this model keeps state beside its KV pages ({', '.join(states)}); kvx carries "
             "KV pages and metadata rows only: use another --disaggregation-transfer-backend")
-    if getattr(server_args, "disaggregation_decode_enable_radix_cache", False):
-        raise kvx.ConfigError(
-            "kvx: --disaggregation-decode-enable-radix-cache (a decode-side prefix, "
-            "decode_prefix_len) is not supported by kvx yet")
+
+
+def _release_failed_rooms_on_kvx_decision() -> None:
+    """SGLang holds a failed room's pages until the manager's ``is_abort_release_safe`` says no
+    write can land, or until ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT`` (30 s)
+    passes, and then reuses them. kvx keeps a room whose prefill rank is connected and has not
+    confirmed the abort quarantined for as long as that lasts (a stopped process can still write
+    when it resumes), so for kvx's rooms the deadline is dropped: the pages go back to SGLang
+    exactly when kvx releases them. Patched on the class (the queue is made before the manager);
+    rooms of other backends keep their deadline."""
+    from sglang.srt.disaggregation.decode import DecodeTransferQueue
+
+    from .receiver import KvxKVReceiver
+
+    original = DecodeTransferQueue._defer_release
+    if getattr(original, "_kvx", False):
+        return
+
+    def _defer_release(self, decode_req):
+        original(self, decode_req)
+        if not isinstance(decode_req.kv_receiver, KvxKVReceiver):
+            return
+        held = self._deferred_releases
+        if held and held[-1][0] is decode_req and len(held[-1]) == 5:
+            req, start, _, idx, acks = held[-1]
+            held[-1] = (req, start, math.inf, idx, acks)
+        else:
+            logger.error("kvx: SGLang's deferred release entry has an unknown shape: room %s "
+                         "keeps SGLang's deadline", decode_req.req.bootstrap_room)
+
+    _defer_release._kvx = True
+    DecodeTransferQueue._defer_release = _defer_release
 
 
 class KvxKVManager(BaseKVManager):
@@ -86,6 +115,8 @@ class KvxKVManager(BaseKVManager):
         self.secret = settings.secret()
         self.device = settings.device(args)
         self._lock = threading.Lock()
+        # Prefill: notified whenever a page allocation arrives.
+        self._arrived = threading.Condition(self._lock)
         self._closed = threading.Event()
         corrupt = os.environ.get("KVX_TEST_CORRUPT_ROOM")
         self.corrupt_room: Optional[int] = int(corrupt) if corrupt else None
@@ -111,9 +142,11 @@ class KvxKVManager(BaseKVManager):
             self._instances: dict = {}  # bootstrap_addr -> directory instance we announced to
             self._misses: dict = {}  # bootstrap_addr -> heartbeats missed in a row
             self._rooms: dict = {}  # room -> DecodeEngine
+            self._quarantined: set = set()  # failed rooms whose pages kvx still holds
             # What the decode scheduler reads of each prefill instance (one DP rank each).
             self.prefill_info_table: dict = {}
             self.id = f"{os.getpid()}-{self.tp_rank}-{id(self):x}"
+            _release_failed_rooms_on_kvx_decision()
             threading.Thread(target=self._heartbeat, daemon=True, name="kvx-heartbeat").start()
 
     def _get(self, url: str, timeout: float = 5.0):
@@ -161,6 +194,11 @@ class KvxKVManager(BaseKVManager):
     def _connect(self, d: dict):
         """A PrefillEngine for the decode engine `d` announced, with this decode's vote mesh."""
         decode_id = d["decode_id"]
+        with self._lock:
+            known = self._prefills.get(decode_id)
+        if known is not None and not known.closed:
+            # Announced again (decode lost sight of this instance for a while): still connected.
+            return
         try:
             peers, mesh_socket = [], None
             if self.pp_size > 1:
@@ -201,6 +239,7 @@ class KvxKVManager(BaseKVManager):
                 with self._lock:
                     self._allocations[req.request] = (engine, req)
                     waiting = self._waiting.pop(req.request, None)
+                    self._arrived.notify_all()
                 if waiting is not None:
                     # A rank SGLang does not poll for bootstrap got its pages before the
                     # allocation: they go now.
@@ -214,6 +253,17 @@ class KvxKVManager(BaseKVManager):
     def allocation(self, room: int):
         with self._lock:
             return self._allocations.get(room)
+
+    def await_allocation(self, room: int, timeout: float):
+        """`room`'s allocation, waiting for it at most `timeout` seconds; None if it did not come."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while room not in self._allocations:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed.is_set():
+                    return None
+                self._arrived.wait(min(left, 0.5))
+            return self._allocations[room]
 
     def wait_for_allocation(self, room: int, sender) -> bool:
         """Registers `sender` to be flushed when `room`'s allocation arrives; False if it already
@@ -364,12 +414,24 @@ class KvxKVManager(BaseKVManager):
             e = self._rooms.get(bootstrap_room)
         if e is None:
             return True
-        return e.is_released(bootstrap_room)
+        if e.is_released(bootstrap_room):
+            if bootstrap_room in self._quarantined:
+                self._quarantined.discard(bootstrap_room)
+                logger.info("kvx: room %d: its prefill ranks confirmed; its pages are released",
+                            bootstrap_room)
+            return True
+        if bootstrap_room not in self._quarantined and bootstrap_room in e.quarantined():
+            self._quarantined.add(bootstrap_room)
+            logger.warning("kvx: room %d: quarantined: a prefill rank has not confirmed that its "
+                           "writes into the room's pages are over; they stay held until it does",
+                           bootstrap_room)
+        return False
 
     def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
         """SGLang releases a failed room's pages: this rank forgets the room."""
         with self._lock:
             self._rooms.pop(bootstrap_room, None)
+            self._quarantined.discard(bootstrap_room)
 
     def close(self):
         self._closed.set()

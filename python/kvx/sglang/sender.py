@@ -43,6 +43,11 @@ class KvxKVSender(BaseKVSender):
         self.request = None
         # send() runs on the scheduler's thread, flush() on the allocation watcher's.
         self._lock = threading.Lock()
+        # SGLang sets this (a CUDA event) before the early send of a cached prefix under overlap
+        # scheduling: the previous forward may still be writing those pages.
+        self._early_send_wait_event = None
+        # Set while such an event has not fired: nothing is posted meanwhile.
+        self._gate = None
 
     def _fail(self, e: BaseException):
         if self.failed is None:
@@ -71,11 +76,30 @@ class KvxKVSender(BaseKVSender):
             if self.started is None:
                 self.started = time.monotonic()
             self.pages.extend(int(p) for p in np.asarray(kv_indices).reshape(-1))
+            event, self._early_send_wait_event = self._early_send_wait_event, None
+            if event is not None and self._gate is None:
+                self._gate = event
+                threading.Thread(target=self._open_gate, args=(event,), daemon=True,
+                                 name="kvx-early-send").start()
             if not self._bind():
                 if self.kv_mgr.wait_for_allocation(self.bootstrap_room, self):
                     return
                 self._bind()
             self._post_ready()
+
+    def _open_gate(self, event) -> None:
+        """Waits (off the scheduler's thread) until the forward that writes the early-sent pages
+        is over, then posts what waited for it."""
+        try:
+            event.synchronize()
+        except Exception as e:  # a failed device wait: the pages cannot be trusted
+            with self._lock:
+                self._fail(settings.failed("other", f"room {self.bootstrap_room}: waiting for "
+                                                    f"the prefix's forward failed: {e}"))
+            return
+        with self._lock:
+            self._gate = None
+        self.flush()
 
     def flush(self) -> None:
         """Posts what `send` was given before the allocation arrived."""
@@ -84,7 +108,10 @@ class KvxKVSender(BaseKVSender):
                 self._post_ready()
 
     def _post_ready(self) -> None:
-        """Posts every kvx chunk whose pages are all known. Holds `_lock`, is bound."""
+        """Posts every kvx chunk whose pages are all known, unless the pages wait for a forward
+        (``_gate``). Holds `_lock`, is bound."""
+        if self._gate is not None:
+            return
         total = self.num_pages if self.num_pages is not None else len(self.pages)
         per = max(1, self.request.chunk_tokens // self.kv_mgr.page_size)
         chunks = self.request.chunks
@@ -147,8 +174,21 @@ class KvxKVSender(BaseKVSender):
         pass
 
     def pop_decode_prefix_len(self) -> int:
-        # A decode-side prefix is refused at start (see manager._refuse_unsupported).
-        return 0
+        """The tokens decode already holds (its radix cache): SGLang sends from that token on, and
+        ``init`` gets the pages after it. SGLang asks every PP rank right after rank 0's poll saw
+        the allocation; a higher rank's may still be on its way, so it is waited for (it left
+        decode with rank 0's): a rank that sent from token 0 would fill decode's pages with the
+        wrong tokens."""
+        if self.engine is None:
+            got = self.kv_mgr.await_allocation(self.bootstrap_room, settings.bootstrap_timeout())
+            if got is None:
+                self._fail(settings.failed("timeout", f"room {self.bootstrap_room}: decode's page "
+                                                      "allocation did not arrive within "
+                                                      "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"))
+                return 0
+            with self._lock:
+                self._bind()
+        return int(self.request.prefix_tokens)
 
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         # The last send goes even when empty, as for SGLang's own senders: it may be the one

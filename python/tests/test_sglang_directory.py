@@ -107,6 +107,58 @@ def test_state_beside_the_kv_pages_is_refused_at_start():
     # A decode-side radix cache is carried (decode_prefix_len: test_sglang_servers.py).
     server_args.disaggregation_decode_enable_radix_cache = True
     _refuse_unsupported(args, server_args)
+    # Not mapped yet: refused by name rather than left to hang.
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    server_args.pp_size = 2
+    _refuse_unsupported(args, server_args, DisaggregationMode.PREFILL)
+    with pytest.raises(kvx.ConfigError, match="pp-size"):
+        _refuse_unsupported(args, server_args, DisaggregationMode.DECODE)
+    server_args.pp_size, server_args.enable_dp_attention = 1, True
+    with pytest.raises(kvx.ConfigError, match="dp-attention"):
+        _refuse_unsupported(args, server_args, DisaggregationMode.PREFILL)
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp,decode_rank", [(2, 1, 0), (1, 2, 1)])
+def test_a_tp_size_kvx_cannot_map_fails_each_request_at_once(directory, prefill_tp, decode_tp,
+                                                             decode_rank):
+    """A prefill instance of another TP size: decode's scheduler is told the instance is there,
+    and the receiver fails at once naming both sizes, instead of waiting out the bootstrap timeout
+    for ranks that never come."""
+    import types
+
+    import kvx
+    import sglang_role as R
+    from sglang.srt.disaggregation import utils
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    KVX = utils.TransferBackend("kvx")
+    shape = R.SHAPES["gqa"]
+
+    def args(role, tp):
+        return types.SimpleNamespace(pp_size=1, tp_size=tp, host="127.0.0.1",
+                                     disaggregation_bootstrap_port=directory.port)
+
+    manager = utils.get_kv_class(KVX, utils.KVClassType.MANAGER)
+    pool = R.Pool(shape, 0, shape["layers"], 16)
+    prefill = manager(pool.kv_args(shape["page"], 0), utils.DisaggregationMode.PREFILL,
+                      args("prefill", prefill_tp), False)
+    dpool = R.Pool(shape, 0, shape["layers"], 16)
+    dargs = dpool.kv_args(shape["page"], 0)
+    dargs.engine_rank = decode_rank
+    decode = manager(dargs, utils.DisaggregationMode.DECODE, args("decode", decode_tp), False)
+    try:
+        addr = f"127.0.0.1:{directory.port}"
+        assert decode.try_ensure_parallel_info(addr)
+        receiver = utils.get_kv_class(KVX, utils.KVClassType.RECEIVER)(
+            mgr=decode, bootstrap_addr=addr, bootstrap_room=7)
+        receiver.init(0)
+        assert receiver.poll() == KVPoll.Failed
+        with pytest.raises(kvx.ConfigError, match=f"TP size {prefill_tp}, this decode {decode_tp}"):
+            receiver.failure_exception()
+    finally:
+        decode.close()
+        prefill.close()
 
 
 def test_engines_publish_sglangs_local_address_never_a_wildcard(monkeypatch):

@@ -51,14 +51,31 @@ class _Pool:
                                  page_bytes=self.page_bytes, num_pages=self.num_pages, split_kv=split)
 
 
-def _refuse_unsupported(args: KVArgs, server_args) -> None:
-    """State kvx does not carry is refused at start, by name, never dropped: decode would run on
-    uninitialised state."""
+def _refuse_unsupported(args: KVArgs, server_args, mode=None) -> None:
+    """What kvx does not carry yet is refused at start, by name, never dropped or left to hang:
+    state beside the KV pages (decode would run on uninitialised state), DP attention (rooms are
+    not routed to DP ranks), several decode PP ranks."""
     states = [getattr(s, "value", str(s)) for s in (getattr(args, "state_types", None) or [])]
     if states:
         raise kvx.ConfigError(
             f"kvx: this model keeps state beside its KV pages ({', '.join(states)}); kvx carries "
             "KV pages and metadata rows only: use another --disaggregation-transfer-backend")
+    if getattr(server_args, "enable_dp_attention", False):
+        raise kvx.ConfigError("kvx: --enable-dp-attention is not supported by kvx yet: use another "
+                              "--disaggregation-transfer-backend")
+    if mode == DisaggregationMode.DECODE and int(getattr(server_args, "pp_size", 1) or 1) > 1:
+        raise kvx.ConfigError("kvx: a decode server with --pp-size > 1 is not supported by kvx yet")
+
+
+def _refuse_other_layout(mine: dict, theirs: dict, addr: str) -> None:
+    """A prefill instance whose ranks kvx cannot map onto this decode rank fails each request at
+    once, naming what differs (kvx maps identical TP and page size only, so far)."""
+    for key, what in (("tp_size", "TP size"), ("page_size", "page size"),
+                      ("page_bytes", "bytes per page"), ("split_kv", "K/V split")):
+        if key in theirs and theirs[key] != mine[key]:
+            raise kvx.ConfigError(
+                f"kvx: prefill instance {addr} has {what} {theirs[key]}, this decode "
+                f"{mine[key]}: kvx maps identical TP and pages only, so far")
 
 
 def _release_failed_rooms_on_kvx_decision() -> None:
@@ -101,7 +118,7 @@ class KvxKVManager(BaseKVManager):
 
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args,
                  is_mla_backend: Optional[bool] = False):
-        _refuse_unsupported(args, server_args)
+        _refuse_unsupported(args, server_args, disaggregation_mode)
         self.kv_args = args
         self.disaggregation_mode = disaggregation_mode
         self.server_args = server_args
@@ -109,6 +126,7 @@ class KvxKVManager(BaseKVManager):
         self.tp_rank = int(args.engine_rank)
         self.pp_rank = int(getattr(args, "pp_rank", 0) or 0)
         self.pp_size = int(getattr(server_args, "pp_size", 1) or 1)
+        self.tp_size = int(getattr(server_args, "tp_size", 1) or 1)
         self.page_size = int(args.page_size)
         self.local_ip = settings.local_ip()
         self.backend = os.environ.get("KVX_BACKEND", "ucx")
@@ -161,7 +179,8 @@ class KvxKVManager(BaseKVManager):
         """Publishes this prefill rank in its instance's directory (once; called from __init__)."""
         if self.disaggregation_mode != DisaggregationMode.PREFILL or self._registered:
             return
-        info = {"tp_rank": self.tp_rank, "pp_rank": self.pp_rank, "pp_size": self.pp_size,
+        info = {"tp_rank": self.tp_rank, "tp_size": self.tp_size, "pp_rank": self.pp_rank,
+                "pp_size": self.pp_size,
                 "first_layer": self.pool.first_layer, "num_layers": self.pool.num_layers,
                 "page_size": self.page_size, "page_bytes": self.pool.page_bytes,
                 "split_kv": self.pool.split, "backend": self.backend}
@@ -290,6 +309,10 @@ class KvxKVManager(BaseKVManager):
                 return e
         url = f"http://{bootstrap_addr}"
         got = self._get(f"{url}/kvx/prefill")
+        if got["ranks"]:
+            _refuse_other_layout({"tp_size": self.tp_size, "page_size": self.page_size,
+                                  "page_bytes": self.pool.page_bytes, "split_kv": self.pool.split},
+                                 got["ranks"][0], bootstrap_addr)
         mine = [r for r in got["ranks"] if int(r["tp_rank"]) == self.tp_rank]
         if not mine:
             raise kvx.ConfigError(f"kvx: no prefill rank of TP rank {self.tp_rank} at {bootstrap_addr}")
@@ -364,7 +387,12 @@ class KvxKVManager(BaseKVManager):
             ranks = self._get(f"http://{bootstrap_addr}/kvx/prefill", timeout=1.0)["ranks"]
         except OSError:
             return False
-        mine = [r for r in ranks if int(r["tp_rank"]) == self.tp_rank]
+        if ranks and int(ranks[0].get("tp_size", self.tp_size)) != self.tp_size:
+            # kvx cannot map it: the instance is reported there, and each receiver fails at once
+            # naming the TP sizes (decode_engine), rather than waiting for ranks that never come.
+            mine = ranks
+        else:
+            mine = [r for r in ranks if int(r["tp_rank"]) == self.tp_rank]
         if not mine or len(mine) < int(mine[0]["pp_size"]):
             return False
         self.prefill_info_table[bootstrap_addr] = types.SimpleNamespace(

@@ -150,7 +150,6 @@ class KvxKVManager(BaseKVManager):
             self.bootstrap_url = f"http://{host}:{port}"
             self._prefills: dict = {}  # decode_id -> PrefillEngine
             self._allocations: dict = {}  # room -> (PrefillEngine, IncomingRequest)
-            self._waiting: dict = {}  # room -> sender whose allocation has not arrived
             self._registered = False
             self.register_to_bootstrap()
         else:
@@ -257,12 +256,7 @@ class KvxKVManager(BaseKVManager):
                     continue
                 with self._lock:
                     self._allocations[req.request] = (engine, req)
-                    waiting = self._waiting.pop(req.request, None)
                     self._arrived.notify_all()
-                if waiting is not None:
-                    # A rank SGLang does not poll for bootstrap got its pages before the
-                    # allocation: they go now.
-                    waiting.flush()
         finally:
             # That decode is gone (or we close): its engine's requests failed with it.
             with self._lock:
@@ -284,19 +278,9 @@ class KvxKVManager(BaseKVManager):
                 self._arrived.wait(min(left, 0.5))
             return self._allocations[room]
 
-    def wait_for_allocation(self, room: int, sender) -> bool:
-        """Registers `sender` to be flushed when `room`'s allocation arrives; False if it already
-        has (the caller binds at once)."""
-        with self._lock:
-            if room in self._allocations:
-                return False
-            self._waiting[room] = sender
-            return True
-
     def forget(self, room: int):
         with self._lock:
             self._allocations.pop(room, None)
-            self._waiting.pop(room, None)
 
     # Decode side.
 

@@ -3,8 +3,9 @@
 Its poll says ``WaitingForInput`` once decode's page allocation for its room arrived; ``send`` is
 called once per prefill chunk with that chunk's pages, and the sender posts kvx chunks (decode's
 chunk size) as soon as their pages are known, the last with the final send. SGLang polls only PP
-rank 0 during bootstrap, so a higher rank may be given pages before its allocation arrived: they
-wait, and go as soon as it does. Success means every PP rank voted complete on kvx's vote board."""
+rank 0 during bootstrap; every rank then asks ``pop_decode_prefix_len`` before ``init``, and a
+higher rank whose allocation has not arrived waits for it there. Success means every PP rank voted
+complete on kvx's vote board."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ class KvxKVSender(BaseKVSender):
         self.bytes = 0
         self.engine = None
         self.request = None
-        # send() runs on the scheduler's thread, flush() on the allocation watcher's.
+        # send() runs on the scheduler's thread, flush() on the early-send gate's.
         self._lock = threading.Lock()
         # SGLang sets this (a CUDA event) before the early send of a cached prefix under overlap
         # scheduling: the previous forward may still be writing those pages.
@@ -82,9 +83,11 @@ class KvxKVSender(BaseKVSender):
                 threading.Thread(target=self._open_gate, args=(event,), daemon=True,
                                  name="kvx-early-send").start()
             if not self._bind():
-                if self.kv_mgr.wait_for_allocation(self.bootstrap_room, self):
-                    return
-                self._bind()
+                # SGLang sends only after finalize_bootstrap, whose pop_decode_prefix_len bound
+                # the sender (or failed it).
+                self._fail(settings.failed("other", f"room {self.bootstrap_room}: send before "
+                                                    "decode's page allocation arrived"))
+                return
             self._post_ready()
 
     def _open_gate(self, event) -> None:

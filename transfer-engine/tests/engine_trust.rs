@@ -199,7 +199,7 @@ async fn an_unauthenticated_client_gets_only_a_challenge_and_a_wrong_secret_bind
     // never confirm: the pool is leaked, not freed.
     let before = leaked_pools();
     let report = bounded(d.shutdown(BOUND)).await;
-    assert_eq!(report.confirmed, vec![0], "{report:?}");
+    assert_eq!(report.confirmed, vec![(String::new(), 0)], "{report:?}");
     assert!(!report.pool_freed, "{report:?}");
     // The engine's tasks may hold it a moment longer; the pool goes with the last of them.
     wait_until("the pool leaked", || leaked_pools() == before + 1).await;
@@ -245,7 +245,7 @@ async fn the_pool_is_freed_only_once_every_rank_confirmed_and_leaked_otherwise()
     complete(&d, &p, RequestId(1)).await;
     let before = leaked_pools();
     let report = bounded(d.shutdown(BOUND)).await;
-    assert_eq!(report.confirmed, vec![0], "{report:?}");
+    assert_eq!(report.confirmed, vec![(String::new(), 0)], "{report:?}");
     assert!(
         report.pool_freed && report.unconfirmed.is_empty(),
         "{report:?}"
@@ -273,7 +273,7 @@ async fn the_pool_is_freed_only_once_every_rank_confirmed_and_leaked_otherwise()
     wait_until("the chunk is stuck", || t.stuck() == 1).await;
     let before = leaked_pools();
     let report = bounded(d.shutdown(Duration::from_millis(400))).await;
-    assert_eq!(report.unconfirmed, vec![0], "{report:?}");
+    assert_eq!(report.unconfirmed, vec![(String::new(), 0)], "{report:?}");
     assert!(!report.pool_freed, "{report:?}");
     wait_until("the pool leaked", || leaked_pools() == before + 1).await;
     t.release_stuck();
@@ -401,7 +401,7 @@ async fn an_external_ranks_pages_stay_quarantined_until_the_server_confirms() {
     // once shutdown began.
     let late = d.clone();
     let report = bounded(d.shutdown(Duration::from_millis(300))).await;
-    assert_eq!(report.unconfirmed, vec![0], "{report:?}");
+    assert_eq!(report.unconfirmed, vec![(String::new(), 0)], "{report:?}");
     assert!(!report.pool_freed);
     assert!(matches!(
         late.bind_external_rank(0, Sender::Key(78), &layout()),

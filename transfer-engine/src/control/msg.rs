@@ -133,6 +133,11 @@ pub struct Hello {
     /// (see [`crate::core::membership`]). A peer never admits an incarnation below the last one it
     /// admitted for that rank, so an older start cannot bind again.
     pub incarnation: u64,
+    /// The prefill instance (one PP pipeline) the sender belongs to, as the decode side named it
+    /// when it added the instance (protocol version 6): one decode engine serves many instances,
+    /// and every PP rank of one pipeline carries the same name. Empty for a decode's Hello and
+    /// for the decode engine's default instance.
+    pub instance: String,
 }
 
 impl Hello {
@@ -155,7 +160,15 @@ impl Hello {
             backend,
             notify_key: 0,
             incarnation: 0,
+            instance: String::new(),
         }
+    }
+
+    /// Sets the prefill instance the sender belongs to.
+    #[must_use]
+    pub fn with_instance(mut self, instance: impl Into<String>) -> Self {
+        self.instance = instance.into();
+        self
     }
 
     /// Sets the incarnation.
@@ -583,6 +596,12 @@ pub fn check_hello(local: &Hello, remote: &Hello) -> Result<(), RejectReason> {
         });
     }
     if pp_peers {
+        if local.instance != remote.instance {
+            return Err(RejectReason::PpMismatch(format!(
+                "this prefill rank is in instance {:?}, the peer in {:?}",
+                local.instance, remote.instance
+            )));
+        }
         if local.pp_size != remote.pp_size {
             return Err(RejectReason::PpMismatch(format!(
                 "this prefill rank is in a pipeline of {} ranks, the peer in one of {}",

@@ -1,6 +1,11 @@
-//! The decode side: registers the KV pool, accepts one connection per prefill PP rank, hands each
-//! request's destination pages to every rank, and turns their notifications into one outcome per
-//! request through the [`CompletionTracker`].
+//! The decode side: registers the KV pool once, serves any number of prefill instances (each a
+//! PP pipeline: one connection per rank) on one transport and one listener, hands each request's
+//! destination pages to every rank of the instance it comes from, and turns their notifications
+//! into one outcome per request through the [`CompletionTracker`].
+//!
+//! Each instance is a session of its own: its ranks, their starts, the requests that wait for an
+//! absent rank and its absences. One instance's ranks can neither complete, fail nor confirm
+//! another instance's requests, and its loss fails only its own.
 //!
 //! Notifications are handled on the transport's progress thread, straight into the tracker (one short
 //! lock per notification, no hop through another thread), so a request's completion is seen as soon as
@@ -45,7 +50,10 @@ pub struct DecodeConfig {
     pub page_tokens: u32,
     /// The pool's layout (all layers).
     pub layout: KvLayout,
-    /// Prefill PP size: a request is complete when this many ranks delivered.
+    /// PP size of the default prefill instance (named `""`, which [`DecodeEngine::expect`] and
+    /// the other methods without an instance use): a request is complete when this many ranks
+    /// delivered. 0 starts the engine without it; instances are added with
+    /// [`DecodeEngine::add_instance`].
     pub pp_size: u16,
     /// The deployment's shared secret: a prefill must prove it holds it before this side sends
     /// anything but a challenge (see `control`'s handshake). `None` means the empty secret, which
@@ -89,6 +97,23 @@ impl DecodeConfig {
     }
 }
 
+/// What [`DecodeEngine::expect_request`] asks of a prefill instance for one request.
+#[derive(Debug, Clone)]
+pub struct Expected {
+    /// The prefill instance whose ranks send it (`""`: the default instance).
+    pub instance: String,
+    /// Tokens before the moved ones that this side already holds (whole pages).
+    pub prefix_tokens: u32,
+    /// Tokens moved (after the prefix).
+    pub prompt_tokens: u32,
+    /// Tokens per prefill chunk.
+    pub chunk_tokens: u32,
+    /// The pool pages the moved tokens fill, in order.
+    pub dst_pages: Vec<u32>,
+    /// Bound on the whole transfer.
+    pub timeout: Duration,
+}
+
 /// Counters of a [`DecodeEngine`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DecodeStats {
@@ -120,6 +145,10 @@ pub struct DecodeStats {
     pub checksum_mismatch: u64,
     /// Requests still tracked.
     pub in_flight: u64,
+    /// Prefill instances the engine serves (added and not yet forgotten).
+    pub instances: u64,
+    /// Prefill ranks connected now, over every instance.
+    pub connected_ranks: u64,
     /// Failed requests whose future waits for ranks to confirm their writes are over.
     pub awaiting_abort_ack: u64,
     /// Failed requests resolved without every rank's confirmation, after `abort_ack_timeout`.
@@ -159,18 +188,87 @@ impl RankConn {
 }
 
 struct ReqInfo {
+    /// The instance whose ranks send it.
+    session: SessionId,
     geometry: ChunkGeometry,
     dst_pages: Arc<Vec<u32>>,
     /// Tokens before the moved ones that this side already holds (told to the ranks).
     prefix_tokens: u32,
 }
 
+/// A prefill instance's key in the engine's state; callers name instances by string.
+type SessionId = u64;
+
+/// The name of the instance [`DecodeEngine::expect`] and the other methods without an instance use.
+const DEFAULT_INSTANCE: &str = "";
+
+/// One prefill instance (one PP pipeline) the engine serves.
+struct Session {
+    name: String,
+    pp_size: u16,
+    ranks: Vec<Option<RankConn>>,
+    /// The incarnation admitted last for each rank.
+    incarnations: Incarnations,
+    /// Ranks whose connection ended with their Close: their writes are over.
+    closed_ranks: std::collections::HashSet<u16>,
+    /// Requests expected while a rank was absent, in `expect` order: their pages are held, no rank
+    /// was asked for them yet.
+    parked: std::collections::VecDeque<Parked>,
+    /// When some rank was not ready, oldest first (the last one open while a rank is away).
+    absences: std::collections::VecDeque<Absence>,
+    /// [`DecodeEngine::remove_instance`] was called: no new requests; the session is forgotten
+    /// once none of its ranks is connected and none of its requests holds pages.
+    leaving: bool,
+}
+
+impl Session {
+    fn new(name: String, pp_size: u16, now: Instant) -> Self {
+        Session {
+            name,
+            pp_size,
+            ranks: (0..pp_size).map(|_| None).collect(),
+            incarnations: Incarnations::new(pp_size),
+            closed_ranks: std::collections::HashSet::new(),
+            parked: std::collections::VecDeque::new(),
+            absences: std::collections::VecDeque::from([Absence {
+                from: now,
+                until: None,
+            }]),
+            leaving: false,
+        }
+    }
+
+    /// The lowest rank that is not connected and ready, if any.
+    fn first_absent(&self) -> Option<u16> {
+        self.ranks
+            .iter()
+            .position(|r| !r.as_ref().is_some_and(RankConn::serving))
+            .map(|r| r as u16)
+    }
+
+    fn rank(&self, rank: u16) -> Option<&RankConn> {
+        self.ranks.get(usize::from(rank)).and_then(Option::as_ref)
+    }
+
+    fn rank_mut(&mut self, rank: u16) -> Option<&mut RankConn> {
+        self.ranks
+            .get_mut(usize::from(rank))
+            .and_then(Option::as_mut)
+    }
+}
+
 struct State {
     tracker: CompletionTracker,
     waiters: HashMap<RequestId, oneshot::Sender<Outcome>>,
     requests: HashMap<RequestId, ReqInfo>,
-    ranks: Vec<Option<RankConn>>,
-    senders: HashMap<Sender, (u16, PeerId)>,
+    sessions: HashMap<SessionId, Session>,
+    /// Instance names to their sessions.
+    names: HashMap<String, SessionId>,
+    next_session: SessionId,
+    /// Which instance sent each recent request (kept past its end: its ranks' payloads can come
+    /// a moment after it completed).
+    owners: super::Recent<SessionId>,
+    senders: HashMap<Sender, (SessionId, u16, PeerId)>,
     next_peer: u64,
     completed_at: super::Stamps,
     /// Failed requests whose pages wait until the ranks named confirm their writes are over; the
@@ -182,17 +280,42 @@ struct State {
     released_waiters: HashMap<RequestId, Vec<oneshot::Sender<()>>>,
     /// `shutdown` began: no new requests.
     closing: bool,
-    /// Ranks whose connection ended with their Close: their writes are over.
-    closed_ranks: std::collections::HashSet<u16>,
     /// Payloads ranks sent beside their pages ([`DecodeEngine::aux`]), oldest dropped first.
     aux: AuxStore,
-    /// The incarnation admitted last for each rank.
-    incarnations: Incarnations,
-    /// Requests expected while a rank was absent, in `expect` order: their pages are held, no rank
-    /// was asked for them yet.
-    parked: std::collections::VecDeque<Parked>,
-    /// When some rank was not ready, oldest first (the last one open while a rank is away).
-    absences: std::collections::VecDeque<Absence>,
+}
+
+impl State {
+    fn session_named(&self, instance: &str) -> Option<SessionId> {
+        self.names.get(instance).copied()
+    }
+
+    /// Whether `request` is a request of `session` (live, failed and held, or recent).
+    fn owned_by(&self, request: RequestId, session: SessionId) -> bool {
+        self.requests
+            .get(&request)
+            .map(|r| r.session)
+            .or_else(|| self.unacked.get(&request).map(|u| u.session))
+            .or_else(|| self.owners.get(request).copied())
+            == Some(session)
+    }
+
+    /// Forgets a leaving session once nothing of it is left.
+    fn forget_if_left(&mut self, session: SessionId) {
+        let Some(s) = self.sessions.get(&session) else {
+            return;
+        };
+        let idle = s.leaving
+            && s.ranks.iter().all(Option::is_none)
+            && s.parked.is_empty()
+            && !self.requests.values().any(|r| r.session == session)
+            && !self.unacked.values().any(|u| u.session == session);
+        if idle {
+            let name = s.name.clone();
+            self.sessions.remove(&session);
+            self.names.remove(&name);
+            tracing::info!(instance = %name, "prefill instance forgotten");
+        }
+    }
 }
 
 /// A time during which at least one PP rank was not connected and ready.
@@ -214,25 +337,22 @@ impl Absence {
 /// How many absences an engine remembers.
 const ABSENCES_KEPT: usize = 1024;
 
-fn absence_begins(st: &mut State, now: Instant) {
-    if st.absences.back().is_some_and(|a| a.until.is_none()) {
+fn absence_begins(s: &mut Session, now: Instant) {
+    if s.absences.back().is_some_and(|a| a.until.is_none()) {
         return;
     }
-    if st.absences.len() == ABSENCES_KEPT {
-        st.absences.pop_front();
+    if s.absences.len() == ABSENCES_KEPT {
+        s.absences.pop_front();
     }
-    st.absences.push_back(Absence {
+    s.absences.push_back(Absence {
         from: now,
         until: None,
     });
 }
 
-fn absence_ends(st: &mut State, now: Instant) {
-    if st
-        .ranks
-        .iter()
-        .all(|r| r.as_ref().is_some_and(RankConn::serving))
-        && let Some(a) = st.absences.back_mut()
+fn absence_ends(s: &mut Session, now: Instant) {
+    if s.first_absent().is_none()
+        && let Some(a) = s.absences.back_mut()
         && a.until.is_none()
     {
         a.until = Some(now);
@@ -290,6 +410,8 @@ impl AuxStore {
 }
 
 struct Unacked {
+    /// The instance whose ranks are named.
+    session: SessionId,
     /// Connected ranks whose confirmation (AbortAck, or their connection ending) the outcome waits for.
     ranks: Vec<u16>,
     /// External ranks, which cannot confirm by themselves: the pages stay quarantined until the
@@ -304,14 +426,15 @@ struct Unacked {
 /// What [`DecodeEngine::shutdown`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShutdownReport {
-    /// Ranks that confirmed (by their Close) that none of their writes into the pool still runs.
-    pub confirmed: Vec<u16>,
+    /// Ranks, as (instance, PP rank), that confirmed (by their Close) that none of their writes
+    /// into the pool still runs.
+    pub confirmed: Vec<(String, u16)>,
     /// Ranks whose connection was gone, or went away, instead: they write nothing more either.
-    pub gone: Vec<u16>,
+    pub gone: Vec<(String, u16)>,
     /// Ranks that did not confirm before the deadline, and external ranks (bound with
     /// [`DecodeEngine::bind_external_rank`]), which cannot: while any is listed, the pool is leaked
     /// rather than freed.
-    pub unconfirmed: Vec<u16>,
+    pub unconfirmed: Vec<(String, u16)>,
     /// Whether the pool will be freed when the last handle to the engine is dropped: every rank
     /// confirmed or is gone, and [`DecodeEngine::backend_info`] never handed the pool out of band.
     pub pool_freed: bool,
@@ -339,7 +462,9 @@ struct Inner {
     state: Mutex<State>,
     counters: Counters,
     timer: Arc<tokio::sync::Notify>,
-    connected: watch::Sender<u16>,
+    /// Bumped whenever a rank connects, becomes ready, is evicted or readmitted, or its connection
+    /// ends: waiters look at the state again.
+    changed: watch::Sender<u64>,
     /// Set once, after the transport exists (its sink needs a Weak to us first).
     transport: std::sync::OnceLock<Arc<dyn Transport>>,
     pool: std::sync::OnceLock<super::pools::Pools>,
@@ -456,33 +581,33 @@ impl DecodeEngine {
             pools.len(),
             pools.iter().map(|p| p.desc().len()).min().unwrap_or(0),
         )?;
+        let mut state = State {
+            tracker: CompletionTracker::new(cfg.tracker.clone()),
+            waiters: HashMap::new(),
+            requests: HashMap::new(),
+            sessions: HashMap::new(),
+            names: HashMap::new(),
+            next_session: 0,
+            owners: super::Recent::default(),
+            senders: HashMap::new(),
+            next_peer: 1,
+            completed_at: super::Stamps::default(),
+            unacked: HashMap::new(),
+            held_pages: HashMap::new(),
+            released_waiters: HashMap::new(),
+            closing: false,
+            aux: AuxStore::default(),
+        };
+        if cfg.pp_size > 0 {
+            add_session(&mut state, DEFAULT_INSTANCE, cfg.pp_size, Instant::now());
+        }
         let inner = Arc::new(Inner {
-            state: Mutex::new(State {
-                tracker: CompletionTracker::new(cfg.tracker.clone()),
-                waiters: HashMap::new(),
-                requests: HashMap::new(),
-                ranks: (0..cfg.pp_size).map(|_| None).collect(),
-                senders: HashMap::new(),
-                next_peer: 1,
-                completed_at: super::Stamps::default(),
-                unacked: HashMap::new(),
-                held_pages: HashMap::new(),
-                released_waiters: HashMap::new(),
-                closing: false,
-                closed_ranks: std::collections::HashSet::new(),
-                aux: AuxStore::default(),
-                incarnations: Incarnations::new(cfg.pp_size),
-                parked: std::collections::VecDeque::new(),
-                absences: std::collections::VecDeque::from([Absence {
-                    from: Instant::now(),
-                    until: None,
-                }]),
-            }),
+            state: Mutex::new(state),
             secret: crate::control::Secret::from_config(cfg.token.as_deref()),
             cfg,
             counters: Counters::default(),
             timer: Arc::new(tokio::sync::Notify::new()),
-            connected: watch::channel(0).0,
+            changed: watch::channel(0).0,
             transport: std::sync::OnceLock::new(),
             pool: std::sync::OnceLock::new(),
             exported_out_of_band: AtomicBool::new(false),
@@ -532,7 +657,8 @@ impl DecodeEngine {
         self.local_addr
     }
 
-    /// Waits until every PP rank is connected, or `timeout` passes.
+    /// Waits until every PP rank of the default instance is connected and ready, or `timeout`
+    /// passes.
     ///
     /// # Errors
     /// [`EngineError::Timeout`].
@@ -540,13 +666,140 @@ impl DecodeEngine {
     /// # Cancel safety
     /// Cancel-safe: it only watches.
     pub async fn wait_for_ranks(&self, timeout: Duration) -> Result<(), EngineError> {
-        let want = self.inner.cfg.pp_size;
-        let mut rx = self.inner.connected.subscribe();
-        tokio::time::timeout(timeout, rx.wait_for(|&n| n >= want))
-            .await
-            .map_err(|_| EngineError::Timeout(format!("{want} prefill ranks did not connect")))?
-            .map_err(|_| EngineError::Shutdown)?;
+        self.wait_for_instance(DEFAULT_INSTANCE, timeout).await
+    }
+
+    /// Waits until every PP rank of `instance` is connected and ready, or `timeout` passes.
+    ///
+    /// # Errors
+    /// [`EngineError::Timeout`]; [`EngineError::Config`] for an instance never added.
+    ///
+    /// # Cancel safety
+    /// Cancel-safe: it only watches.
+    pub async fn wait_for_instance(
+        &self,
+        instance: &str,
+        timeout: Duration,
+    ) -> Result<(), EngineError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut changes = self.inner.changed.subscribe();
+        loop {
+            {
+                let st = self.inner.lock();
+                let id = st
+                    .session_named(instance)
+                    .ok_or_else(|| unknown_instance(instance))?;
+                if st
+                    .sessions
+                    .get(&id)
+                    .is_some_and(|s| s.first_absent().is_none())
+                {
+                    return Ok(());
+                }
+            }
+            match tokio::time::timeout_at(deadline, changes.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => return Err(EngineError::Shutdown),
+                Err(_) => {
+                    return Err(EngineError::Timeout(format!(
+                        "the prefill ranks of instance {instance:?} did not all connect"
+                    )));
+                }
+            }
+        }
+    }
+
+    /// Adds prefill instance `instance`, a pipeline of `pp_size` ranks: its ranks may connect
+    /// (their Hello names the instance) and requests may be expected from it
+    /// ([`expect_request`](Self::expect_request)). Adding an instance again with the same PP size
+    /// is a no-op (and takes back a [`remove_instance`](Self::remove_instance) whose ranks are
+    /// still there).
+    ///
+    /// # Errors
+    /// [`EngineError::Config`] for a PP size of 0 or another PP size than the instance has;
+    /// [`EngineError::Shutdown`] once [`shutdown`](Self::shutdown) began.
+    pub fn add_instance(&self, instance: &str, pp_size: u16) -> Result<(), EngineError> {
+        if pp_size == 0 {
+            return Err(EngineError::Config(
+                "an instance needs at least one PP rank".into(),
+            ));
+        }
+        let mut st = self.inner.lock();
+        if st.closing {
+            return Err(EngineError::Shutdown);
+        }
+        match st.session_named(instance) {
+            Some(id) => {
+                let s = st.sessions.get_mut(&id).ok_or(EngineError::Shutdown)?;
+                if s.pp_size != pp_size {
+                    return Err(EngineError::Config(format!(
+                        "prefill instance {instance:?} has PP size {}, not {pp_size}",
+                        s.pp_size
+                    )));
+                }
+                s.leaving = false;
+            }
+            None => {
+                add_session(&mut st, instance, pp_size, Instant::now());
+                tracing::info!(instance, pp_size, "prefill instance added");
+            }
+        }
         Ok(())
+    }
+
+    /// Stops serving prefill instance `instance` (it left the deployment): its live and waiting
+    /// requests fail (`Aborted`; its ranks are told), no new request may be expected from it, and
+    /// its ranks are sent Close. Its state is forgotten once none of its ranks is connected and
+    /// none of its failed requests still holds pages (their ranks confirm, or their connections
+    /// end). Other instances are not touched. Returns whether the instance was served.
+    pub fn remove_instance(&self, instance: &str) -> bool {
+        let mut st = self.inner.lock();
+        let Some(id) = st.session_named(instance) else {
+            return false;
+        };
+        let parked = match st.sessions.get_mut(&id) {
+            Some(s) => {
+                s.leaving = true;
+                std::mem::take(&mut s.parked)
+            }
+            None => return false,
+        };
+        for p in parked {
+            self.inner
+                .fail_unlaunched(&mut st, p.request, FailureReason::Aborted);
+        }
+        let live: Vec<RequestId> = st
+            .requests
+            .iter()
+            .filter(|(_, r)| r.session == id)
+            .map(|(r, _)| *r)
+            .collect();
+        for request in live {
+            let _ = st.tracker.abort(request);
+        }
+        self.inner.drain(&mut st);
+        if let Some(s) = st.sessions.get(&id) {
+            for r in s.ranks.iter().flatten() {
+                let _ = r.writer.send(Msg::Close);
+            }
+        }
+        st.forget_if_left(id);
+        drop(st);
+        self.inner.timer.notify_one();
+        true
+    }
+
+    /// The prefill instances the engine serves, with their PP sizes.
+    pub fn instances(&self) -> Vec<(String, u16)> {
+        let st = self.inner.lock();
+        let mut out: Vec<(String, u16)> = st
+            .sessions
+            .values()
+            .filter(|s| !s.leaving)
+            .map(|s| (s.name.clone(), s.pp_size))
+            .collect();
+        out.sort();
+        out
     }
 
     /// Asks every prefill rank for `request`'s KV, to be written into `dst_pages` of the pool (one
@@ -601,6 +854,39 @@ impl DecodeEngine {
         dst_pages: Vec<u32>,
         timeout: Duration,
     ) -> Result<impl std::future::Future<Output = Outcome> + Send + 'static, EngineError> {
+        self.expect_request(
+            request,
+            Expected {
+                instance: DEFAULT_INSTANCE.into(),
+                prefix_tokens,
+                prompt_tokens,
+                chunk_tokens,
+                dst_pages,
+                timeout,
+            },
+        )
+    }
+
+    /// [`expect`](Self::expect) from the ranks of prefill instance `want.instance` (added with
+    /// [`add_instance`](Self::add_instance)), after `want.prefix_tokens` this side holds: only
+    /// that instance's ranks are asked, and only their notifications count for the request.
+    ///
+    /// # Errors
+    /// As [`expect_after_prefix`](Self::expect_after_prefix); [`EngineError::Config`] for an
+    /// instance never added or being removed.
+    pub fn expect_request(
+        &self,
+        request: RequestId,
+        want: Expected,
+    ) -> Result<impl std::future::Future<Output = Outcome> + Send + 'static, EngineError> {
+        let Expected {
+            instance,
+            prefix_tokens,
+            prompt_tokens,
+            chunk_tokens,
+            dst_pages,
+            timeout,
+        } = want;
         let cfg = &self.inner.cfg;
         let geometry = ChunkGeometry::after_prefix(
             u64::from(prompt_tokens),
@@ -634,6 +920,10 @@ impl DecodeEngine {
             if st.closing {
                 return Err(EngineError::Shutdown);
             }
+            let session = st
+                .session_named(&instance)
+                .filter(|id| st.sessions.get(id).is_some_and(|s| !s.leaving))
+                .ok_or_else(|| unknown_instance(&instance))?;
             // A failed request's id stays taken while its pages are held (its outcome may still be
             // on its way), whatever the tracker has forgotten.
             if st.unacked.contains_key(&request) || st.waiters.contains_key(&request) {
@@ -652,20 +942,22 @@ impl DecodeEngine {
             for &p in &dst_pages {
                 st.held_pages.insert(p, request);
             }
+            st.owners.record(request, session);
             st.requests.insert(
                 request,
                 ReqInfo {
+                    session,
                     geometry,
                     dst_pages: Arc::new(dst_pages),
                     prefix_tokens,
                 },
             );
             st.waiters.insert(request, tx);
-            if st
-                .ranks
-                .iter()
-                .all(|r| r.as_ref().is_some_and(RankConn::serving))
-            {
+            let serving = st
+                .sessions
+                .get(&session)
+                .is_some_and(|s| s.first_absent().is_none());
+            if serving {
                 let launched =
                     self.inner
                         .launch(&mut st, request, prompt_tokens, chunk_tokens, now, deadline);
@@ -678,13 +970,16 @@ impl DecodeEngine {
                 }
             } else {
                 // A rank is away (dead, restarting): the request waits for it, pages held.
-                st.parked.push_back(Parked {
-                    request,
-                    prompt_tokens,
-                    chunk_tokens,
-                    deadline,
-                    wait_until: now + self.inner.cfg.rank_wait.min(timeout),
-                });
+                let wait_until = now + self.inner.cfg.rank_wait.min(timeout);
+                if let Some(s) = st.sessions.get_mut(&session) {
+                    s.parked.push_back(Parked {
+                        request,
+                        prompt_tokens,
+                        chunk_tokens,
+                        deadline,
+                        wait_until,
+                    });
+                }
             }
             self.inner.drain(&mut st);
         }
@@ -695,9 +990,15 @@ impl DecodeEngine {
     /// Aborts `request`: it fails with `Aborted` (if it had not ended) and every prefill rank is told.
     pub fn abort(&self, request: RequestId) {
         let mut st = self.inner.lock();
-        if let Some(at) = st.parked.iter().position(|p| p.request == request) {
+        let session = st.requests.get(&request).map(|r| r.session);
+        let parked = session
+            .and_then(|id| st.sessions.get_mut(&id))
+            .and_then(|s| {
+                let at = s.parked.iter().position(|p| p.request == request)?;
+                s.parked.remove(at)
+            });
+        if parked.is_some() {
             // No rank was asked for it: nobody to tell, nothing can have been written.
-            st.parked.remove(at);
             self.inner
                 .fail_unlaunched(&mut st, request, FailureReason::Aborted);
             return;
@@ -726,7 +1027,9 @@ impl DecodeEngine {
     /// may still write lets a new request's pages receive its late bytes.
     pub fn confirm_stopped(&self, rank: u16, request: RequestId) {
         let mut st = self.inner.lock();
-        self.inner.acked(&mut st, request, rank);
+        if let Some(session) = st.unacked.get(&request).map(|u| u.session) {
+            self.inner.acked(&mut st, session, request, rank);
+        }
     }
 
     /// Resolves once no page of `request` is held any more: the request completed, or failed and
@@ -771,12 +1074,19 @@ impl DecodeEngine {
     /// Cancel-safe in effect: dropping the future leaves the engine closing and its pool leaked.
     pub async fn shutdown(self, timeout: Duration) -> ShutdownReport {
         let deadline = tokio::time::Instant::now() + timeout;
-        let mut pending = Vec::new();
+        // (session, its name, rank) of every rank asked to close.
+        let mut pending: Vec<(SessionId, String, u16)> = Vec::new();
         let mut unconfirmed = Vec::new();
+        let mut changes = self.inner.changed.subscribe();
         {
             let mut st = self.inner.lock();
             st.closing = true;
-            while let Some(p) = st.parked.pop_front() {
+            let parked: Vec<Parked> = st
+                .sessions
+                .values_mut()
+                .flat_map(|s| std::mem::take(&mut s.parked))
+                .collect();
+            for p in parked {
                 self.inner
                     .fail_unlaunched(&mut st, p.request, FailureReason::Aborted);
             }
@@ -785,24 +1095,26 @@ impl DecodeEngine {
                 let _ = st.tracker.abort(request);
             }
             self.inner.drain(&mut st);
-            for (rank, r) in st.ranks.iter().enumerate() {
-                if let Some(r) = r {
-                    // An external rank's channel has no reader: it cannot confirm anything.
-                    if r.writer.send(Msg::Close).is_ok() {
-                        pending.push(rank as u16);
-                    } else {
-                        unconfirmed.push(rank as u16);
+            for (&id, s) in &st.sessions {
+                for (rank, r) in s.ranks.iter().enumerate() {
+                    if let Some(r) = r {
+                        // An external rank's channel has no reader: it cannot confirm anything.
+                        if r.writer.send(Msg::Close).is_ok() {
+                            pending.push((id, s.name.clone(), rank as u16));
+                        } else {
+                            unconfirmed.push((s.name.clone(), rank as u16));
+                        }
                     }
                 }
             }
         }
-        let mut changes = self.inner.connected.subscribe();
+        let still_there = |st: &State, id: SessionId, rank: u16| {
+            st.sessions.get(&id).and_then(|s| s.rank(rank)).is_some()
+        };
         loop {
             let waiting = {
                 let st = self.inner.lock();
-                pending
-                    .iter()
-                    .any(|&r| st.ranks.get(usize::from(r)).is_some_and(Option::is_some))
+                pending.iter().any(|(id, _, r)| still_there(&st, *id, *r))
             };
             if !waiting {
                 break;
@@ -815,13 +1127,17 @@ impl DecodeEngine {
         let (mut confirmed, mut gone) = (Vec::new(), Vec::new());
         {
             let st = self.inner.lock();
-            for r in pending {
-                if st.ranks.get(usize::from(r)).is_some_and(Option::is_some) {
-                    unconfirmed.push(r);
-                } else if st.closed_ranks.contains(&r) {
-                    confirmed.push(r);
+            for (id, name, r) in pending {
+                if still_there(&st, id, r) {
+                    unconfirmed.push((name, r));
+                } else if st
+                    .sessions
+                    .get(&id)
+                    .is_some_and(|s| s.closed_ranks.contains(&r))
+                {
+                    confirmed.push((name, r));
                 } else {
-                    gone.push(r);
+                    gone.push((name, r));
                 }
             }
         }
@@ -846,11 +1162,23 @@ impl DecodeEngine {
     /// Counters.
     pub fn stats(&self) -> DecodeStats {
         let c = &self.inner.counters;
-        let (in_flight, awaiting_abort_ack, quarantined) = {
+        let (in_flight, awaiting_abort_ack, quarantined, instances, connected_ranks) = {
             let st = self.inner.lock();
             let held = st.unacked.values().filter(|u| u.outcome.is_some()).count() as u64;
             let quarantined = st.unacked.len() as u64 - held;
-            (st.tracker.in_flight() as u64, held, quarantined)
+            let instances = st.sessions.values().filter(|s| !s.leaving).count() as u64;
+            let connected = st
+                .sessions
+                .values()
+                .map(|s| s.ranks.iter().flatten().count() as u64)
+                .sum();
+            (
+                st.tracker.in_flight() as u64,
+                held,
+                quarantined,
+                instances,
+                connected,
+            )
         };
         DecodeStats {
             completed: c.completed.load(Ordering::Relaxed),
@@ -867,6 +1195,8 @@ impl DecodeEngine {
             refused: c.refused.load(Ordering::Relaxed),
             checksum_mismatch: c.checksum_mismatch.load(Ordering::Relaxed),
             in_flight,
+            instances,
+            connected_ranks,
             awaiting_abort_ack,
             abort_ack_timeouts: c.abort_ack_timeouts.load(Ordering::Relaxed),
             quarantined,
@@ -889,26 +1219,32 @@ impl DecodeEngine {
     /// failed requests' pages stay quarantined until it confirms (its AbortAck) or its connection
     /// ends. Returns whether the rank was evicted now.
     pub fn evict(&self, rank: u16, incarnation: u64) -> bool {
+        self.evict_in(DEFAULT_INSTANCE, rank, incarnation)
+    }
+
+    /// [`evict`](Self::evict) for a rank of prefill instance `instance`.
+    pub fn evict_in(&self, instance: &str, rank: u16, incarnation: u64) -> bool {
         let mut st = self.inner.lock();
-        let Some(r) = st.ranks.get_mut(usize::from(rank)).and_then(Option::as_mut) else {
+        let Some(id) = st.session_named(instance) else {
+            return false;
+        };
+        let Some(s) = st.sessions.get_mut(&id) else {
+            return false;
+        };
+        let Some(r) = s.rank_mut(rank) else {
             return false;
         };
         if r.incarnation != incarnation || r.evicted || r.external {
             return false;
         }
-        let was_serving = r.serving();
         r.evicted = true;
         let peer = r.peer;
         let now = Instant::now();
-        absence_begins(&mut st, now);
+        absence_begins(s, now);
         st.tracker.handle_peer_lost(now, peer);
         self.inner.drain(&mut st);
         drop(st);
-        if was_serving {
-            self.inner
-                .connected
-                .send_modify(|n| *n = n.saturating_sub(1));
-        }
+        self.inner.changed.send_modify(|n| *n += 1);
         self.inner.timer.notify_one();
         true
     }
@@ -916,31 +1252,49 @@ impl DecodeEngine {
     /// Undoes [`evict`](Self::evict) for the same start of `rank` (it registered again: it was
     /// stopped, not dead, or etcd lost its record). Returns whether it was readmitted now.
     pub fn readmit(&self, rank: u16, incarnation: u64) -> bool {
+        self.readmit_in(DEFAULT_INSTANCE, rank, incarnation)
+    }
+
+    /// [`readmit`](Self::readmit) for a rank of prefill instance `instance`.
+    pub fn readmit_in(&self, instance: &str, rank: u16, incarnation: u64) -> bool {
         let mut st = self.inner.lock();
-        let Some(r) = st.ranks.get_mut(usize::from(rank)).and_then(Option::as_mut) else {
+        let Some(id) = st.session_named(instance) else {
+            return false;
+        };
+        let Some(s) = st.sessions.get_mut(&id) else {
+            return false;
+        };
+        let Some(r) = s.rank_mut(rank) else {
             return false;
         };
         if r.incarnation != incarnation || !r.evicted {
             return false;
         }
         r.evicted = false;
-        let serving = r.serving();
         let now = Instant::now();
-        absence_ends(&mut st, now);
+        absence_ends(s, now);
         self.inner.unpark(&mut st, now);
         drop(st);
-        if serving {
-            self.inner.connected.send_modify(|n| *n += 1);
-        }
+        self.inner.changed.send_modify(|n| *n += 1);
         self.inner.timer.notify_one();
         true
     }
 
-    /// The times at least one PP rank was not connected and ready, oldest first (the last
-    /// 1024; the first from the engine's start until every rank was there). A server or benchmark
-    /// can tell failures a rank's absence explains from others with [`Absence::overlaps`].
+    /// The times at least one PP rank of the default instance was not connected and ready,
+    /// oldest first (the last 1024; the first from the engine's start until every rank was
+    /// there). A server or benchmark can tell failures a rank's absence explains from others
+    /// with [`Absence::overlaps`].
     pub fn absences(&self) -> Vec<Absence> {
-        self.inner.lock().absences.iter().copied().collect()
+        self.absences_of(DEFAULT_INSTANCE)
+    }
+
+    /// [`absences`](Self::absences) of prefill instance `instance` (none for an unknown one).
+    pub fn absences_of(&self, instance: &str) -> Vec<Absence> {
+        let st = self.inner.lock();
+        st.session_named(instance)
+            .and_then(|id| st.sessions.get(&id))
+            .map(|s| s.absences.iter().copied().collect())
+            .unwrap_or_default()
     }
 
     /// When the tracker saw `request` complete (on the transport's progress thread, as the last
@@ -1031,18 +1385,21 @@ impl DecodeEngine {
         if st.closing {
             return Err(EngineError::Shutdown);
         }
-        if let Some(&(bound, _)) = st.senders.get(&sender) {
+        if let Some(&(_, bound, _)) = st.senders.get(&sender) {
             return Err(EngineError::SenderTaken {
                 sender,
                 rank: bound,
             });
         }
-        match st.ranks.get(usize::from(rank)) {
-            Some(None) => {}
-            Some(Some(_)) => {
+        let id = st
+            .session_named(DEFAULT_INSTANCE)
+            .ok_or_else(|| unknown_instance(DEFAULT_INSTANCE))?;
+        match st.sessions.get(&id).map(|s| s.ranks.get(usize::from(rank))) {
+            Some(Some(None)) => {}
+            Some(Some(Some(_))) => {
                 return Err(EngineError::Config(format!("rank {rank} is already bound")));
             }
-            None => {
+            _ => {
                 return Err(EngineError::Config(format!(
                     "rank {rank} is not below pp_size"
                 )));
@@ -1050,22 +1407,25 @@ impl DecodeEngine {
         }
         let peer = PeerId(st.next_peer);
         st.next_peer += 1;
-        st.senders.insert(sender, (rank, peer));
+        st.senders.insert(sender, (id, rank, peer));
         // Nobody reads this channel: an external rank learns its pages out of band.
         let (tx, _rx) = mpsc::unbounded_channel();
-        st.ranks[usize::from(rank)] = Some(RankConn {
-            peer,
-            writer: tx,
-            planner,
-            external: true,
-            ready: true,
-            incarnation: 0,
-            evicted: false,
-        });
-        absence_ends(&mut st, Instant::now());
-        self.inner.unpark(&mut st, Instant::now());
+        let now = Instant::now();
+        if let Some(s) = st.sessions.get_mut(&id) {
+            s.ranks[usize::from(rank)] = Some(RankConn {
+                peer,
+                writer: tx,
+                planner,
+                external: true,
+                ready: true,
+                incarnation: 0,
+                evicted: false,
+            });
+            absence_ends(s, now);
+        }
+        self.inner.unpark(&mut st, now);
         drop(st);
-        self.inner.connected.send_modify(|n| *n += 1);
+        self.inner.changed.send_modify(|n| *n += 1);
         self.inner.timer.notify_one();
         Ok(())
     }
@@ -1089,19 +1449,24 @@ impl Inner {
         now: Instant,
         deadline: Instant,
     ) -> Result<(), EngineError> {
-        let peers = st
+        let (session, dst_pages, prefix_tokens) = st
+            .requests
+            .get(&request)
+            .map(|r| (r.session, r.dst_pages.clone(), r.prefix_tokens))
+            .ok_or_else(|| EngineError::Tracker(format!("request {} is not held", request.0)))?;
+        let s = st
+            .sessions
+            .get(&session)
+            .ok_or_else(|| EngineError::Config("the request's prefill instance is gone".into()))?;
+        let pp_size = s.pp_size;
+        let peers = s
             .ranks
             .iter()
             .map(|r| r.as_ref().filter(|r| r.serving()).map(|r| r.peer))
             .collect::<Option<Vec<PeerId>>>()
             .ok_or_else(|| EngineError::Config("a prefill rank is not connected".into()))?;
-        let (dst_pages, prefix_tokens) = st
-            .requests
-            .get(&request)
-            .map(|r| (r.dst_pages.clone(), r.prefix_tokens))
-            .ok_or_else(|| EngineError::Tracker(format!("request {} is not held", request.0)))?;
         st.tracker
-            .expect(now, request, self.cfg.pp_size, &peers, deadline)
+            .expect(now, request, pp_size, &peers, deadline)
             .map_err(|e| EngineError::Tracker(e.to_string()))?;
         let left = deadline.saturating_duration_since(now);
         let msg = Msg::TransferRequest(TransferRequest {
@@ -1112,8 +1477,10 @@ impl Inner {
             prefix_tokens,
             deadline_ms: left.as_millis().min(u128::from(u32::MAX)) as u32,
         });
-        for r in st.ranks.iter().flatten() {
-            let _ = r.writer.send(msg.clone());
+        if let Some(s) = st.sessions.get(&session) {
+            for r in s.ranks.iter().flatten() {
+                let _ = r.writer.send(msg.clone());
+            }
         }
         Ok(())
     }
@@ -1135,46 +1502,61 @@ impl Inner {
         }
     }
 
-    /// Launches the parked requests once every rank is connected; otherwise fails those whose
-    /// wait is over. Returns the next wait to end.
+    /// Launches each instance's parked requests once every rank of it is connected; otherwise
+    /// fails those whose wait is over. Returns the next wait to end.
     fn unpark(&self, st: &mut State, now: Instant) -> Option<Instant> {
-        if st.parked.is_empty() {
-            return None;
-        }
-        match st
-            .ranks
+        let waiting: Vec<SessionId> = st
+            .sessions
             .iter()
-            .position(|r| !r.as_ref().is_some_and(RankConn::serving))
-        {
-            None => {
-                while let Some(p) = st.parked.pop_front() {
-                    let launched = self.launch(
-                        st,
-                        p.request,
-                        p.prompt_tokens,
-                        p.chunk_tokens,
-                        now,
-                        p.deadline,
-                    );
-                    if let Err(e) = launched {
-                        tracing::warn!(request = p.request.0, error = %e, "parked request not launched");
-                        self.fail_unlaunched(st, p.request, FailureReason::Aborted);
+            .filter(|(_, s)| !s.parked.is_empty())
+            .map(|(id, _)| *id)
+            .collect();
+        let mut next: Option<Instant> = None;
+        let mut launched = false;
+        for id in waiting {
+            let Some(s) = st.sessions.get_mut(&id) else {
+                continue;
+            };
+            match s.first_absent() {
+                None => {
+                    let parked = std::mem::take(&mut s.parked);
+                    launched = true;
+                    for p in parked {
+                        let result = self.launch(
+                            st,
+                            p.request,
+                            p.prompt_tokens,
+                            p.chunk_tokens,
+                            now,
+                            p.deadline,
+                        );
+                        if let Err(e) = result {
+                            tracing::warn!(request = p.request.0, error = %e, "parked request not launched");
+                            self.fail_unlaunched(st, p.request, FailureReason::Aborted);
+                        }
                     }
                 }
-                self.drain(st);
-                None
-            }
-            Some(rank) => {
-                let rank = rank as u16;
-                let (due, keep): (Vec<Parked>, Vec<Parked>) =
-                    st.parked.drain(..).partition(|p| p.wait_until <= now);
-                st.parked = keep.into();
-                for p in due {
-                    self.fail_unlaunched(st, p.request, FailureReason::RankUnavailable { rank });
+                Some(rank) => {
+                    let (due, keep): (Vec<Parked>, Vec<Parked>) =
+                        s.parked.drain(..).partition(|p| p.wait_until <= now);
+                    s.parked = keep.into();
+                    if let Some(t) = s.parked.iter().map(|p| p.wait_until).min() {
+                        next = Some(next.map_or(t, |n| n.min(t)));
+                    }
+                    for p in due {
+                        self.fail_unlaunched(
+                            st,
+                            p.request,
+                            FailureReason::RankUnavailable { rank },
+                        );
+                    }
                 }
-                st.parked.iter().map(|p| p.wait_until).min()
             }
         }
+        if launched {
+            self.drain(st);
+        }
+        next
     }
 
     /// Hands every terminal event to its waiter, and tells every rank about each failure.
@@ -1212,7 +1594,12 @@ impl Inner {
                     // them still runs: connected ranks answer the Abort; external ranks cannot, so
                     // their pages stay quarantined until the server confirms for them.
                     let (mut ranks, mut external) = (Vec::new(), Vec::new());
-                    for (rank, r) in st.ranks.iter().enumerate() {
+                    let session = st.requests.get(&request).map(|r| r.session);
+                    let conns = session
+                        .and_then(|id| st.sessions.get(&id))
+                        .map(|s| s.ranks.as_slice())
+                        .unwrap_or_default();
+                    for (rank, r) in conns.iter().enumerate() {
                         match r {
                             Some(r) if r.external => external.push(rank as u16),
                             // An evicted rank (lease ended: stopped or dead) is told, but the
@@ -1228,7 +1615,9 @@ impl Inner {
                         }
                     }
                     let outcome = Outcome::Failed(reason);
-                    if !ranks.is_empty() || !external.is_empty() {
+                    if let (Some(session), false) =
+                        (session, ranks.is_empty() && external.is_empty())
+                    {
                         let deadline = Instant::now() + self.cfg.abort_ack_timeout;
                         let pages = st
                             .requests
@@ -1247,6 +1636,7 @@ impl Inner {
                         st.unacked.insert(
                             request,
                             Unacked {
+                                session,
                                 ranks,
                                 external,
                                 outcome: held,
@@ -1295,13 +1685,19 @@ impl Inner {
         };
         let now = Instant::now();
         let mut st = self.lock();
-        let Some(&(rank, peer)) = st.senders.get(&sender) else {
+        let Some(&(session, rank, peer)) = st.senders.get(&sender) else {
             self.counters.unknown_sender.fetch_add(1, Ordering::Relaxed);
             return;
         };
+        // Only a request of the sender's own instance is hashed (and failed on a mismatch); any
+        // other goes to the tracker, which refuses a peer the request is not bound to.
         if let (Some(sum), true) = (n.checksum, self.cfg.verify_checksums)
             && rank == n.pp_rank
-            && !self.checksum_matches(&st, rank, &n, sum)
+            && st
+                .requests
+                .get(&n.request)
+                .is_some_and(|r| r.session == session)
+            && !self.checksum_matches(&st, session, rank, &n, sum)
         {
             {
                 self.counters
@@ -1327,13 +1723,14 @@ impl Inner {
     fn checksum_matches(
         &self,
         st: &State,
+        session: SessionId,
         rank: u16,
         n: &crate::core::notify::ChunkNotification,
         sum: u64,
     ) -> bool {
-        let (Some(info), Some(Some(conn)), Some(pool)) = (
+        let (Some(info), Some(conn), Some(pool)) = (
             st.requests.get(&n.request),
-            st.ranks.get(usize::from(rank)),
+            st.sessions.get(&session).and_then(|s| s.rank(rank)),
             self.pool
                 .get()
                 .filter(|p| p.desc().is_some_and(|d| d.kind() == MemKind::Host)),
@@ -1371,8 +1768,12 @@ impl Inner {
 
     /// `rank`'s writes for `request` are over (it acknowledged the Abort, it is gone, or the server
     /// confirmed for it).
-    fn acked(&self, st: &mut State, request: RequestId, rank: u16) {
-        let Some(u) = st.unacked.get_mut(&request) else {
+    fn acked(&self, st: &mut State, session: SessionId, request: RequestId, rank: u16) {
+        let Some(u) = st
+            .unacked
+            .get_mut(&request)
+            .filter(|u| u.session == session)
+        else {
             return;
         };
         u.ranks.retain(|&r| r != rank);
@@ -1385,6 +1786,7 @@ impl Inner {
         }
         if u.ranks.is_empty() && u.external.is_empty() {
             self.settle(st, request);
+            st.forget_if_left(session);
         }
     }
 
@@ -1435,11 +1837,14 @@ impl Inner {
         next
     }
 
-    /// `rank` (its connection `peer`) formed its vote mesh: requests may go to it, and those that
-    /// waited for it go out if it was the last rank missing.
-    fn on_ready(&self, rank: u16, peer: PeerId) {
+    /// `rank` of `session` (its connection `peer`) formed its vote mesh: requests may go to it,
+    /// and those that waited for it go out if it was the last rank missing.
+    fn on_ready(&self, session: SessionId, rank: u16, peer: PeerId) {
         let mut st = self.lock();
-        let Some(r) = st.ranks.get_mut(usize::from(rank)).and_then(Option::as_mut) else {
+        let Some(s) = st.sessions.get_mut(&session) else {
+            return;
+        };
+        let Some(r) = s.rank_mut(rank) else {
             return;
         };
         if r.peer != peer || r.ready {
@@ -1450,43 +1855,43 @@ impl Inner {
             return;
         }
         let now = Instant::now();
-        absence_ends(&mut st, now);
+        absence_ends(s, now);
         self.unpark(&mut st, now);
         drop(st);
-        self.connected.send_modify(|n| *n += 1);
+        self.changed.send_modify(|n| *n += 1);
         self.timer.notify_one();
     }
 
-    /// `rank`'s connection ended: with its Close (`closed`, its writes are over) or without.
-    fn peer_lost(&self, rank: u16, peer: PeerId, sender: &Sender, closed: bool) {
+    /// `rank` of `session`'s connection ended: with its Close (`closed`, its writes are over) or
+    /// without.
+    fn peer_lost(
+        &self,
+        session: SessionId,
+        rank: u16,
+        peer: PeerId,
+        sender: &Sender,
+        closed: bool,
+    ) {
         let mut st = self.lock();
-        if closed {
-            st.closed_ranks.insert(rank);
-        }
-        if st
-            .ranks
-            .get(usize::from(rank))
-            .and_then(|r| r.as_ref())
-            .is_some_and(|r| r.peer == peer)
-        {
-            let was_ready = st.ranks[usize::from(rank)]
-                .as_ref()
-                .is_some_and(RankConn::serving);
-            st.ranks[usize::from(rank)] = None;
-            st.senders.remove(sender);
-            absence_begins(&mut st, Instant::now());
-            // Always a change: `shutdown` waits on it for every rank's slot to clear.
-            self.connected.send_modify(|n| {
-                if was_ready {
-                    *n = n.saturating_sub(1);
-                }
-            });
+        let mut name = String::new();
+        if let Some(s) = st.sessions.get_mut(&session) {
+            name.clone_from(&s.name);
+            if closed {
+                s.closed_ranks.insert(rank);
+            }
+            if s.rank(rank).is_some_and(|r| r.peer == peer) {
+                s.ranks[usize::from(rank)] = None;
+                absence_begins(s, Instant::now());
+                st.senders.remove(sender);
+                // Always a change: `shutdown` waits on it for every rank's slot to clear.
+                self.changed.send_modify(|n| *n += 1);
+            }
         }
         let failed = st.tracker.handle_peer_lost(Instant::now(), peer);
-        if closed && st.closing {
-            tracing::info!(rank, "prefill rank closed");
+        if closed && (st.closing || st.sessions.get(&session).is_some_and(|s| s.leaving)) {
+            tracing::info!(rank, instance = %name, "prefill rank closed");
         } else {
-            tracing::warn!(rank, failed, "prefill rank lost");
+            tracing::warn!(rank, instance = %name, failed, "prefill rank lost");
         }
         self.drain(&mut st);
         // A rank that is gone writes nothing more (its process or its connection ended); that
@@ -1494,13 +1899,32 @@ impl Inner {
         let waiting: Vec<RequestId> = st
             .unacked
             .iter()
-            .filter(|(_, u)| u.ranks.contains(&rank) || u.external.contains(&rank))
+            .filter(|(_, u)| {
+                u.session == session && (u.ranks.contains(&rank) || u.external.contains(&rank))
+            })
             .map(|(r, _)| *r)
             .collect();
         for request in waiting {
-            self.acked(&mut st, request, rank);
+            self.acked(&mut st, session, request, rank);
         }
+        st.forget_if_left(session);
     }
+}
+
+/// Adds a session for `instance` (which has none).
+fn add_session(st: &mut State, instance: &str, pp_size: u16, now: Instant) -> SessionId {
+    let id = st.next_session;
+    st.next_session = st.next_session.wrapping_add(1);
+    st.sessions
+        .insert(id, Session::new(instance.to_owned(), pp_size, now));
+    st.names.insert(instance.to_owned(), id);
+    id
+}
+
+fn unknown_instance(instance: &str) -> EngineError {
+    EngineError::Config(format!(
+        "prefill instance {instance:?} is not served by this engine (add_instance)"
+    ))
 }
 
 /// `reason`'s slot in `Counters::failed_by` (the order of `DecodeStats`'s `failed_*` fields).
@@ -1556,7 +1980,9 @@ fn local_hello(inner: &Inner) -> Result<Hello, EngineError> {
             regions: pool.remotes().iter().map(wire_regions).collect(),
         },
     )
-    .with_pp(0, cfg.pp_size);
+    // A decode has no PP rank of its own; the size is the default instance's (at least 1, which
+    // a Hello must carry).
+    .with_pp(0, cfg.pp_size.max(1));
     Ok(hello)
 }
 
@@ -1571,7 +1997,6 @@ async fn serve_rank(inner: Weak<Inner>, mut conn: Connection) {
             }
         }
     };
-    let pp_size = hello.pp_size;
     let mut bound = None;
     let taken = |remote: &Hello| -> Result<(), RejectReason> {
         let Some(i) = inner.upgrade() else {
@@ -1581,12 +2006,6 @@ async fn serve_rank(inner: Weak<Inner>, mut conn: Connection) {
             return Err(RejectReason::RoleMismatch(
                 "decode accepts only prefill ranks".into(),
             ));
-        }
-        if remote.pp_size != pp_size {
-            return Err(RejectReason::PpMismatch(format!(
-                "decode expects pp_size {pp_size}, peer says {}",
-                remote.pp_size
-            )));
         }
         let planner = layout_from_info(&remote.layout)
             .and_then(|src| {
@@ -1606,17 +2025,30 @@ async fn serve_rank(inner: Weak<Inner>, mut conn: Connection) {
         if st.closing {
             return Err(RejectReason::Refused("decode is shutting down".into()));
         }
-        let busy = st
-            .ranks
-            .get(usize::from(remote.pp_rank))
-            .is_some_and(|r| r.is_some());
-        st.incarnations
+        let Some((id, s)) = st
+            .session_named(&remote.instance)
+            .and_then(|id| Some((id, st.sessions.get(&id)?)))
+            .filter(|(_, s)| !s.leaving)
+        else {
+            return Err(RejectReason::Refused(format!(
+                "this decode serves no prefill instance {:?}",
+                remote.instance
+            )));
+        };
+        if remote.pp_size != s.pp_size {
+            return Err(RejectReason::PpMismatch(format!(
+                "decode expects pp_size {} for instance {:?}, peer says {}",
+                s.pp_size, remote.instance, remote.pp_size
+            )));
+        }
+        let busy = s.rank(remote.pp_rank).is_some();
+        s.incarnations
             .check(remote.pp_rank, remote.incarnation, busy)
             .map_err(RejectReason::from)?;
         if st.senders.contains_key(&sender) {
             return Err(RejectReason::DuplicateSender(format!("{sender:?}")));
         }
-        bound = Some((planner, sender));
+        bound = Some((id, planner, sender));
         Ok(())
     };
     let secret = match inner.upgrade() {
@@ -1625,7 +2057,7 @@ async fn serve_rank(inner: Weak<Inner>, mut conn: Connection) {
     };
     let result = control::handshake_with(&mut conn, &hello, &secret, deadline, taken).await;
     let Some(i) = inner.upgrade() else { return };
-    let (remote, (planner, sender)) = match (result, bound) {
+    let (remote, (session, planner, sender)) = match (result, bound) {
         (Ok(r), Some(b)) => (r, b),
         (Ok(_), None) => return,
         (Err(e), _) => {
@@ -1644,12 +2076,28 @@ async fn serve_rank(inner: Weak<Inner>, mut conn: Connection) {
     let (tx, rx) = mpsc::unbounded_channel();
     let peer = {
         let mut st = i.lock();
-        let busy = st.ranks[usize::from(rank)].is_some();
-        let admitted = if st.senders.contains_key(&sender) {
-            None
-        } else {
-            st.incarnations.admit(rank, remote.incarnation, busy).ok()
-        };
+        let sender_free = !st.senders.contains_key(&sender);
+        let peer = PeerId(st.next_peer);
+        // The session may have been removed, or the slot taken, since the handshake's check.
+        let admitted = st
+            .sessions
+            .get_mut(&session)
+            .filter(|s| !s.leaving && sender_free)
+            .and_then(|s| {
+                let busy = s.rank(rank).is_some();
+                let previous = s.incarnations.admit(rank, remote.incarnation, busy).ok()?;
+                s.closed_ranks.remove(&rank);
+                s.ranks[usize::from(rank)] = Some(RankConn {
+                    peer,
+                    writer: tx,
+                    planner,
+                    external: false,
+                    ready: false,
+                    incarnation: remote.incarnation,
+                    evicted: false,
+                });
+                Some(previous)
+            });
         let Some(previous) = admitted else {
             // Lost a race with another connection for the same rank or sender.
             i.counters
@@ -1661,33 +2109,24 @@ async fn serve_rank(inner: Weak<Inner>, mut conn: Connection) {
             i.counters.rejoins.fetch_add(1, Ordering::Relaxed);
             tracing::info!(
                 rank,
+                instance = %remote.instance,
                 previous,
                 incarnation = remote.incarnation,
                 "prefill rank rejoined"
             );
         }
-        let peer = PeerId(st.next_peer);
         st.next_peer += 1;
-        st.closed_ranks.remove(&rank);
-        st.senders.insert(sender.clone(), (rank, peer));
-        st.ranks[usize::from(rank)] = Some(RankConn {
-            peer,
-            writer: tx,
-            planner,
-            external: false,
-            ready: false,
-            incarnation: remote.incarnation,
-            evicted: false,
-        });
+        st.senders.insert(sender.clone(), (session, rank, peer));
         peer
     };
-    tracing::info!(rank, peer = peer.0, "prefill rank connected");
+    i.changed.send_modify(|n| *n += 1);
+    tracing::info!(rank, instance = %remote.instance, peer = peer.0, "prefill rank connected");
     drop(i);
     let write_task = tokio::spawn(write_loop(writer, rx));
-    let closed = read_loop(&inner, reader, rank, peer).await;
+    let closed = read_loop(&inner, reader, session, rank, peer).await;
     write_task.abort();
     if let Some(i) = inner.upgrade() {
-        i.peer_lost(rank, peer, &sender, closed);
+        i.peer_lost(session, rank, peer, &sender, closed);
     }
 }
 
@@ -1704,6 +2143,7 @@ async fn write_loop(mut writer: ControlWriter, mut rx: mpsc::UnboundedReceiver<M
 async fn read_loop(
     inner: &Weak<Inner>,
     mut reader: control::ControlReader,
+    session: SessionId,
     rank: u16,
     peer: PeerId,
 ) -> bool {
@@ -1719,6 +2159,26 @@ async fn read_loop(
         let Some(i) = inner.upgrade() else {
             return false;
         };
+        // A rank speaks only for its own instance's requests: anything about another's is
+        // counted and dropped, so one instance can never fail, confirm or feed another's.
+        let about = match &msg {
+            Msg::TransferReject(r) => Some(r.request),
+            Msg::Abort(a) => Some(a.request),
+            Msg::AbortAck(a) => Some(a.request),
+            Msg::Aux(a) => Some(a.request),
+            _ => None,
+        };
+        if let Some(request) = about
+            && !i.lock().owned_by(RequestId(request), session)
+        {
+            i.counters.refused.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(
+                rank,
+                request,
+                "message about another instance's request dropped"
+            );
+            continue;
+        }
         match msg {
             Msg::TransferReject(r) => {
                 tracing::warn!(rank, request = r.request, reason = %r.reason, "prefill rejected a transfer request");
@@ -1741,7 +2201,7 @@ async fn read_loop(
             }
             Msg::AbortAck(a) => {
                 let mut st = i.lock();
-                i.acked(&mut st, RequestId(a.request), rank);
+                i.acked(&mut st, session, RequestId(a.request), rank);
             }
             Msg::Aux(a) if a.data.len() <= control::MAX_AUX_LEN => {
                 i.lock().aux.put((RequestId(a.request), rank), a.data);
@@ -1755,7 +2215,7 @@ async fn read_loop(
                 );
                 i.counters.refused.fetch_add(1, Ordering::Relaxed);
             }
-            Msg::Ready => i.on_ready(rank, peer),
+            Msg::Ready => i.on_ready(session, rank, peer),
             Msg::Close => return true,
             _ => {}
         }

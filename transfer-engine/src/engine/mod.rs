@@ -10,7 +10,7 @@ mod decode;
 mod pools;
 mod prefill;
 
-pub use decode::{Absence, DecodeConfig, DecodeEngine, DecodeStats, ShutdownReport};
+pub use decode::{Absence, DecodeConfig, DecodeEngine, DecodeStats, Expected, ShutdownReport};
 pub use prefill::{
     ExternalDecode, IncomingRequest, MeshSocket, NotifyFormat, PrefillConfig, PrefillEngine,
     PrefillStats,
@@ -265,18 +265,30 @@ fn wire_regions(r: &crate::transport::RemoteRegion) -> control::RemoteRegion {
     }
 }
 
-/// Instants of recent requests, for latency measurements: bounded, oldest dropped first.
-#[derive(Debug, Default)]
-struct Stamps {
-    at: std::collections::HashMap<RequestId, std::time::Instant>,
+/// A value for each of the most recent requests, bounded: oldest dropped first.
+#[derive(Debug)]
+struct Recent<V> {
+    at: std::collections::HashMap<RequestId, V>,
     order: std::collections::VecDeque<RequestId>,
 }
 
-impl Stamps {
+impl<V> Default for Recent<V> {
+    fn default() -> Self {
+        Recent {
+            at: std::collections::HashMap::new(),
+            order: std::collections::VecDeque::new(),
+        }
+    }
+}
+
+/// Instants of recent requests, for latency measurements.
+type Stamps = Recent<std::time::Instant>;
+
+impl<V> Recent<V> {
     const CAP: usize = 4096;
 
-    fn record(&mut self, request: RequestId, at: std::time::Instant) {
-        if self.at.insert(request, at).is_none() {
+    fn record(&mut self, request: RequestId, value: V) {
+        if self.at.insert(request, value).is_none() {
             self.order.push_back(request);
             while self.order.len() > Self::CAP {
                 if let Some(old) = self.order.pop_front() {
@@ -286,7 +298,11 @@ impl Stamps {
         }
     }
 
-    fn take(&mut self, request: RequestId) -> Option<std::time::Instant> {
+    fn get(&self, request: RequestId) -> Option<&V> {
+        self.at.get(&request)
+    }
+
+    fn take(&mut self, request: RequestId) -> Option<V> {
         // The order entry goes stale and is dropped when it reaches the front.
         self.at.remove(&request)
     }

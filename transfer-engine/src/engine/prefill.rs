@@ -35,6 +35,10 @@ pub struct PrefillConfig {
     pub backend: BackendConfig,
     /// The decode engine's control address.
     pub decode: SocketAddr,
+    /// The prefill instance this rank belongs to, as the decode engine named it
+    /// ([`DecodeEngine::add_instance`](super::DecodeEngine::add_instance)); every PP rank of the
+    /// pipeline carries the same name. `""` is the decode engine's default instance.
+    pub instance: String,
     /// This rank.
     pub pp_rank: u16,
     /// PP size.
@@ -152,6 +156,7 @@ impl PrefillConfig {
                 &format!("prefill-{pp_rank}"),
             ),
             decode,
+            instance: String::new(),
             pp_rank,
             pp_size,
             peers: Vec::new(),
@@ -424,7 +429,8 @@ impl PrefillEngine {
             },
         )
         .with_pp(cfg.pp_rank, cfg.pp_size)
-        .with_incarnation(cfg.incarnation);
+        .with_incarnation(cfg.incarnation)
+        .with_instance(cfg.instance.clone());
         hello.notify_key = notify_key;
         let (conn, dst, decode_meta, decode_regions) = match external {
             None => {

@@ -1,0 +1,418 @@
+//! One decode engine serving several prefill instances over real loopback UCX: one registration of
+//! the pool, each instance's requests completed by its own ranks only, one instance's loss or
+//! removal failing only its own requests, and a rank that speaks about another instance's request
+//! counted and ignored. Every byte is checked on poisoned destination pages; every wait is bounded.
+#![allow(clippy::unwrap_used)]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use transfer_engine::control::{
+    self, BackendInfo, BackendKind as WireKind, Connection, Hello, LayoutInfo, Msg, RejectReason,
+    Role, Secret, TpMode,
+};
+use transfer_engine::core::planner::{KvLayout, PpSplit, RegionKind};
+use transfer_engine::core::tracker::FailureReason;
+use transfer_engine::core::{FailureCode, RequestId};
+use transfer_engine::engine::{
+    DecodeConfig, DecodeEngine, EngineError, Expected, MeshSocket, Outcome, Pool, PrefillConfig,
+    PrefillEngine,
+};
+use transfer_engine::mem::{HostBuffer, HostOptions};
+
+const LAYERS: u32 = 4;
+const PAGE_TOKENS: u32 = 16;
+const PAGE_BYTES: u64 = 512;
+const DECODE_PAGES: u32 = 64;
+const PREFILL_PAGES: u32 = 16;
+const PROMPT: u32 = 64;
+const CHUNK: u32 = 32;
+const POISON: u8 = 0xA5;
+const SECRET: &[u8] = b"sessions-test secret, 32 bytes..";
+const BOUND: Duration = Duration::from_secs(10);
+const LONG: Duration = Duration::from_secs(20);
+
+fn decode_layout() -> KvLayout {
+    KvLayout::packed(0, LAYERS, RegionKind::Fused, PAGE_BYTES, DECODE_PAGES)
+}
+
+/// The byte at `at` of page `page` of layer `layer` in instance `tag`'s pools: no two
+/// (instance, layer, page) share a page's bytes.
+fn pattern(tag: u8, layer: u32, page: u32, at: u64) -> u8 {
+    let x = u64::from(tag) * 1_000_003 + u64::from(layer) * 7919 + u64::from(page) * 104_729 + at;
+    (x ^ (x >> 7)).wrapping_mul(31) as u8
+}
+
+async fn decode() -> DecodeEngine {
+    // No default instance: every instance is added by name.
+    let mut cfg = DecodeConfig::new(LAYERS, PAGE_TOKENS, decode_layout(), 0);
+    cfg.token = Some(SECRET.to_vec());
+    cfg.abort_ack_timeout = Duration::from_millis(500);
+    let len = decode_layout().buffer_len as usize;
+    let mut b = HostBuffer::new(len, HostOptions::default()).unwrap();
+    b.as_mut_slice().fill(POISON);
+    DecodeEngine::start(cfg, Pool::Owned(b)).await.unwrap()
+}
+
+/// The PP ranks of prefill instance `name` (pattern `tag`), connected to `d`.
+async fn instance(d: &DecodeEngine, name: &str, tag: u8, pp: u16) -> Vec<PrefillEngine> {
+    let mut sockets = Vec::new();
+    let mut peers = Vec::new();
+    if pp > 1 {
+        for _ in 0..pp {
+            let s = MeshSocket::bind(SocketAddr::from(([127, 0, 0, 1], 0))).unwrap();
+            peers.push(s.local_addr().unwrap());
+            sockets.push(Arc::new(s));
+        }
+    }
+    let mut starts = Vec::new();
+    for rank in 0..pp {
+        let range = PpSplit::SglangEven.layer_range(LAYERS, pp, rank).unwrap();
+        let layout = KvLayout::packed(
+            range.start,
+            range.len() as u32,
+            RegionKind::Fused,
+            PAGE_BYTES,
+            PREFILL_PAGES,
+        );
+        let mut buf = HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).unwrap();
+        for (i, x) in buf.as_mut_slice().iter_mut().enumerate() {
+            let i = i as u64;
+            let per_layer = u64::from(PREFILL_PAGES) * PAGE_BYTES;
+            let layer = range.start + (i / per_layer) as u32;
+            let page = ((i % per_layer) / PAGE_BYTES) as u32;
+            *x = pattern(tag, layer, page, i % PAGE_BYTES);
+        }
+        let mut cfg = PrefillConfig::new(
+            d.local_addr(),
+            rank,
+            pp,
+            LAYERS,
+            PAGE_TOKENS,
+            layout.clone(),
+        );
+        cfg.instance = name.to_owned();
+        cfg.engine_id = format!("{name}-{rank}");
+        cfg.backend = transfer_engine::engine::BackendConfig::default_for(
+            transfer_engine::transport::BackendKind::Ucx,
+            &format!("{name}-{rank}"),
+        );
+        cfg.peers = peers.clone();
+        cfg.mesh_socket = sockets.get(usize::from(rank)).cloned();
+        cfg.token = Some(SECRET.to_vec());
+        cfg.connect_timeout = Duration::from_secs(5);
+        starts.push(tokio::spawn(PrefillEngine::start(cfg, Pool::Owned(buf))));
+    }
+    let mut ranks = Vec::new();
+    for s in starts {
+        ranks.push(s.await.unwrap().unwrap());
+    }
+    d.wait_for_instance(name, BOUND).await.unwrap();
+    ranks
+}
+
+fn want(instance: &str, dst: &[u32]) -> Expected {
+    Expected {
+        instance: instance.into(),
+        prefix_tokens: 0,
+        prompt_tokens: PROMPT,
+        chunk_tokens: CHUNK,
+        dst_pages: dst.to_vec(),
+        timeout: LONG,
+    }
+}
+
+async fn send_all(ranks: &[PrefillEngine], request: RequestId, src: &[u32]) {
+    for r in ranks {
+        let r = r.clone();
+        let src = src.to_vec();
+        let last = PROMPT.div_ceil(CHUNK) - 1;
+        for chunk in 0..=last {
+            r.send_chunk(request, chunk, &src, chunk == last)
+                .await
+                .unwrap();
+        }
+    }
+}
+
+/// Every layer's `dst` pages hold instance `tag`'s `src` pages.
+fn assert_landed(d: &DecodeEngine, tag: u8, src: &[u32], dst: &[u32]) {
+    let mut page = vec![0u8; PAGE_BYTES as usize];
+    for layer in 0..LAYERS {
+        for (&s, &t) in src.iter().zip(dst) {
+            let off = (u64::from(layer) * u64::from(DECODE_PAGES) + u64::from(t)) * PAGE_BYTES;
+            d.read_pool(off, &mut page).unwrap();
+            let expected: Vec<u8> = (0..PAGE_BYTES)
+                .map(|at| pattern(tag, layer, s, at))
+                .collect();
+            assert!(
+                page == expected,
+                "layer {layer} page {t} does not hold instance {tag}'s page {s}"
+            );
+        }
+    }
+}
+
+/// Every layer's `dst` pages still hold the poison.
+fn assert_poisoned(d: &DecodeEngine, dst: &[u32]) {
+    let mut page = vec![0u8; PAGE_BYTES as usize];
+    for layer in 0..LAYERS {
+        for &t in dst {
+            let off = (u64::from(layer) * u64::from(DECODE_PAGES) + u64::from(t)) * PAGE_BYTES;
+            d.read_pool(off, &mut page).unwrap();
+            assert!(
+                page.iter().all(|&b| b == POISON),
+                "layer {layer} page {t} was written"
+            );
+        }
+    }
+}
+
+async fn bounded<T>(f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(BOUND, f)
+        .await
+        .expect("did not finish within the bound")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_decode_engine_serves_several_prefill_instances_with_one_registration() {
+    let d = decode().await;
+    d.add_instance("a", 2).unwrap();
+    d.add_instance("b", 1).unwrap();
+    // Adding again with the same PP size is a no-op; another PP size is refused.
+    d.add_instance("a", 2).unwrap();
+    assert!(matches!(
+        d.add_instance("a", 3),
+        Err(EngineError::Config(_))
+    ));
+    let a = instance(&d, "a", 1, 2).await;
+    let b = instance(&d, "b", 2, 1).await;
+    let s = d.stats();
+    assert_eq!(
+        (s.instances, s.connected_ranks, s.registered_bytes),
+        (2, 3, decode_layout().buffer_len),
+        "one registration of the pool for every instance: {s:?}"
+    );
+    assert_eq!(d.instances(), vec![("a".into(), 2), ("b".into(), 1)]);
+
+    // Both instances' requests in flight at once, into pages of their own.
+    let (ra, rb) = (RequestId(10), RequestId(20));
+    let (src_a, dst_a) = ([0, 1, 2, 3], [4, 5, 6, 7]);
+    let (src_b, dst_b) = ([8, 9, 10, 11], [20, 21, 22, 23]);
+    let done_a = d.expect_request(ra, want("a", &dst_a)).unwrap();
+    let done_b = d.expect_request(rb, want("b", &dst_b)).unwrap();
+    tokio::join!(send_all(&a, ra, &src_a), send_all(&b, rb, &src_b));
+    assert_eq!(bounded(done_a).await, Outcome::Complete);
+    assert_eq!(bounded(done_b).await, Outcome::Complete);
+    assert_landed(&d, 1, &src_a, &dst_a);
+    assert_landed(&d, 2, &src_b, &dst_b);
+
+    // A request of an instance the engine does not serve is refused, not left waiting.
+    assert!(matches!(
+        d.expect_request(RequestId(30), want("nobody", &[30, 31, 32, 33])),
+        Err(EngineError::Config(_))
+    ));
+    let report = d.shutdown(BOUND).await;
+    assert!(report.pool_freed, "{report:?}");
+    let mut confirmed = report.confirmed.clone();
+    confirmed.sort();
+    assert_eq!(
+        confirmed,
+        vec![("a".into(), 0), ("a".into(), 1), ("b".into(), 0)],
+        "{report:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_instances_loss_fails_only_its_own_requests() {
+    let d = decode().await;
+    d.add_instance("a", 2).unwrap();
+    d.add_instance("b", 1).unwrap();
+    let a = instance(&d, "a", 1, 2).await;
+    let b = instance(&d, "b", 2, 1).await;
+    let (ra, rb) = (RequestId(11), RequestId(21));
+    let (dst_a, dst_b) = ([4, 5, 6, 7], [20, 21, 22, 23]);
+    let done_a = d.expect_request(ra, want("a", &dst_a)).unwrap();
+    let done_b = d.expect_request(rb, want("b", &dst_b)).unwrap();
+    // Instance a's ranks go away (their process ends) before sending anything.
+    drop(a);
+    let lost = bounded(done_a).await;
+    assert!(
+        matches!(lost, Outcome::Failed(FailureReason::PeerLost { .. })),
+        "{lost:?}"
+    );
+    // b's request is untouched and completes afterwards.
+    send_all(&b, rb, &[8, 9, 10, 11]).await;
+    assert_eq!(bounded(done_b).await, Outcome::Complete);
+    assert_landed(&d, 2, &[8, 9, 10, 11], &dst_b);
+    assert_poisoned(&d, &dst_a);
+    let s = d.stats();
+    assert_eq!(
+        (s.failed, s.failed_peer_lost, s.completed),
+        (1, 1, 1),
+        "{s:?}"
+    );
+    // Instance a's new start joins its session again and is served.
+    let a = instance(&d, "a", 3, 2).await;
+    let ra2 = RequestId(12);
+    let done = d.expect_request(ra2, want("a", &dst_a)).unwrap();
+    send_all(&a, ra2, &[0, 1, 2, 3]).await;
+    assert_eq!(bounded(done).await, Outcome::Complete);
+    assert_landed(&d, 3, &[0, 1, 2, 3], &dst_a);
+    d.shutdown(BOUND).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_instance_fails_its_requests_and_is_forgotten() {
+    let d = decode().await;
+    d.add_instance("a", 1).unwrap();
+    d.add_instance("b", 1).unwrap();
+    let a = instance(&d, "a", 1, 1).await;
+    let b = instance(&d, "b", 2, 1).await;
+    let (ra, rb) = (RequestId(13), RequestId(23));
+    let done_a = d.expect_request(ra, want("a", &[4, 5, 6, 7])).unwrap();
+    let done_b = d.expect_request(rb, want("b", &[20, 21, 22, 23])).unwrap();
+    assert!(d.remove_instance("a"));
+    assert_eq!(
+        bounded(done_a).await,
+        Outcome::Failed(FailureReason::Aborted)
+    );
+    // Its rank confirmed the abort and answered Close: nothing of the instance is left.
+    let deadline = tokio::time::Instant::now() + BOUND;
+    while d.stats().connected_ranks != 1 {
+        assert!(tokio::time::Instant::now() < deadline, "{:?}", d.stats());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(d.instances(), vec![("b".into(), 1)]);
+    assert!(matches!(
+        d.expect_request(RequestId(14), want("a", &[8, 9, 10, 11])),
+        Err(EngineError::Config(_))
+    ));
+    // The removed instance's pages are free again; b never noticed.
+    send_all(&b, rb, &[8, 9, 10, 11]).await;
+    assert_eq!(bounded(done_b).await, Outcome::Complete);
+    let again = d
+        .expect_request(RequestId(24), want("b", &[4, 5, 6, 7]))
+        .unwrap();
+    send_all(&b, RequestId(24), &[0, 1, 2, 3]).await;
+    assert_eq!(bounded(again).await, Outcome::Complete);
+    assert_landed(&d, 2, &[0, 1, 2, 3], &[4, 5, 6, 7]);
+    drop(a);
+    d.shutdown(BOUND).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_of_an_unknown_instance_is_refused_at_the_handshake() {
+    let d = decode().await;
+    d.add_instance("a", 1).unwrap();
+    let mut cfg = PrefillConfig::new(
+        d.local_addr(),
+        0,
+        1,
+        LAYERS,
+        PAGE_TOKENS,
+        KvLayout::packed(0, LAYERS, RegionKind::Fused, PAGE_BYTES, PREFILL_PAGES),
+    );
+    cfg.instance = "stranger".into();
+    cfg.token = Some(SECRET.to_vec());
+    cfg.connect_timeout = Duration::from_secs(3);
+    let pool = Pool::Owned(
+        HostBuffer::new(cfg.layout.buffer_len as usize, HostOptions::default()).unwrap(),
+    );
+    let err = PrefillEngine::start(cfg, pool).await.unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            EngineError::Control(control::ControlError::PeerRejected {
+                reason: RejectReason::Refused(_),
+                ..
+            })
+        ),
+        "{err}"
+    );
+    assert_eq!(d.stats().handshake_failures, 1);
+    d.shutdown(BOUND).await;
+}
+
+/// A raw, authenticated prefill rank of instance `instance` (no transport behind it).
+async fn raw_rank(d: &DecodeEngine, instance: &str) -> Connection {
+    let deadline = tokio::time::Instant::now() + BOUND;
+    let mut conn = Connection::connect(d.local_addr(), deadline).await.unwrap();
+    let layout = LayoutInfo {
+        num_layers: LAYERS,
+        first_layer: 0,
+        layers: LAYERS,
+        kv_regions: 1,
+        page_tokens: PAGE_TOKENS,
+        bytes_per_token_per_layer: PAGE_BYTES / u64::from(PAGE_TOKENS),
+        pages: PREFILL_PAGES,
+        kv_heads: 0,
+        tp_mode: TpMode::Identical,
+    };
+    let mut hello = Hello::new(
+        "raw",
+        Role::Prefill,
+        layout,
+        BackendInfo {
+            kind: WireKind::Ucx,
+            worker_or_agent: Vec::new(),
+            agent_name: String::new(),
+            regions: Vec::new(),
+        },
+    )
+    .with_instance(instance)
+    .with_incarnation(1);
+    hello.notify_key = 0x5e55_1005;
+    let secret = Secret::from_config(Some(SECRET));
+    control::handshake(&mut conn, &hello, &secret, deadline)
+        .await
+        .unwrap();
+    conn
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_cannot_fail_confirm_or_feed_another_instances_request() {
+    let d = decode().await;
+    d.add_instance("a", 1).unwrap();
+    d.add_instance("m", 1).unwrap();
+    let a = instance(&d, "a", 1, 1).await;
+    let mut m = raw_rank(&d, "m").await;
+    m.send(&Msg::Ready).await.unwrap();
+    d.wait_for_instance("m", BOUND).await.unwrap();
+    let ra = RequestId(15);
+    let done = d.expect_request(ra, want("a", &[4, 5, 6, 7])).unwrap();
+    // m's rank learns nothing of a's request, but guesses its id: its abort, its confirmation
+    // and its payload for it are dropped and counted.
+    let before = d.stats().refused;
+    for msg in [
+        Msg::Abort(control::Abort {
+            request: ra.0,
+            reason: FailureCode::Aborted.raw(),
+        }),
+        Msg::TransferReject(control::TransferReject {
+            request: ra.0,
+            reason: control::TransferRejectReason::Invalid("forged".into()),
+        }),
+        Msg::AbortAck(control::AbortAck { request: ra.0 }),
+        Msg::Aux(control::AuxData {
+            request: ra.0,
+            data: b"forged".to_vec(),
+        }),
+    ] {
+        m.send(&msg).await.unwrap();
+    }
+    let deadline = tokio::time::Instant::now() + BOUND;
+    while d.stats().refused < before + 4 {
+        assert!(tokio::time::Instant::now() < deadline, "{:?}", d.stats());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    send_all(&a, ra, &[0, 1, 2, 3]).await;
+    assert_eq!(bounded(done).await, Outcome::Complete);
+    assert_landed(&d, 1, &[0, 1, 2, 3], &[4, 5, 6, 7]);
+    assert_eq!(
+        d.aux(ra, 0),
+        None,
+        "m's payload must not count for a's request"
+    );
+    d.shutdown(BOUND).await;
+}

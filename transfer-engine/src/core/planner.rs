@@ -311,6 +311,53 @@ pub enum TpMapping {
         /// The decode TP rank written to.
         decode_rank: u32,
     },
+    /// Global KV heads `first..first + count`, from a source rank whose first held head is
+    /// `src_first` to a destination rank whose first held head is `dst_first` (what
+    /// [`crate::core::topology::sources`] names, replicated GQA heads included). Both layouts need
+    /// [`HeadLayout`]s of the same order, head size and page tokens.
+    Heads {
+        /// First global head the source rank holds.
+        src_first: u32,
+        /// First global head the destination rank holds.
+        dst_first: u32,
+        /// First global head written.
+        first: u32,
+        /// Heads written.
+        count: u32,
+    },
+}
+
+impl TpMapping {
+    /// The mapping for `source` (from [`crate::core::topology::sources`]) between the prefill and
+    /// decode shapes: whole pages for MLA, identical when the source writes every head of both
+    /// ranks, heads otherwise.
+    pub fn for_source(
+        prefill: crate::core::topology::TpShape,
+        decode: crate::core::topology::TpShape,
+        decode_rank: u32,
+        source: &crate::core::topology::Source,
+    ) -> Self {
+        if source.heads.is_empty() {
+            return if prefill.tp_size == 1 && decode.tp_size == 1 {
+                TpMapping::Identical
+            } else {
+                TpMapping::Replicated
+            };
+        }
+        let (s, d) = (
+            prefill.heads_of(source.prefill_rank),
+            decode.heads_of(decode_rank),
+        );
+        if s == source.heads && d == source.heads {
+            return TpMapping::Identical;
+        }
+        TpMapping::Heads {
+            src_first: s.start,
+            dst_first: d.start,
+            first: source.heads.start,
+            count: source.heads.len() as u32,
+        }
+    }
 }
 
 /// One write: `len` bytes from `src_offset` of the local buffer to `dst_offset` of the remote.
@@ -577,6 +624,27 @@ impl Planner {
                 prefill_rank,
                 decode_rank,
             } => head_segments(src, dst, prefill_tp, decode_tp, prefill_rank, decode_rank)?,
+            TpMapping::Heads {
+                src_first,
+                dst_first,
+                first,
+                count,
+            } => {
+                let (hs, hd) = head_layouts(src, dst)?;
+                let (a, b) = (u64::from(first), u64::from(first) + u64::from(count));
+                let (s0, d0) = (u64::from(src_first), u64::from(dst_first));
+                if count == 0
+                    || a < s0
+                    || b > s0 + u64::from(hs.num_heads)
+                    || a < d0
+                    || b > d0 + u64::from(hd.num_heads)
+                {
+                    return Err(PlanError::HeadMismatch(
+                        "the heads written are not all held by both ranks",
+                    ));
+                }
+                slice_segments(hs, hd, s0, d0, a, b)
+            }
         };
         Ok(Self {
             src: src.clone(),
@@ -696,19 +764,9 @@ fn head_segments(
     prefill_rank: u32,
     decode_rank: u32,
 ) -> Result<Vec<(u64, u64, u64)>, PlanError> {
-    let hs = src.heads.ok_or(PlanError::HeadsRequired(Side::Src))?;
-    let hd = dst.heads.ok_or(PlanError::HeadsRequired(Side::Dst))?;
+    let (hs, hd) = head_layouts(src, dst)?;
     if prefill_rank >= prefill_tp || decode_rank >= decode_tp {
         return Err(PlanError::TpRankOutOfRange);
-    }
-    if hs.order != hd.order {
-        return Err(PlanError::HeadMismatch("head order differs"));
-    }
-    if hs.head_bytes != hd.head_bytes {
-        return Err(PlanError::HeadMismatch("head bytes differ"));
-    }
-    if hs.page_tokens != hd.page_tokens {
-        return Err(PlanError::HeadMismatch("page tokens differ"));
     }
     let total_s = u64::from(hs.num_heads) * u64::from(prefill_tp);
     let total_d = u64::from(hd.num_heads) * u64::from(decode_tp);
@@ -720,10 +778,39 @@ fn head_segments(
     let d0 = u64::from(decode_rank) * u64::from(hd.num_heads);
     let a = s0.max(d0);
     let b = (s0 + u64::from(hs.num_heads)).min(d0 + u64::from(hd.num_heads));
-    let mut segs: Vec<(u64, u64, u64)> = Vec::new();
     if a >= b {
-        return Ok(segs);
+        return Ok(Vec::new());
     }
+    Ok(slice_segments(hs, hd, s0, d0, a, b))
+}
+
+/// Both sides' head geometry, checked to line up.
+fn head_layouts(src: &KvLayout, dst: &KvLayout) -> Result<(HeadLayout, HeadLayout), PlanError> {
+    let hs = src.heads.ok_or(PlanError::HeadsRequired(Side::Src))?;
+    let hd = dst.heads.ok_or(PlanError::HeadsRequired(Side::Dst))?;
+    if hs.order != hd.order {
+        return Err(PlanError::HeadMismatch("head order differs"));
+    }
+    if hs.head_bytes != hd.head_bytes {
+        return Err(PlanError::HeadMismatch("head bytes differ"));
+    }
+    if hs.page_tokens != hd.page_tokens {
+        return Err(PlanError::HeadMismatch("page tokens differ"));
+    }
+    Ok((hs, hd))
+}
+
+/// The byte ranges inside one page that carry global heads `a..b`, from a source rank whose
+/// first head is `s0` to a destination rank whose first head is `d0`, merged where contiguous.
+fn slice_segments(
+    hs: HeadLayout,
+    hd: HeadLayout,
+    s0: u64,
+    d0: u64,
+    a: u64,
+    b: u64,
+) -> Vec<(u64, u64, u64)> {
+    let mut segs: Vec<(u64, u64, u64)> = Vec::new();
     let hb = hs.head_bytes;
     let pt = u64::from(hs.page_tokens);
     let mut push = |s: u64, d: u64, len: u64| match segs.last_mut() {
@@ -743,7 +830,7 @@ fn head_segments(
             }
         }
     }
-    Ok(segs)
+    segs
 }
 
 #[cfg(test)]

@@ -22,6 +22,8 @@ fn layout(first_layer: u32, layers: u32) -> LayoutInfo {
         pages: 4096,
         kv_heads: 0,
         tp_mode: TpMode::Replicated,
+        model_kv_heads: 0,
+        token_major: false,
     }
 }
 
@@ -518,6 +520,8 @@ fn tp_mappings() {
             pages: 100,
             kv_heads: heads,
             tp_mode: mode,
+            model_kv_heads: 8,
+            token_major: true,
         };
         Hello::new("x", role, l, backend()).with_tp(tp_rank, tp_size)
     };
@@ -548,6 +552,38 @@ fn tp_mappings() {
     p.layout.bytes_per_token_per_layer = 1024;
     assert!(matches!(
         reject(&gqa(0, 4, TpMode::HeadSliced, Role::Decode), &p),
+        RejectReason::LayoutMismatch(_)
+    ));
+    // GQA with fewer KV heads than decode ranks: 2 heads, prefill TP 1 holds both, each of
+    // decode's 4 ranks one replica.
+    let few = |tp_size: u16, role: Role| {
+        let held = if tp_size >= 2 { 1 } else { 2 };
+        let mut h = gqa(0, tp_size, TpMode::HeadSliced, role);
+        h.layout.model_kv_heads = 2;
+        h.layout.kv_heads = held;
+        h.layout.bytes_per_token_per_layer = 256 * u64::from(held);
+        h
+    };
+    check_hello(&few(4, Role::Decode), &few(1, Role::Prefill)).unwrap();
+    // ... but not a rank that claims another share of the heads than its TP size gives it,
+    let mut wrong = few(1, Role::Prefill);
+    wrong.layout.kv_heads = 1;
+    assert!(matches!(
+        reject(&few(4, Role::Decode), &wrong),
+        RejectReason::LayoutMismatch(_)
+    ));
+    // another model,
+    let mut other = few(1, Role::Prefill);
+    other.layout.model_kv_heads = 4;
+    assert!(matches!(
+        reject(&few(4, Role::Decode), &other),
+        RejectReason::LayoutMismatch(_)
+    ));
+    // or another order of heads and tokens in a page.
+    let mut order = few(1, Role::Prefill);
+    order.layout.token_major = false;
+    assert!(matches!(
+        reject(&few(4, Role::Decode), &order),
         RejectReason::LayoutMismatch(_)
     ));
 }

@@ -46,6 +46,8 @@ fn layout(first_layer: u32, layers: u32) -> LayoutInfo {
         pages: 256,
         kv_heads: 0,
         tp_mode: TpMode::Replicated,
+        model_kv_heads: 0,
+        token_major: false,
     }
 }
 

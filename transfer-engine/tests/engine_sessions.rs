@@ -177,12 +177,12 @@ async fn bounded<T>(f: impl std::future::Future<Output = T>) -> T {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_decode_engine_serves_several_prefill_instances_with_one_registration() {
     let d = decode().await;
-    d.add_instance("a", 2).unwrap();
-    d.add_instance("b", 1).unwrap();
+    d.add_instance("a", 2, 1).unwrap();
+    d.add_instance("b", 1, 1).unwrap();
     // Adding again with the same PP size is a no-op; another PP size is refused.
-    d.add_instance("a", 2).unwrap();
+    d.add_instance("a", 2, 1).unwrap();
     assert!(matches!(
-        d.add_instance("a", 3),
+        d.add_instance("a", 3, 1),
         Err(EngineError::Config(_))
     ));
     let a = instance(&d, "a", 1, 2).await;
@@ -226,8 +226,8 @@ async fn one_decode_engine_serves_several_prefill_instances_with_one_registratio
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_instances_loss_fails_only_its_own_requests() {
     let d = decode().await;
-    d.add_instance("a", 2).unwrap();
-    d.add_instance("b", 1).unwrap();
+    d.add_instance("a", 2, 1).unwrap();
+    d.add_instance("b", 1, 1).unwrap();
     let a = instance(&d, "a", 1, 2).await;
     let b = instance(&d, "b", 2, 1).await;
     let (ra, rb) = (RequestId(11), RequestId(21));
@@ -265,8 +265,8 @@ async fn one_instances_loss_fails_only_its_own_requests() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_removed_instance_fails_its_requests_and_is_forgotten() {
     let d = decode().await;
-    d.add_instance("a", 1).unwrap();
-    d.add_instance("b", 1).unwrap();
+    d.add_instance("a", 1, 1).unwrap();
+    d.add_instance("b", 1, 1).unwrap();
     let a = instance(&d, "a", 1, 1).await;
     let b = instance(&d, "b", 2, 1).await;
     let (ra, rb) = (RequestId(13), RequestId(23));
@@ -304,7 +304,7 @@ async fn a_removed_instance_fails_its_requests_and_is_forgotten() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rank_of_an_unknown_instance_is_refused_at_the_handshake() {
     let d = decode().await;
-    d.add_instance("a", 1).unwrap();
+    d.add_instance("a", 1, 1).unwrap();
     let mut cfg = PrefillConfig::new(
         d.local_addr(),
         0,
@@ -348,6 +348,8 @@ async fn raw_rank(d: &DecodeEngine, instance: &str) -> Connection {
         pages: PREFILL_PAGES,
         kv_heads: 0,
         tp_mode: TpMode::Identical,
+        model_kv_heads: 0,
+        token_major: false,
     };
     let mut hello = Hello::new(
         "raw",
@@ -373,8 +375,8 @@ async fn raw_rank(d: &DecodeEngine, instance: &str) -> Connection {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rank_cannot_fail_confirm_or_feed_another_instances_request() {
     let d = decode().await;
-    d.add_instance("a", 1).unwrap();
-    d.add_instance("m", 1).unwrap();
+    d.add_instance("a", 1, 1).unwrap();
+    d.add_instance("m", 1, 1).unwrap();
     let a = instance(&d, "a", 1, 1).await;
     let mut m = raw_rank(&d, "m").await;
     m.send(&Msg::Ready).await.unwrap();

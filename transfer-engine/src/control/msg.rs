@@ -59,6 +59,13 @@ pub struct LayoutInfo {
     pub kv_heads: u32,
     /// How heads map across TP ranks.
     pub tp_mode: TpMode,
+    /// KV heads of the whole model per layer (protocol version 6), for head-sliced TP: 0 where
+    /// heads do not apply. With fewer heads than TP ranks, ranks hold replicas (see
+    /// [`crate::core::topology`]).
+    pub model_kv_heads: u32,
+    /// Inside a page, one token's heads are contiguous (`[token][head][bytes]`, SGLang's and
+    /// vLLM's order) rather than one head's tokens (protocol version 6).
+    pub token_major: bool,
 }
 
 /// Which transfer library a side uses.
@@ -514,25 +521,46 @@ fn check_tp(local: &Hello, remote: &Hello) -> Result<(), RejectReason> {
             }
         }
         TpMode::HeadSliced => {
-            // Compare the model-wide totals; each rank holds 1/tp_size of them.
-            let lt = u128::from(l.bytes_per_token_per_layer) * u128::from(local.tp_size);
-            let rt = u128::from(r.bytes_per_token_per_layer) * u128::from(remote.tp_size);
-            if lt != rt {
+            if l.model_kv_heads == 0 || l.model_kv_heads != r.model_kv_heads {
                 return Err(RejectReason::LayoutMismatch(format!(
-                    "head-sliced KV totals differ: this side {} bytes x TP {} = {lt}, the peer {} bytes x TP {} = {rt} per token per layer",
-                    l.bytes_per_token_per_layer,
-                    local.tp_size,
-                    r.bytes_per_token_per_layer,
-                    remote.tp_size
+                    "head-sliced TP needs the same model KV head count on both sides: this side {}, the peer {}",
+                    l.model_kv_heads, r.model_kv_heads
                 )));
             }
-            let lh = u64::from(l.kv_heads) * u64::from(local.tp_size);
-            let rh = u64::from(r.kv_heads) * u64::from(remote.tp_size);
-            if l.kv_heads != 0 && r.kv_heads != 0 && lh != rh {
+            for (side, hello) in [("this side", local), ("the peer", remote)] {
+                let shape = crate::core::topology::TpShape {
+                    tp_size: u32::from(hello.tp_size),
+                    kv_heads: hello.layout.model_kv_heads,
+                };
+                shape
+                    .validate()
+                    .map_err(|e| RejectReason::TpMismatch(format!("{side}: {e}")))?;
+                let held = shape.heads_of(0).len() as u32;
+                if hello.layout.kv_heads != held
+                    || hello.layout.bytes_per_token_per_layer % u64::from(held.max(1)) != 0
+                {
+                    return Err(RejectReason::LayoutMismatch(format!(
+                        "{side} holds {} KV heads of {} bytes per token; at TP {} of a {}-head model a rank holds {held}",
+                        hello.layout.kv_heads,
+                        hello.layout.bytes_per_token_per_layer,
+                        hello.tp_size,
+                        hello.layout.model_kv_heads
+                    )));
+                }
+            }
+            let (lh, rh) = (
+                l.bytes_per_token_per_layer / u64::from(l.kv_heads),
+                r.bytes_per_token_per_layer / u64::from(r.kv_heads),
+            );
+            if lh != rh {
                 return Err(RejectReason::LayoutMismatch(format!(
-                    "model KV head counts differ: this side {} heads x TP {} = {lh}, the peer {} x {} = {rh}",
-                    l.kv_heads, local.tp_size, r.kv_heads, remote.tp_size
+                    "a KV head holds {lh} bytes per token on this side, {rh} at the peer"
                 )));
+            }
+            if l.token_major != r.token_major {
+                return Err(RejectReason::LayoutMismatch(
+                    "the sides order heads and tokens differently inside a page".into(),
+                ));
             }
         }
     }

@@ -12,7 +12,7 @@
 //! its last notification is.
 
 use super::{
-    EngineError, Outcome, Pool, layout_from_info, layout_info, to_wire_kind, wire_regions,
+    EngineError, Outcome, Pool, TpConfig, layout_from_info, layout_info, to_wire_kind, wire_regions,
 };
 use crate::control::{
     self, BackendInfo, Connection, ControlWriter, Hello, Listener, Msg, RejectReason, Role,
@@ -55,6 +55,10 @@ pub struct DecodeConfig {
     /// delivered. 0 starts the engine without it; instances are added with
     /// [`DecodeEngine::add_instance`].
     pub pp_size: u16,
+    /// This decode rank's TP rank and size and how TP maps ([`TpConfig`]).
+    pub tp: TpConfig,
+    /// The default instance's TP size; `None`: the same as this side's.
+    pub prefill_tp: Option<u16>,
     /// The deployment's shared secret: a prefill must prove it holds it before this side sends
     /// anything but a challenge (see `control`'s handshake). `None` means the empty secret, which
     /// any peer can prove: a warning is logged at start, since any process that reaches the
@@ -87,6 +91,8 @@ impl DecodeConfig {
             page_tokens,
             layout,
             pp_size,
+            tp: TpConfig::default(),
+            prefill_tp: None,
             token: None,
             verify_checksums: true,
             tracker: TrackerConfig::default(),
@@ -206,6 +212,12 @@ const DEFAULT_INSTANCE: &str = "";
 struct Session {
     name: String,
     pp_size: u16,
+    /// The instance's TP size.
+    prefill_tp: u16,
+    /// The prefill TP ranks that write into this decode TP rank (one for identical TP), in
+    /// order: with `fan_in` of them, PP rank `p`'s `j`-th source counts as slot
+    /// `p * fan_in + j` ([`crate::core::topology::slot`]), and `ranks` holds every slot.
+    sources: Vec<crate::core::topology::Source>,
     ranks: Vec<Option<RankConn>>,
     /// The incarnation admitted last for each rank.
     incarnations: Incarnations,
@@ -222,12 +234,21 @@ struct Session {
 }
 
 impl Session {
-    fn new(name: String, pp_size: u16, now: Instant) -> Self {
+    fn new(
+        name: String,
+        pp_size: u16,
+        prefill_tp: u16,
+        sources: Vec<crate::core::topology::Source>,
+        now: Instant,
+    ) -> Self {
+        let slots = pp_size.saturating_mul(sources.len() as u16);
         Session {
             name,
             pp_size,
-            ranks: (0..pp_size).map(|_| None).collect(),
-            incarnations: Incarnations::new(pp_size),
+            prefill_tp,
+            sources,
+            ranks: (0..slots).map(|_| None).collect(),
+            incarnations: Incarnations::new(slots),
             closed_ranks: std::collections::HashSet::new(),
             parked: std::collections::VecDeque::new(),
             absences: std::collections::VecDeque::from([Absence {
@@ -236,6 +257,14 @@ impl Session {
             }]),
             leaving: false,
         }
+    }
+
+    /// Slot of PP rank `pp_rank`'s `j`-th source.
+    fn slot(&self, pp_rank: u16, j: usize) -> Option<u16> {
+        if pp_rank >= self.pp_size || j >= self.sources.len() {
+            return None;
+        }
+        crate::core::topology::slot(pp_rank, self.sources.len() as u16, j as u16)
     }
 
     /// The lowest rank that is not connected and ready, if any.
@@ -563,6 +592,7 @@ impl DecodeEngine {
                 l.base_offset
             )));
         }
+        cfg.tp.validate(&cfg.layout)?;
         if cfg.token.as_ref().is_none_or(Vec::is_empty) {
             tracing::warn!(
                 listen = %cfg.listen,
@@ -599,7 +629,15 @@ impl DecodeEngine {
             aux: AuxStore::default(),
         };
         if cfg.pp_size > 0 {
-            add_session(&mut state, DEFAULT_INSTANCE, cfg.pp_size, Instant::now());
+            let prefill_tp = cfg.prefill_tp.unwrap_or(cfg.tp.size);
+            add_session(
+                &mut state,
+                &cfg,
+                DEFAULT_INSTANCE,
+                cfg.pp_size,
+                prefill_tp,
+                Instant::now(),
+            )?;
         }
         let inner = Arc::new(Inner {
             state: Mutex::new(state),
@@ -718,10 +756,15 @@ impl DecodeEngine {
     /// # Errors
     /// [`EngineError::Config`] for a PP size of 0 or another PP size than the instance has;
     /// [`EngineError::Shutdown`] once [`shutdown`](Self::shutdown) began.
-    pub fn add_instance(&self, instance: &str, pp_size: u16) -> Result<(), EngineError> {
-        if pp_size == 0 {
+    pub fn add_instance(
+        &self,
+        instance: &str,
+        pp_size: u16,
+        tp_size: u16,
+    ) -> Result<(), EngineError> {
+        if pp_size == 0 || tp_size == 0 {
             return Err(EngineError::Config(
-                "an instance needs at least one PP rank".into(),
+                "an instance needs at least one PP and one TP rank".into(),
             ));
         }
         let mut st = self.inner.lock();
@@ -731,17 +774,24 @@ impl DecodeEngine {
         match st.session_named(instance) {
             Some(id) => {
                 let s = st.sessions.get_mut(&id).ok_or(EngineError::Shutdown)?;
-                if s.pp_size != pp_size {
+                if (s.pp_size, s.prefill_tp) != (pp_size, tp_size) {
                     return Err(EngineError::Config(format!(
-                        "prefill instance {instance:?} has PP size {}, not {pp_size}",
-                        s.pp_size
+                        "prefill instance {instance:?} has PP size {} and TP size {}, not {pp_size} and {tp_size}",
+                        s.pp_size, s.prefill_tp
                     )));
                 }
                 s.leaving = false;
             }
             None => {
-                add_session(&mut st, instance, pp_size, Instant::now());
-                tracing::info!(instance, pp_size, "prefill instance added");
+                add_session(
+                    &mut st,
+                    &self.inner.cfg,
+                    instance,
+                    pp_size,
+                    tp_size,
+                    Instant::now(),
+                )?;
+                tracing::info!(instance, pp_size, tp_size, "prefill instance added");
             }
         }
         Ok(())
@@ -1458,7 +1508,7 @@ impl Inner {
             .sessions
             .get(&session)
             .ok_or_else(|| EngineError::Config("the request's prefill instance is gone".into()))?;
-        let pp_size = s.pp_size;
+        let slots = s.ranks.len() as u16;
         let peers = s
             .ranks
             .iter()
@@ -1466,7 +1516,7 @@ impl Inner {
             .collect::<Option<Vec<PeerId>>>()
             .ok_or_else(|| EngineError::Config("a prefill rank is not connected".into()))?;
         st.tracker
-            .expect(now, request, pp_size, &peers, deadline)
+            .expect(now, request, slots, &peers, deadline)
             .map_err(|e| EngineError::Tracker(e.to_string()))?;
         let left = deadline.saturating_duration_since(now);
         let msg = Msg::TransferRequest(TransferRequest {
@@ -1911,14 +1961,30 @@ impl Inner {
     }
 }
 
-/// Adds a session for `instance` (which has none).
-fn add_session(st: &mut State, instance: &str, pp_size: u16, now: Instant) -> SessionId {
+/// Adds a session for `instance` (which has none), whose TP size is `prefill_tp`.
+fn add_session(
+    st: &mut State,
+    cfg: &DecodeConfig,
+    instance: &str,
+    pp_size: u16,
+    prefill_tp: u16,
+    now: Instant,
+) -> Result<SessionId, EngineError> {
+    let sources = cfg.tp.source_at(prefill_tp, cfg.tp.size, cfg.tp.rank)?;
+    if usize::from(pp_size) * sources.len() > usize::from(u16::MAX) {
+        return Err(EngineError::Config(format!(
+            "{pp_size} PP ranks of {} sources each are too many",
+            sources.len()
+        )));
+    }
     let id = st.next_session;
     st.next_session = st.next_session.wrapping_add(1);
-    st.sessions
-        .insert(id, Session::new(instance.to_owned(), pp_size, now));
+    st.sessions.insert(
+        id,
+        Session::new(instance.to_owned(), pp_size, prefill_tp, sources, now),
+    );
     st.names.insert(instance.to_owned(), id);
-    id
+    Ok(id)
 }
 
 fn unknown_instance(instance: &str) -> EngineError {
@@ -1972,7 +2038,7 @@ fn local_hello(inner: &Inner) -> Result<Hello, EngineError> {
     let hello = Hello::new(
         cfg.engine_id.clone(),
         Role::Decode,
-        layout_info(cfg.total_layers, cfg.page_tokens, &cfg.layout),
+        layout_info(cfg.total_layers, cfg.page_tokens, &cfg.layout, &cfg.tp),
         BackendInfo {
             kind: to_wire_kind(t.kind()),
             worker_or_agent: t.metadata()?,
@@ -1982,7 +2048,8 @@ fn local_hello(inner: &Inner) -> Result<Hello, EngineError> {
     )
     // A decode has no PP rank of its own; the size is the default instance's (at least 1, which
     // a Hello must carry).
-    .with_pp(0, cfg.pp_size.max(1));
+    .with_pp(0, cfg.pp_size.max(1))
+    .with_tp(cfg.tp.rank, cfg.tp.size);
     Ok(hello)
 }
 
@@ -2007,15 +2074,7 @@ async fn serve_rank(inner: Weak<Inner>, mut conn: Connection) {
                 "decode accepts only prefill ranks".into(),
             ));
         }
-        let planner = layout_from_info(&remote.layout)
-            .and_then(|src| {
-                Planner::new(&src, &i.cfg.layout, TpMapping::Identical).map_err(|source| {
-                    EngineError::Plan {
-                        request: None,
-                        source,
-                    }
-                })
-            })
+        let src = layout_from_info(&remote.layout)
             .map_err(|e| RejectReason::LayoutMismatch(e.to_string()))?;
         let sender = match remote.backend.kind {
             control::BackendKind::Nixl => Sender::Agent(remote.backend.agent_name.clone()),
@@ -2041,14 +2100,37 @@ async fn serve_rank(inner: Weak<Inner>, mut conn: Connection) {
                 s.pp_size, remote.instance, remote.pp_size
             )));
         }
-        let busy = s.rank(remote.pp_rank).is_some();
+        if remote.tp_size != s.prefill_tp {
+            return Err(RejectReason::TpMismatch(format!(
+                "decode expects TP size {} for instance {:?}, peer says {}",
+                s.prefill_tp, remote.instance, remote.tp_size
+            )));
+        }
+        let tp = &i.cfg.tp;
+        let Some(j) = s
+            .sources
+            .iter()
+            .position(|x| x.prefill_rank == u32::from(remote.tp_rank))
+        else {
+            return Err(RejectReason::TpMismatch(format!(
+                "prefill TP rank {} writes nothing into decode TP rank {}",
+                remote.tp_rank, tp.rank
+            )));
+        };
+        let mapping = tp.mapping(s.prefill_tp, tp.size, tp.rank, &s.sources[j]);
+        let planner = Planner::new(&src, &i.cfg.layout, mapping)
+            .map_err(|e| RejectReason::LayoutMismatch(e.to_string()))?;
+        let slot = s
+            .slot(remote.pp_rank, j)
+            .ok_or_else(|| RejectReason::PpMismatch("PP rank out of range".into()))?;
+        let busy = s.rank(slot).is_some();
         s.incarnations
-            .check(remote.pp_rank, remote.incarnation, busy)
+            .check(slot, remote.incarnation, busy)
             .map_err(RejectReason::from)?;
         if st.senders.contains_key(&sender) {
             return Err(RejectReason::DuplicateSender(format!("{sender:?}")));
         }
-        bound = Some((id, planner, sender));
+        bound = Some((id, slot, planner, sender));
         Ok(())
     };
     let secret = match inner.upgrade() {
@@ -2057,7 +2139,7 @@ async fn serve_rank(inner: Weak<Inner>, mut conn: Connection) {
     };
     let result = control::handshake_with(&mut conn, &hello, &secret, deadline, taken).await;
     let Some(i) = inner.upgrade() else { return };
-    let (remote, (session, planner, sender)) = match (result, bound) {
+    let (remote, (session, slot, planner, sender)) = match (result, bound) {
         (Ok(r), Some(b)) => (r, b),
         (Ok(_), None) => return,
         (Err(e), _) => {
@@ -2071,7 +2153,8 @@ async fn serve_rank(inner: Weak<Inner>, mut conn: Connection) {
             return;
         }
     };
-    let rank = remote.pp_rank;
+    // The rank's slot: its PP rank where every decode TP rank has one source per PP rank.
+    let rank = slot;
     let (reader, writer) = conn.into_split();
     let (tx, rx) = mpsc::unbounded_channel();
     let peer = {

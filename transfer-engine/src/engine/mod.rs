@@ -17,7 +17,7 @@ pub use prefill::{
 };
 
 use crate::control::{self, ControlError};
-use crate::core::planner::{KvLayout, PlanError, RegionKind};
+use crate::core::planner::{KvLayout, PlanError, RegionKind, TpMapping};
 use crate::core::tracker::FailureReason;
 use crate::core::vote::VoteError;
 use crate::core::{FailureCode, RequestId};
@@ -208,8 +208,112 @@ fn to_wire_kind(k: BackendKind) -> control::BackendKind {
     }
 }
 
+/// A side's TP rank and size, and how its KV heads split over TP ranks (see
+/// [`crate::core::topology`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TpConfig {
+    /// This side's TP rank.
+    pub rank: u16,
+    /// This side's TP size.
+    pub size: u16,
+    /// How the two sides' TP ranks map, which both sides must announce alike:
+    /// [`control::TpMode::Identical`] (equal TP sizes, rank `i` to rank `i`, whole pages: the
+    /// default), [`control::TpMode::Replicated`] (MLA: every rank holds the whole latent, any TP
+    /// sizes) or [`control::TpMode::HeadSliced`] (MHA/GQA heads split over the ranks, any TP
+    /// sizes; the pool's layout then carries its [`HeadLayout`](crate::core::planner::HeadLayout)
+    /// and `kv_heads` the model's head count).
+    pub mode: control::TpMode,
+    /// The model's KV heads per layer (for [`control::TpMode::HeadSliced`]; 0 otherwise).
+    pub kv_heads: u32,
+}
+
+impl Default for TpConfig {
+    fn default() -> Self {
+        TpConfig {
+            rank: 0,
+            size: 1,
+            mode: control::TpMode::Identical,
+            kv_heads: 0,
+        }
+    }
+}
+
+impl TpConfig {
+    /// Checks the rank against the size, and that head-sliced TP has the heads it slices.
+    fn validate(&self, layout: &KvLayout) -> Result<(), EngineError> {
+        if self.rank >= self.size {
+            return Err(EngineError::Config(format!(
+                "TP rank {} is not below TP size {}",
+                self.rank, self.size
+            )));
+        }
+        if self.mode == control::TpMode::HeadSliced
+            && (self.kv_heads == 0 || layout.heads.is_none())
+        {
+            return Err(EngineError::Config(
+                "head-sliced TP needs the model's KV head count and the layout's head geometry"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The shape [`crate::core::topology`] maps: heads only where they are sliced.
+    fn shape(&self, size: u16) -> crate::core::topology::TpShape {
+        crate::core::topology::TpShape {
+            tp_size: u32::from(size),
+            kv_heads: match self.mode {
+                control::TpMode::HeadSliced => self.kv_heads,
+                _ => 0,
+            },
+        }
+    }
+
+    /// The prefill TP rank that writes into decode TP rank `decode` (its `j`-th source, of
+    /// `fan_in`), and the plan's mapping: what both sides compute alike from the two TP sizes.
+    fn source_at(
+        &self,
+        prefill_size: u16,
+        decode_size: u16,
+        decode_rank: u16,
+    ) -> Result<Vec<crate::core::topology::Source>, EngineError> {
+        if self.mode == control::TpMode::Identical && prefill_size != decode_size {
+            return Err(EngineError::Config(format!(
+                "identical TP needs equal TP sizes: prefill {prefill_size}, decode {decode_size}"
+            )));
+        }
+        crate::core::topology::sources(
+            self.shape(prefill_size),
+            self.shape(decode_size),
+            u32::from(decode_rank),
+        )
+        .map_err(|e| EngineError::Config(format!("TP topology: {e}")))
+    }
+
+    /// The mapping of `source`'s writes into decode rank `decode_rank`.
+    fn mapping(
+        &self,
+        prefill_size: u16,
+        decode_size: u16,
+        decode_rank: u16,
+        source: &crate::core::topology::Source,
+    ) -> TpMapping {
+        TpMapping::for_source(
+            self.shape(prefill_size),
+            self.shape(decode_size),
+            u32::from(decode_rank),
+            source,
+        )
+    }
+}
+
 /// The layout as the control plane carries it.
-fn layout_info(total_layers: u32, page_tokens: u32, layout: &KvLayout) -> control::LayoutInfo {
+fn layout_info(
+    total_layers: u32,
+    page_tokens: u32,
+    layout: &KvLayout,
+    tp: &TpConfig,
+) -> control::LayoutInfo {
     control::LayoutInfo {
         num_layers: total_layers,
         first_layer: layout.first_layer,
@@ -219,11 +323,16 @@ fn layout_info(total_layers: u32, page_tokens: u32, layout: &KvLayout) -> contro
         bytes_per_token_per_layer: layout.page_bytes / u64::from(page_tokens.max(1)),
         pages: layout.num_pages,
         kv_heads: layout.heads.map(|h| h.num_heads).unwrap_or(0),
-        tp_mode: control::TpMode::Identical,
+        tp_mode: tp.mode,
+        model_kv_heads: tp.kv_heads,
+        token_major: layout
+            .heads
+            .is_some_and(|h| h.order == crate::core::planner::HeadOrder::TokenMajor),
     }
 }
 
-/// A peer's layout back from the wire: the packed layout its numbers describe.
+/// A peer's layout back from the wire: the packed layout its numbers describe, with its head
+/// geometry where heads are sliced.
 fn layout_from_info(info: &control::LayoutInfo) -> Result<KvLayout, EngineError> {
     let regions = match info.kv_regions {
         1 => RegionKind::Fused,
@@ -237,13 +346,26 @@ fn layout_from_info(info: &control::LayoutInfo) -> Result<KvLayout, EngineError>
     let page_bytes = info
         .bytes_per_token_per_layer
         .saturating_mul(u64::from(info.page_tokens));
-    Ok(KvLayout::packed(
+    let layout = KvLayout::packed(
         info.first_layer,
         info.layers,
         regions,
         page_bytes,
         info.pages,
-    ))
+    );
+    if info.tp_mode != control::TpMode::HeadSliced || info.kv_heads == 0 {
+        return Ok(layout);
+    }
+    Ok(layout.with_heads(crate::core::planner::HeadLayout {
+        num_heads: info.kv_heads,
+        head_bytes: info.bytes_per_token_per_layer / u64::from(info.kv_heads),
+        page_tokens: info.page_tokens,
+        order: if info.token_major {
+            crate::core::planner::HeadOrder::TokenMajor
+        } else {
+            crate::core::planner::HeadOrder::HeadMajor
+        },
+    }))
 }
 
 fn remote_regions(info: &control::BackendInfo) -> Vec<crate::transport::RemoteRegion> {

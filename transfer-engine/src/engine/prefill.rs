@@ -7,14 +7,15 @@
 //! scheduler. A request's source pages stay owned until [`PrefillEngine::decided`] resolves.
 
 use super::{
-    BackendConfig, EngineError, Pool, layout_from_info, layout_info, remote_regions, to_wire_kind,
+    BackendConfig, EngineError, Pool, TpConfig, layout_from_info, layout_info, remote_regions,
+    to_wire_kind,
 };
 use crate::control::{
     self, BackendInfo, Connection, ControlWriter, Hello, Listener, Msg, RejectReason, Role, Secret,
 };
 use crate::core::membership::Incarnations;
 use crate::core::notify::{ChunkNotification, ChunkStatus, TextForm};
-use crate::core::planner::{ChunkGeometry, KvLayout, Planner, TpMapping, Write};
+use crate::core::planner::{ChunkGeometry, KvLayout, Planner, Write};
 use crate::core::vote::{Decision, Vote, VoteBoard, VoteConfig, VoteMessage};
 use crate::core::{ChunkHasher, FailureCode, RequestId};
 use crate::mem::MemKind;
@@ -41,6 +42,8 @@ pub struct PrefillConfig {
     pub instance: String,
     /// This rank.
     pub pp_rank: u16,
+    /// This rank's TP rank and size and how TP maps ([`TpConfig`]).
+    pub tp: TpConfig,
     /// PP size.
     pub pp_size: u16,
     /// Control addresses of every PP rank, in rank order, for the vote mesh (this rank listens on its
@@ -158,6 +161,7 @@ impl PrefillConfig {
             decode,
             instance: String::new(),
             pp_rank,
+            tp: TpConfig::default(),
             pp_size,
             peers: Vec::new(),
             total_layers,
@@ -266,6 +270,9 @@ struct Inner {
     dst_whole: u64,
     decode_peer: PeerId,
     planner: Planner,
+    /// The rank its notifications name: its slot at the decode TP rank (its PP rank where TP
+    /// is identical).
+    notify_rank: u16,
     decode_writer: mpsc::UnboundedSender<Msg>,
     state: Mutex<State>,
     counters: Counters,
@@ -363,6 +370,7 @@ impl PrefillEngine {
         pools: Vec<Pool>,
         external: Option<ExternalDecode>,
     ) -> Result<Self, EngineError> {
+        cfg.tp.validate(&cfg.layout)?;
         if cfg.pp_rank >= cfg.pp_size {
             return Err(EngineError::Config(format!(
                 "pp_rank {} not below pp_size {}",
@@ -418,7 +426,7 @@ impl PrefillEngine {
         let mut hello = Hello::new(
             cfg.engine_id.clone(),
             Role::Prefill,
-            layout_info(cfg.total_layers, cfg.page_tokens, &cfg.layout),
+            layout_info(cfg.total_layers, cfg.page_tokens, &cfg.layout, &cfg.tp),
             BackendInfo {
                 kind: to_wire_kind(transport.kind()),
                 // Nobody connects to a prefill's transport or writes into its pool: its address and
@@ -429,24 +437,50 @@ impl PrefillEngine {
             },
         )
         .with_pp(cfg.pp_rank, cfg.pp_size)
+        .with_tp(cfg.tp.rank, cfg.tp.size)
         .with_incarnation(cfg.incarnation)
         .with_instance(cfg.instance.clone());
         hello.notify_key = notify_key;
-        let (conn, dst, decode_meta, decode_regions) = match external {
+        let (conn, dst, decode_meta, decode_regions, decode_tp) = match external {
             None => {
                 let (conn, remote) = connect_decode(&cfg, &hello, &secret, deadline).await?;
                 let dst = layout_from_info(&remote.layout)?;
                 let regions = remote_regions(&remote.backend);
-                (Some(conn), dst, remote.backend.worker_or_agent, regions)
+                let tp = (remote.tp_rank, remote.tp_size);
+                (Some(conn), dst, remote.backend.worker_or_agent, regions, tp)
             }
-            Some(x) => (None, x.layout, x.metadata, vec![x.region]),
+            // A decode outside our control plane is this rank's TP peer, byte for byte.
+            Some(x) => (
+                None,
+                x.layout,
+                x.metadata,
+                vec![x.region],
+                (cfg.tp.rank, cfg.tp.size),
+            ),
         };
-        let planner = Planner::new(&cfg.layout, &dst, TpMapping::Identical).map_err(|source| {
-            EngineError::Plan {
+        // What this rank writes into decode's TP rank, and the slot its notifications name there
+        // (its PP rank where TP is identical), as the decode side computes them too.
+        let (decode_rank, decode_size) = decode_tp;
+        let sources = cfg.tp.source_at(cfg.tp.size, decode_size, decode_rank)?;
+        let Some(j) = sources
+            .iter()
+            .position(|x| x.prefill_rank == u32::from(cfg.tp.rank))
+        else {
+            return Err(EngineError::Config(format!(
+                "prefill TP rank {} writes nothing into decode TP rank {decode_rank}",
+                cfg.tp.rank
+            )));
+        };
+        let notify_rank = crate::core::topology::slot(cfg.pp_rank, sources.len() as u16, j as u16)
+            .ok_or_else(|| EngineError::Config("too many PP and TP ranks".into()))?;
+        let mapping = cfg
+            .tp
+            .mapping(cfg.tp.size, decode_size, decode_rank, &sources[j]);
+        let planner =
+            Planner::new(&cfg.layout, &dst, mapping).map_err(|source| EngineError::Plan {
                 request: None,
                 source,
-            }
-        })?;
+            })?;
         // Decode's pool may come in several registrations too: our writes split at its segments.
         let dst_seg = super::pools::segment(
             dst.buffer_len,
@@ -484,6 +518,7 @@ impl PrefillEngine {
             dst_whole: dst.buffer_len,
             decode_peer,
             planner,
+            notify_rank,
             decode_writer: dtx,
             counters: Counters::default(),
             timer: Arc::new(Notify::new()),
@@ -653,7 +688,7 @@ impl PrefillEngine {
         } else {
             ChunkStatus::More
         };
-        let mut n = ChunkNotification::new(request, inner.cfg.pp_rank, chunk, status);
+        let mut n = ChunkNotification::new(request, inner.notify_rank, chunk, status);
         if inner.cfg.checksums && inner.pool.desc().is_some_and(|d| d.kind() == MemKind::Host) {
             let mut h = ChunkHasher::new();
             for w in &plan {
@@ -964,7 +999,7 @@ impl Inner {
                 reason: code.raw(),
             }));
             let n =
-                ChunkNotification::new(request, self.cfg.pp_rank, 0, ChunkStatus::Failed { code });
+                ChunkNotification::new(request, self.notify_rank, 0, ChunkStatus::Failed { code });
             self.transport.post(
                 self.decode_peer,
                 Vec::new(),

@@ -1,0 +1,325 @@
+//! Different TP sizes on the two sides, over real loopback UCX: prefill TP 4 into decode TP 2 and
+//! 2 into 4 (heads sliced), GQA with fewer KV heads than decode ranks (replicas), and MLA (whole
+//! latent pages), all at PP 2. Every decode TP rank is one engine; every prefill (PP, TP) rank runs
+//! one engine per decode rank it writes into. Each byte of every decode rank's pages is checked
+//! against the head it must hold, on poisoned pages; every wait is bounded.
+#![allow(clippy::unwrap_used)]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use transfer_engine::control::TpMode;
+use transfer_engine::core::RequestId;
+use transfer_engine::core::planner::{HeadLayout, HeadOrder, KvLayout, PpSplit, RegionKind};
+use transfer_engine::core::topology::{self, TpShape};
+use transfer_engine::engine::{
+    DecodeConfig, DecodeEngine, EngineError, MeshSocket, Outcome, Pool, PrefillConfig,
+    PrefillEngine, TpConfig,
+};
+use transfer_engine::mem::{HostBuffer, HostOptions};
+
+const LAYERS: u32 = 4;
+const PP: u16 = 2;
+const PAGE_TOKENS: u32 = 4;
+const HEAD_BYTES: u64 = 8;
+const PAGES: u32 = 16;
+const PROMPT: u32 = 12;
+const CHUNK: u32 = 8;
+const SRC: [u32; 3] = [2, 5, 7];
+const DST: [u32; 3] = [9, 3, 11];
+const POISON: u8 = 0x5A;
+const SECRET: &[u8] = b"tp-test secret, 32 bytes long...";
+const BOUND: Duration = Duration::from_secs(15);
+
+/// One deployment's TP shape.
+#[derive(Clone, Copy)]
+struct Case {
+    prefill_tp: u16,
+    decode_tp: u16,
+    /// Model KV heads; 0 for MLA.
+    kv_heads: u32,
+}
+
+impl Case {
+    fn mode(&self) -> TpMode {
+        if self.kv_heads == 0 {
+            TpMode::Replicated
+        } else {
+            TpMode::HeadSliced
+        }
+    }
+    fn shape(&self, tp: u16) -> TpShape {
+        TpShape {
+            tp_size: u32::from(tp),
+            kv_heads: self.kv_heads,
+        }
+    }
+    fn tp(&self, rank: u16, size: u16) -> TpConfig {
+        TpConfig {
+            rank,
+            size,
+            mode: self.mode(),
+            kv_heads: self.kv_heads,
+        }
+    }
+    /// Heads one rank holds (1 for MLA: one latent "head").
+    fn held(&self, tp: u16) -> u32 {
+        if self.kv_heads == 0 {
+            1
+        } else {
+            self.shape(tp).heads_of(0).len() as u32
+        }
+    }
+    /// The layout of a rank of TP size `tp` holding `layers` from `first`.
+    fn layout(&self, tp: u16, first: u32, layers: u32) -> KvLayout {
+        let held = self.held(tp);
+        let page_bytes = u64::from(held) * HEAD_BYTES * u64::from(PAGE_TOKENS);
+        let l = KvLayout::packed(first, layers, RegionKind::SplitKv, page_bytes, PAGES);
+        if self.kv_heads == 0 {
+            return l;
+        }
+        l.with_heads(HeadLayout {
+            num_heads: held,
+            head_bytes: HEAD_BYTES,
+            page_tokens: PAGE_TOKENS,
+            order: HeadOrder::TokenMajor,
+        })
+    }
+    /// The byte at `at` of page `page` of (region, layer) at a rank of TP size `tp`, rank
+    /// `rank`: a function of the global head (0 for MLA), so the same head is the same bytes on
+    /// every rank that holds it. `page` is the request's page position (not the pool index).
+    fn byte(&self, tp: u16, rank: u16, region: u32, layer: u32, page: u32, at: u64) -> u8 {
+        let held = u64::from(self.held(tp));
+        let token = at / (held * HEAD_BYTES);
+        let in_token = at % (held * HEAD_BYTES);
+        let head = if self.kv_heads == 0 {
+            0
+        } else {
+            u64::from(self.shape(tp).heads_of(u32::from(rank)).start) + in_token / HEAD_BYTES
+        };
+        let b = in_token % HEAD_BYTES;
+        let x = u64::from(region) * 7_919
+            + u64::from(layer) * 104_729
+            + u64::from(page) * 1_299_709
+            + token * 15_485_863
+            + head * 32_452_843
+            + b;
+        (x ^ (x >> 11)).wrapping_mul(2_654_435_761) as u8
+    }
+}
+
+async fn run(case: Case) -> Vec<usize> {
+    let request = RequestId(77);
+    // Decode TP ranks: one engine each, poisoned pools.
+    let mut decodes = Vec::new();
+    for rank in 0..case.decode_tp {
+        let layout = case.layout(case.decode_tp, 0, LAYERS);
+        let mut cfg = DecodeConfig::new(LAYERS, PAGE_TOKENS, layout.clone(), PP);
+        cfg.tp = case.tp(rank, case.decode_tp);
+        cfg.prefill_tp = Some(case.prefill_tp);
+        cfg.token = Some(SECRET.to_vec());
+        let mut b = HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).unwrap();
+        b.as_mut_slice().fill(POISON);
+        decodes.push(DecodeEngine::start(cfg, Pool::Owned(b)).await.unwrap());
+    }
+    // Prefill (TP rank, decode rank) pairs, each a pipeline of PP ranks with its own mesh.
+    let mut starts = Vec::new();
+    for t in 0..case.prefill_tp {
+        let targets = topology::targets(
+            case.shape(case.prefill_tp),
+            case.shape(case.decode_tp),
+            u32::from(t),
+        )
+        .unwrap();
+        for (d, _) in targets {
+            let mut peers = Vec::new();
+            let mut sockets = Vec::new();
+            for _ in 0..PP {
+                let s = MeshSocket::bind(SocketAddr::from(([127, 0, 0, 1], 0))).unwrap();
+                peers.push(s.local_addr().unwrap());
+                sockets.push(Arc::new(s));
+            }
+            for pp in 0..PP {
+                let range = PpSplit::SglangEven.layer_range(LAYERS, PP, pp).unwrap();
+                let layout = case.layout(case.prefill_tp, range.start, range.len() as u32);
+                let mut buf =
+                    HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).unwrap();
+                let bytes = buf.as_mut_slice();
+                for region in 0..2u32 {
+                    for l in 0..range.len() as u32 {
+                        for (pos, &page) in SRC.iter().enumerate() {
+                            let base = u64::from(region) * layout.region_stride
+                                + u64::from(l) * layout.layer_stride
+                                + u64::from(page) * layout.page_bytes;
+                            for at in 0..layout.page_bytes {
+                                bytes[(base + at) as usize] = case.byte(
+                                    case.prefill_tp,
+                                    t,
+                                    region,
+                                    range.start + l,
+                                    pos as u32,
+                                    at,
+                                );
+                            }
+                        }
+                    }
+                }
+                let mut cfg = PrefillConfig::new(
+                    decodes[usize::from(d as u16)].local_addr(),
+                    pp,
+                    PP,
+                    LAYERS,
+                    PAGE_TOKENS,
+                    layout,
+                );
+                cfg.tp = case.tp(t, case.prefill_tp);
+                cfg.engine_id = format!("p{pp}-t{t}-d{d}");
+                cfg.backend = transfer_engine::engine::BackendConfig::default_for(
+                    transfer_engine::transport::BackendKind::Ucx,
+                    &cfg.engine_id,
+                );
+                cfg.peers = peers.clone();
+                cfg.mesh_socket = Some(sockets[usize::from(pp)].clone());
+                cfg.token = Some(SECRET.to_vec());
+                cfg.connect_timeout = Duration::from_secs(10);
+                starts.push(tokio::spawn(PrefillEngine::start(cfg, Pool::Owned(buf))));
+            }
+        }
+    }
+    let mut prefills = Vec::new();
+    for s in starts {
+        prefills.push(s.await.unwrap().unwrap());
+    }
+    let mut outcomes = Vec::new();
+    for d in &decodes {
+        d.wait_for_ranks(BOUND).await.unwrap();
+        outcomes.push(
+            d.expect(request, PROMPT, CHUNK, DST.to_vec(), BOUND)
+                .unwrap(),
+        );
+    }
+    for p in &prefills {
+        let chunks = PROMPT.div_ceil(CHUNK);
+        for c in 0..chunks {
+            p.send_chunk(request, c, &SRC, c + 1 == chunks)
+                .await
+                .unwrap();
+        }
+    }
+    for o in outcomes {
+        assert_eq!(
+            tokio::time::timeout(BOUND, o).await.unwrap(),
+            Outcome::Complete
+        );
+    }
+    // Every decode rank holds exactly its heads of every page, layer and region.
+    let mut sources_per_rank = Vec::new();
+    for (rank, d) in decodes.iter().enumerate() {
+        let rank = rank as u16;
+        let layout = case.layout(case.decode_tp, 0, LAYERS);
+        let mut page = vec![0u8; layout.page_bytes as usize];
+        for region in 0..2u32 {
+            for layer in 0..LAYERS {
+                for (pos, &dst) in DST.iter().enumerate() {
+                    let off = u64::from(region) * layout.region_stride
+                        + u64::from(layer) * layout.layer_stride
+                        + u64::from(dst) * layout.page_bytes;
+                    d.read_pool(off, &mut page).unwrap();
+                    for (at, &got) in page.iter().enumerate() {
+                        let want =
+                            case.byte(case.decode_tp, rank, region, layer, pos as u32, at as u64);
+                        assert_eq!(
+                            got, want,
+                            "decode rank {rank} region {region} layer {layer} page {dst} byte {at}"
+                        );
+                    }
+                }
+            }
+        }
+        sources_per_rank.push(d.stats().connected_ranks as usize);
+    }
+    for d in decodes {
+        d.shutdown(BOUND).await;
+    }
+    sources_per_rank
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_tp_4_into_decode_tp_2_heads_sliced() {
+    let fan_in = run(Case {
+        prefill_tp: 4,
+        decode_tp: 2,
+        kv_heads: 8,
+    })
+    .await;
+    // Two prefill TP ranks of each of the 2 PP ranks write into every decode rank.
+    assert_eq!(fan_in, vec![4, 4]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_tp_2_into_decode_tp_4_heads_sliced() {
+    assert_eq!(
+        run(Case {
+            prefill_tp: 2,
+            decode_tp: 4,
+            kv_heads: 8,
+        })
+        .await,
+        vec![2; 4]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gqa_with_fewer_kv_heads_than_decode_ranks_writes_each_replica_once() {
+    assert_eq!(
+        run(Case {
+            prefill_tp: 1,
+            decode_tp: 4,
+            kv_heads: 2,
+        })
+        .await,
+        vec![2; 4]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mla_latent_pages_go_whole_to_every_decode_rank() {
+    assert_eq!(
+        run(Case {
+            prefill_tp: 2,
+            decode_tp: 4,
+            kv_heads: 0,
+        })
+        .await,
+        vec![2; 4]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_rank_that_writes_nothing_into_a_decode_rank_is_refused() {
+    let case = Case {
+        prefill_tp: 4,
+        decode_tp: 2,
+        kv_heads: 8,
+    };
+    let layout = case.layout(2, 0, LAYERS);
+    let mut cfg = DecodeConfig::new(LAYERS, PAGE_TOKENS, layout.clone(), 1);
+    cfg.tp = case.tp(0, 2);
+    cfg.prefill_tp = Some(4);
+    cfg.token = Some(SECRET.to_vec());
+    let pool =
+        Pool::Owned(HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).unwrap());
+    let d = DecodeEngine::start(cfg, pool).await.unwrap();
+    // Prefill TP rank 3 holds heads 6..8; decode rank 0 holds 0..4.
+    let layout = case.layout(4, 0, LAYERS);
+    let mut cfg = PrefillConfig::new(d.local_addr(), 0, 1, LAYERS, PAGE_TOKENS, layout.clone());
+    cfg.tp = case.tp(3, 4);
+    cfg.token = Some(SECRET.to_vec());
+    cfg.connect_timeout = Duration::from_secs(3);
+    let pool =
+        Pool::Owned(HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).unwrap());
+    let err = PrefillEngine::start(cfg, pool).await.unwrap_err();
+    assert!(matches!(err, EngineError::Control(_)), "{err}");
+    assert!(err.to_string().contains("writes nothing"), "{err}");
+    d.shutdown(BOUND).await;
+}

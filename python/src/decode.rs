@@ -10,7 +10,7 @@ use pyo3::types::PyDict;
 use std::future::Future;
 use std::net::SocketAddr;
 use transfer_engine::core::RequestId;
-use transfer_engine::engine::{self, DecodeConfig, EngineError};
+use transfer_engine::engine::{self, DecodeConfig, EngineError, Expected};
 
 /// The decode side of the engine: listens for the prefill ranks, receives every rank's pages of a
 /// request into its pool and says when they all arrived.
@@ -52,8 +52,10 @@ pub(crate) fn stats_dict<'py>(
 #[pymethods]
 impl DecodeEngine {
     /// Registers `memory` as the pool (`layout` says where each layer's pages are; it holds every
-    /// layer), starts the backend and listens on `listen` for `pp_size` prefill ranks, which must
-    /// prove they hold `secret`. A request expected while a rank is away (dead, restarting) waits
+    /// layer), starts the backend and listens on `listen` for the prefill ranks, which must prove
+    /// they hold `secret`. `pp_size` ranks form the default instance (`""`); with `pp_size=0`
+    /// there is none, and every prefill instance is added by name (`add_instance`): one engine
+    /// serves any number of them, with one registration of the pool. A request expected while a rank is away (dead, restarting) waits
     /// up to `rank_wait` seconds (at most its own timeout) for it, then fails with
     /// `TransferFailed(reason="rank_unavailable")`.
     #[new]
@@ -83,9 +85,9 @@ impl DecodeEngine {
         let listen: SocketAddr = listen
             .parse()
             .map_err(|e| errors::config(format!("listen address {listen:?}: {e}")))?;
-        if pp_size == 0 || page_tokens == 0 || total_layers == 0 {
+        if page_tokens == 0 || total_layers == 0 {
             return Err(errors::config(
-                "pp_size, page_tokens and total_layers must be positive",
+                "page_tokens and total_layers must be positive",
             ));
         }
         let mem = Memory::from_py(memory, device)?;
@@ -132,22 +134,50 @@ impl DecodeEngine {
         &self.address
     }
 
-    /// Waits (interpreter detached) until every PP rank connected, or raises `kvx.Timeout`.
-    #[pyo3(signature = (timeout = 60.0))]
-    fn wait_for_ranks(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
+    /// Waits (interpreter detached) until every PP rank of `instance` (the default one unless
+    /// named) connected, or raises `kvx.Timeout`.
+    #[pyo3(signature = (timeout = 60.0, instance = String::new()))]
+    fn wait_for_ranks(&self, py: Python<'_>, timeout: f64, instance: String) -> PyResult<()> {
         let t = seconds("timeout", timeout)?;
         let e = self.engine()?;
         let rt = runtime()?;
-        py.detach(|| rt.block_on(e.wait_for_ranks(t)))
+        py.detach(|| rt.block_on(e.wait_for_instance(&instance, t)))
             .map_err(errors::engine)
+    }
+
+    /// Adds prefill instance `instance`, a pipeline of `pp_size` ranks at TP size `tp_size`: its
+    /// ranks may connect (`PrefillEngine(instance=...)`) and requests may be expected from it.
+    /// Again with the same sizes: a no-op; with others: `kvx.ConfigError`.
+    #[pyo3(signature = (instance, pp_size, tp_size = 1))]
+    fn add_instance(&self, instance: &str, pp_size: u16, tp_size: u16) -> PyResult<()> {
+        self.engine()?
+            .add_instance(instance, pp_size, tp_size)
+            .map_err(errors::engine)
+    }
+
+    /// Stops serving prefill instance `instance`: its requests fail (`aborted`), its ranks are
+    /// closed, and its state is forgotten once no write of it can still land. Others are not
+    /// touched. Returns whether it was served.
+    fn remove_instance(&self, instance: &str) -> PyResult<bool> {
+        Ok(self.engine()?.remove_instance(instance))
+    }
+
+    /// The prefill instances served, as `(name, pp_size)` pairs.
+    fn instances(&self) -> PyResult<Vec<(String, u16)>> {
+        Ok(self.engine()?.instances())
     }
 
     /// Starts receiving `request`: `dst_pages` are the pool pages its prompt fills, in order; every
     /// PP rank is sent them. Returns a `Pending` whose result is the request's `Outcome`; it fails
     /// with `timeout` if not complete within `timeout` seconds. `prefix_tokens` (whole pages) are
     /// tokens before the prompt's moved ones that this side already holds: the ranks are told, and
-    /// `prompt_tokens` and `dst_pages` cover only the tokens after them.
-    #[pyo3(signature = (request, prompt_tokens, chunk_tokens, dst_pages, timeout = 60.0, prefix_tokens = 0))]
+    /// `prompt_tokens` and `dst_pages` cover only the tokens after them. `instance` names the
+    /// prefill instance whose ranks send it (the default one unless named).
+    #[pyo3(signature = (
+        request, prompt_tokens, chunk_tokens, dst_pages, timeout = 60.0, prefix_tokens = 0,
+        instance = String::new(),
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn expect(
         &self,
         request: u64,
@@ -156,6 +186,7 @@ impl DecodeEngine {
         dst_pages: Vec<u32>,
         timeout: f64,
         prefix_tokens: u32,
+        instance: String,
     ) -> PyResult<Pending> {
         let t = seconds("timeout", timeout)?;
         if t.is_zero() {
@@ -163,13 +194,16 @@ impl DecodeEngine {
         }
         let e = self.engine()?;
         let fut = e
-            .expect_after_prefix(
+            .expect_request(
                 RequestId(request),
-                prefix_tokens,
-                prompt_tokens,
-                chunk_tokens,
-                dst_pages,
-                t,
+                Expected {
+                    instance,
+                    prefix_tokens,
+                    prompt_tokens,
+                    chunk_tokens,
+                    dst_pages,
+                    timeout: t,
+                },
             )
             .map_err(errors::engine)?;
         Ok(Pending::spawn(
@@ -282,6 +316,8 @@ impl DecodeEngine {
                 ("refused", s.refused),
                 ("checksum_mismatch", s.checksum_mismatch),
                 ("in_flight", s.in_flight),
+                ("instances", s.instances),
+                ("connected_ranks", s.connected_ranks),
                 ("awaiting_abort_ack", s.awaiting_abort_ack),
                 ("abort_ack_timeouts", s.abort_ack_timeouts),
                 ("quarantined", s.quarantined),
@@ -294,7 +330,8 @@ impl DecodeEngine {
 
     /// Stops the engine: live requests fail, every rank is closed, and the pool's memory is handed
     /// back only if every rank confirmed within `timeout` seconds that its writes are over (it is
-    /// leaked otherwise). Returns `{"confirmed", "gone", "unconfirmed", "pool_freed"}`.
+    /// leaked otherwise). Returns `{"confirmed", "gone", "unconfirmed", "pool_freed"}`, the first
+    /// three lists of `(instance, rank)` pairs.
     #[pyo3(signature = (timeout = 10.0))]
     fn shutdown<'py>(&self, py: Python<'py>, timeout: f64) -> PyResult<Bound<'py, PyDict>> {
         let t = seconds("timeout", timeout)?;

@@ -129,11 +129,13 @@ impl PrefillEngine {
     /// Registers `memory` as this rank's pool (`layout` holds this rank's layers only), connects to
     /// the decode engine at `decode` and, when `pp_size > 1`, to its PP peers (`peers`: every rank's
     /// vote address in rank order, this rank listening on its own), proving `secret` to each.
+    /// `instance` names the prefill instance (the pipeline) this rank belongs to, as the decode
+    /// engine added it (`DecodeEngine.add_instance`); `""` is its default instance.
     #[new]
     #[pyo3(signature = (
         *, decode, pp_rank, pp_size, layout, total_layers, page_tokens, memory, peers = Vec::new(),
         mesh_socket = None, secret = None, backend = "ucx", engine_id = None, device = "cpu", checksums = false,
-        connect_timeout = 60.0, request_wait = 10.0,
+        connect_timeout = 60.0, request_wait = 10.0, instance = String::new(),
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -154,9 +156,10 @@ impl PrefillEngine {
         checksums: bool,
         connect_timeout: f64,
         request_wait: f64,
+        instance: String,
     ) -> PyResult<Self> {
         let decode = addr("decode address", decode)?;
-        let (cfg, mem) = config(
+        let (mut cfg, mem) = config(
             decode,
             pp_rank,
             pp_size,
@@ -174,6 +177,7 @@ impl PrefillEngine {
             connect_timeout,
             request_wait,
         )?;
+        cfg.instance = instance;
         let (pools, keep) = mem.into_pools();
         let rt = runtime()?;
         let engine = py

@@ -4,7 +4,8 @@ one normal server of the same model does, token for token, with both servers ans
 the same check fails for the one request whose moved KV had one byte corrupted on decode
 (``KVX_TEST_CORRUPT_ROOM``), so the check reads the moved pages.
 
-The UCX pair's decode runs two TokenizerWorker processes (``--tokenizer-worker-num 2``).
+The UCX pair's decode runs two TokenizerWorker processes (``--tokenizer-worker-num 2``). The NIXL
+pair's decode serves a second prefill server too, through the same kvx engine.
 
 Requests go to the pair as SGLang's own load balancer sends them (``sglang_servers.pair_generate``).
 Prompts run from 1 token to 792 (13 chunks of SGLang's chunked prefill of 64 at page size 16), one
@@ -50,7 +51,8 @@ def prompts():
 class Pair:
     """A prefill and a decode server on one transfer backend."""
 
-    def __init__(self, name, model, logs, backend, env, three_ports, decode_args=()):
+    def __init__(self, name, model, logs, backend, env, three_ports, decode_args=(),
+                 second_prefill=None):
         prefill_port, decode_port, self.bootstrap_port = three_ports
         self.prefill = S.Server(f"{name}-prefill", model, prefill_port, logs, [
             "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", backend,
@@ -58,13 +60,25 @@ class Pair:
         self.decode = S.Server(f"{name}-decode", model, decode_port, logs, [
             "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", backend,
             "--disaggregation-decode-retraction-backup", "cpu_tensor", *decode_args], env)
+        # A second prefill server (its port and bootstrap port) beside the first, for the same
+        # decode server, as a load balancer with several prefill servers uses it.
+        self.prefill2 = None
+        if second_prefill is not None:
+            port, self.bootstrap_port2 = second_prefill
+            self.prefill2 = S.Server(f"{name}-prefill2", model, port, logs, [
+                "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", backend,
+                "--disaggregation-bootstrap-port", str(self.bootstrap_port2)], env)
 
     def servers(self):
-        return [self.prefill, self.decode]
+        return [self.prefill, self.decode] + ([self.prefill2] if self.prefill2 else [])
 
     def generate(self, ids, room, **extra):
         return S.pair_generate(self.prefill, self.decode, self.bootstrap_port, ids, NEW_TOKENS, room,
                                **extra)
+
+    def generate2(self, ids, room):
+        return S.pair_generate(self.prefill2, self.decode, self.bootstrap_port2, ids, NEW_TOKENS,
+                               room)
 
     def logs(self):
         return self.prefill.log() + "\n" + self.decode.log()
@@ -96,7 +110,7 @@ def servers(model, logs, prompts):
     imports: together they are ready sooner than one after another); the normal server's greedy
     tokens for every prompt."""
     # Drawn in one call, so no two servers are given the same port.
-    free = ports(1 + 3 * len(BACKENDS))
+    free = ports(1 + 3 * len(BACKENDS) + 2)
     normal = S.Server("normal", model, free.pop(), logs)
     pairs = {}
     try:
@@ -115,8 +129,9 @@ def servers(model, logs, prompts):
             # only the pages after its cached prefix (decode_prefix_len).
             decode_args = ["--tokenizer-worker-num", "2"] if backend == "ucx" else [
                 "--disaggregation-decode-enable-radix-cache"]
+            second = (free.pop(), free.pop()) if backend == "nixl" else None
             pairs[backend] = Pair(f"kvx-{backend}", model, logs, "kvx", env,
-                                  [free.pop() for _ in range(3)], decode_args)
+                                  [free.pop() for _ in range(3)], decode_args, second)
         S.start_all([normal] + [s for p in pairs.values() for s in p.servers()])
         normal.expected = [S.generate(normal, p, NEW_TOKENS) for p in prompts]
         yield normal, pairs
@@ -147,6 +162,29 @@ def test_a_kvx_pair_answers_like_one_server(backend, servers, prompts):
         "a corrupted page did not change decode's tokens: the check does not read moved KV")
     after = run_prompts(pair, prompts[:3], [rng.randrange(1 << 62) for _ in range(3)], 1)
     check(pair, normal, prompts[:3], after, f"{backend}, after the corrupted request")
+
+
+def test_one_decode_server_serves_two_prefill_servers(servers, prompts):
+    """Requests of one decode server come from two prefill servers (alternately, four at a time):
+    every answer is the normal server's, and the decode scheduler rank serves both prefill
+    instances from one kvx engine (one transport, one registration of its pool), each a session
+    of its own."""
+    normal, pairs = servers
+    pair = pairs["nixl"]
+    rng = random.Random("two-prefills")
+    rooms = [rng.randrange(1 << 62) for _ in prompts]
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(
+            lambda i: (pair.generate if i % 2 == 0 else pair.generate2)(prompts[i], rooms[i]),
+            range(len(prompts))))
+    check(pair, normal, prompts, results, "two prefill servers into one decode")
+    text = pair.decode.log_path.read_text()
+    assert text.count("kvx: decode engine started") == 1, pair.decode.log()
+    for port in (pair.bootstrap_port, pair.bootstrap_port2):
+        assert f"serves prefill instance 127.0.0.1:{port} " in text, (
+            f"decode never served the prefill instance on bootstrap port {port}\n"
+            f"{pair.decode.log()}")
+    assert_clean_logs(pair)
 
 
 # How long a request through a pair may take to end, in any way, once a server is aborted or killed

@@ -2,10 +2,12 @@
 
 Prefill: registers the rank in its instance's directory when it is made (SGLang's scheduler never
 calls ``register_to_bootstrap``), and starts a ``PrefillEngine`` for every decode engine that
-announces itself there. Decode: one ``DecodeEngine`` per prefill instance, announced in that
-instance's directory, and a heartbeat of every instance it knows: an instance that stops answering
-is forgotten (SGLang asks for it again), and one that comes back, or restarted on the same
-address, is told of the decode engine again, so its new ranks rejoin it."""
+announces itself there. Decode: one ``DecodeEngine`` for every prefill instance (one transport,
+one registration of the pool; each instance a session of it, named by its bootstrap address),
+announced in each instance's directory, and a heartbeat of every instance it knows: an instance
+that stops answering is forgotten by SGLang's table (SGLang asks for it again), and one that comes
+back, or restarted on the same address, is told of the decode engine again, so its new ranks
+rejoin their session."""
 
 from __future__ import annotations
 
@@ -154,8 +156,8 @@ class KvxKVManager(BaseKVManager):
             self.register_to_bootstrap()
         else:
             self.pool = _Pool(args, self.is_mla_backend, 0)
-            self._decodes: dict = {}  # bootstrap_addr -> DecodeEngine
-            self._pp: dict = {}  # bootstrap_addr -> that prefill instance's PP size
+            self._engine: Optional[kvx.DecodeEngine] = None  # every prefill instance's sessions
+            self._pp: dict = {}  # bootstrap_addr (the instance's name) -> its PP size
             self._instances: dict = {}  # bootstrap_addr -> directory instance we announced to
             self._misses: dict = {}  # bootstrap_addr -> heartbeats missed in a row
             self._rooms: dict = {}  # room -> DecodeEngine
@@ -239,7 +241,7 @@ class KvxKVManager(BaseKVManager):
                 decode=d["address"], pp_rank=self.pp_rank, pp_size=self.pp_size,
                 layout=self.pool.layout, total_layers=int(d["total_layers"]),
                 page_tokens=self.page_size, memory=self.pool.memory, peers=peers,
-                mesh_socket=mesh_socket,
+                mesh_socket=mesh_socket, instance=str(d.get("instance", "")),
                 secret=self.secret, backend=self.backend, device=self.device,
                 engine_id=f"sglang-prefill-{self.tp_rank}-{self.pp_rank}-{os.getpid()}-{decode_id}")
         except Exception:
@@ -284,13 +286,33 @@ class KvxKVManager(BaseKVManager):
 
     # Decode side.
 
-    def decode_engine(self, bootstrap_addr: str) -> "kvx.DecodeEngine":
-        """The DecodeEngine for the prefill instance at `bootstrap_addr`, started (and announced to
-        it) on first use."""
+    def _decode(self) -> "kvx.DecodeEngine":
+        """This rank's one DecodeEngine, started on first use, with no instance yet."""
         with self._lock:
-            e = self._decodes.get(bootstrap_addr)
-            if e is not None:
+            if self._engine is not None:
+                return self._engine
+        e = kvx.DecodeEngine(
+            layout=self.pool.layout, total_layers=self.pool.num_layers, page_tokens=self.page_size,
+            pp_size=0, memory=self.pool.memory,
+            listen=f"{settings.url_host(self.local_ip)}:0",
+            secret=self.secret, backend=self.backend, device=self.device,
+            engine_id=f"sglang-decode-{self.id}")
+        with self._lock:
+            if self._engine is None:
+                self._engine = e
+                logger.info("kvx: decode engine started on %s (TP rank %d): one engine for every "
+                            "prefill instance", e.address, self.tp_rank)
                 return e
+            won = self._engine
+        e.shutdown(1)  # another receiver won the race; nobody knew this one
+        return won
+
+    def decode_engine(self, bootstrap_addr: str) -> "kvx.DecodeEngine":
+        """The DecodeEngine, serving the prefill instance at `bootstrap_addr` (added as a session
+        named by that address, and announced to it, on first use)."""
+        with self._lock:
+            if bootstrap_addr in self._pp and self._engine is not None:
+                return self._engine
         url = f"http://{bootstrap_addr}"
         got = self._get(f"{url}/kvx/prefill")
         if got["ranks"]:
@@ -301,26 +323,22 @@ class KvxKVManager(BaseKVManager):
         if not mine:
             raise kvx.ConfigError(f"kvx: no prefill rank of TP rank {self.tp_rank} at {bootstrap_addr}")
         pp_size = int(mine[0]["pp_size"])
-        e = kvx.DecodeEngine(
-            layout=self.pool.layout, total_layers=self.pool.num_layers, page_tokens=self.page_size,
-            pp_size=pp_size, memory=self.pool.memory,
-            listen=f"{settings.url_host(self.local_ip)}:0",
-            secret=self.secret, backend=self.backend, device=self.device,
-            engine_id=f"sglang-decode-{self.id}-{len(self._decodes)}")
+        e = self._decode()
+        e.add_instance(bootstrap_addr, pp_size)
         with self._lock:
-            if bootstrap_addr in self._decodes:  # another receiver won the race
-                e.shutdown(1)
-                return self._decodes[bootstrap_addr]
-            self._decodes[bootstrap_addr] = e
+            if bootstrap_addr in self._pp:  # another receiver won the race
+                return e
             self._pp[bootstrap_addr] = pp_size
+        logger.info("kvx: decode engine serves prefill instance %s (PP size %d)", bootstrap_addr,
+                    pp_size)
         self._announce(bootstrap_addr, got["instance"])
         return e
 
     def _announce(self, bootstrap_addr: str, instance: str) -> None:
-        e = self._decodes[bootstrap_addr]
         self._put(f"http://{bootstrap_addr}/kvx/decode", {
             "decode_id": f"{self.id}-{bootstrap_addr}", "tp_rank": self.tp_rank,
-            "address": e.address, "total_layers": self.pool.num_layers})
+            "address": self._decode().address, "total_layers": self.pool.num_layers,
+            "instance": bootstrap_addr})
         with self._lock:
             self._instances[bootstrap_addr] = instance
 
@@ -328,7 +346,7 @@ class KvxKVManager(BaseKVManager):
         interval, max_misses = settings.heartbeat()
         while not self._closed.wait(interval):
             with self._lock:
-                addrs = list(self._decodes)
+                addrs = list(self._pp)
             for addr in addrs:
                 try:
                     got = self._get(f"http://{addr}/kvx/prefill", timeout=interval)
@@ -449,10 +467,10 @@ class KvxKVManager(BaseKVManager):
         self._closed.set()
         with self._lock:
             prefills = list(getattr(self, "_prefills", {}).values())
-            decodes = list(getattr(self, "_decodes", {}).values())
+            decode = getattr(self, "_engine", None)
         for p in prefills:
             p.close()
-        for d in decodes:
-            d.shutdown(5)
+        if decode is not None:
+            decode.shutdown(5)
 
     teardown = close

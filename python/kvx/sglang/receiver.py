@@ -1,7 +1,7 @@
 """``KvxKVReceiver``: one request on one decode rank.
 
 ``send_metadata(kv_indices)`` is ``expect(room, pages * page_size, chunk, kv_indices)`` on the
-prefill instance's ``DecodeEngine``; poll follows the request's ``Pending``, and reports
+rank's ``DecodeEngine``, from the prefill instance's session (named by its bootstrap address); poll follows the request's ``Pending``, and reports
 ``Success`` once the pages and the last PP rank's metadata row are in place. Aborts go through
 kvx's abort path: the ranks stop and acknowledge, so ``is_abort_release_safe`` says true only
 once no write can still land."""
@@ -60,7 +60,8 @@ class KvxKVReceiver(BaseKVReceiver):
             self.pending = self.engine.expect(self.bootstrap_room, len(pages) * self.kv_mgr.page_size,
                                               self.kv_mgr.chunk_tokens(), pages,
                                               settings.request_timeout(),
-                                              prefix_tokens=int(decode_prefix_len or 0))
+                                              prefix_tokens=int(decode_prefix_len or 0),
+                                              instance=self.bootstrap_addr)
             with self.kv_mgr._lock:
                 self.kv_mgr._rooms[self.bootstrap_room] = self.engine
         except (kvx.KvxError, AttributeError) as e:
@@ -81,7 +82,7 @@ class KvxKVReceiver(BaseKVReceiver):
             return self._bootstrapping()
         if self.pending is None:
             try:
-                self.engine.wait_for_ranks(0)
+                self.engine.wait_for_ranks(0, instance=self.bootstrap_addr)
             except kvx.Timeout:
                 return self._bootstrapping()
             return KVPoll.WaitingForInput

@@ -60,6 +60,9 @@ pub struct Workload {
     pub request_timeout: Duration,
     /// Where decode's pool comes from.
     pub decode_pool: crate::cluster::PoolKind,
+    /// Prefill instances (pipelines of `pp` ranks each) into the one decode engine; requests go
+    /// to them in turn, by destination slot.
+    pub prefill_instances: u16,
 }
 
 impl Workload {
@@ -163,6 +166,13 @@ pub struct Report {
     pub verified: bool,
     /// Requests checked byte for byte.
     pub verified_requests: u64,
+    /// Prefill instances the decode engine served.
+    pub prefill_instances: u64,
+    /// Registrations the decode engine's transport held: one for its pool, however many
+    /// instances it served.
+    pub registrations_per_process: u64,
+    /// Writes of one request, all ranks, after coalescing.
+    pub writes_per_request: u64,
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -289,6 +299,9 @@ impl Tally {
                 && self.mismatches == 0
                 && self.failed == self.failed_during_absence,
             verified_requests: self.verified_requests,
+            prefill_instances: 1,
+            registrations_per_process: 0,
+            writes_per_request: w.writes_per_request(),
         }
     }
 }
@@ -427,7 +440,11 @@ pub async fn run_workload(
         checksums: w.checksums,
         decode_pool: w.decode_pool,
     };
-    let cluster = Arc::new(Cluster::start(spec).await?);
+    let instances = w.prefill_instances.max(1);
+    let cluster = Arc::new(Cluster::start_instances(spec, instances).await?);
+    let registrations = cluster.decode.stats().registrations;
+    // Each destination slot's requests come from one instance, in turn.
+    let instance_of = |slot: u32| (slot % u32::from(instances)) as usize;
     let src = |slot: u32| -> Vec<u32> { (slot * pages..(slot + 1) * pages).collect() };
     let chunks = w.prompt_tokens.div_ceil(w.chunk_tokens);
     let on = |e: Event<'_>| match e {
@@ -454,6 +471,7 @@ pub async fn run_workload(
         |request, slot| {
             Ok(one_request(
                 cluster.clone(),
+                instance_of(slot),
                 request,
                 src(slot),
                 w.dst_pages(slot),
@@ -465,7 +483,7 @@ pub async fn run_workload(
         },
         |request, slot| {
             cluster
-                .prepare(request, &src(slot), &w.dst_pages(slot))
+                .prepare_in(instance_of(slot), request, &src(slot), &w.dst_pages(slot))
                 .map_err(|e| EngineError::Config(format!("preparing {request:?}: {e}")))
         },
         |request, slot| cluster.verify(request, &w.dst_pages(slot)),
@@ -478,7 +496,10 @@ pub async fn run_workload(
     if !closed.pool_freed {
         eprintln!("kvbench: decode pool leaked, ranks did not confirm shutdown: {closed:?}");
     }
-    Ok(tally.report(w, backend))
+    let mut report = tally.report(w, backend);
+    report.prefill_instances = u64::from(instances);
+    report.registrations_per_process = registrations;
+    Ok(report)
 }
 
 /// How long a finished run waits for every rank to confirm that its writes are over.
@@ -487,6 +508,7 @@ pub const SHUTDOWN: Duration = Duration::from_secs(10);
 #[allow(clippy::too_many_arguments)] // one request's whole description, passed to a spawned task
 async fn one_request(
     cluster: Arc<Cluster>,
+    instance: usize,
     request: RequestId,
     src: Vec<u32>,
     dst: Vec<u32>,
@@ -497,11 +519,23 @@ async fn one_request(
 ) -> Result<Ran, EngineError> {
     let src = Arc::new(src);
     let t0 = Instant::now();
-    let outcome = cluster
-        .decode
-        .expect(request, prompt_tokens, chunk_tokens, dst, timeout)?;
+    let (name, pipeline) = cluster
+        .instances
+        .get(instance)
+        .ok_or_else(|| EngineError::Config(format!("no prefill instance {instance}")))?;
+    let outcome = cluster.decode.expect_request(
+        request,
+        transfer_engine::engine::Expected {
+            instance: name.clone(),
+            prefix_tokens: 0,
+            prompt_tokens,
+            chunk_tokens,
+            dst_pages: dst,
+            timeout,
+        },
+    )?;
     let mut ranks = tokio::task::JoinSet::new();
-    for p in &cluster.prefill {
+    for p in pipeline {
         let p = p.clone();
         let src = src.clone();
         ranks.spawn(async move {

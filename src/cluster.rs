@@ -121,13 +121,25 @@ pub struct Cluster {
     pub spec: ClusterSpec,
     /// The decode engine.
     pub decode: DecodeEngine,
-    /// The prefill engines, by rank.
+    /// The prefill engines, by rank (of the first instance, with [`start_instances`]).
+    ///
+    /// [`start_instances`]: Self::start_instances
     pub prefill: Vec<PrefillEngine>,
+    /// Every prefill instance's name (as decode serves it) and ranks, the first one's the same
+    /// engines as `prefill`.
+    pub instances: Vec<(String, Vec<PrefillEngine>)>,
     /// Each rank's global layer range.
     pub layers: Vec<std::ops::Range<u32>>,
     /// Each rank's settings, to start it again ([`restart_rank`](Self::restart_rank)).
     configs: Vec<PrefillConfig>,
 }
+
+/// One pipeline's ranks, their layer ranges and settings.
+type PipelineParts = (
+    Vec<PrefillEngine>,
+    Vec<std::ops::Range<u32>>,
+    Vec<PrefillConfig>,
+);
 
 static CLUSTER_SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
@@ -196,12 +208,45 @@ impl Cluster {
     /// Any engine start failure.
     pub async fn start_with(
         spec: ClusterSpec,
+        backend: impl FnMut(Option<u16>, &str) -> BackendConfig,
+    ) -> Result<Cluster, EngineError> {
+        Self::start_inner(spec, 1, backend).await
+    }
+
+    /// [`start`](Self::start) with `instances` prefill instances (each a pipeline of `spec.pp`
+    /// ranks, named `prefill-<k>`) into the one decode engine, each a session of it. With one
+    /// instance, that is decode's default instance, as [`start`](Self::start) makes it.
+    ///
+    /// # Errors
+    /// Any engine start failure.
+    pub async fn start_instances(
+        spec: ClusterSpec,
+        instances: u16,
+    ) -> Result<Cluster, EngineError> {
+        let kind = spec.backend;
+        Self::start_inner(spec, instances, |_, name| {
+            BackendConfig::default_for(kind, name)
+        })
+        .await
+    }
+
+    async fn start_inner(
+        spec: ClusterSpec,
+        instances: u16,
         mut backend: impl FnMut(Option<u16>, &str) -> BackendConfig,
     ) -> Result<Cluster, EngineError> {
         let s = spec.shape;
         let page_bytes = s.page_bytes();
         let dst_layout = KvLayout::packed(0, s.layers, s.regions, page_bytes, spec.decode_pages);
-        let mut dcfg = DecodeConfig::new(s.layers, s.page_tokens, dst_layout.clone(), spec.pp);
+        let instances = instances.max(1);
+        // One instance is decode's default one; several are named sessions.
+        let names: Vec<String> = if instances == 1 {
+            vec![String::new()]
+        } else {
+            (0..instances).map(|k| format!("prefill-{k}")).collect()
+        };
+        let default_pp = if instances == 1 { spec.pp } else { 0 };
+        let mut dcfg = DecodeConfig::new(s.layers, s.page_tokens, dst_layout.clone(), default_pp);
         // Names unique in the process: tests build several clusters side by side, and a NIXL agent's
         // name is how its peers know it.
         let tag = CLUSTER_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -216,7 +261,57 @@ impl Cluster {
             .pool(dst_layout.buffer_len)
             .map_err(|e| EngineError::Config(format!("decode pool: {e}")))?;
         let decode = DecodeEngine::start(dcfg, dpool).await?;
+        if instances > 1 {
+            for name in &names {
+                decode.add_instance(name, spec.pp, 1)?;
+            }
+        }
         let split = PpSplit::SglangEven;
+        let mut pipelines = Vec::new();
+        let (mut layers, mut configs) = (Vec::new(), Vec::new());
+        for (k, name) in names.iter().enumerate() {
+            let (ranks, l, c) = Self::start_pipeline(
+                &spec,
+                &decode,
+                name,
+                &format!("{tag}-{k}"),
+                &secret,
+                split.clone(),
+                &mut backend,
+            )
+            .await?;
+            if k == 0 {
+                (layers, configs) = (l, c);
+            }
+            pipelines.push((name.clone(), ranks));
+        }
+        for (name, _) in &pipelines {
+            decode
+                .wait_for_instance(name, Duration::from_secs(10))
+                .await?;
+        }
+        Ok(Cluster {
+            spec,
+            decode,
+            prefill: pipelines[0].1.clone(),
+            instances: pipelines,
+            layers,
+            configs,
+        })
+    }
+
+    /// Starts one prefill pipeline of instance `instance` into `decode`.
+    async fn start_pipeline(
+        spec: &ClusterSpec,
+        decode: &DecodeEngine,
+        instance: &str,
+        tag: &str,
+        secret: &[u8],
+        split: PpSplit,
+        backend: &mut impl FnMut(Option<u16>, &str) -> BackendConfig,
+    ) -> Result<PipelineParts, EngineError> {
+        let s = spec.shape;
+        let page_bytes = s.page_bytes();
         // Each rank's mesh socket is bound before the addresses are shared, so no port can be
         // taken in between.
         let mut sockets = Vec::new();
@@ -259,10 +354,11 @@ impl Cluster {
                 layout.clone(),
             );
             cfg.backend = backend(Some(rank), &format!("prefill-{rank}-{tag}"));
+            cfg.instance = instance.to_owned();
             cfg.peers = peers.clone();
             cfg.mesh_socket = sockets.get(usize::from(rank)).cloned();
             cfg.checksums = spec.checksums;
-            cfg.token = Some(secret.clone());
+            cfg.token = Some(secret.to_vec());
             let buf = spec
                 .decode_pool
                 .pool(layout.buffer_len)
@@ -278,14 +374,7 @@ impl Cluster {
                     .map_err(|e| EngineError::Config(format!("prefill start task: {e}")))??,
             );
         }
-        decode.wait_for_ranks(Duration::from_secs(10)).await?;
-        Ok(Cluster {
-            spec,
-            decode,
-            prefill,
-            layers,
-            configs,
-        })
+        Ok((prefill, layers, configs))
     }
 
     /// Runs one request: [`prepare`](Self::prepare)s it, decode expects it, every rank sends every
@@ -422,7 +511,30 @@ impl Cluster {
         src_pages: &[u32],
         dst_pages: &[u32],
     ) -> Result<(), VerifyError> {
-        for (rank, p) in self.prefill.iter().enumerate() {
+        self.prepare_in(0, request, src_pages, dst_pages)
+    }
+
+    /// [`prepare`](Self::prepare) on the ranks of instance `instance` (an index into
+    /// [`instances`](Self::instances)).
+    ///
+    /// # Errors
+    /// A page outside a pool, or no such instance.
+    pub fn prepare_in(
+        &self,
+        instance: usize,
+        request: RequestId,
+        src_pages: &[u32],
+        dst_pages: &[u32],
+    ) -> Result<(), VerifyError> {
+        let ranks = match instance {
+            0 => &self.prefill,
+            k => self
+                .instances
+                .get(k)
+                .map(|(_, r)| r)
+                .ok_or_else(|| VerifyError::Pages(format!("no prefill instance {k}")))?,
+        };
+        for (rank, p) in ranks.iter().enumerate() {
             let layout = self.prefill_layout(rank as u16);
             verify::write_source(&layout, request, rank as u16, src_pages, |at, b| {
                 p.write_pool(at, b)

@@ -97,3 +97,46 @@ async fn mla_four_pp_ranks_nixl() {
 async fn gqa_four_pp_ranks_nixl() {
     three_prompts(Shape::GQA, BackendKind::Nixl).await;
 }
+
+/// `kvbench --prefill-instances`: three prefill pipelines into one decode engine, requests to
+/// each in turn, every request verified on poisoned pages; decode's transport holds one
+/// registration for all of them.
+async fn three_instances(backend: BackendKind) {
+    use kvbench::bench::{Verify, Workload, run_workload};
+    let w = Workload {
+        shape: Shape::GQA,
+        pp: 2,
+        prompt_tokens: 256,
+        chunk_tokens: 64,
+        requests: 12,
+        concurrency: 6,
+        verify: Verify::All,
+        checksums: true,
+        duration: None,
+        scatter: false,
+        request_timeout: Duration::from_secs(30),
+        decode_pool: PoolKind::Shared,
+        prefill_instances: 3,
+    };
+    let r = tokio::time::timeout(Duration::from_secs(60), run_workload(&w, backend, None))
+        .await
+        .expect("the run did not end within 60 s")
+        .unwrap();
+    assert!(r.verified && r.failed == 0, "{r:?}");
+    assert_eq!(r.verified_requests, 12, "{r:?}");
+    assert_eq!(
+        (r.prefill_instances, r.registrations_per_process),
+        (3, 1),
+        "{r:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_prefill_instances_into_one_decode_engine_ucx() {
+    three_instances(BackendKind::Ucx).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_prefill_instances_into_one_decode_engine_nixl() {
+    three_instances(BackendKind::Nixl).await;
+}

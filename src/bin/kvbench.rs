@@ -86,6 +86,10 @@ struct Opts {
     /// Prefill PP size.
     #[arg(long, default_value_t = 4, global = true)]
     pp: u16,
+    /// Prefill instances (pipelines of --pp ranks each) into the one decode engine, in one
+    /// process: requests go to them in turn. The decode engine registers its pool once for all.
+    #[arg(long, default_value_t = 1)]
+    prefill_instances: u16,
     /// Prompt length in tokens.
     #[arg(long, default_value_t = 8192, global = true)]
     prompt_tokens: u32,
@@ -270,6 +274,7 @@ impl Opts {
                 PoolArg::Shared => PoolKind::Shared,
                 PoolArg::Caller => PoolKind::Caller,
             },
+            prefill_instances: self.prefill_instances.max(1),
         })
     }
 
@@ -345,6 +350,12 @@ fn print_table(w: &Workload, reports: &[Report]) {
         w.chunk_tokens,
         w.write_size()
     );
+    if let Some(r) = reports.first().filter(|_| w.prefill_instances > 1) {
+        println!(
+            "{} prefill instances into one decode engine: {} registration(s) in decode's transport, {} writes per request",
+            r.prefill_instances, r.registrations_per_process, r.writes_per_request
+        );
+    }
     let (major, minor, release) = transfer_engine::transport::ucx::library_version();
     println!(
         "UCX library {major}.{minor}.{release} (one libucp in this process, shared with NIXL's UCX plugin)"
@@ -535,6 +546,12 @@ fn main() -> ExitCode {
         eprintln!(
             "kvbench: no --token-file or {TOKEN_ENV}: this process accepts and trusts any peer"
         );
+    }
+    if w.prefill_instances > 1 && (cli.opts.processes || cli.role.is_some()) {
+        eprintln!(
+            "kvbench: --prefill-instances runs in one process only, so far (not with --processes or a role)"
+        );
+        return ExitCode::from(2);
     }
     if cli.opts.processes {
         if cli.role.is_some() {

@@ -164,6 +164,8 @@ pub struct DecodeStats {
     pub quarantined: u64,
     /// Bytes registered by the transport.
     pub registered_bytes: u64,
+    /// Registrations the transport holds (the pool's, once, whatever the number of instances).
+    pub registrations: u64,
     /// Control connections refused because the peer did not prove the shared secret (or refused
     /// our proof).
     pub auth_failures: u64,
@@ -1257,6 +1259,12 @@ impl DecodeEngine {
                 .transport
                 .get()
                 .map(|t| t.stats().registered_bytes)
+                .unwrap_or(0),
+            registrations: self
+                .inner
+                .transport
+                .get()
+                .map(|t| t.stats().regions)
                 .unwrap_or(0),
         }
     }

@@ -116,6 +116,7 @@ pub async fn run_decode(
                 first_layer: 0,
                 num_layers: w.shape.layers,
                 incarnation: transfer_engine::engine::fresh_incarnation(),
+                instance: String::new(),
             };
             let m = discovery::join_decode(etcd, &decode, record)
                 .await

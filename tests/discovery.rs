@@ -28,6 +28,7 @@ fn record(role: RecordRole, pp_rank: u16, port: u16, incarnation: u64) -> Engine
         first_layer: 2 * u32::from(pp_rank),
         num_layers: 2,
         incarnation,
+        instance: String::new(),
     }
 }
 
@@ -111,7 +112,7 @@ async fn a_dropped_registration_is_deleted_and_an_unrenewed_one_expires() {
         .unwrap();
     let lease = client.lease_grant(2, None).await.unwrap().id();
     let r = record(RecordRole::Prefill, 3, 3001, 9);
-    let key = r.key(&c.prefix().unwrap());
+    let key = r.key(&c.prefix().unwrap()).unwrap();
     let opts = etcd_client::PutOptions::new().with_lease(lease);
     client
         .put(key, serde_json::to_vec(&r).unwrap(), Some(opts))
@@ -152,7 +153,9 @@ async fn a_deleted_record_is_put_back_by_its_registration() {
     let mut client = etcd_client::Client::connect([server.url()], None)
         .await
         .unwrap();
-    let key = record(RecordRole::Prefill, 1, 3500, 4).key(&c.prefix().unwrap());
+    let key = record(RecordRole::Prefill, 1, 3500, 4)
+        .key(&c.prefix().unwrap())
+        .unwrap();
     client.delete(key, None).await.unwrap();
     let deleted_at = Instant::now();
     let ev = tokio::time::timeout(BOUND, events.recv())
@@ -266,4 +269,115 @@ async fn sixty_four_engines_register_and_watch() {
         registered / u32::from(N),
         u32::from(N) * u32::from(N),
     );
+}
+
+/// Two prefill instances, each a pipeline of two ranks, and one decode engine find each other
+/// through one etcd cluster name: the records' keys carry the instance, so nothing collides; each
+/// rank's mesh peers are its own instance's ranks; decode serves each instance as soon as its
+/// records appear (a session each) and both instances' requests complete with their own bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_prefill_instances_and_one_decode_share_a_cluster_name() {
+    use transfer_engine::core::RequestId;
+    use transfer_engine::core::planner::{KvLayout, RegionKind};
+    use transfer_engine::discovery::{find_prefill_cluster, join_decode, join_prefill};
+    use transfer_engine::engine::{
+        DecodeConfig, DecodeEngine, Expected, Outcome, Pool, PrefillConfig, PrefillEngine,
+    };
+    use transfer_engine::mem::{HostBuffer, HostOptions};
+    const PAGE: u64 = 256;
+    let server = EtcdServer::start().unwrap();
+    let c = cfg(&server, "instances", 5);
+    let secret = b"instances-test secret, 32 bytes.".to_vec();
+    let dlayout = KvLayout::packed(0, 4, RegionKind::Fused, PAGE, 16);
+    let mut dcfg = DecodeConfig::new(4, 16, dlayout.clone(), 0);
+    dcfg.token = Some(secret.clone());
+    let mut dbuf = HostBuffer::new(dlayout.buffer_len as usize, HostOptions::default()).unwrap();
+    dbuf.as_mut_slice().fill(0xEE);
+    let decode = DecodeEngine::start(dcfg, Pool::Owned(dbuf)).await.unwrap();
+    let mut drec = record(RecordRole::Decode, 0, decode.local_addr().port(), 1);
+    drec.address = decode.local_addr();
+    drec.instance = "decode-a".into();
+    let _dm = join_decode(&c, &decode, drec).await.unwrap();
+    let mut starts = Vec::new();
+    for (name, fill) in [("alpha", 0x11u8), ("beta", 0x22u8)] {
+        for rank in 0..2u16 {
+            let (c, secret) = (c.clone(), secret.clone());
+            starts.push(tokio::spawn(async move {
+                let layout = KvLayout::packed(u32::from(rank) * 2, 2, RegionKind::Fused, PAGE, 16);
+                let mut cfg = PrefillConfig::new(
+                    SocketAddr::from(([127, 0, 0, 1], 0)),
+                    rank,
+                    2,
+                    4,
+                    16,
+                    layout.clone(),
+                );
+                cfg.instance = name.into();
+                cfg.engine_id = format!("{name}-{rank}");
+                cfg.token = Some(secret);
+                let (reg, dir) = find_prefill_cluster(
+                    &c,
+                    &mut cfg,
+                    0,
+                    std::net::IpAddr::from([127, 0, 0, 1]),
+                    BOUND,
+                )
+                .await
+                .unwrap();
+                let mut buf =
+                    HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).unwrap();
+                buf.as_mut_slice().fill(fill + rank as u8);
+                let engine = PrefillEngine::start(cfg, Pool::Owned(buf)).await.unwrap();
+                let m = join_prefill(&engine, reg, dir, 0);
+                (name, rank, engine, m)
+            }));
+        }
+    }
+    let mut ranks = Vec::new();
+    for s in starts {
+        ranks.push(s.await.unwrap());
+    }
+    for name in ["alpha", "beta"] {
+        decode.wait_for_instance(name, BOUND).await.unwrap();
+    }
+    assert_eq!(
+        decode.instances(),
+        vec![("alpha".into(), 2), ("beta".into(), 2)]
+    );
+    for (n, (name, dst)) in [("alpha", [0u32, 1]), ("beta", [5, 6])]
+        .into_iter()
+        .enumerate()
+    {
+        let request = RequestId(40 + n as u64);
+        let done = decode
+            .expect_request(
+                request,
+                Expected {
+                    instance: name.into(),
+                    prefix_tokens: 0,
+                    prompt_tokens: 32,
+                    chunk_tokens: 32,
+                    dst_pages: dst.to_vec(),
+                    timeout: BOUND,
+                },
+            )
+            .unwrap();
+        for (_, _, e, _) in ranks.iter().filter(|r| r.0 == name) {
+            e.send_chunk(request, 0, &[3, 4], true).await.unwrap();
+        }
+        assert_eq!(
+            tokio::time::timeout(BOUND, done).await.unwrap(),
+            Outcome::Complete
+        );
+        // Each layer's pages hold the bytes of the rank that holds it, of this instance.
+        let fill = if name == "alpha" { 0x11u8 } else { 0x22 };
+        for layer in 0..4u64 {
+            let mut page = vec![0u8; PAGE as usize];
+            decode
+                .read_pool((layer * 16 + u64::from(dst[0])) * PAGE, &mut page)
+                .unwrap();
+            let want = fill + (layer / 2) as u8;
+            assert!(page.iter().all(|&b| b == want), "{name} layer {layer}");
+        }
+    }
 }

@@ -82,6 +82,9 @@ pub enum DiscoveryError {
     /// The cluster name cannot be a key prefix.
     #[error("cluster name {0:?} must be non-empty and without '/'")]
     BadCluster(String),
+    /// An instance name that cannot be a key part.
+    #[error("instance name {0:?} must be without '/' and not `_`")]
+    BadInstance(String),
     /// etcd refused or could not be reached.
     #[error("etcd: {0}")]
     Etcd(#[from] etcd_client::Error),
@@ -139,17 +142,35 @@ pub struct EngineRecord {
     pub num_layers: u32,
     /// The engine start's incarnation (see [`crate::core::membership`]).
     pub incarnation: u64,
+    /// The instance: a prefill rank's prefill instance (its pipeline, as decode serves it), a
+    /// decode engine's own name among the decode instances; `""` for the one instance of a
+    /// cluster that has one. Without `/`.
+    #[serde(default)]
+    pub instance: String,
 }
 
 impl EngineRecord {
-    /// The record's key under the cluster `prefix`: one key per role, TP and PP rank, so a
-    /// restarted rank's record replaces its previous start's.
-    pub fn key(&self, prefix: &str) -> String {
+    /// The record's key under the cluster `prefix`: one key per role, instance, TP and PP rank
+    /// (`<role>/<instance or _>/<tp>/<pp>`), so one cluster name holds many prefill and decode
+    /// instances, and a restarted rank's record replaces its previous start's.
+    ///
+    /// # Errors
+    /// [`DiscoveryError::BadInstance`] for an instance name with `/` or named `_`.
+    pub fn key(&self, prefix: &str) -> Result<String, DiscoveryError> {
         let role = match self.role {
             RecordRole::Decode => "decode",
             RecordRole::Prefill => "prefill",
         };
-        format!("{prefix}{role}/{}/{}", self.tp_rank, self.pp_rank)
+        let instance = match self.instance.as_str() {
+            "" => "_",
+            "_" => return Err(DiscoveryError::BadInstance("_".into())),
+            i if i.contains('/') => return Err(DiscoveryError::BadInstance(i.into())),
+            i => i,
+        };
+        Ok(format!(
+            "{prefix}{role}/{instance}/{}/{}",
+            self.tp_rank, self.pp_rank
+        ))
     }
 }
 
@@ -204,7 +225,7 @@ impl Registration {
     /// # Errors
     /// etcd unreachable, or a bad cluster name.
     pub async fn register(cfg: &EtcdConfig, record: EngineRecord) -> Result<Self, DiscoveryError> {
-        let key = record.key(&cfg.prefix()?);
+        let key = record.key(&cfg.prefix()?)?;
         let value = serde_json::to_vec(&record).map_err(|e| DiscoveryError::BadRecord {
             key: key.clone(),
             reason: e.to_string(),
@@ -421,6 +442,7 @@ impl Directory {
     /// [`DiscoveryError::Timeout`].
     pub async fn wait_for_cluster(
         &self,
+        instance: &str,
         tp_rank: u16,
         pp_size: u16,
         timeout: Duration,
@@ -429,11 +451,15 @@ impl Directory {
             let decode = rs
                 .iter()
                 .find(|r| r.role == RecordRole::Decode && r.tp_rank == tp_rank)?;
+            // The PP peers are this instance's ranks only.
             let peers = (0..pp_size)
                 .map(|p| {
                     rs.iter()
                         .find(|r| {
-                            r.role == RecordRole::Prefill && r.tp_rank == tp_rank && r.pp_rank == p
+                            r.role == RecordRole::Prefill
+                                && r.instance == instance
+                                && r.tp_rank == tp_rank
+                                && r.pp_rank == p
                         })
                         .map(|r| r.address)
                 })
@@ -569,7 +595,7 @@ pub async fn watch_decode(engine: DecodeEngine, directory: Directory, tp_rank: u
                 tracing::warn!(missed = n, "directory events missed");
                 for r in directory.records() {
                     if r.role == RecordRole::Prefill && r.tp_rank == tp_rank {
-                        engine.readmit(r.pp_rank, r.incarnation);
+                        engine.readmit_in(&r.instance, r.pp_rank, r.incarnation);
                     }
                 }
                 continue;
@@ -583,13 +609,20 @@ pub async fn watch_decode(engine: DecodeEngine, directory: Directory, tp_rank: u
         if r.role != RecordRole::Prefill || r.tp_rank != tp_rank {
             continue;
         }
-        if deleted && engine.evict(r.pp_rank, r.incarnation) {
+        // A named prefill instance registering is served: its ranks may connect.
+        if !deleted
+            && !r.instance.is_empty()
+            && let Err(e) = engine.add_instance(&r.instance, r.pp_size, 1)
+        {
+            tracing::warn!(instance = %r.instance, error = %e, "prefill instance not served");
+        }
+        if deleted && engine.evict_in(&r.instance, r.pp_rank, r.incarnation) {
             tracing::warn!(
                 rank = r.pp_rank,
                 incarnation = r.incarnation,
                 "prefill rank's etcd lease ended while it is connected: evicted"
             );
-        } else if !deleted && engine.readmit(r.pp_rank, r.incarnation) {
+        } else if !deleted && engine.readmit_in(&r.instance, r.pp_rank, r.incarnation) {
             tracing::info!(
                 rank = r.pp_rank,
                 "prefill rank registered again: readmitted"
@@ -642,11 +675,12 @@ pub async fn find_prefill_cluster(
         first_layer: cfg.layout.first_layer,
         num_layers: cfg.layout.num_layers,
         incarnation: cfg.incarnation,
+        instance: cfg.instance.clone(),
     };
     let directory = Directory::open(etcd).await?;
     let registration = Registration::register(etcd, record).await?;
     let (decode, peers) = directory
-        .wait_for_cluster(tp_rank, cfg.pp_size, timeout)
+        .wait_for_cluster(&cfg.instance, tp_rank, cfg.pp_size, timeout)
         .await?;
     cfg.decode = decode.address;
     if cfg.pp_size > 1 {

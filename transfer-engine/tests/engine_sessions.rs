@@ -324,13 +324,14 @@ async fn a_rank_of_an_unknown_instance_is_refused_at_the_handshake() {
         matches!(
             &err,
             EngineError::Control(control::ControlError::PeerRejected {
-                reason: RejectReason::Refused(_),
+                reason: RejectReason::UnknownInstance(_),
                 ..
             })
         ),
         "{err}"
     );
-    assert_eq!(d.stats().handshake_failures, 1);
+    // Refused at every attempt until the rank's connect deadline.
+    assert!(d.stats().handshake_failures >= 1, "{:?}", d.stats());
     d.shutdown(BOUND).await;
 }
 

@@ -280,6 +280,11 @@ pub enum RejectReason {
     /// Refused by the application for its own reason.
     #[error("refused: {0}")]
     Refused(String),
+    /// The decode side serves no prefill instance of that name (yet: an instance found through
+    /// discovery is added when its records appear, so a rank tries again until its deadline).
+    /// Protocol version 6.
+    #[error("this decode serves no prefill instance {0:?}")]
+    UnknownInstance(String),
 }
 
 /// Refusal of the peer's Hello.

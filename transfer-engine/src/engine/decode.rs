@@ -2097,10 +2097,7 @@ async fn serve_rank(inner: Weak<Inner>, mut conn: Connection) {
             .and_then(|id| Some((id, st.sessions.get(&id)?)))
             .filter(|(_, s)| !s.leaving)
         else {
-            return Err(RejectReason::Refused(format!(
-                "this decode serves no prefill instance {:?}",
-                remote.instance
-            )));
+            return Err(RejectReason::UnknownInstance(remote.instance.clone()));
         };
         if remote.pp_size != s.pp_size {
             return Err(RejectReason::PpMismatch(format!(

@@ -1314,6 +1314,18 @@ async fn connect_taken(
                 );
                 tokio::time::sleep(MESH_RETRY).await;
             }
+            Err(control::ControlError::PeerRejected {
+                reason: RejectReason::UnknownInstance(_),
+                ..
+            }) if tokio::time::Instant::now() + MESH_RETRY < deadline => {
+                // Decode adds an instance found through discovery when it sees its records.
+                tracing::info!(
+                    rank = hello.pp_rank,
+                    instance = %hello.instance,
+                    "decode does not serve this instance yet; trying again"
+                );
+                tokio::time::sleep(MESH_RETRY).await;
+            }
             Err(e) => return Err(e.into()),
         }
     }

@@ -520,13 +520,12 @@ async fn one_request(
     let src = Arc::new(src);
     let t0 = Instant::now();
     let (name, pipeline) = cluster
-        .instances
-        .get(instance)
+        .pipeline(instance)
         .ok_or_else(|| EngineError::Config(format!("no prefill instance {instance}")))?;
     let outcome = cluster.decode.expect_request(
         request,
         transfer_engine::engine::Expected {
-            instance: name.clone(),
+            instance: name.to_owned(),
             prefix_tokens: 0,
             prompt_tokens,
             chunk_tokens,

@@ -125,9 +125,11 @@ pub struct Cluster {
     ///
     /// [`start_instances`]: Self::start_instances
     pub prefill: Vec<PrefillEngine>,
-    /// Every prefill instance's name (as decode serves it) and ranks, the first one's the same
-    /// engines as `prefill`.
-    pub instances: Vec<(String, Vec<PrefillEngine>)>,
+    /// Every prefill instance's name, as decode serves it (`""`: decode's default instance).
+    pub instance_names: Vec<String>,
+    /// The ranks of the instances after the first (whose ranks are `prefill`, held only there,
+    /// so that taking a rank out of `prefill` drops its engine).
+    others: Vec<Vec<PrefillEngine>>,
     /// Each rank's global layer range.
     pub layers: Vec<std::ops::Range<u32>>,
     /// Each rank's settings, to start it again ([`restart_rank`](Self::restart_rank)).
@@ -290,11 +292,15 @@ impl Cluster {
                 .wait_for_instance(name, Duration::from_secs(10))
                 .await?;
         }
+        let instance_names = pipelines.iter().map(|(n, _)| n.clone()).collect();
+        let mut ranks = pipelines.into_iter().map(|(_, r)| r);
+        let prefill = ranks.next().unwrap_or_default();
         Ok(Cluster {
             spec,
             decode,
-            prefill: pipelines[0].1.clone(),
-            instances: pipelines,
+            prefill,
+            instance_names,
+            others: ranks.collect(),
             layers,
             configs,
         })
@@ -460,6 +466,16 @@ impl Cluster {
         Ok(inc)
     }
 
+    /// Instance `k`'s name (as decode serves it) and ranks.
+    pub fn pipeline(&self, k: usize) -> Option<(&str, &[PrefillEngine])> {
+        let name = self.instance_names.get(k)?;
+        let ranks = match k {
+            0 => &self.prefill,
+            k => self.others.get(k - 1)?,
+        };
+        Some((name.as_str(), ranks.as_slice()))
+    }
+
     /// The decode pool's layout.
     pub fn decode_layout(&self) -> KvLayout {
         let s = self.spec.shape;
@@ -526,14 +542,9 @@ impl Cluster {
         src_pages: &[u32],
         dst_pages: &[u32],
     ) -> Result<(), VerifyError> {
-        let ranks = match instance {
-            0 => &self.prefill,
-            k => self
-                .instances
-                .get(k)
-                .map(|(_, r)| r)
-                .ok_or_else(|| VerifyError::Pages(format!("no prefill instance {k}")))?,
-        };
+        let (_, ranks) = self
+            .pipeline(instance)
+            .ok_or_else(|| VerifyError::Pages(format!("no prefill instance {instance}")))?;
         for (rank, p) in ranks.iter().enumerate() {
             let layout = self.prefill_layout(rank as u16);
             verify::write_source(&layout, request, rank as u16, src_pages, |at, b| {

@@ -7,4 +7,5 @@ pub mod bench;
 pub mod cluster;
 pub mod etcd_server;
 pub mod roles;
+pub mod tp;
 pub mod verify;

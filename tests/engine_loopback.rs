@@ -147,3 +147,50 @@ async fn three_prefill_instances_into_one_decode_engine_ucx() {
 async fn three_prefill_instances_into_one_decode_engine_nixl() {
     three_instances(BackendKind::Nixl).await;
 }
+
+/// `kvbench --prefill-tp/--decode-tp`: GQA heads sliced from prefill TP 2 into decode TP 1 and
+/// from 1 into 2 at PP 2, and MLA latents from TP 2 into 1, every byte of every decode rank's
+/// pages checked against the heads it holds.
+async fn tp_run(prefill_tp: u16, decode_tp: u16, kv_heads: u32, backend: BackendKind) {
+    use kvbench::tp::{TpCluster, TpSpec};
+    let shape = Shape {
+        layers: 4,
+        bytes_per_token: if kv_heads == 0 { 576 } else { 1024 },
+        page_tokens: 16,
+        regions: if kv_heads == 0 {
+            transfer_engine::core::planner::RegionKind::Fused
+        } else {
+            transfer_engine::core::planner::RegionKind::SplitKv
+        },
+    };
+    let spec = TpSpec {
+        shape,
+        kv_heads,
+        pp: 2,
+        prefill_tp,
+        decode_tp,
+        prompt_tokens: 100,
+        chunk_tokens: 32,
+        concurrency: 2,
+        requests: 4,
+        backend,
+    };
+    let run = async {
+        let c = TpCluster::start(spec).await.unwrap();
+        let r = c.run().await;
+        c.shutdown().await;
+        r
+    };
+    let r = tokio::time::timeout(Duration::from_secs(120), run)
+        .await
+        .expect("the run did not end within 120 s")
+        .unwrap();
+    assert!(r.verified && r.requests == 4, "{r:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kvbench_tp_runs_check_every_decode_ranks_heads() {
+    tp_run(2, 1, 4, BackendKind::Ucx).await;
+    tp_run(1, 2, 4, BackendKind::Ucx).await;
+    tp_run(2, 1, 0, BackendKind::Nixl).await;
+}

@@ -90,6 +90,20 @@ struct Opts {
     /// process: requests go to them in turn. The decode engine registers its pool once for all.
     #[arg(long, default_value_t = 1)]
     prefill_instances: u16,
+    /// Prefill TP size (with --decode-tp; one process): every decode TP rank is an engine, every
+    /// prefill (PP, TP) rank one engine per decode rank it writes into. Runs identical TP
+    /// (--decode-tp on both sides) and this mapping on the same workload, every byte of every
+    /// decode rank's pages checked against the heads it holds.
+    #[arg(long)]
+    prefill_tp: Option<u16>,
+    /// Decode TP size (with --prefill-tp).
+    #[arg(long)]
+    decode_tp: Option<u16>,
+    /// The model's KV heads for --prefill-tp/--decode-tp: heads are sliced over TP ranks (or
+    /// replicated, with fewer heads than ranks). Default: 8 for --model gqa, none (MLA's latent,
+    /// whole on every rank) for mla.
+    #[arg(long)]
+    kv_heads: Option<u32>,
     /// Prompt length in tokens.
     #[arg(long, default_value_t = 8192, global = true)]
     prompt_tokens: u32,
@@ -560,6 +574,13 @@ fn main() -> ExitCode {
         }
         return run_processes(&cli.opts, &w);
     }
+    if cli.opts.prefill_tp.is_some() || cli.opts.decode_tp.is_some() {
+        if cli.role.is_some() || cli.opts.processes || w.prefill_instances > 1 {
+            eprintln!("kvbench: --prefill-tp/--decode-tp run in one process, one instance, so far");
+            return ExitCode::from(2);
+        }
+        return rt.block_on(run_tp(&cli.opts, &w));
+    }
     let result = match cli.role {
         None => rt.block_on(run_local(&cli.opts, &w)),
         Some(Role::Decode { listen }) => rt
@@ -672,6 +693,96 @@ async fn run_local(opts: &Opts, w: &Workload) -> Result<Vec<Report>, String> {
         u.vs_nixl = u.gbps / n;
     }
     Ok(reports)
+}
+
+/// `--prefill-tp N --decode-tp M`: for each backend, identical TP (M on both sides) and then N
+/// into M on the same workload, in this process; prints one row each and the ratio.
+async fn run_tp(opts: &Opts, w: &Workload) -> ExitCode {
+    let decode_tp = opts.decode_tp.unwrap_or(1);
+    let prefill_tp = opts.prefill_tp.unwrap_or(decode_tp);
+    let kv_heads = opts.kv_heads.unwrap_or(match opts.model {
+        Model::Gqa => 8,
+        Model::Mla => 0,
+    });
+    println!(
+        "kvbench TP: {} layers x {} B/token/layer, {} KV heads{}, {}-token pages, PP={}, {}-token prompts in {}-token chunks, {} requests {} at a time",
+        w.shape.layers,
+        w.shape.bytes_per_token,
+        kv_heads,
+        if kv_heads == 0 { " (MLA latent)" } else { "" },
+        w.shape.page_tokens,
+        w.pp,
+        w.prompt_tokens,
+        w.chunk_tokens,
+        w.requests,
+        w.concurrency
+    );
+    println!(
+        "backend  prefill TP  decode TP     GB/s  vs identical  writes/request  engines  verified"
+    );
+    let mut rows = Vec::new();
+    for backend in opts.backends() {
+        let mut identical = None;
+        for (p, d) in [(decode_tp, decode_tp), (prefill_tp, decode_tp)] {
+            let spec = kvbench::tp::TpSpec {
+                shape: w.shape,
+                kv_heads,
+                pp: w.pp,
+                prefill_tp: p,
+                decode_tp: d,
+                prompt_tokens: w.prompt_tokens,
+                chunk_tokens: w.chunk_tokens,
+                concurrency: w.concurrency,
+                requests: w.requests,
+                backend,
+            };
+            let run = async {
+                let c = kvbench::tp::TpCluster::start(spec)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let r = c.run().await;
+                c.shutdown().await;
+                r
+            };
+            let r = match run.await {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("kvbench: {backend} TP {p} into {d}: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            let base = *identical.get_or_insert(r.gbps);
+            println!(
+                "{:<8} {:>10} {:>10} {:>8.2} {:>13.3} {:>15} {:>8} {:>9}",
+                r.backend,
+                r.prefill_tp,
+                r.decode_tp,
+                r.gbps,
+                r.gbps / base,
+                r.writes_per_request,
+                r.engines,
+                if r.verified { "yes" } else { "NO" }
+            );
+            rows.push(r);
+            if prefill_tp == decode_tp {
+                break;
+            }
+        }
+    }
+    if let Some(path) = &opts.json {
+        let text = match serde_json::to_string_pretty(&rows) {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("kvbench: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        if let Err(e) = std::fs::write(path, text) {
+            eprintln!("kvbench: writing {}: {e}", path.display());
+            return ExitCode::FAILURE;
+        }
+    }
+    ExitCode::SUCCESS
 }
 
 /// `--processes`: for each backend, one `kvbench decode` and one `kvbench prefill` per PP rank, each

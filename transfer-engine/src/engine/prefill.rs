@@ -212,6 +212,8 @@ pub struct PrefillStats {
     pub rejected_requests: u64,
     /// Bytes registered by the transport.
     pub registered_bytes: u64,
+    /// Writes posted (after coalescing and splitting at registration boundaries).
+    pub writes: u64,
 }
 
 struct ReqState {
@@ -257,6 +259,7 @@ struct Counters {
     decided_completed: AtomicU64,
     decided_failed: AtomicU64,
     rejected: AtomicU64,
+    writes: AtomicU64,
 }
 
 struct Inner {
@@ -770,6 +773,10 @@ impl PrefillEngine {
             }
             st.posted_total += 1;
         }
+        inner
+            .counters
+            .writes
+            .fetch_add(writes.len() as u64, Ordering::Relaxed);
         inner.transport.post(
             inner.decode_peer,
             writes,
@@ -874,6 +881,7 @@ impl PrefillEngine {
             undecided: lock(&self.inner.state).board.undecided() as u64,
             rejected_requests: c.rejected.load(Ordering::Relaxed),
             registered_bytes: self.inner.transport.stats().registered_bytes,
+            writes: c.writes.load(Ordering::Relaxed),
         }
     }
 

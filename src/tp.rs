@@ -1,0 +1,479 @@
+//! kvbench's run with different TP sizes on the two sides, in one process: one decode engine per
+//! decode TP rank, and for every prefill (PP, TP) rank one engine per decode TP rank it writes into
+//! (`core::topology::targets`). GQA heads are sliced (or replicated, with fewer KV heads than
+//! ranks); MLA latents go whole.
+//!
+//! A request's bytes are named by the request and the global KV head (0 for MLA's latent): the
+//! bytes of head `h`, token `t` of page `i` (of `n`) of region `g` of layer `l` are the pattern of
+//! stream (request, `h`) at `((l * regions + g) * n + i) * page_tokens * head_bytes + t *
+//! head_bytes`. So every decode TP rank's pages are checked against exactly the heads it holds,
+//! whichever prefill rank wrote them. Sources are written and destinations poisoned before a
+//! wave, and checked after it, outside the timed window.
+
+use crate::cluster::Shape;
+use crate::verify::{self, POISON};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use transfer_engine::control::TpMode;
+use transfer_engine::core::RequestId;
+use transfer_engine::core::planner::{HeadLayout, HeadOrder, KvLayout, PpSplit};
+use transfer_engine::core::topology::{self, TpShape};
+use transfer_engine::engine::{
+    BackendConfig, DecodeConfig, DecodeEngine, EngineError, MeshSocket, Outcome, Pool,
+    PrefillConfig, PrefillEngine, TpConfig,
+};
+use transfer_engine::transport::BackendKind;
+
+/// What to run.
+#[derive(Debug, Clone, Copy)]
+pub struct TpSpec {
+    /// The model (for GQA, `bytes_per_token` is the whole model's, all heads).
+    pub shape: Shape,
+    /// The model's KV heads (0 for MLA).
+    pub kv_heads: u32,
+    /// Prefill PP size.
+    pub pp: u16,
+    /// Prefill TP size.
+    pub prefill_tp: u16,
+    /// Decode TP size.
+    pub decode_tp: u16,
+    /// Prompt tokens.
+    pub prompt_tokens: u32,
+    /// Chunk tokens.
+    pub chunk_tokens: u32,
+    /// Requests in flight at once (each in its own pages).
+    pub concurrency: u32,
+    /// Requests.
+    pub requests: u32,
+    /// Backend.
+    pub backend: BackendKind,
+}
+
+/// What a run measured.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct TpReport {
+    /// Backend name.
+    pub backend: String,
+    /// Prefill TP size.
+    pub prefill_tp: u16,
+    /// Decode TP size.
+    pub decode_tp: u16,
+    /// The model's KV bytes of each request (every head of every layer, counted once: MLA's
+    /// copies in several decode TP ranks count once), over the timed windows, GB/s.
+    pub gbps: f64,
+    /// Requests run (all completed and verified, or the run fails).
+    pub requests: u64,
+    /// Writes of one request, all prefill engines together, after coalescing.
+    pub writes_per_request: u64,
+    /// Engines in this process: decode TP ranks plus prefill (PP, TP, decode target) engines.
+    pub engines: u64,
+    /// Every byte of every decode rank's pages of every request matched.
+    pub verified: bool,
+}
+
+impl TpSpec {
+    fn mode(&self) -> TpMode {
+        if self.kv_heads == 0 {
+            TpMode::Replicated
+        } else {
+            TpMode::HeadSliced
+        }
+    }
+
+    fn shape(&self, tp: u16) -> TpShape {
+        TpShape {
+            tp_size: u32::from(tp),
+            kv_heads: self.kv_heads,
+        }
+    }
+
+    fn tp(&self, rank: u16, size: u16) -> TpConfig {
+        TpConfig {
+            rank,
+            size,
+            mode: self.mode(),
+            kv_heads: self.kv_heads,
+        }
+    }
+
+    /// Bytes of one head for one token in one region (MLA: the whole latent).
+    fn head_bytes(&self) -> u64 {
+        let per_region = self.shape.bytes_per_token / u64::from(self.shape.regions.count());
+        per_region / u64::from(self.kv_heads.max(1))
+    }
+
+    fn held(&self, tp: u16, rank: u16) -> std::ops::Range<u32> {
+        if self.kv_heads == 0 {
+            0..1
+        } else {
+            self.shape(tp).heads_of(u32::from(rank))
+        }
+    }
+
+    fn pages(&self) -> u32 {
+        self.shape.pages_for(self.prompt_tokens)
+    }
+
+    /// The layout of a rank at TP size `tp` holding `layers` from `first`, `slots` requests' pages.
+    fn layout(&self, tp: u16, first: u32, layers: u32) -> KvLayout {
+        let held = self.held(tp, 0).len() as u64;
+        let page_bytes = held * self.head_bytes() * u64::from(self.shape.page_tokens);
+        let l = KvLayout::packed(
+            first,
+            layers,
+            self.shape.regions,
+            page_bytes,
+            self.pages() * self.concurrency.max(1),
+        );
+        if self.kv_heads == 0 {
+            return l;
+        }
+        l.with_heads(HeadLayout {
+            num_heads: held as u32,
+            head_bytes: self.head_bytes(),
+            page_tokens: self.shape.page_tokens,
+            order: HeadOrder::TokenMajor,
+        })
+    }
+
+    /// Checks what topology needs of the spec.
+    ///
+    /// # Errors
+    /// Heads that do not split over a TP size, an empty size, bytes that do not split into heads.
+    pub fn validate(&self) -> Result<(), String> {
+        for tp in [self.prefill_tp, self.decode_tp] {
+            self.shape(tp).validate().map_err(|e| e.to_string())?;
+        }
+        let per_region = self.shape.bytes_per_token / u64::from(self.shape.regions.count());
+        if self.kv_heads > 0 && !per_region.is_multiple_of(u64::from(self.kv_heads)) {
+            return Err(format!(
+                "{per_region} bytes per token and region do not split into {} heads",
+                self.kv_heads
+            ));
+        }
+        if self.prompt_tokens == 0 || self.chunk_tokens == 0 || self.requests == 0 {
+            return Err("prompt, chunk and request counts must be positive".into());
+        }
+        Ok(())
+    }
+}
+
+/// Where (region, layer, page position) of a request starts in a head's stream.
+fn stream_offset(s: &TpSpec, region: u32, layer: u32, pos: u32) -> u64 {
+    let n = u64::from(s.pages());
+    ((u64::from(layer) * u64::from(s.shape.regions.count()) + u64::from(region)) * n
+        + u64::from(pos))
+        * u64::from(s.shape.page_tokens)
+        * s.head_bytes()
+}
+
+/// The stream id of global head `head` (the pattern's "rank").
+fn stream(head: u32) -> u16 {
+    head as u16
+}
+
+/// Writes (`write`) or checks (`check`) a rank's pages of one request: for every region, layer
+/// of `layers`, page position and token, the held heads' bytes.
+fn for_each_head_run(
+    s: &TpSpec,
+    layout: &KvLayout,
+    held: std::ops::Range<u32>,
+    layers: std::ops::Range<u32>,
+    pages: &[u32],
+    mut run: impl FnMut(u64, u32, u64, usize) -> Result<(), String>,
+) -> Result<(), String> {
+    let hb = s.head_bytes();
+    let n_held = held.len() as u64;
+    for region in 0..s.shape.regions.count() {
+        for layer in layers.clone() {
+            let local = layer - layout.first_layer;
+            for (pos, &page) in pages.iter().enumerate() {
+                let base = layout.base_offset
+                    + u64::from(region) * layout.region_stride
+                    + u64::from(local) * layout.layer_stride
+                    + u64::from(page) * layout.page_bytes;
+                let origin = stream_offset(s, region, layer, pos as u32);
+                for t in 0..u64::from(s.shape.page_tokens) {
+                    for (k, head) in held.clone().enumerate() {
+                        let at = base + (t * n_held + k as u64) * hb;
+                        run(at, head, origin + t * hb, hb as usize)?;
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A running heterogeneous-TP cluster.
+#[derive(Debug)]
+pub struct TpCluster {
+    spec: TpSpec,
+    decodes: Vec<DecodeEngine>,
+    /// (PP rank, prefill TP rank, its layer range, engine), one per decode rank it writes into.
+    prefills: Vec<(u16, u16, std::ops::Range<u32>, PrefillEngine)>,
+}
+
+impl TpCluster {
+    /// Starts every engine.
+    ///
+    /// # Errors
+    /// Any engine start failure, or a spec that does not map.
+    pub async fn start(spec: TpSpec) -> Result<Self, EngineError> {
+        spec.validate().map_err(EngineError::Config)?;
+        let secret: Vec<u8> = (0..32).map(|_| rand::random::<u8>()).collect();
+        let tag = format!("{}-tp{}", std::process::id(), rand::random::<u32>());
+        let s = spec.shape;
+        let mut decodes = Vec::new();
+        for rank in 0..spec.decode_tp {
+            let layout = spec.layout(spec.decode_tp, 0, s.layers);
+            let mut cfg = DecodeConfig::new(s.layers, s.page_tokens, layout.clone(), spec.pp);
+            cfg.tp = spec.tp(rank, spec.decode_tp);
+            cfg.prefill_tp = Some(spec.prefill_tp);
+            cfg.token = Some(secret.clone());
+            cfg.verify_checksums = false;
+            cfg.backend = BackendConfig::default_for(spec.backend, &format!("d{rank}-{tag}"));
+            decodes.push(DecodeEngine::start(cfg, Pool::Shared(layout.buffer_len)).await?);
+        }
+        let mut starts = Vec::new();
+        for t in 0..spec.prefill_tp {
+            let targets = topology::targets(
+                spec.shape(spec.prefill_tp),
+                spec.shape(spec.decode_tp),
+                u32::from(t),
+            )
+            .map_err(|e| EngineError::Config(e.to_string()))?;
+            for (d, _) in targets {
+                let mut peers = Vec::new();
+                let mut sockets = Vec::new();
+                if spec.pp > 1 {
+                    for _ in 0..spec.pp {
+                        let m = MeshSocket::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
+                            .map_err(|e| EngineError::Config(format!("mesh socket: {e}")))?;
+                        peers.push(
+                            m.local_addr()
+                                .map_err(|e| EngineError::Config(format!("mesh socket: {e}")))?,
+                        );
+                        sockets.push(Arc::new(m));
+                    }
+                }
+                for pp in 0..spec.pp {
+                    let range = PpSplit::SglangEven
+                        .layer_range(s.layers, spec.pp, pp)
+                        .map_err(|source| EngineError::Plan {
+                            request: None,
+                            source,
+                        })?;
+                    let layout = spec.layout(spec.prefill_tp, range.start, range.len() as u32);
+                    let mut cfg = PrefillConfig::new(
+                        decodes[d as usize].local_addr(),
+                        pp,
+                        spec.pp,
+                        s.layers,
+                        s.page_tokens,
+                        layout.clone(),
+                    );
+                    cfg.tp = spec.tp(t, spec.prefill_tp);
+                    cfg.engine_id = format!("p{pp}-t{t}-d{d}-{tag}");
+                    cfg.backend = BackendConfig::default_for(spec.backend, &cfg.engine_id);
+                    cfg.peers = peers.clone();
+                    cfg.mesh_socket = sockets.get(usize::from(pp)).cloned();
+                    cfg.token = Some(secret.clone());
+                    cfg.checksums = false;
+                    let pool = Pool::Shared(layout.buffer_len);
+                    starts.push((pp, t, range, tokio::spawn(PrefillEngine::start(cfg, pool))));
+                }
+            }
+        }
+        let mut prefills = Vec::new();
+        for (pp, t, range, s) in starts {
+            let e = s
+                .await
+                .map_err(|e| EngineError::Config(format!("prefill start task: {e}")))??;
+            prefills.push((pp, t, range, e));
+        }
+        for d in &decodes {
+            d.wait_for_ranks(Duration::from_secs(30)).await?;
+        }
+        Ok(TpCluster {
+            spec,
+            decodes,
+            prefills,
+        })
+    }
+
+    /// Writes `request`'s bytes into every prefill engine's `slot` pages and poisons every decode
+    /// rank's.
+    fn prepare(&self, request: RequestId, slot: u32) -> Result<(), String> {
+        let s = &self.spec;
+        let pages = self.pages(slot);
+        let mut buf = vec![0u8; s.head_bytes() as usize];
+        for (_, t, range, e) in &self.prefills {
+            let layout = s.layout(s.prefill_tp, range.start, range.len() as u32);
+            for_each_head_run(
+                s,
+                &layout,
+                s.held(s.prefill_tp, *t),
+                range.clone(),
+                &pages,
+                |at, head, off, len| {
+                    verify::fill(request, stream(head), off, &mut buf[..len]);
+                    e.write_pool(at, &buf[..len]).map_err(|e| e.to_string())
+                },
+            )?;
+        }
+        let poison = vec![POISON; s.layout(s.decode_tp, 0, 1).page_bytes as usize];
+        for d in &self.decodes {
+            let layout = s.layout(s.decode_tp, 0, s.shape.layers);
+            for region in 0..s.shape.regions.count() {
+                for layer in 0..s.shape.layers {
+                    for &p in &pages {
+                        let at = u64::from(region) * layout.region_stride
+                            + u64::from(layer) * layout.layer_stride
+                            + u64::from(p) * layout.page_bytes;
+                        d.write_pool(at, &poison).map_err(|e| e.to_string())?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks every decode rank's `slot` pages against the heads it holds.
+    fn check(&self, request: RequestId, slot: u32) -> Result<(), String> {
+        let s = &self.spec;
+        let pages = self.pages(slot);
+        let (mut got, mut want) = (
+            vec![0u8; s.head_bytes() as usize],
+            vec![0u8; s.head_bytes() as usize],
+        );
+        for (rank, d) in self.decodes.iter().enumerate() {
+            let layout = s.layout(s.decode_tp, 0, s.shape.layers);
+            let held = s.held(s.decode_tp, rank as u16);
+            for_each_head_run(
+                s,
+                &layout,
+                held,
+                0..s.shape.layers,
+                &pages,
+                |at, head, off, len| {
+                    d.read_pool(at, &mut got[..len])
+                        .map_err(|e| e.to_string())?;
+                    verify::fill(request, stream(head), off, &mut want[..len]);
+                    if got[..len] == want[..len] {
+                        Ok(())
+                    } else {
+                        Err(format!(
+                            "request {}: decode TP rank {rank}, head {head}: bytes at pool offset {at} differ",
+                            request.0
+                        ))
+                    }
+                },
+            )?;
+        }
+        Ok(())
+    }
+
+    fn pages(&self, slot: u32) -> Vec<u32> {
+        let n = self.spec.pages();
+        (slot * n..(slot + 1) * n).collect()
+    }
+
+    /// Runs one request in `slot`: every decode rank expects it, every prefill engine sends every
+    /// chunk; returns once every decode rank's outcome is in.
+    async fn one(&self, request: RequestId, slot: u32) -> Result<(), String> {
+        let s = &self.spec;
+        let pages = self.pages(slot);
+        let mut outcomes = Vec::new();
+        for d in &self.decodes {
+            outcomes.push(
+                d.expect(
+                    request,
+                    s.prompt_tokens,
+                    s.chunk_tokens,
+                    pages.clone(),
+                    Duration::from_secs(60),
+                )
+                .map_err(|e| e.to_string())?,
+            );
+        }
+        let chunks = s.prompt_tokens.div_ceil(s.chunk_tokens);
+        let mut sends = tokio::task::JoinSet::new();
+        for (_, _, _, e) in &self.prefills {
+            let (e, pages) = (e.clone(), pages.clone());
+            sends.spawn(async move {
+                for c in 0..chunks {
+                    e.send_chunk(request, c, &pages, c + 1 == chunks).await?;
+                }
+                e.decided(request).await;
+                e.release(request);
+                Ok::<(), EngineError>(())
+            });
+        }
+        for o in outcomes {
+            if let Outcome::Failed(r) = o.await {
+                return Err(format!("request {} failed: {r:?}", request.0));
+            }
+        }
+        while let Some(r) = sends.join_next().await {
+            r.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+
+    /// Runs the spec's requests in waves of `concurrency`, each wave prepared before and checked
+    /// after its timed window.
+    ///
+    /// # Errors
+    /// A failed request or a byte that differs.
+    pub async fn run(&self) -> Result<TpReport, String> {
+        let s = &self.spec;
+        let c = s.concurrency.max(1);
+        let mut timed = Duration::ZERO;
+        let mut done = 0u32;
+        let writes_before: u64 = self.prefills.iter().map(|p| p.3.stats().writes).sum();
+        while done < s.requests {
+            let wave: Vec<(RequestId, u32)> = (0..c.min(s.requests - done))
+                .map(|k| (RequestId(u64::from(done + k) + 1), k))
+                .collect();
+            for &(r, slot) in &wave {
+                self.prepare(r, slot)?;
+            }
+            let t0 = Instant::now();
+            let runs = wave.iter().map(|&(r, slot)| self.one(r, slot));
+            for r in futures::future::join_all(runs).await {
+                r?;
+            }
+            timed += t0.elapsed();
+            for &(r, slot) in &wave {
+                self.check(r, slot)?;
+            }
+            done += wave.len() as u32;
+        }
+        let writes: u64 = self
+            .prefills
+            .iter()
+            .map(|p| p.3.stats().writes)
+            .sum::<u64>()
+            - writes_before;
+        let bytes = s.shape.request_bytes(s.prompt_tokens) * u64::from(s.requests);
+        Ok(TpReport {
+            backend: s.backend.to_string(),
+            prefill_tp: s.prefill_tp,
+            decode_tp: s.decode_tp,
+            gbps: bytes as f64 / timed.as_secs_f64().max(1e-9) / 1e9,
+            requests: u64::from(s.requests),
+            writes_per_request: writes / u64::from(s.requests),
+            engines: (self.decodes.len() + self.prefills.len()) as u64,
+            verified: true,
+        })
+    }
+
+    /// Shuts every decode engine down.
+    pub async fn shutdown(self) {
+        for d in self.decodes {
+            d.shutdown(Duration::from_secs(10)).await;
+        }
+    }
+}

@@ -136,6 +136,28 @@ pub struct Cluster {
     configs: Vec<PrefillConfig>,
 }
 
+/// The loopback vote mesh sockets of a pipeline of `pp` ranks and their addresses (none for one
+/// rank). Each is bound before the addresses are shared, so no port can be taken in between.
+///
+/// # Errors
+/// A socket cannot be bound.
+pub fn mesh_sockets(pp: u16) -> Result<(Vec<Arc<MeshSocket>>, Vec<SocketAddr>), EngineError> {
+    let (mut sockets, mut peers) = (Vec::new(), Vec::new());
+    if pp > 1 {
+        for _ in 0..pp {
+            let socket = MeshSocket::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
+                .map_err(|e| EngineError::Config(format!("mesh socket: {e}")))?;
+            peers.push(
+                socket
+                    .local_addr()
+                    .map_err(|e| EngineError::Config(format!("mesh socket: {e}")))?,
+            );
+            sockets.push(Arc::new(socket));
+        }
+    }
+    Ok((sockets, peers))
+}
+
 /// One pipeline's ranks, their layer ranges and settings.
 type PipelineParts = (
     Vec<PrefillEngine>,
@@ -318,22 +340,7 @@ impl Cluster {
     ) -> Result<PipelineParts, EngineError> {
         let s = spec.shape;
         let page_bytes = s.page_bytes();
-        // Each rank's mesh socket is bound before the addresses are shared, so no port can be
-        // taken in between.
-        let mut sockets = Vec::new();
-        let mut peers = Vec::new();
-        if spec.pp > 1 {
-            for _ in 0..spec.pp {
-                let socket = MeshSocket::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
-                    .map_err(|e| EngineError::Config(format!("mesh socket: {e}")))?;
-                peers.push(
-                    socket
-                        .local_addr()
-                        .map_err(|e| EngineError::Config(format!("mesh socket: {e}")))?,
-                );
-                sockets.push(Arc::new(socket));
-            }
-        }
+        let (sockets, peers) = mesh_sockets(spec.pp)?;
         let mut layers = Vec::new();
         let mut starts = Vec::new();
         let mut configs = Vec::new();

@@ -12,16 +12,14 @@
 
 use crate::cluster::Shape;
 use crate::verify::{self, POISON};
-use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 use transfer_engine::control::TpMode;
 use transfer_engine::core::RequestId;
 use transfer_engine::core::planner::{HeadLayout, HeadOrder, KvLayout, PpSplit};
 use transfer_engine::core::topology::{self, TpShape};
 use transfer_engine::engine::{
-    BackendConfig, DecodeConfig, DecodeEngine, EngineError, MeshSocket, Outcome, Pool,
-    PrefillConfig, PrefillEngine, TpConfig,
+    BackendConfig, DecodeConfig, DecodeEngine, EngineError, Outcome, Pool, PrefillConfig,
+    PrefillEngine, TpConfig,
 };
 use transfer_engine::transport::BackendKind;
 
@@ -245,19 +243,7 @@ impl TpCluster {
             )
             .map_err(|e| EngineError::Config(e.to_string()))?;
             for (d, _) in targets {
-                let mut peers = Vec::new();
-                let mut sockets = Vec::new();
-                if spec.pp > 1 {
-                    for _ in 0..spec.pp {
-                        let m = MeshSocket::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
-                            .map_err(|e| EngineError::Config(format!("mesh socket: {e}")))?;
-                        peers.push(
-                            m.local_addr()
-                                .map_err(|e| EngineError::Config(format!("mesh socket: {e}")))?,
-                        );
-                        sockets.push(Arc::new(m));
-                    }
-                }
+                let (sockets, peers) = crate::cluster::mesh_sockets(spec.pp)?;
                 for pp in 0..spec.pp {
                     let range = PpSplit::SglangEven
                         .layer_range(s.layers, spec.pp, pp)

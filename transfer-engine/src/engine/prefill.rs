@@ -1307,10 +1307,24 @@ async fn connect_taken(
     deadline: tokio::time::Instant,
     what: &str,
 ) -> Result<(Connection, Hello), EngineError> {
+    // The refusal an attempt cut short by the deadline stands for: what the operator must read.
+    let mut refused: Option<control::ControlError> = None;
     loop {
-        let mut conn = Connection::connect(addr, deadline).await?;
-        match control::handshake(&mut conn, hello, secret, deadline).await {
-            Ok(remote) => return Ok((conn, remote)),
+        let attempt = async {
+            let mut conn = Connection::connect(addr, deadline).await?;
+            let remote = control::handshake(&mut conn, hello, secret, deadline).await?;
+            Ok::<_, control::ControlError>((conn, remote))
+        };
+        match attempt.await {
+            Ok(found) => return Ok(found),
+            Err(
+                control::ControlError::HandshakeTimeout { .. }
+                | control::ControlError::ConnectTimeout { .. },
+            ) if refused.is_some() => {
+                return Err(refused
+                    .take()
+                    .map_or(EngineError::Shutdown, EngineError::from));
+            }
             Err(control::ControlError::PeerRejected {
                 reason: RejectReason::DuplicateRank { .. },
                 ..
@@ -1322,16 +1336,19 @@ async fn connect_taken(
                 );
                 tokio::time::sleep(MESH_RETRY).await;
             }
-            Err(control::ControlError::PeerRejected {
-                reason: RejectReason::UnknownInstance(_),
-                ..
-            }) if tokio::time::Instant::now() + MESH_RETRY < deadline => {
+            Err(
+                e @ control::ControlError::PeerRejected {
+                    reason: RejectReason::UnknownInstance(_),
+                    ..
+                },
+            ) if tokio::time::Instant::now() + MESH_RETRY < deadline => {
                 // Decode adds an instance found through discovery when it sees its records.
                 tracing::info!(
                     rank = hello.pp_rank,
                     instance = %hello.instance,
                     "decode does not serve this instance yet; trying again"
                 );
+                refused = Some(e);
                 tokio::time::sleep(MESH_RETRY).await;
             }
             Err(e) => return Err(e.into()),

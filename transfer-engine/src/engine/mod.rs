@@ -269,8 +269,9 @@ impl TpConfig {
         }
     }
 
-    /// The prefill TP rank that writes into decode TP rank `decode` (its `j`-th source, of
-    /// `fan_in`), and the plan's mapping: what both sides compute alike from the two TP sizes.
+    /// Every prefill TP rank that writes into decode TP rank `decode_rank`, with its heads, in
+    /// the order both sides number them (a source's index is its `j` in the slot): what both
+    /// sides compute alike from the two TP sizes.
     fn source_at(
         &self,
         prefill_size: u16,

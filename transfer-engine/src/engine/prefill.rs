@@ -1318,13 +1318,9 @@ async fn connect_taken(
         match attempt.await {
             Ok(found) => return Ok(found),
             Err(
-                control::ControlError::HandshakeTimeout { .. }
-                | control::ControlError::ConnectTimeout { .. },
-            ) if refused.is_some() => {
-                return Err(refused
-                    .take()
-                    .map_or(EngineError::Shutdown, EngineError::from));
-            }
+                e @ (control::ControlError::HandshakeTimeout { .. }
+                | control::ControlError::ConnectTimeout { .. }),
+            ) => return Err(refused.take().unwrap_or(e).into()),
             Err(control::ControlError::PeerRejected {
                 reason: RejectReason::DuplicateRank { .. },
                 ..

@@ -49,6 +49,7 @@ fn datapath(c: &mut Criterion) {
             request_timeout: Duration::from_secs(60),
             decode_pool: kvbench::cluster::PoolKind::Shared,
             prefill_instances: 1,
+            decode_instances: 1,
         };
         let page_kib = shape(page_tokens).page_bytes() / 1024;
         g.throughput(Throughput::Bytes(

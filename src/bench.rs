@@ -63,6 +63,9 @@ pub struct Workload {
     /// Prefill instances (pipelines of `pp` ranks each) into the one decode engine; requests go
     /// to them in turn, by destination slot.
     pub prefill_instances: u16,
+    /// Decode engines (each with a pool of its own), every prefill rank serving all of them from
+    /// its one engine; destination slots go to them in turn after the prefill instances.
+    pub decode_instances: u16,
 }
 
 impl Workload {
@@ -168,9 +171,16 @@ pub struct Report {
     pub verified_requests: u64,
     /// Prefill instances the decode engine served.
     pub prefill_instances: u64,
-    /// Registrations the decode engine's transport held: one for its pool, however many
-    /// instances it served.
+    /// Decode engines every prefill rank served.
+    pub decode_instances: u64,
+    /// The most registrations any engine's transport held, decode or prefill: one for its pool,
+    /// however many peers it served.
     pub registrations_per_process: u64,
+    /// The most prefill ranks connected to one decode engine (its control connections).
+    pub connections_per_decode: u64,
+    /// The fewest decode engines one prefill rank was linked to (all of them, when every link
+    /// came up).
+    pub decodes_per_prefill_rank: u64,
     /// Writes of one request, all ranks, after coalescing.
     pub writes_per_request: u64,
 }
@@ -300,7 +310,10 @@ impl Tally {
                 && self.failed == self.failed_during_absence,
             verified_requests: self.verified_requests,
             prefill_instances: 1,
+            decode_instances: 1,
             registrations_per_process: 0,
+            connections_per_decode: 0,
+            decodes_per_prefill_rank: 0,
             writes_per_request: w.writes_per_request(),
         }
     }
@@ -441,10 +454,26 @@ pub async fn run_workload(
         decode_pool: w.decode_pool,
     };
     let instances = w.prefill_instances.max(1);
-    let cluster = Arc::new(Cluster::start_instances(spec, instances).await?);
-    let registrations = cluster.decode.stats().registrations;
-    // Each destination slot's requests come from one instance, in turn.
+    let decodes = w.decode_instances.max(1);
+    let cluster = Arc::new(Cluster::start_grid(spec, instances, decodes).await?);
+    // Counted once every link is up, before any request.
+    let mut registrations = 0;
+    let mut connections = 0;
+    for d in cluster.decodes() {
+        let s = d.stats();
+        registrations = registrations.max(s.registrations);
+        connections = connections.max(s.connected_ranks);
+    }
+    let mut links = u64::MAX;
+    for k in 0..cluster.instance_names.len() {
+        for p in cluster.pipeline(k).map(|(_, r)| r).unwrap_or_default() {
+            registrations = registrations.max(p.transport_stats().regions);
+            links = links.min(p.stats().decodes);
+        }
+    }
+    // Each destination slot's requests come from one instance and go to one decode, in turn.
     let instance_of = |slot: u32| (slot % u32::from(instances)) as usize;
+    let decode_of = |slot: u32| ((slot / u32::from(instances)) % u32::from(decodes)) as usize;
     let src = |slot: u32| -> Vec<u32> { (slot * pages..(slot + 1) * pages).collect() };
     let chunks = w.prompt_tokens.div_ceil(w.chunk_tokens);
     let on = |e: Event<'_>| match e {
@@ -471,7 +500,7 @@ pub async fn run_workload(
         |request, slot| {
             Ok(one_request(
                 cluster.clone(),
-                instance_of(slot),
+                (instance_of(slot), decode_of(slot)),
                 request,
                 src(slot),
                 w.dst_pages(slot),
@@ -483,22 +512,33 @@ pub async fn run_workload(
         },
         |request, slot| {
             cluster
-                .prepare_in(instance_of(slot), request, &src(slot), &w.dst_pages(slot))
+                .prepare_at(
+                    instance_of(slot),
+                    decode_of(slot),
+                    request,
+                    &src(slot),
+                    &w.dst_pages(slot),
+                )
                 .map_err(|e| EngineError::Config(format!("preparing {request:?}: {e}")))
         },
-        |request, slot| cluster.verify(request, &w.dst_pages(slot)),
+        |request, slot| cluster.verify_at(decode_of(slot), request, &w.dst_pages(slot)),
         |e| EngineError::Config(format!("request task: {e}")),
         &on,
     )
     .await?;
-    // Frees decode's pool only once every rank confirmed its writes are over.
-    let closed = cluster.decode.clone().shutdown(SHUTDOWN).await;
-    if !closed.pool_freed {
-        eprintln!("kvbench: decode pool leaked, ranks did not confirm shutdown: {closed:?}");
+    // Frees each decode's pool only once every rank confirmed its writes are over.
+    for d in cluster.decodes() {
+        let closed = d.clone().shutdown(SHUTDOWN).await;
+        if !closed.pool_freed {
+            eprintln!("kvbench: decode pool leaked, ranks did not confirm shutdown: {closed:?}");
+        }
     }
     let mut report = tally.report(w, backend);
     report.prefill_instances = u64::from(instances);
+    report.decode_instances = u64::from(decodes);
     report.registrations_per_process = registrations;
+    report.connections_per_decode = connections;
+    report.decodes_per_prefill_rank = if links == u64::MAX { 0 } else { links };
     Ok(report)
 }
 
@@ -508,7 +548,7 @@ pub const SHUTDOWN: Duration = Duration::from_secs(10);
 #[allow(clippy::too_many_arguments)] // one request's whole description, passed to a spawned task
 async fn one_request(
     cluster: Arc<Cluster>,
-    instance: usize,
+    (instance, decode): (usize, usize),
     request: RequestId,
     src: Vec<u32>,
     dst: Vec<u32>,
@@ -522,17 +562,20 @@ async fn one_request(
     let (name, pipeline) = cluster
         .pipeline(instance)
         .ok_or_else(|| EngineError::Config(format!("no prefill instance {instance}")))?;
-    let outcome = cluster.decode.expect_request(
-        request,
-        transfer_engine::engine::Expected {
-            instance: name.to_owned(),
-            prefix_tokens: 0,
-            prompt_tokens,
-            chunk_tokens,
-            dst_pages: dst,
-            timeout,
-        },
-    )?;
+    let outcome = cluster
+        .decode_at(decode)
+        .ok_or_else(|| EngineError::Config(format!("no decode engine {decode}")))?
+        .expect_request(
+            request,
+            transfer_engine::engine::Expected {
+                instance: name.to_owned(),
+                prefix_tokens: 0,
+                prompt_tokens,
+                chunk_tokens,
+                dst_pages: dst,
+                timeout,
+            },
+        )?;
     let mut ranks = tokio::task::JoinSet::new();
     for p in pipeline {
         let p = p.clone();

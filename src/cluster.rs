@@ -119,8 +119,11 @@ impl PoolKind {
 pub struct Cluster {
     /// The spec it was built from.
     pub spec: ClusterSpec,
-    /// The decode engine.
+    /// The decode engine (the first one, with [`start_grid`](Self::start_grid)).
     pub decode: DecodeEngine,
+    /// The decode engines after the first: every prefill rank serves each of them too (one engine,
+    /// one registration of its pool, one link per decode).
+    pub other_decodes: Vec<DecodeEngine>,
     /// The prefill engines, by rank (of the first instance, with [`start_instances`]).
     ///
     /// [`start_instances`]: Self::start_instances
@@ -234,7 +237,7 @@ impl Cluster {
         spec: ClusterSpec,
         backend: impl FnMut(Option<u16>, &str) -> BackendConfig,
     ) -> Result<Cluster, EngineError> {
-        Self::start_inner(spec, 1, backend).await
+        Self::start_inner(spec, 1, 1, backend).await
     }
 
     /// [`start`](Self::start) with `instances` prefill instances (each a pipeline of `spec.pp`
@@ -247,8 +250,22 @@ impl Cluster {
         spec: ClusterSpec,
         instances: u16,
     ) -> Result<Cluster, EngineError> {
+        Self::start_grid(spec, instances, 1).await
+    }
+
+    /// [`start_instances`](Self::start_instances) with `decodes` decode engines, each with its own
+    /// pool: every rank of every prefill instance serves all of them from its one engine
+    /// ([`PrefillEngine::add_decode`]), and every decode serves every instance.
+    ///
+    /// # Errors
+    /// Any engine start failure.
+    pub async fn start_grid(
+        spec: ClusterSpec,
+        instances: u16,
+        decodes: u16,
+    ) -> Result<Cluster, EngineError> {
         let kind = spec.backend;
-        Self::start_inner(spec, instances, |_, name| {
+        Self::start_inner(spec, instances, decodes, |_, name| {
             BackendConfig::default_for(kind, name)
         })
         .await
@@ -257,6 +274,7 @@ impl Cluster {
     async fn start_inner(
         spec: ClusterSpec,
         instances: u16,
+        decodes: u16,
         mut backend: impl FnMut(Option<u16>, &str) -> BackendConfig,
     ) -> Result<Cluster, EngineError> {
         let s = spec.shape;
@@ -270,26 +288,41 @@ impl Cluster {
             (0..instances).map(|k| format!("prefill-{k}")).collect()
         };
         let default_pp = if instances == 1 { spec.pp } else { 0 };
-        let mut dcfg = DecodeConfig::new(s.layers, s.page_tokens, dst_layout.clone(), default_pp);
         // Names unique in the process: tests build several clusters side by side, and a NIXL agent's
         // name is how its peers know it.
         let tag = CLUSTER_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let tag = format!("{}-{tag}", std::process::id());
-        dcfg.backend = backend(None, &format!("decode-{tag}"));
-        dcfg.verify_checksums = spec.checksums;
         let secret =
             fresh_secret().map_err(|e| EngineError::Config(format!("drawing a secret: {e}")))?;
-        dcfg.token = Some(secret.clone());
-        let dpool = spec
-            .decode_pool
-            .pool(dst_layout.buffer_len)
-            .map_err(|e| EngineError::Config(format!("decode pool: {e}")))?;
-        let decode = DecodeEngine::start(dcfg, dpool).await?;
-        if instances > 1 {
-            for name in &names {
-                decode.add_instance(name, spec.pp, 1)?;
+        let mut all_decodes = Vec::new();
+        for m in 0..decodes.max(1) {
+            let mut dcfg =
+                DecodeConfig::new(s.layers, s.page_tokens, dst_layout.clone(), default_pp);
+            let name = if m == 0 {
+                format!("decode-{tag}")
+            } else {
+                format!("decode{m}-{tag}")
+            };
+            dcfg.backend = backend(None, &name);
+            dcfg.verify_checksums = spec.checksums;
+            dcfg.token = Some(secret.clone());
+            let dpool = spec
+                .decode_pool
+                .pool(dst_layout.buffer_len)
+                .map_err(|e| EngineError::Config(format!("decode pool: {e}")))?;
+            let decode = DecodeEngine::start(dcfg, dpool).await?;
+            if instances > 1 {
+                for name in &names {
+                    decode.add_instance(name, spec.pp, 1)?;
+                }
             }
+            all_decodes.push(decode);
         }
+        let mut all_decodes = all_decodes.into_iter();
+        let decode = all_decodes
+            .next()
+            .ok_or_else(|| EngineError::Config("no decode engine".into()))?;
+        let other_decodes: Vec<DecodeEngine> = all_decodes.collect();
         let split = PpSplit::SglangEven;
         let mut pipelines = Vec::new();
         let (mut layers, mut configs) = (Vec::new(), Vec::new());
@@ -307,12 +340,17 @@ impl Cluster {
             if k == 0 {
                 (layers, configs) = (l, c);
             }
+            for d in &other_decodes {
+                for r in &ranks {
+                    r.add_decode(d.local_addr()).await?;
+                }
+            }
             pipelines.push((name.clone(), ranks));
         }
-        for (name, _) in &pipelines {
-            decode
-                .wait_for_instance(name, Duration::from_secs(10))
-                .await?;
+        for d in std::iter::once(&decode).chain(&other_decodes) {
+            for (name, _) in &pipelines {
+                d.wait_for_instance(name, Duration::from_secs(10)).await?;
+            }
         }
         let instance_names = pipelines.iter().map(|(n, _)| n.clone()).collect();
         let mut ranks = pipelines.into_iter().map(|(_, r)| r);
@@ -320,6 +358,7 @@ impl Cluster {
         Ok(Cluster {
             spec,
             decode,
+            other_decodes,
             prefill,
             instance_names,
             others: ranks.collect(),
@@ -549,9 +588,41 @@ impl Cluster {
         src_pages: &[u32],
         dst_pages: &[u32],
     ) -> Result<(), VerifyError> {
+        self.prepare_at(instance, 0, request, src_pages, dst_pages)
+    }
+
+    /// Decode engine `m`: 0 is [`decode`](Self::decode), then [`other_decodes`](Self::other_decodes).
+    pub fn decode_at(&self, m: usize) -> Option<&DecodeEngine> {
+        match m {
+            0 => Some(&self.decode),
+            _ => self.other_decodes.get(m - 1),
+        }
+    }
+
+    /// Every decode engine, the first one first.
+    pub fn decodes(&self) -> impl Iterator<Item = &DecodeEngine> {
+        std::iter::once(&self.decode).chain(&self.other_decodes)
+    }
+
+    /// [`prepare_in`](Self::prepare_in) with the destination in decode engine `decode`
+    /// ([`decode_at`](Self::decode_at)).
+    ///
+    /// # Errors
+    /// A page outside a pool, or no such instance or decode.
+    pub fn prepare_at(
+        &self,
+        instance: usize,
+        decode: usize,
+        request: RequestId,
+        src_pages: &[u32],
+        dst_pages: &[u32],
+    ) -> Result<(), VerifyError> {
         let (_, ranks) = self
             .pipeline(instance)
             .ok_or_else(|| VerifyError::Pages(format!("no prefill instance {instance}")))?;
+        let d = self
+            .decode_at(decode)
+            .ok_or_else(|| VerifyError::Pages(format!("no decode engine {decode}")))?;
         for (rank, p) in ranks.iter().enumerate() {
             let layout = self.prefill_layout(rank as u16);
             verify::write_source(&layout, request, rank as u16, src_pages, |at, b| {
@@ -559,7 +630,7 @@ impl Cluster {
             })?;
         }
         verify::poison(&self.decode_layout(), dst_pages, |at, b| {
-            self.decode.write_pool(at, b)
+            d.write_pool(at, b)
         })
     }
 
@@ -644,12 +715,28 @@ impl Cluster {
     /// # Errors
     /// The first page that differs.
     pub fn verify(&self, request: RequestId, dst_pages: &[u32]) -> Result<u64, VerifyError> {
+        self.verify_at(0, request, dst_pages)
+    }
+
+    /// [`verify`](Self::verify) in decode engine `decode` ([`decode_at`](Self::decode_at)).
+    ///
+    /// # Errors
+    /// The first page that differs, or no such decode.
+    pub fn verify_at(
+        &self,
+        decode: usize,
+        request: RequestId,
+        dst_pages: &[u32],
+    ) -> Result<u64, VerifyError> {
+        let d = self
+            .decode_at(decode)
+            .ok_or_else(|| VerifyError::Pages(format!("no decode engine {decode}")))?;
         verify::check(
             &self.decode_layout(),
             &self.layers,
             request,
             dst_pages,
-            |at, b| self.decode.read_pool(at, b),
+            |at, b| d.read_pool(at, b),
         )
     }
 }

@@ -98,10 +98,11 @@ async fn gqa_four_pp_ranks_nixl() {
     three_prompts(Shape::GQA, BackendKind::Nixl).await;
 }
 
-/// `kvbench --prefill-instances`: three prefill pipelines into one decode engine, requests to
-/// each in turn, every request verified on poisoned pages; decode's transport holds one
-/// registration for all of them.
-async fn three_instances(backend: BackendKind) {
+/// `kvbench --prefill-instances N --decode-instances M`: N prefill pipelines of PP 2 into M decode
+/// engines, requests to each pair in turn, every request verified on poisoned pages; every engine's
+/// transport holds one registration for all its peers, every decode has every prefill rank
+/// connected, every prefill rank is linked to every decode.
+async fn grid(backend: BackendKind, instances: u16, decodes: u16) {
     use kvbench::bench::{Verify, Workload, run_workload};
     // Small, so that the debug build's pattern fills and checks stay quick beside other tests.
     let shape = Shape {
@@ -115,37 +116,70 @@ async fn three_instances(backend: BackendKind) {
         pp: 2,
         prompt_tokens: 128,
         chunk_tokens: 64,
-        requests: 6,
-        concurrency: 3,
+        requests: 2 * u32::from(instances * decodes),
+        concurrency: u32::from(instances * decodes),
         verify: Verify::All,
         checksums: true,
         duration: None,
         scatter: false,
         request_timeout: Duration::from_secs(30),
         decode_pool: PoolKind::Shared,
-        prefill_instances: 3,
+        prefill_instances: instances,
+        decode_instances: decodes,
     };
     let r = tokio::time::timeout(Duration::from_secs(120), run_workload(&w, backend, None))
         .await
         .expect("the run did not end within 120 s")
         .unwrap();
     assert!(r.verified && r.failed == 0, "{r:?}");
-    assert_eq!(r.verified_requests, 6, "{r:?}");
     assert_eq!(
-        (r.prefill_instances, r.registrations_per_process),
-        (3, 1),
+        r.verified_requests,
+        2 * u64::from(instances * decodes),
+        "{r:?}"
+    );
+    eprintln!(
+        "{instances} prefill instances x {decodes} decodes: {} registration(s) per engine at most, \
+         {} prefill ranks per decode, {} decodes per prefill rank",
+        r.registrations_per_process, r.connections_per_decode, r.decodes_per_prefill_rank
+    );
+    assert_eq!(
+        (
+            r.prefill_instances,
+            r.decode_instances,
+            r.registrations_per_process,
+            r.connections_per_decode,
+            r.decodes_per_prefill_rank
+        ),
+        (
+            u64::from(instances),
+            u64::from(decodes),
+            1,
+            2 * u64::from(instances),
+            u64::from(decodes)
+        ),
         "{r:?}"
     );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_prefill_instances_into_one_decode_engine_ucx() {
-    three_instances(BackendKind::Ucx).await;
+    grid(BackendKind::Ucx, 3, 1).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_prefill_instances_into_one_decode_engine_nixl() {
-    three_instances(BackendKind::Nixl).await;
+    grid(BackendKind::Nixl, 3, 1).await;
+}
+
+/// The scale test: four prefill instances at PP 2 and two decode instances.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_prefill_instances_and_two_decode_instances_ucx() {
+    grid(BackendKind::Ucx, 4, 2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_prefill_instances_and_two_decode_instances_nixl() {
+    grid(BackendKind::Nixl, 2, 2).await;
 }
 
 /// `kvbench --prefill-tp/--decode-tp`: GQA heads sliced from prefill TP 2 into decode TP 1 and

@@ -23,6 +23,9 @@ use transfer_engine::transport::RemoteRegion;
 #[derive(Debug, Clone)]
 pub(crate) struct IncomingRequest {
     request: u64,
+    /// The decode engine that sent it: 0 for the one the rank started with, then in
+    /// `add_decode` order.
+    decode: u32,
     prompt_tokens: u32,
     chunk_tokens: u32,
     prefix_tokens: u32,
@@ -39,8 +42,8 @@ impl IncomingRequest {
 
     fn __repr__(&self) -> String {
         format!(
-            "IncomingRequest(request={}, prompt_tokens={}, chunk_tokens={}, prefix_tokens={})",
-            self.request, self.prompt_tokens, self.chunk_tokens, self.prefix_tokens
+            "IncomingRequest(request={}, decode={}, prompt_tokens={}, chunk_tokens={}, prefix_tokens={})",
+            self.request, self.decode, self.prompt_tokens, self.chunk_tokens, self.prefix_tokens
         )
     }
 }
@@ -130,12 +133,14 @@ impl PrefillEngine {
     /// the decode engine at `decode` and, when `pp_size > 1`, to its PP peers (`peers`: every rank's
     /// vote address in rank order, this rank listening on its own), proving `secret` to each.
     /// `instance` names the prefill instance (the pipeline) this rank belongs to, as the decode
-    /// engine added it (`DecodeEngine.add_instance`); `""` is its default instance.
+    /// engine added it (`DecodeEngine.add_instance`); `""` is its default instance. More decode
+    /// engines are served with `add_decode`; `keep_open` keeps the rank serving once every decode
+    /// closed (otherwise it closes with its last one).
     #[new]
     #[pyo3(signature = (
         *, decode, pp_rank, pp_size, layout, total_layers, page_tokens, memory, peers = Vec::new(),
         mesh_socket = None, secret = None, backend = "ucx", engine_id = None, device = "cpu", checksums = false,
-        connect_timeout = 60.0, request_wait = 10.0, instance = String::new(),
+        connect_timeout = 60.0, request_wait = 10.0, instance = String::new(), keep_open = false,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -157,6 +162,7 @@ impl PrefillEngine {
         connect_timeout: f64,
         request_wait: f64,
         instance: String,
+        keep_open: bool,
     ) -> PyResult<Self> {
         let decode = addr("decode address", decode)?;
         let (mut cfg, mem) = config(
@@ -178,6 +184,7 @@ impl PrefillEngine {
             request_wait,
         )?;
         cfg.instance = instance;
+        cfg.keep_open = keep_open;
         let (pools, keep) = mem.into_pools();
         let rt = runtime()?;
         let engine = py
@@ -304,7 +311,32 @@ impl PrefillEngine {
         self.pp_rank
     }
 
-    /// Whether decode closed this rank (`next_request` then returns `None` for ever).
+    /// Serves one more decode engine (another decode instance or TP rank) at `decode`,
+    /// `host:port`, with this rank's pool, transport and vote mesh; returns its number (as
+    /// `IncomingRequest.decode` carries it). A decode already served at that address keeps its
+    /// number. Interpreter detached while it connects.
+    fn add_decode(&self, py: Python<'_>, decode: &str) -> PyResult<u32> {
+        let decode = addr("decode address", decode)?;
+        let e = self.engine()?;
+        let rt = runtime()?;
+        py.detach(|| rt.block_on(e.add_decode(decode)))
+            .map(|id| id.0)
+            .map_err(errors::engine)
+    }
+
+    /// The decode engines served now, as `(number, "host:port")`.
+    #[getter]
+    fn decodes(&self) -> PyResult<Vec<(u32, String)>> {
+        Ok(self
+            .engine()?
+            .decodes()
+            .into_iter()
+            .map(|(id, a)| (id.0, a.to_string()))
+            .collect())
+    }
+
+    /// Whether this rank closed (its last decode closed it, without `keep_open`): `next_request`
+    /// then returns `None` for ever.
     #[getter]
     fn closed(&self) -> bool {
         self.closed.load(Ordering::Relaxed)
@@ -332,6 +364,7 @@ impl PrefillEngine {
         Ok(match got {
             Some(Some(r)) => Some(IncomingRequest {
                 request: r.request.0,
+                decode: r.decode.0,
                 prompt_tokens: r.prompt_tokens,
                 chunk_tokens: r.chunk_tokens,
                 prefix_tokens: r.prefix_tokens,
@@ -468,6 +501,9 @@ impl PrefillEngine {
                 ("undecided", s.undecided),
                 ("rejected_requests", s.rejected_requests),
                 ("registered_bytes", s.registered_bytes),
+                ("writes", s.writes),
+                ("decodes", s.decodes),
+                ("refused", s.refused),
             ],
         )
     }

@@ -90,6 +90,11 @@ struct Opts {
     /// process: requests go to them in turn. The decode engine registers its pool once for all.
     #[arg(long, default_value_t = 1)]
     prefill_instances: u16,
+    /// Decode engines (instances, each with its own pool), in one process: every prefill rank
+    /// serves all of them from its one engine, and requests go to them in turn. Each engine,
+    /// prefill or decode, registers its pool once.
+    #[arg(long, default_value_t = 1)]
+    decode_instances: u16,
     /// Prefill TP size (with --decode-tp; one process): every decode TP rank is an engine, every
     /// prefill (PP, TP) rank one engine per decode rank it writes into. Runs identical TP
     /// (--decode-tp on both sides) and this mapping on the same workload, every byte of every
@@ -289,6 +294,7 @@ impl Opts {
                 PoolArg::Caller => PoolKind::Caller,
             },
             prefill_instances: self.prefill_instances.max(1),
+            decode_instances: self.decode_instances.max(1),
         })
     }
 
@@ -364,10 +370,19 @@ fn print_table(w: &Workload, reports: &[Report]) {
         w.chunk_tokens,
         w.write_size()
     );
-    if let Some(r) = reports.first().filter(|_| w.prefill_instances > 1) {
+    if let Some(r) = reports
+        .first()
+        .filter(|_| w.prefill_instances > 1 || w.decode_instances > 1)
+    {
         println!(
-            "{} prefill instances into one decode engine: {} registration(s) in decode's transport, {} writes per request",
-            r.prefill_instances, r.registrations_per_process, r.writes_per_request
+            "{} prefill instances into {} decode engine(s): at most {} registration(s) per engine's transport, \
+             {} prefill ranks connected to each decode, each prefill rank linked to {} decode(s), {} writes per request",
+            r.prefill_instances,
+            r.decode_instances,
+            r.registrations_per_process,
+            r.connections_per_decode,
+            r.decodes_per_prefill_rank,
+            r.writes_per_request
         );
     }
     let (major, minor, release) = transfer_engine::transport::ucx::library_version();
@@ -561,9 +576,11 @@ fn main() -> ExitCode {
             "kvbench: no --token-file or {TOKEN_ENV}: this process accepts and trusts any peer"
         );
     }
-    if w.prefill_instances > 1 && (cli.opts.processes || cli.role.is_some()) {
+    if (w.prefill_instances > 1 || w.decode_instances > 1)
+        && (cli.opts.processes || cli.role.is_some())
+    {
         eprintln!(
-            "kvbench: --prefill-instances runs in one process only, so far (not with --processes or a role)"
+            "kvbench: --prefill-instances and --decode-instances run in one process only, so far (not with --processes or a role)"
         );
         return ExitCode::from(2);
     }
@@ -575,7 +592,11 @@ fn main() -> ExitCode {
         return run_processes(&cli.opts, &w);
     }
     if cli.opts.prefill_tp.is_some() || cli.opts.decode_tp.is_some() {
-        if cli.role.is_some() || cli.opts.processes || w.prefill_instances > 1 {
+        if cli.role.is_some()
+            || cli.opts.processes
+            || w.prefill_instances > 1
+            || w.decode_instances > 1
+        {
             eprintln!("kvbench: --prefill-tp/--decode-tp run in one process, one instance, so far");
             return ExitCode::from(2);
         }

@@ -12,8 +12,8 @@ mod prefill;
 
 pub use decode::{Absence, DecodeConfig, DecodeEngine, DecodeStats, Expected, ShutdownReport};
 pub use prefill::{
-    ExternalDecode, IncomingRequest, MeshSocket, NotifyFormat, PrefillConfig, PrefillEngine,
-    PrefillStats,
+    ExternalDecode, IncomingRequest, LinkId, MeshSocket, NotifyFormat, PrefillConfig,
+    PrefillEngine, PrefillStats,
 };
 
 use crate::control::{self, ControlError};

@@ -2,6 +2,11 @@
 //! decode side allocated, notifies after each chunk, and agrees with the other PP ranks on each
 //! request's terminal state through the [`VoteBoard`].
 //!
+//! One engine serves every decode engine the rank writes into (decode instances, decode TP ranks):
+//! each is a link with its own transport peer, plan, control connection and requests, over the one
+//! transport, the one registration of the pool and the one vote mesh. A decode that closes fails
+//! only its own requests, and its link is forgotten once its last write is over.
+//!
 //! A rank's vote is cast from the transfer-completion path itself (the transport's `Done` callback of
 //! the LAST chunk, or of a failed one) and sent to every peer at once; nothing ever waits for a peer's
 //! scheduler. A request's source pages stay owned until [`PrefillEngine::decided`] resolves.
@@ -34,8 +39,13 @@ pub struct PrefillConfig {
     pub engine_id: String,
     /// The backend.
     pub backend: BackendConfig,
-    /// The decode engine's control address.
+    /// The first decode engine's control address ([`LinkId`] 0); more come with
+    /// [`PrefillEngine::add_decode`].
     pub decode: SocketAddr,
+    /// Keep serving once every decode engine closed (more may come with
+    /// [`PrefillEngine::add_decode`]); `false` closes the engine with its last decode, after which
+    /// [`PrefillEngine::next_request`] returns `None`.
+    pub keep_open: bool,
     /// The prefill instance this rank belongs to, as the decode engine named it
     /// ([`DecodeEngine::add_instance`](super::DecodeEngine::add_instance)); every PP rank of the
     /// pipeline carries the same name. `""` is the decode engine's default instance.
@@ -159,6 +169,7 @@ impl PrefillConfig {
                 &format!("prefill-{pp_rank}"),
             ),
             decode,
+            keep_open: false,
             instance: String::new(),
             pp_rank,
             tp: TpConfig::default(),
@@ -179,11 +190,18 @@ impl PrefillConfig {
     }
 }
 
+/// Names one decode engine a [`PrefillEngine`] writes into: the one it started with is 0, each
+/// [`PrefillEngine::add_decode`] gets the next number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LinkId(pub u32);
+
 /// A page allocation the decode side sent for a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct IncomingRequest {
     /// The request.
     pub request: RequestId,
+    /// The decode engine that sent it.
+    pub decode: LinkId,
     /// Its prompt length.
     pub prompt_tokens: u32,
     /// Its chunk size.
@@ -214,9 +232,41 @@ pub struct PrefillStats {
     pub registered_bytes: u64,
     /// Writes posted (after coalescing and splitting at registration boundaries).
     pub writes: u64,
+    /// Decode engines connected now.
+    pub decodes: u64,
+    /// Control messages from a decode engine about a request another decode engine owns, dropped.
+    pub refused: u64,
+}
+
+/// One decode engine this rank writes into: its transport peer, what this rank writes there, the
+/// slot its notifications name, and where its control messages go.
+struct Link {
+    id: LinkId,
+    addr: SocketAddr,
+    peer: PeerId,
+    planner: Planner,
+    /// The rank its notifications name: its slot at the decode TP rank (its PP rank where TP
+    /// is identical).
+    notify_rank: u16,
+    /// Bytes of one segment of decode's pool (its whole pool when it is one registration).
+    dst_seg: u64,
+    /// Bytes of decode's layout: `dst_seg` covers it when decode's pool is one registration.
+    dst_whole: u64,
+    writer: mpsc::UnboundedSender<Msg>,
+}
+
+struct LinkState {
+    link: Arc<Link>,
+    /// Chunks posted to this decode and not yet over.
+    posted: u32,
+    /// Its connection ended: nothing more is posted to it.
+    closed: bool,
+    /// Our Close goes once `posted` is 0 (then the link is forgotten).
+    close_pending: bool,
 }
 
 struct ReqState {
+    link: Arc<Link>,
     geometry: ChunkGeometry,
     dst_pages: Arc<Vec<u32>>,
     failed: Option<FailureCode>,
@@ -244,11 +294,14 @@ struct State {
     /// their boards count us for requests from then on.
     mesh_confirmed: Vec<bool>,
     last_done_at: super::Stamps,
-    /// Chunks posted to decode and not yet over, all requests together.
-    posted_total: u32,
-    /// Decode closed: nothing more is posted, and our Close answers once `posted_total` is 0.
-    decode_closed: bool,
-    close_pending: bool,
+    /// The decode engines, open and closing.
+    links: std::collections::BTreeMap<LinkId, LinkState>,
+    next_link: u32,
+    /// The engine closed (its last decode closed, without `keep_open`): nothing more is posted and
+    /// no PP peer is connected to again.
+    closed: bool,
+    /// Where accepted allocations go for `next_request`; dropped when the engine closes.
+    incoming: Option<mpsc::UnboundedSender<IncomingRequest>>,
 }
 
 #[derive(Default)]
@@ -260,6 +313,7 @@ struct Counters {
     decided_failed: AtomicU64,
     rejected: AtomicU64,
     writes: AtomicU64,
+    refused: AtomicU64,
 }
 
 struct Inner {
@@ -267,16 +321,8 @@ struct Inner {
     secret: Secret,
     transport: Arc<dyn Transport>,
     pool: super::pools::Pools,
-    /// Bytes of one segment of decode's pool (its whole pool when it is one registration).
-    dst_seg: u64,
-    /// Bytes of decode's layout: `dst_seg` covers it when decode's pool is one registration.
-    dst_whole: u64,
-    decode_peer: PeerId,
-    planner: Planner,
-    /// The rank its notifications name: its slot at the decode TP rank (its PP rank where TP
-    /// is identical).
-    notify_rank: u16,
-    decode_writer: mpsc::UnboundedSender<Msg>,
+    /// What this rank says in every decode handshake.
+    hello: Hello,
     state: Mutex<State>,
     counters: Counters,
     timer: Arc<Notify>,
@@ -444,60 +490,46 @@ impl PrefillEngine {
         .with_incarnation(cfg.incarnation)
         .with_instance(cfg.instance.clone());
         hello.notify_key = notify_key;
-        let (conn, dst, decode_meta, decode_regions, decode_tp) = match external {
+        let (conn, link) = match external {
             None => {
                 let (conn, remote) = connect_decode(&cfg, &hello, &secret, deadline).await?;
-                let dst = layout_from_info(&remote.layout)?;
-                let regions = remote_regions(&remote.backend);
-                let tp = (remote.tp_rank, remote.tp_size);
-                (Some(conn), dst, remote.backend.worker_or_agent, regions, tp)
+                let (writer, rx) = mpsc::unbounded_channel();
+                let link = plan_link(
+                    &cfg,
+                    &transport,
+                    notify_key,
+                    LinkId(0),
+                    cfg.decode,
+                    &remote,
+                    writer,
+                )?;
+                (Some((conn, rx)), link)
             }
-            // A decode outside our control plane is this rank's TP peer, byte for byte.
-            Some(x) => (
-                None,
-                x.layout,
-                x.metadata,
-                vec![x.region],
-                (cfg.tp.rank, cfg.tp.size),
-            ),
+            // A decode outside our control plane is this rank's TP peer, byte for byte; nothing
+            // reads its control messages.
+            Some(x) => {
+                let link = external_link(&cfg, &transport, notify_key, x)?;
+                (None, link)
+            }
         };
-        // What this rank writes into decode's TP rank, and the slot its notifications name there
-        // (its PP rank where TP is identical), as the decode side computes them too.
-        let (decode_rank, decode_size) = decode_tp;
-        let sources = cfg.tp.source_at(cfg.tp.size, decode_size, decode_rank)?;
-        let Some(j) = sources
-            .iter()
-            .position(|x| x.prefill_rank == u32::from(cfg.tp.rank))
-        else {
-            return Err(EngineError::Config(format!(
-                "prefill TP rank {} writes nothing into decode TP rank {decode_rank}",
-                cfg.tp.rank
-            )));
-        };
-        let notify_rank = crate::core::topology::slot(cfg.pp_rank, sources.len() as u16, j as u16)
-            .ok_or_else(|| EngineError::Config("too many PP and TP ranks".into()))?;
-        let mapping = cfg
-            .tp
-            .mapping(cfg.tp.size, decode_size, decode_rank, &sources[j]);
-        let planner =
-            Planner::new(&cfg.layout, &dst, mapping).map_err(|source| EngineError::Plan {
-                request: None,
-                source,
-            })?;
-        // Decode's pool may come in several registrations too: our writes split at its segments.
-        let dst_seg = super::pools::segment(
-            dst.buffer_len,
-            decode_regions.len(),
-            decode_regions.iter().map(|r| r.len).min().unwrap_or(0),
-        )?;
-        let decode_peer = transport.connect(&decode_meta, &decode_regions, notify_key)?;
 
         let mut vote_cfg = cfg.vote.clone();
         vote_cfg.pp_size = cfg.pp_size;
         vote_cfg.my_rank = cfg.pp_rank;
         let board = VoteBoard::new(vote_cfg)?;
-        let (dtx, drx) = mpsc::unbounded_channel();
         let cfg_peers = cfg.peers.clone();
+        let (itx, irx) = mpsc::unbounded_channel();
+        let link = Arc::new(link);
+        let mut links = std::collections::BTreeMap::new();
+        links.insert(
+            link.id,
+            LinkState {
+                link: link.clone(),
+                posted: 0,
+                closed: false,
+                close_pending: false,
+            },
+        );
         let inner = Arc::new(Inner {
             state: Mutex::new(State {
                 requests: HashMap::new(),
@@ -509,36 +541,34 @@ impl PrefillEngine {
                 mesh_incarnations: Incarnations::new(cfg.pp_size),
                 mesh_confirmed: vec![false; usize::from(cfg.pp_size)],
                 last_done_at: super::Stamps::default(),
-                posted_total: 0,
-                decode_closed: false,
-                close_pending: false,
+                links,
+                next_link: 1,
+                closed: false,
+                incoming: conn.is_some().then(|| itx.clone()),
             }),
             cfg,
             secret,
             transport,
             pool,
-            dst_seg,
-            dst_whole: dst.buffer_len,
-            decode_peer,
-            planner,
-            notify_rank,
-            decode_writer: dtx,
+            hello: hello.clone(),
             counters: Counters::default(),
             timer: Arc::new(Notify::new()),
             mesh_changed: tokio::sync::watch::channel(0).0,
             mesh_tasks: TaskGuard(Mutex::new(Vec::new())),
             peer_addrs: Mutex::new(cfg_peers),
         });
-        let (itx, irx) = mpsc::unbounded_channel();
         let mut tasks = Vec::new();
-        if let Some(conn) = conn {
+        if let Some((conn, rx)) = conn {
             let (reader, writer) = conn.into_split();
-            tasks.push(tokio::spawn(write_loop(writer, drx)));
+            tasks.push(tokio::spawn(write_loop(writer, rx)));
             tasks.push(tokio::spawn(decode_read_loop(
                 Arc::downgrade(&inner),
+                link.clone(),
                 reader,
                 itx,
             )));
+        } else {
+            drop(itx);
         }
         tasks.extend([tokio::spawn(super::run_timer(
             Arc::downgrade(&inner),
@@ -563,7 +593,7 @@ impl PrefillEngine {
             }
         }
         // Every PP peer is connected: decode may ask this rank for requests now.
-        let _ = inner.decode_writer.send(Msg::Ready);
+        let _ = link.writer.send(Msg::Ready);
         Ok(PrefillEngine {
             inner,
             incoming: Arc::new(tokio::sync::Mutex::new(irx)),
@@ -571,13 +601,97 @@ impl PrefillEngine {
         })
     }
 
-    /// The next page allocation the decode side sent (accepted ones only); `None` once the decode
-    /// side closed its connection. A server whose scheduler already knows its requests need not call it.
+    /// The next page allocation a decode engine sent (accepted ones only); `None` once the engine
+    /// closed (its last decode closed its connection, without [`PrefillConfig::keep_open`]). A
+    /// server whose scheduler already knows its requests need not call it.
     ///
     /// # Cancel safety
     /// Cancel-safe: an allocation not yet returned stays queued.
     pub async fn next_request(&self) -> Option<IncomingRequest> {
         self.incoming.lock().await.recv().await
+    }
+
+    /// Connects to one more decode engine (another decode instance, or another decode TP rank)
+    /// at `addr`: its requests come through [`next_request`](Self::next_request) beside the
+    /// others', with the same pool, transport and vote mesh. A decode already connected at `addr`
+    /// keeps its link, whose id is returned.
+    ///
+    /// # Errors
+    /// The engine closed ([`EngineError::Shutdown`]), the connection or handshake failed within
+    /// `connect_timeout`, or decode's layout does not fit this rank's.
+    ///
+    /// # Cancel safety
+    /// Not cancel-safe: dropping it mid-way drops a half-made connection (nothing leaks).
+    pub async fn add_decode(&self, addr: SocketAddr) -> Result<LinkId, EngineError> {
+        let inner = &self.inner;
+        {
+            let st = lock(&inner.state);
+            if st.closed {
+                return Err(EngineError::Shutdown);
+            }
+            if let Some(l) = st.links.values().find(|l| !l.closed && l.link.addr == addr) {
+                return Ok(l.link.id);
+            }
+        }
+        let deadline = tokio::time::Instant::now() + inner.cfg.connect_timeout;
+        let (conn, remote) =
+            connect_taken(addr, &inner.hello, &inner.secret, deadline, "decode").await?;
+        let (writer, rx) = mpsc::unbounded_channel();
+        let id = LinkId(lock(&inner.state).next_link);
+        let link = Arc::new(plan_link(
+            &inner.cfg,
+            &inner.transport,
+            inner.hello.notify_key,
+            id,
+            addr,
+            &remote,
+            writer,
+        )?);
+        let incoming = {
+            let mut st = lock(&inner.state);
+            match (st.closed, st.incoming.clone()) {
+                (false, Some(incoming)) => {
+                    st.next_link = st.next_link.max(id.0.saturating_add(1));
+                    st.links.insert(
+                        id,
+                        LinkState {
+                            link: link.clone(),
+                            posted: 0,
+                            closed: false,
+                            close_pending: false,
+                        },
+                    );
+                    incoming
+                }
+                _ => {
+                    drop(st);
+                    inner.transport.disconnect(link.peer);
+                    return Err(EngineError::Shutdown);
+                }
+            }
+        };
+        let (reader, w) = conn.into_split();
+        inner.keep_task(tokio::spawn(write_loop(w, rx)));
+        inner.keep_task(tokio::spawn(decode_read_loop(
+            Arc::downgrade(inner),
+            link.clone(),
+            reader,
+            incoming,
+        )));
+        // The vote mesh formed at start: decode may ask this rank for requests now.
+        let _ = link.writer.send(Msg::Ready);
+        tracing::info!(decode = %addr, link = id.0, "prefill rank serves one more decode engine");
+        Ok(id)
+    }
+
+    /// The decode engines connected now, with their control addresses.
+    pub fn decodes(&self) -> Vec<(LinkId, SocketAddr)> {
+        lock(&self.inner.state)
+            .links
+            .values()
+            .filter(|l| !l.closed)
+            .map(|l| (l.link.id, l.link.addr))
+            .collect()
     }
 
     /// This start's incarnation (as its Hello carries it).
@@ -606,15 +720,25 @@ impl PrefillEngine {
         chunk_tokens: u32,
         dst_pages: Vec<u32>,
     ) -> Result<(), EngineError> {
+        // The first link: the external decode (or, for an engine started with our control plane,
+        // the decode it started with).
+        let link = lock(&self.inner.state)
+            .links
+            .get(&LinkId(0))
+            .map(|l| l.link.clone())
+            .ok_or(EngineError::Shutdown)?;
         self.inner
-            .accept_request(control::TransferRequest {
-                request: request.0,
-                prompt_tokens,
-                chunk_tokens,
-                dst_pages,
-                prefix_tokens: 0,
-                deadline_ms: 0,
-            })
+            .accept_request(
+                &link,
+                control::TransferRequest {
+                    request: request.0,
+                    prompt_tokens,
+                    chunk_tokens,
+                    dst_pages,
+                    prefix_tokens: 0,
+                    deadline_ms: 0,
+                },
+            )
             .map_err(|reason| {
                 EngineError::Config(format!("request {} refused: {reason}", request.0))
             })
@@ -665,10 +789,9 @@ impl PrefillEngine {
         last: bool,
     ) -> Result<(), EngineError> {
         let inner = &self.inner;
-        let (geometry, dst_pages) = inner.wait_for_request(request).await?;
+        let (geometry, dst_pages, link) = inner.wait_for_request(request).await?;
         let mut plan: Vec<Write> = Vec::new();
-        inner
-            .planner
+        link.planner
             .plan_chunk(
                 &geometry,
                 u64::from(chunk),
@@ -691,7 +814,7 @@ impl PrefillEngine {
         } else {
             ChunkStatus::More
         };
-        let mut n = ChunkNotification::new(request, inner.notify_rank, chunk, status);
+        let mut n = ChunkNotification::new(request, link.notify_rank, chunk, status);
         if inner.cfg.checksums && inner.pool.desc().is_some_and(|d| d.kind() == MemKind::Host) {
             let mut h = ChunkHasher::new();
             for w in &plan {
@@ -703,7 +826,7 @@ impl PrefillEngine {
             n = n.with_checksum(h.finish());
         }
         let mut writes: Vec<WriteOp> = Vec::with_capacity(plan.len());
-        match (inner.pool.single(), inner.dst_seg >= inner.dst_whole) {
+        match (inner.pool.single(), link.dst_seg >= link.dst_whole) {
             // One registration on each side (the usual pools): the plan's offsets are the writes'.
             (Some(local), true) => writes.extend(plan.iter().map(|w| WriteOp {
                 local: local.id(),
@@ -724,7 +847,7 @@ impl PrefillEngine {
                             ))
                         })?;
                         for (di, doff, m, p) in
-                            super::pools::split(w.dst_offset + pos, n, inner.dst_seg)
+                            super::pools::split(w.dst_offset + pos, n, link.dst_seg)
                         {
                             writes.push(WriteOp {
                                 local,
@@ -743,6 +866,7 @@ impl PrefillEngine {
         let bytes: u64 = plan.iter().map(|w| w.len).sum();
         let (tx, rx) = oneshot::channel();
         let weak = Arc::downgrade(inner);
+        let link_id = link.id;
         let span = tracing::trace_span!(
             "chunk",
             request = request.0,
@@ -754,11 +878,19 @@ impl PrefillEngine {
         // waits for it before acknowledging) or stops it here.
         {
             let mut st = lock(&inner.state);
-            if st.decode_closed {
+            if st.closed {
                 return Err(EngineError::Shutdown);
             }
+            let open = st.links.get(&link.id).is_some_and(|l| !l.closed);
             match st.requests.get_mut(&request) {
-                Some(r) if r.failed.is_none() && !r.voted => r.posted += 1,
+                Some(r) if r.failed.is_none() && !r.voted && open => r.posted += 1,
+                // Its decode is gone; the request fails with it (its read loop is on the way).
+                Some(r) if r.failed.is_none() && !r.voted => {
+                    return Err(EngineError::RequestFailed {
+                        request,
+                        code: FailureCode::PeerLost,
+                    });
+                }
                 Some(r) if r.failed.is_none() => {
                     return Err(EngineError::Config(format!(
                         "request {} already finished on this rank (its LAST chunk is over)",
@@ -771,14 +903,16 @@ impl PrefillEngine {
                 }
                 None => return Err(EngineError::UnknownRequest(request)),
             }
-            st.posted_total += 1;
+            if let Some(l) = st.links.get_mut(&link.id) {
+                l.posted += 1;
+            }
         }
         inner
             .counters
             .writes
             .fetch_add(writes.len() as u64, Ordering::Relaxed);
         inner.transport.post(
-            inner.decode_peer,
+            link.peer,
             writes,
             match inner.cfg.notify_format {
                 NotifyFormat::SglangText => n
@@ -790,7 +924,7 @@ impl PrefillEngine {
             Box::new(move |res: Result<(), TransportError>| {
                 // Runs on the transport's progress thread: the vote is cast right here.
                 if let Some(inner) = weak.upgrade() {
-                    inner.chunk_done(request, chunk, last, bytes, &res);
+                    inner.chunk_done(link_id, request, chunk, last, bytes, &res);
                 }
                 let _ = tx.send(res);
             }),
@@ -806,12 +940,14 @@ impl PrefillEngine {
         }
     }
 
-    /// Sends decode a small payload for `request` beside the pages (at most
+    /// Sends the decode engine of `request` a small payload beside the pages (at most
     /// [`MAX_AUX_LEN`](crate::control::MAX_AUX_LEN) bytes; decode reads it with `DecodeEngine::aux`).
-    /// Send it before the request's last chunk; it travels on the control connection.
+    /// Send it after the request's allocation arrived and before its last chunk; it travels on the
+    /// control connection.
     ///
     /// # Errors
-    /// A payload over the bound, or a decode side without our control plane.
+    /// A payload over the bound, a request whose allocation has not arrived
+    /// ([`EngineError::UnknownRequest`]), or a decode side without our control plane.
     pub fn send_aux(&self, request: RequestId, data: Vec<u8>) -> Result<(), EngineError> {
         if data.len() > control::MAX_AUX_LEN {
             return Err(EngineError::Config(format!(
@@ -820,8 +956,12 @@ impl PrefillEngine {
                 control::MAX_AUX_LEN
             )));
         }
-        self.inner
-            .decode_writer
+        let link = lock(&self.inner.state)
+            .requests
+            .get(&request)
+            .map(|r| r.link.clone())
+            .ok_or(EngineError::UnknownRequest(request))?;
+        link.writer
             .send(Msg::Aux(control::AuxData {
                 request: request.0,
                 data,
@@ -872,16 +1012,23 @@ impl PrefillEngine {
     /// Counters.
     pub fn stats(&self) -> PrefillStats {
         let c = &self.inner.counters;
+        let (undecided, decodes) = {
+            let st = lock(&self.inner.state);
+            let open = st.links.values().filter(|l| !l.closed).count();
+            (st.board.undecided() as u64, open as u64)
+        };
         PrefillStats {
             chunks: c.chunks.load(Ordering::Relaxed),
             bytes: c.bytes.load(Ordering::Relaxed),
             failed_chunks: c.failed_chunks.load(Ordering::Relaxed),
             decided_completed: c.decided_completed.load(Ordering::Relaxed),
             decided_failed: c.decided_failed.load(Ordering::Relaxed),
-            undecided: lock(&self.inner.state).board.undecided() as u64,
+            undecided,
             rejected_requests: c.rejected.load(Ordering::Relaxed),
             registered_bytes: self.inner.transport.stats().registered_bytes,
             writes: c.writes.load(Ordering::Relaxed),
+            decodes,
+            refused: c.refused.load(Ordering::Relaxed),
         }
     }
 
@@ -895,14 +1042,14 @@ impl Inner {
     async fn wait_for_request(
         &self,
         request: RequestId,
-    ) -> Result<(ChunkGeometry, Arc<Vec<u32>>), EngineError> {
+    ) -> Result<(ChunkGeometry, Arc<Vec<u32>>, Arc<Link>), EngineError> {
         let rx = {
             let mut st = lock(&self.state);
             if let Some(r) = st.requests.get(&request) {
                 if let Some(code) = r.failed {
                     return Err(EngineError::RequestFailed { request, code });
                 }
-                return Ok((r.geometry, r.dst_pages.clone()));
+                return Ok((r.geometry, r.dst_pages.clone(), r.link.clone()));
             }
             let (tx, rx) = oneshot::channel();
             st.arrivals.entry(request).or_default().push(tx);
@@ -912,7 +1059,9 @@ impl Inner {
             Ok(Ok(())) => {
                 let st = lock(&self.state);
                 match st.requests.get(&request) {
-                    Some(r) if r.failed.is_none() => Ok((r.geometry, r.dst_pages.clone())),
+                    Some(r) if r.failed.is_none() => {
+                        Ok((r.geometry, r.dst_pages.clone(), r.link.clone()))
+                    }
                     Some(r) => Err(EngineError::RequestFailed {
                         request,
                         code: r.failed.unwrap_or(FailureCode::Aborted),
@@ -927,6 +1076,7 @@ impl Inner {
     /// A chunk's transport work is over (on the progress thread).
     fn chunk_done(
         &self,
+        link: LinkId,
         request: RequestId,
         chunk: u32,
         last: bool,
@@ -935,11 +1085,17 @@ impl Inner {
     ) {
         let (ack, close) = {
             let mut st = lock(&self.state);
-            st.posted_total = st.posted_total.saturating_sub(1);
-            let close = st.posted_total == 0 && st.close_pending;
-            if close {
-                st.close_pending = false;
-            }
+            let close = match st.links.get_mut(&link) {
+                Some(l) => {
+                    l.posted = l.posted.saturating_sub(1);
+                    let close = l.posted == 0 && l.close_pending;
+                    if close {
+                        l.close_pending = false;
+                    }
+                    close
+                }
+                None => false,
+            };
             let ack = match st.requests.get_mut(&request) {
                 Some(r) => {
                     r.posted = r.posted.saturating_sub(1);
@@ -956,17 +1112,17 @@ impl Inner {
                     if ack {
                         r.ack_pending = false;
                     }
-                    ack
+                    ack.then(|| r.link.clone())
                 }
-                None => false,
+                None => None,
             };
             if last && res.is_ok() {
                 st.last_done_at.record(request, Instant::now());
             }
             (ack, close)
         };
-        if ack {
-            self.ack_abort(request);
+        if let Some(to) = ack {
+            Self::ack_abort(&to, request);
         }
         match res {
             Ok(()) => {
@@ -982,38 +1138,67 @@ impl Inner {
         }
         if close {
             // Decode closed and this was our last write into its pool: say so.
-            let _ = self.decode_writer.send(Msg::Close);
+            self.finish_link(link);
+        }
+    }
+
+    /// A closed decode's last write is over: our Close tells it so, its transport peer goes, and
+    /// the engine closes with its last decode unless it is to stay open.
+    fn finish_link(&self, id: LinkId) {
+        let (gone, closed) = {
+            let mut st = lock(&self.state);
+            let gone = st.links.remove(&id);
+            let closed = !self.cfg.keep_open && st.links.is_empty() && !st.closed;
+            if closed {
+                st.closed = true;
+            }
+            (gone, closed)
+        };
+        if let Some(l) = gone {
+            let _ = l.link.writer.send(Msg::Close);
+            self.transport.disconnect(l.link.peer);
+        }
+        if closed {
+            // Only after our Close is queued: a server that stops once `next_request` says the
+            // engine closed lets it go out first.
+            lock(&self.state).incoming = None;
+            tracing::info!(
+                pp_rank = self.cfg.pp_rank,
+                "the last decode engine closed: prefill rank closed"
+            );
         }
     }
 
     fn fail_local(&self, request: RequestId, code: FailureCode) {
-        let first = {
+        // The decode that owns it; every open one for a request whose allocation has not come.
+        let to: Vec<Arc<Link>> = {
             let mut st = lock(&self.state);
             match st.requests.get_mut(&request) {
                 Some(r) if r.failed.is_none() => {
                     r.failed = Some(code);
-                    true
+                    vec![r.link.clone()]
                 }
-                Some(_) => false,
-                None => true,
+                Some(_) => Vec::new(),
+                None => st
+                    .links
+                    .values()
+                    .filter(|l| !l.closed)
+                    .map(|l| l.link.clone())
+                    .collect(),
             }
         };
-        if first {
+        for link in to {
             // The decode side learns at once, not by timeout: on the data plane (ordered after this
             // rank's earlier chunks) and on the control plane (which still works when the data plane
             // does not); whichever arrives second changes nothing.
-            let _ = self.decode_writer.send(Msg::Abort(control::Abort {
+            let _ = link.writer.send(Msg::Abort(control::Abort {
                 request: request.0,
                 reason: code.raw(),
             }));
             let n =
-                ChunkNotification::new(request, self.notify_rank, 0, ChunkStatus::Failed { code });
-            self.transport.post(
-                self.decode_peer,
-                Vec::new(),
-                n.encode().to_vec(),
-                Box::new(|_| {}),
-            );
+                ChunkNotification::new(request, link.notify_rank, 0, ChunkStatus::Failed { code });
+            self.transport
+                .post(link.peer, Vec::new(), n.encode().to_vec(), Box::new(|_| {}));
         }
         self.settle_vote(request, Some(Vote::Failed(code)));
     }
@@ -1072,13 +1257,13 @@ impl Inner {
         }
     }
 
-    fn on_transfer_request(&self, req: control::TransferRequest) -> bool {
+    fn on_transfer_request(&self, link: &Arc<Link>, req: control::TransferRequest) -> bool {
         let request = req.request;
-        match self.accept_request(req) {
+        match self.accept_request(link, req) {
             Ok(()) => true,
             Err(reason) => {
-                let _ = self
-                    .decode_writer
+                let _ = link
+                    .writer
                     .send(Msg::TransferReject(control::TransferReject {
                         request,
                         reason,
@@ -1091,6 +1276,7 @@ impl Inner {
     /// Validates and records a page allocation, waking `send_chunk`s waiting for it.
     fn accept_request(
         &self,
+        link: &Arc<Link>,
         req: control::TransferRequest,
     ) -> Result<(), control::TransferRejectReason> {
         let request = RequestId(req.request);
@@ -1103,17 +1289,19 @@ impl Inner {
         let check = geometry.as_ref().ok().map(|g| {
             control::validate_transfer_request(
                 &req,
-                self.planner.dst().num_pages,
+                link.planner.dst().num_pages,
                 g.num_pages() as usize,
             )
             .and_then(|()| control::validate_prefix(&req, self.cfg.page_tokens))
         });
         let mut st = lock(&self.state);
+        let open = st.links.get(&link.id).is_some_and(|l| !l.closed);
         let reason = match (geometry, check) {
-            (Ok(g), Some(Ok(()))) if !st.requests.contains_key(&request) => {
+            (Ok(g), Some(Ok(()))) if open && !st.requests.contains_key(&request) => {
                 st.requests.insert(
                     request,
                     ReqState {
+                        link: link.clone(),
                         geometry: g,
                         dst_pages: Arc::new(req.dst_pages),
                         failed: None,
@@ -1129,9 +1317,12 @@ impl Inner {
                 }
                 return Ok(());
             }
-            (Ok(_), Some(Ok(()))) => control::TransferRejectReason::DuplicateRequest {
+            (Ok(_), Some(Ok(()))) if open => control::TransferRejectReason::DuplicateRequest {
                 request: req.request,
             },
+            (Ok(_), Some(Ok(()))) => {
+                control::TransferRejectReason::Invalid("this decode's connection closed".into())
+            }
             (_, Some(Err(e))) => e,
             (Err(e), _) => control::TransferRejectReason::Invalid(e.to_string()),
             (Ok(_), None) => control::TransferRejectReason::Invalid("no geometry".into()),
@@ -1142,12 +1333,23 @@ impl Inner {
         Err(reason)
     }
 
-    /// Decode abandoned `request`: post nothing more for it, acknowledge once every chunk already
-    /// posted is over (so decode may reuse the pages), and vote failed.
-    fn on_abort(&self, request: RequestId, code: FailureCode) {
+    /// Decode `from` abandoned `request`: post nothing more for it, acknowledge once every chunk
+    /// already posted is over (so decode may reuse the pages), and vote failed. An abort of a
+    /// request another decode owns is counted and dropped.
+    fn on_abort(&self, from: &Arc<Link>, request: RequestId, code: FailureCode) {
         let ack_now = {
             let mut st = lock(&self.state);
             match st.requests.get_mut(&request) {
+                Some(r) if r.link.id != from.id => {
+                    drop(st);
+                    self.counters.refused.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(
+                        request = request.0,
+                        decode = %from.addr,
+                        "abort of another decode engine's request dropped"
+                    );
+                    return;
+                }
                 Some(r) => {
                     if r.failed.is_none() {
                         r.failed = Some(code);
@@ -1159,14 +1361,14 @@ impl Inner {
             }
         };
         if ack_now {
-            self.ack_abort(request);
+            Self::ack_abort(from, request);
         }
         self.settle_vote(request, Some(Vote::Failed(code)));
     }
 
-    fn ack_abort(&self, request: RequestId) {
-        let _ = self
-            .decode_writer
+    fn ack_abort(to: &Link, request: RequestId) {
+        let _ = to
+            .writer
             .send(Msg::AbortAck(control::AbortAck { request: request.0 }));
     }
 
@@ -1186,7 +1388,7 @@ impl Inner {
     /// Whether a peer connection of `rank` with `incarnation` may bind now.
     fn mesh_admissible(&self, rank: u16, incarnation: u64) -> Result<(), RejectReason> {
         let st = lock(&self.state);
-        if st.decode_closed {
+        if st.closed {
             return Err(RejectReason::Refused("this rank is closing".into()));
         }
         let busy = st
@@ -1200,7 +1402,7 @@ impl Inner {
 
     /// The engine is closing: no PP peer is connected to again.
     fn mesh_closed(&self) -> bool {
-        lock(&self.state).decode_closed
+        lock(&self.state).closed
     }
 
     /// Keeps a task spawned after start, to be stopped with the engine.
@@ -1234,6 +1436,7 @@ async fn write_loop(mut writer: ControlWriter, mut rx: mpsc::UnboundedReceiver<M
 
 async fn decode_read_loop(
     inner: Weak<Inner>,
+    link: Arc<Link>,
     mut reader: control::ControlReader,
     incoming: mpsc::UnboundedSender<IncomingRequest>,
 ) {
@@ -1247,43 +1450,55 @@ async fn decode_read_loop(
             Msg::TransferRequest(r) => {
                 let next = IncomingRequest {
                     request: RequestId(r.request),
+                    decode: link.id,
                     prompt_tokens: r.prompt_tokens,
                     chunk_tokens: r.chunk_tokens,
                     prefix_tokens: r.prefix_tokens,
                 };
-                if i.on_transfer_request(r) {
+                if i.on_transfer_request(&link, r) {
                     let _ = incoming.send(next);
                 }
             }
-            Msg::Abort(a) => i.on_abort(RequestId(a.request), FailureCode::from_raw(a.reason)),
+            Msg::Abort(a) => {
+                i.on_abort(&link, RequestId(a.request), FailureCode::from_raw(a.reason))
+            }
             Msg::Close => break,
             _ => {}
         }
     }
-    // The decode side closed or is gone: nothing more is posted, every request not yet voted fails
-    // here, and once no write into decode's pool runs our Close tells decode so.
+    // This decode closed or is gone: nothing more is posted to it, every request of it not yet
+    // voted fails here, and once no write into its pool runs our Close tells it so. The other
+    // decodes' requests go on.
     if let Some(i) = inner.upgrade() {
         let pending: Vec<RequestId> = {
             let mut st = lock(&i.state);
-            st.decode_closed = true;
+            if let Some(l) = st.links.get_mut(&link.id) {
+                l.closed = true;
+            }
             st.requests
                 .iter()
-                .filter(|(_, r)| !r.voted)
+                .filter(|(_, r)| !r.voted && r.link.id == link.id)
                 .map(|(k, _)| *k)
                 .collect()
         };
         for r in pending {
-            i.on_abort(r, FailureCode::PeerLost);
+            i.on_abort(&link, r, FailureCode::PeerLost);
         }
         let close_now = {
             let mut st = lock(&i.state);
-            st.close_pending = st.posted_total > 0;
-            st.posted_total == 0
+            match st.links.get_mut(&link.id) {
+                Some(l) => {
+                    l.close_pending = l.posted > 0;
+                    l.posted == 0
+                }
+                None => false,
+            }
         };
         if close_now {
-            let _ = i.decode_writer.send(Msg::Close);
+            i.finish_link(link.id);
         }
     }
+    drop(incoming);
 }
 
 /// Connects to decode and runs the handshake. A restarted rank may find its previous start still
@@ -1350,6 +1565,119 @@ async fn connect_taken(
             Err(e) => return Err(e.into()),
         }
     }
+}
+
+/// The link to a decode engine that answered our Hello with `remote`: what this rank writes into
+/// decode's TP rank and the slot its notifications name there (its PP rank where TP is
+/// identical), as the decode side computes them too, and its transport peer.
+fn plan_link(
+    cfg: &PrefillConfig,
+    transport: &Arc<dyn Transport>,
+    notify_key: u64,
+    id: LinkId,
+    addr: SocketAddr,
+    remote: &Hello,
+    writer: mpsc::UnboundedSender<Msg>,
+) -> Result<Link, EngineError> {
+    let dst = layout_from_info(&remote.layout)?;
+    let regions = remote_regions(&remote.backend);
+    link_to(
+        cfg,
+        transport,
+        notify_key,
+        Target {
+            id,
+            addr,
+            dst,
+            metadata: &remote.backend.worker_or_agent,
+            regions,
+            tp: (remote.tp_rank, remote.tp_size),
+        },
+        writer,
+    )
+}
+
+/// The link to a decode outside our control plane: this rank's TP peer, byte for byte, whose
+/// control messages nobody reads.
+fn external_link(
+    cfg: &PrefillConfig,
+    transport: &Arc<dyn Transport>,
+    notify_key: u64,
+    x: ExternalDecode,
+) -> Result<Link, EngineError> {
+    let (writer, _unread) = mpsc::unbounded_channel();
+    link_to(
+        cfg,
+        transport,
+        notify_key,
+        Target {
+            id: LinkId(0),
+            addr: cfg.decode,
+            dst: x.layout,
+            metadata: &x.metadata,
+            regions: vec![x.region],
+            tp: (cfg.tp.rank, cfg.tp.size),
+        },
+        writer,
+    )
+}
+
+/// What a link is made from.
+struct Target<'a> {
+    id: LinkId,
+    addr: SocketAddr,
+    dst: KvLayout,
+    metadata: &'a [u8],
+    regions: Vec<crate::transport::RemoteRegion>,
+    /// Decode's TP rank and size.
+    tp: (u16, u16),
+}
+
+fn link_to(
+    cfg: &PrefillConfig,
+    transport: &Arc<dyn Transport>,
+    notify_key: u64,
+    t: Target<'_>,
+    writer: mpsc::UnboundedSender<Msg>,
+) -> Result<Link, EngineError> {
+    let (decode_rank, decode_size) = t.tp;
+    let sources = cfg.tp.source_at(cfg.tp.size, decode_size, decode_rank)?;
+    let Some(j) = sources
+        .iter()
+        .position(|x| x.prefill_rank == u32::from(cfg.tp.rank))
+    else {
+        return Err(EngineError::Config(format!(
+            "prefill TP rank {} writes nothing into decode TP rank {decode_rank}",
+            cfg.tp.rank
+        )));
+    };
+    let notify_rank = crate::core::topology::slot(cfg.pp_rank, sources.len() as u16, j as u16)
+        .ok_or_else(|| EngineError::Config("too many PP and TP ranks".into()))?;
+    let mapping = cfg
+        .tp
+        .mapping(cfg.tp.size, decode_size, decode_rank, &sources[j]);
+    let planner =
+        Planner::new(&cfg.layout, &t.dst, mapping).map_err(|source| EngineError::Plan {
+            request: None,
+            source,
+        })?;
+    // Decode's pool may come in several registrations too: our writes split at its segments.
+    let dst_seg = super::pools::segment(
+        t.dst.buffer_len,
+        t.regions.len(),
+        t.regions.iter().map(|r| r.len).min().unwrap_or(0),
+    )?;
+    let peer = transport.connect(t.metadata, &t.regions, notify_key)?;
+    Ok(Link {
+        id: t.id,
+        addr: t.addr,
+        peer,
+        planner,
+        notify_rank,
+        dst_seg,
+        dst_whole: t.dst.buffer_len,
+        writer,
+    })
 }
 
 /// How often a rank tries again to reach a lower rank whose connection ended.

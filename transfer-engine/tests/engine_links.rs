@@ -1,0 +1,340 @@
+//! One prefill pipeline serving several decode engines over real loopback UCX: one registration of
+//! each rank's pool and one vote mesh for all of them, each decode's requests written into its own
+//! pool, one decode's close failing only its own requests, and a decode that aborts a request
+//! another decode owns counted and ignored. Every byte is checked on poisoned destination pages;
+//! every wait is bounded.
+#![allow(clippy::unwrap_used)]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use transfer_engine::core::RequestId;
+use transfer_engine::core::planner::{KvLayout, PpSplit, RegionKind};
+use transfer_engine::core::tracker::FailureReason;
+use transfer_engine::core::vote::Decision;
+use transfer_engine::engine::{
+    DecodeConfig, DecodeEngine, EngineError, LinkId, MeshSocket, Outcome, Pool, PrefillConfig,
+    PrefillEngine,
+};
+use transfer_engine::mem::{HostBuffer, HostOptions};
+
+const LAYERS: u32 = 4;
+const PP: u16 = 2;
+const PAGE_TOKENS: u32 = 16;
+const PAGE_BYTES: u64 = 512;
+const DECODE_PAGES: u32 = 64;
+const PREFILL_PAGES: u32 = 16;
+const PROMPT: u32 = 64;
+const CHUNK: u32 = 32;
+const POISON: u8 = 0x5A;
+const SECRET: &[u8] = b"links-test secret, 32 bytes.....";
+const BOUND: Duration = Duration::from_secs(10);
+const LONG: Duration = Duration::from_secs(20);
+
+fn decode_layout() -> KvLayout {
+    KvLayout::packed(0, LAYERS, RegionKind::Fused, PAGE_BYTES, DECODE_PAGES)
+}
+
+/// The byte at `at` of page `page` of layer `layer` in the prefill pools: no two (layer, page)
+/// share a page's bytes.
+fn pattern(layer: u32, page: u32, at: u64) -> u8 {
+    let x = u64::from(layer) * 7919 + u64::from(page) * 104_729 + at;
+    (x ^ (x >> 7)).wrapping_mul(31) as u8
+}
+
+async fn decode() -> DecodeEngine {
+    let mut cfg = DecodeConfig::new(LAYERS, PAGE_TOKENS, decode_layout(), PP);
+    cfg.token = Some(SECRET.to_vec());
+    cfg.abort_ack_timeout = Duration::from_millis(500);
+    let len = decode_layout().buffer_len as usize;
+    let mut b = HostBuffer::new(len, HostOptions::default()).unwrap();
+    b.as_mut_slice().fill(POISON);
+    DecodeEngine::start(cfg, Pool::Owned(b)).await.unwrap()
+}
+
+/// A PP pipeline started against `first`, then linked to every decode of `more`.
+async fn pipeline(
+    first: &DecodeEngine,
+    more: &[&DecodeEngine],
+    keep_open: bool,
+) -> Vec<PrefillEngine> {
+    let mut sockets = Vec::new();
+    let mut peers = Vec::new();
+    for _ in 0..PP {
+        let s = MeshSocket::bind(SocketAddr::from(([127, 0, 0, 1], 0))).unwrap();
+        peers.push(s.local_addr().unwrap());
+        sockets.push(Arc::new(s));
+    }
+    let mut starts = Vec::new();
+    for rank in 0..PP {
+        let range = PpSplit::SglangEven.layer_range(LAYERS, PP, rank).unwrap();
+        let layout = KvLayout::packed(
+            range.start,
+            range.len() as u32,
+            RegionKind::Fused,
+            PAGE_BYTES,
+            PREFILL_PAGES,
+        );
+        let mut buf = HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).unwrap();
+        for (i, x) in buf.as_mut_slice().iter_mut().enumerate() {
+            let i = i as u64;
+            let per_layer = u64::from(PREFILL_PAGES) * PAGE_BYTES;
+            let layer = range.start + (i / per_layer) as u32;
+            let page = ((i % per_layer) / PAGE_BYTES) as u32;
+            *x = pattern(layer, page, i % PAGE_BYTES);
+        }
+        let mut cfg = PrefillConfig::new(
+            first.local_addr(),
+            rank,
+            PP,
+            LAYERS,
+            PAGE_TOKENS,
+            layout.clone(),
+        );
+        cfg.engine_id = format!("p-{rank}");
+        cfg.backend = transfer_engine::engine::BackendConfig::default_for(
+            transfer_engine::transport::BackendKind::Ucx,
+            &format!("p-{rank}"),
+        );
+        cfg.peers = peers.clone();
+        cfg.mesh_socket = Some(sockets[usize::from(rank)].clone());
+        cfg.token = Some(SECRET.to_vec());
+        cfg.connect_timeout = Duration::from_secs(5);
+        cfg.keep_open = keep_open;
+        starts.push(tokio::spawn(PrefillEngine::start(cfg, Pool::Owned(buf))));
+    }
+    let mut ranks = Vec::new();
+    for s in starts {
+        ranks.push(s.await.unwrap().unwrap());
+    }
+    for (n, d) in more.iter().enumerate() {
+        for r in &ranks {
+            let id = r.add_decode(d.local_addr()).await.unwrap();
+            assert_eq!(id, LinkId(n as u32 + 1));
+            // Linking the same decode again keeps its link.
+            assert_eq!(r.add_decode(d.local_addr()).await.unwrap(), id);
+        }
+    }
+    first.wait_for_ranks(BOUND).await.unwrap();
+    for d in more {
+        d.wait_for_ranks(BOUND).await.unwrap();
+    }
+    ranks
+}
+
+async fn send_all(ranks: &[PrefillEngine], request: RequestId, src: &[u32]) {
+    let last = PROMPT.div_ceil(CHUNK) - 1;
+    for r in ranks {
+        for chunk in 0..=last {
+            r.send_chunk(request, chunk, src, chunk == last)
+                .await
+                .unwrap();
+        }
+    }
+}
+
+/// Every layer's `dst` pages in `d` hold the prefill's `src` pages.
+fn assert_landed(d: &DecodeEngine, src: &[u32], dst: &[u32]) {
+    let mut page = vec![0u8; PAGE_BYTES as usize];
+    for layer in 0..LAYERS {
+        for (&s, &t) in src.iter().zip(dst) {
+            let off = (u64::from(layer) * u64::from(DECODE_PAGES) + u64::from(t)) * PAGE_BYTES;
+            d.read_pool(off, &mut page).unwrap();
+            let expected: Vec<u8> = (0..PAGE_BYTES).map(|at| pattern(layer, s, at)).collect();
+            assert!(
+                page == expected,
+                "layer {layer} page {t} does not hold page {s}"
+            );
+        }
+    }
+}
+
+/// Every layer's `dst` pages in `d` still hold the poison.
+fn assert_poisoned(d: &DecodeEngine, dst: &[u32]) {
+    let mut page = vec![0u8; PAGE_BYTES as usize];
+    for layer in 0..LAYERS {
+        for &t in dst {
+            let off = (u64::from(layer) * u64::from(DECODE_PAGES) + u64::from(t)) * PAGE_BYTES;
+            d.read_pool(off, &mut page).unwrap();
+            assert!(
+                page.iter().all(|&b| b == POISON),
+                "layer {layer} page {t} was written"
+            );
+        }
+    }
+}
+
+async fn bounded<T>(f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(BOUND, f)
+        .await
+        .expect("did not finish within the bound")
+}
+
+/// Waits (bounded) until `ok` holds.
+async fn until(what: &str, mut ok: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + BOUND;
+    while !ok() {
+        assert!(tokio::time::Instant::now() < deadline, "never: {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_prefill_pipeline_serves_two_decode_engines_with_one_registration() {
+    let (d1, d2) = (decode().await, decode().await);
+    let ranks = pipeline(&d1, &[&d2], false).await;
+    for r in &ranks {
+        let s = r.stats();
+        assert_eq!(s.decodes, 2, "{s:?}");
+        assert_eq!(
+            s.registered_bytes,
+            r.transport_stats().registered_bytes,
+            "{s:?}"
+        );
+        let mut linked: Vec<_> = r.decodes().into_iter().map(|(_, a)| a).collect();
+        linked.sort();
+        let mut want = vec![d1.local_addr(), d2.local_addr()];
+        want.sort();
+        assert_eq!(linked, want);
+    }
+    // One registration per rank: its layout's bytes, once, for both decodes.
+    let per_rank: Vec<u64> = ranks.iter().map(|r| r.stats().registered_bytes).collect();
+    assert_eq!(
+        per_rank,
+        vec![u64::from(LAYERS / 2) * u64::from(PREFILL_PAGES) * PAGE_BYTES; 2]
+    );
+
+    // A request into each decode at once, from the same source pages into different pages.
+    let (r1, r2) = (RequestId(1), RequestId(2));
+    let (dst1, dst2) = ([4, 5, 6, 7], [40, 41, 42, 43]);
+    let done1 = d1.expect(r1, PROMPT, CHUNK, dst1.to_vec(), LONG).unwrap();
+    let done2 = d2.expect(r2, PROMPT, CHUNK, dst2.to_vec(), LONG).unwrap();
+    for r in &ranks {
+        let mut from = Vec::new();
+        for _ in 0..2 {
+            let got = bounded(r.next_request()).await.unwrap();
+            from.push((got.request, got.decode));
+        }
+        from.sort();
+        assert_eq!(from, vec![(r1, LinkId(0)), (r2, LinkId(1))]);
+    }
+    let src = [0, 1, 2, 3];
+    tokio::join!(send_all(&ranks, r1, &src), send_all(&ranks, r2, &src));
+    assert_eq!(bounded(done1).await, Outcome::Complete);
+    assert_eq!(bounded(done2).await, Outcome::Complete);
+    assert_landed(&d1, &src, &dst1);
+    assert_landed(&d2, &src, &dst2);
+    // Each decode got exactly its own request's pages.
+    assert_poisoned(&d1, &dst2);
+    assert_poisoned(&d2, &dst1);
+    for r in &ranks {
+        assert_eq!(bounded(r.decided(r1)).await, Decision::Completed);
+        assert_eq!(bounded(r.decided(r2)).await, Decision::Completed);
+    }
+    let (a, b) = (d1.shutdown(BOUND).await, d2.shutdown(BOUND).await);
+    assert!(a.pool_freed && b.pool_freed, "{a:?} {b:?}");
+    assert_eq!(a.confirmed.len() + b.confirmed.len(), 4, "{a:?} {b:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_that_closes_fails_only_its_own_requests() {
+    let (d1, d2) = (decode().await, decode().await);
+    let ranks = pipeline(&d1, &[&d2], false).await;
+    let (r1, r2) = (RequestId(11), RequestId(12));
+    let (dst1, dst2) = ([4, 5, 6, 7], [40, 41, 42, 43]);
+    let done1 = d1.expect(r1, PROMPT, CHUNK, dst1.to_vec(), LONG).unwrap();
+    let _done2 = d2.expect(r2, PROMPT, CHUNK, dst2.to_vec(), LONG).unwrap();
+    for r in &ranks {
+        for _ in 0..2 {
+            bounded(r.next_request()).await.unwrap();
+        }
+    }
+    // Decode 2 goes away with its request in flight: its request fails on every rank, its link
+    // is forgotten, and decode 1's request is untouched.
+    let report = d2.shutdown(BOUND).await;
+    assert!(report.pool_freed, "{report:?}");
+    for r in &ranks {
+        assert!(
+            matches!(bounded(r.decided(r2)).await, Decision::Failed { .. }),
+            "{:?}",
+            r.stats()
+        );
+        until("decode 2's link is forgotten", || r.stats().decodes == 1).await;
+        assert_eq!(r.decodes(), vec![(LinkId(0), d1.local_addr())]);
+        assert!(matches!(
+            r.send_chunk(r2, 0, &[0, 1], false).await,
+            Err(EngineError::RequestFailed { .. })
+        ));
+    }
+    let src = [8, 9, 10, 11];
+    send_all(&ranks, r1, &src).await;
+    assert_eq!(bounded(done1).await, Outcome::Complete);
+    assert_landed(&d1, &src, &dst1);
+    // Without `keep_open` the engine closes with its last decode.
+    d1.shutdown(BOUND).await;
+    for r in &ranks {
+        assert_eq!(bounded(r.next_request()).await, None);
+        assert!(matches!(
+            r.add_decode(SocketAddr::from(([127, 0, 0, 1], 9))).await,
+            Err(EngineError::Shutdown)
+        ));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pipeline_kept_open_serves_a_decode_that_comes_after_the_last_one_left() {
+    let d1 = decode().await;
+    let ranks = pipeline(&d1, &[], true).await;
+    d1.shutdown(BOUND).await;
+    for r in &ranks {
+        until("decode 1's link is forgotten", || r.stats().decodes == 0).await;
+    }
+    let d2 = decode().await;
+    for r in &ranks {
+        assert_eq!(r.add_decode(d2.local_addr()).await.unwrap(), LinkId(1));
+    }
+    d2.wait_for_ranks(BOUND).await.unwrap();
+    let (r, dst) = (RequestId(21), [30, 31, 32, 33]);
+    let done = d2.expect(r, PROMPT, CHUNK, dst.to_vec(), LONG).unwrap();
+    let src = [1, 3, 5, 7];
+    send_all(&ranks, r, &src).await;
+    assert_eq!(bounded(done).await, Outcome::Complete);
+    assert_landed(&d2, &src, &dst);
+    d2.shutdown(BOUND).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_cannot_abort_a_request_another_decode_owns() {
+    let (d1, d2) = (decode().await, decode().await);
+    let ranks = pipeline(&d1, &[&d2], false).await;
+    let x = RequestId(31);
+    let dst1 = [4, 5, 6, 7];
+    let done1 = d1.expect(x, PROMPT, CHUNK, dst1.to_vec(), LONG).unwrap();
+    for r in &ranks {
+        assert_eq!(bounded(r.next_request()).await.unwrap().decode, LinkId(0));
+    }
+    // Decode 2 asks for the same request id: every rank refuses it, decode 2 fails it and tells
+    // the ranks (an Abort of request 31), which must not touch decode 1's request.
+    let done2 = d2
+        .expect(x, PROMPT, CHUNK, vec![40, 41, 42, 43], LONG)
+        .unwrap();
+    let refused = bounded(done2).await;
+    assert!(
+        matches!(refused, Outcome::Failed(FailureReason::PeerFailed { .. })),
+        "{refused:?}"
+    );
+    for r in &ranks {
+        until("decode 2's abort is dropped", || r.stats().refused >= 1).await;
+    }
+    let src = [0, 1, 2, 3];
+    send_all(&ranks, x, &src).await;
+    assert_eq!(bounded(done1).await, Outcome::Complete);
+    assert_landed(&d1, &src, &dst1);
+    assert_poisoned(&d2, &[40, 41, 42, 43]);
+    for r in &ranks {
+        assert_eq!(bounded(r.decided(x)).await, Decision::Completed);
+        assert_eq!(r.stats().rejected_requests, 1);
+    }
+    d1.shutdown(BOUND).await;
+    d2.shutdown(BOUND).await;
+}

@@ -103,8 +103,10 @@ class Cluster:
                 at = self.dlayout.offset(layer, p)
                 self.dmem[at:at + self.page_bytes] = POISON
 
-    def mismatches(self, request, dst_pages):
-        """(layer, page) pairs of `request` whose bytes in decode's pool are not its pattern."""
+    def mismatches(self, request, dst_pages, dmem=None):
+        """(layer, page) pairs of `request` whose bytes in decode's pool (or `dmem`, a pool of
+        the same layout) are not its pattern."""
+        dmem = self.dmem if dmem is None else dmem
         bad = []
         per = self.layers // self.pp
         for layer in range(self.layers):
@@ -112,7 +114,7 @@ class Cluster:
             for i, p in enumerate(dst_pages):
                 at = self.dlayout.offset(layer, p)
                 want = pattern(request, rank, layer, i, self.page_bytes)
-                if not np.array_equal(self.dmem[at:at + self.page_bytes], want):
+                if not np.array_equal(dmem[at:at + self.page_bytes], want):
                     bad.append((layer, p))
         return bad
 

@@ -394,3 +394,44 @@ def test_aux_payload_travels_beside_the_pages(cluster):
     assert cluster.decode.aux(95, 0) is None  # taken once
     with pytest.raises(kvx.ConfigError):
         cluster.prefill[0].send_aux(96, bytes(64 * 1024 + 1))
+
+
+def test_one_prefill_rank_serves_a_second_decode_engine(cluster):
+    """Each rank links a second decode engine (its own pool) to its one engine: requests of both
+    decodes arrive on it, named by decode, and land byte for byte in their own decode's pool."""
+    dmem2 = np.full(cluster.dlayout.buffer_len, POISON, dtype=np.uint8)
+    d2 = kvx.DecodeEngine(
+        layout=cluster.dlayout, total_layers=cluster.layers, page_tokens=cluster.page_tokens,
+        pp_size=cluster.pp, memory=dmem2, secret=b"kvx-test-secret", backend=cluster.backend,
+        engine_id=f"decode2-{id(dmem2)}")
+    try:
+        for p in cluster.prefill:
+            assert p.add_decode(d2.address) == 1
+            assert p.add_decode(d2.address) == 1  # already served: the same link
+            assert sorted(n for n, _ in p.decodes) == [0, 1]
+            assert p.stats()["decodes"] == 2
+        d2.wait_for_ranks(10)
+        src, dst1, dst2 = list(range(8)), list(range(8)), list(range(16, 24))
+        cluster.prepare(61, src, dst1)
+        one = cluster.decode.expect(61, 128, 32, dst1, timeout=10)
+        two = d2.expect(62, 128, 32, dst2, timeout=10)
+        for p in cluster.prefill:
+            got = sorted((r.request, r.decode) for r in (p.next_request(10), p.next_request(10)))
+            assert got == [(61, 0), (62, 1)], got
+        # The same source pages (request 61's pattern) go to both decodes.
+        for p in cluster.prefill:
+            for c in range(4):
+                p.send_chunk(61, c, src, c == 3)
+                p.send_chunk(62, c, src, c == 3)
+        assert one.wait(10).complete and two.wait(10).complete
+        assert cluster.mismatches(61, dst1) == []
+        assert cluster.mismatches(61, dst2, dmem=dmem2) == []
+        assert cluster.mismatches(61, dst2) != [], "decode 1's pages were written for decode 2"
+    finally:
+        d2.shutdown(5)
+    for p in cluster.prefill:
+        deadline = time.monotonic() + 10
+        while p.stats()["decodes"] != 1:
+            assert time.monotonic() < deadline, p.stats()
+            time.sleep(0.01)
+        assert not p.closed

@@ -52,7 +52,7 @@ class Pair:
     """A prefill and a decode server on one transfer backend."""
 
     def __init__(self, name, model, logs, backend, env, three_ports, decode_args=(),
-                 second_prefill=None):
+                 second_prefill=None, second_decode=None):
         prefill_port, decode_port, self.bootstrap_port = three_ports
         self.prefill = S.Server(f"{name}-prefill", model, prefill_port, logs, [
             "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", backend,
@@ -68,9 +68,15 @@ class Pair:
             self.prefill2 = S.Server(f"{name}-prefill2", model, port, logs, [
                 "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", backend,
                 "--disaggregation-bootstrap-port", str(self.bootstrap_port2)], env)
+        # A second decode server (its port) for the same prefill server.
+        self.decode2 = None
+        if second_decode is not None:
+            self.decode2 = S.Server(f"{name}-decode2", model, second_decode, logs, [
+                "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", backend,
+                "--disaggregation-decode-retraction-backup", "cpu_tensor"], env)
 
     def servers(self):
-        return [self.prefill, self.decode] + ([self.prefill2] if self.prefill2 else [])
+        return [self.prefill, self.decode] + [s for s in (self.prefill2, self.decode2) if s]
 
     def generate(self, ids, room, **extra):
         return S.pair_generate(self.prefill, self.decode, self.bootstrap_port, ids, NEW_TOKENS, room,
@@ -78,6 +84,10 @@ class Pair:
 
     def generate2(self, ids, room):
         return S.pair_generate(self.prefill2, self.decode, self.bootstrap_port2, ids, NEW_TOKENS,
+                               room)
+
+    def generate_d2(self, ids, room):
+        return S.pair_generate(self.prefill, self.decode2, self.bootstrap_port, ids, NEW_TOKENS,
                                room)
 
     def logs(self):
@@ -110,7 +120,7 @@ def servers(model, logs, prompts):
     imports: together they are ready sooner than one after another); the normal server's greedy
     tokens for every prompt."""
     # Drawn in one call, so no two servers are given the same port.
-    free = ports(1 + 3 * len(BACKENDS) + 2)
+    free = ports(1 + 3 * len(BACKENDS) + 2 + 1)
     normal = S.Server("normal", model, free.pop(), logs)
     pairs = {}
     try:
@@ -129,9 +139,11 @@ def servers(model, logs, prompts):
             # only the pages after its cached prefix (decode_prefix_len).
             decode_args = ["--tokenizer-worker-num", "2"] if backend == "ucx" else [
                 "--disaggregation-decode-enable-radix-cache"]
+            # The NIXL pair has a second prefill server, the UCX pair a second decode server.
             second = (free.pop(), free.pop()) if backend == "nixl" else None
+            decode2 = free.pop() if backend == "ucx" else None
             pairs[backend] = Pair(f"kvx-{backend}", model, logs, "kvx", env,
-                                  [free.pop() for _ in range(3)], decode_args, second)
+                                  [free.pop() for _ in range(3)], decode_args, second, decode2)
         S.start_all([normal] + [s for p in pairs.values() for s in p.servers()])
         normal.expected = [S.generate(normal, p, NEW_TOKENS) for p in prompts]
         yield normal, pairs
@@ -184,6 +196,27 @@ def test_one_decode_server_serves_two_prefill_servers(servers, prompts):
         assert f"serves prefill instance 127.0.0.1:{port} " in text, (
             f"decode never served the prefill instance on bootstrap port {port}\n"
             f"{pair.decode.log()}")
+    assert_clean_logs(pair)
+
+
+def test_one_prefill_server_serves_two_decode_servers(servers, prompts):
+    """Requests of one prefill server go to two decode servers (alternately, four at a time):
+    every answer is the normal server's, and the prefill scheduler rank serves both decode servers
+    from one kvx engine (one transport, one registration of its pool), started with the first and
+    the second added to it."""
+    normal, pairs = servers
+    pair = pairs["ucx"]
+    rng = random.Random("two-decodes")
+    rooms = [rng.randrange(1 << 62) for _ in prompts]
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(
+            lambda i: (pair.generate if i % 2 == 0 else pair.generate_d2)(prompts[i], rooms[i]),
+            range(len(prompts))))
+    check(pair, normal, prompts, results, "one prefill server into two decodes")
+    text = pair.prefill.log_path.read_text()
+    assert text.count("kvx: prefill engine started") == 1, pair.prefill.log()
+    assert text.count("serves decode ") == 1, pair.prefill.log()
+    assert "kvx: decode engine started" in pair.decode2.log_path.read_text(), pair.decode2.log()
     assert_clean_logs(pair)
 
 

@@ -9,7 +9,8 @@ subclass SGLang's own bases, so Python refuses any abstract method left out.
 - ``directory``: the prefill instance's bootstrap server, every ``/kvx/`` call proving the shared
   secret;
 - ``manager``: one per scheduler rank, the engines (decode: one ``DecodeEngine`` per prefill
-  instance, with a heartbeat; prefill: one ``PrefillEngine`` per decode that announced itself);
+  instance, with a heartbeat; prefill: one ``PrefillEngine`` for every decode that announced
+  itself, started with the first and each later one added to it);
 - ``sender`` / ``receiver``: one request on a prefill / decode rank.
 
 Settings (environment): ``KVX_SECRET`` / ``KVX_SECRET_FILE`` (the deployment's shared secret),

@@ -1,8 +1,8 @@
 """The prefill instance's bootstrap directory (SGLang's bootstrap server, for kvx) and its client.
 
 Each prefill rank publishes its PP/TP rank and layer range; each decode rank publishes the control
-address of the ``kvx.DecodeEngine`` it runs for that prefill instance; each prefill rank publishes,
-per decode, the address its PP vote mesh listens on. Those are addresses, so every ``/kvx/``
+address of its ``kvx.DecodeEngine``; each prefill rank publishes the address its PP vote mesh
+listens on (one mesh per pipeline, that is per TP rank, for every decode). Those are addresses, so every ``/kvx/``
 request, read or write, proves the deployment's shared secret: an HMAC-SHA256 over a timestamp,
 the method, the path and the body (header ``X-Kvx-Auth: <unix seconds>:<hex>``), checked in
 constant time and refused (401) when wrong, missing or more than ``MAX_SKEW_S`` old. Without a
@@ -87,7 +87,7 @@ class KvxBootstrapServer(BaseKVBootstrapServer):
         self._lock = threading.Lock()
         self._prefill: dict = {}  # "tp/pp" -> info
         self._decodes: list = []  # announcements, in order
-        self._mesh: dict = {}  # (decode_id, tp) -> {pp: addr}
+        self._mesh: dict = {}  # tp -> {pp: addr}
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -132,7 +132,7 @@ class KvxBootstrapServer(BaseKVBootstrapServer):
                             return self._reply(200, {"instance": server.instance,
                                                      "decodes": server._decodes[since:]})
                         if u.path == "/kvx/mesh":
-                            key = (q.get("decode_id", ""), int(q.get("tp_rank", 0)))
+                            key = int(q.get("tp_rank", 0))
                             return self._reply(200, {"mesh": server._mesh.get(key, {})})
                 except ValueError as e:
                     return self._reply(400, {"error": str(e)})
@@ -158,7 +158,7 @@ class KvxBootstrapServer(BaseKVBootstrapServer):
                             if not any(d["decode_id"] == b["decode_id"] for d in server._decodes):
                                 server._decodes.append(b)
                         elif u.path == "/kvx/mesh":
-                            key = (str(b["decode_id"]), int(b["tp_rank"]))
+                            key = int(b["tp_rank"])
                             server._mesh.setdefault(key, {})[str(int(b["pp_rank"]))] = str(b["addr"])
                         else:
                             return self._reply(404)

@@ -1,8 +1,9 @@
 """``KvxKVManager``: one per SGLang scheduler rank.
 
 Prefill: registers the rank in its instance's directory when it is made (SGLang's scheduler never
-calls ``register_to_bootstrap``), and starts a ``PrefillEngine`` for every decode engine that
-announces itself there. Decode: one ``DecodeEngine`` for every prefill instance (one transport,
+calls ``register_to_bootstrap``), and runs one ``PrefillEngine`` for every decode engine that
+announces itself there (one transport, one registration of the pool, one vote mesh for the
+pipeline; started with the first decode, each later one added to it). Decode: one ``DecodeEngine`` for every prefill instance (one transport,
 one registration of the pool; each instance a session of it, named by its bootstrap address),
 announced in each instance's directory, and a heartbeat of every instance it knows: an instance
 that stops answering is forgotten by SGLang's table (SGLang asks for it again), and one that comes
@@ -150,7 +151,10 @@ class KvxKVManager(BaseKVManager):
             port = getattr(server_args, "disaggregation_bootstrap_port", None)
             host = settings.url_host(settings.bootstrap_host(server_args))
             self.bootstrap_url = f"http://{host}:{port}"
-            self._prefills: dict = {}  # decode_id -> PrefillEngine
+            # The rank's one PrefillEngine, for every decode, started with the first one.
+            self._prefill: Optional[kvx.PrefillEngine] = None
+            self._instance = ""  # how the decodes name this prefill instance
+            self._start_lock = threading.Lock()
             self._allocations: dict = {}  # room -> (PrefillEngine, IncomingRequest)
             self._registered = False
             self.register_to_bootstrap()
@@ -208,62 +212,74 @@ class KvxKVManager(BaseKVManager):
             for d in got:
                 seen += 1
                 if int(d.get("tp_rank", -1)) == self.tp_rank:
-                    threading.Thread(target=self._connect, args=(d,), daemon=True).start()
+                    threading.Thread(target=self._serve, args=(d,), daemon=True).start()
             self._closed.wait(0.05)
 
-    def _connect(self, d: dict):
-        """A PrefillEngine for the decode engine `d` announced, with this decode's vote mesh."""
-        decode_id = d["decode_id"]
-        with self._lock:
-            known = self._prefills.get(decode_id)
-        if known is not None and not known.closed:
-            # Announced again (decode lost sight of this instance for a while): still connected.
-            return
+    def _serve(self, d: dict):
+        """Serves the decode engine `d` announced: the rank's one PrefillEngine starts with the first
+        one (its vote mesh is the pipeline's), every later one is added to it."""
         try:
-            peers, mesh_socket = [], None
-            if self.pp_size > 1:
-                # Bound now and held, so the port published below stays ours until the rank starts.
-                mesh_socket = kvx.MeshSocket(f"{settings.url_host(self.local_ip)}:0")
-                self._put(f"{self.bootstrap_url}/kvx/mesh", {
-                    "decode_id": decode_id, "tp_rank": self.tp_rank, "pp_rank": self.pp_rank,
-                    "addr": mesh_socket.address})
-                deadline = time.monotonic() + 60
-                while True:
-                    mesh = self._get(f"{self.bootstrap_url}/kvx/mesh?decode_id={decode_id}"
-                                     f"&tp_rank={self.tp_rank}")["mesh"]
-                    if len(mesh) == self.pp_size:
-                        peers = [mesh[str(r)] for r in range(self.pp_size)]
-                        break
-                    if time.monotonic() > deadline:
-                        raise kvx.Timeout(f"PP ranks of decode {decode_id} never all published")
-                    time.sleep(0.02)
-            engine = kvx.PrefillEngine(
-                decode=d["address"], pp_rank=self.pp_rank, pp_size=self.pp_size,
-                layout=self.pool.layout, total_layers=int(d["total_layers"]),
-                page_tokens=self.page_size, memory=self.pool.memory, peers=peers,
-                mesh_socket=mesh_socket, instance=str(d.get("instance", "")),
-                secret=self.secret, backend=self.backend, device=self.device,
-                engine_id=f"sglang-prefill-{self.tp_rank}-{self.pp_rank}-{os.getpid()}-{decode_id}")
+            with self._start_lock:
+                started = self._prefill is None
+                if started:
+                    self._prefill = self._start_prefill(d)
+                engine = self._prefill
+            instance = str(d.get("instance", ""))
+            if instance != self._instance:
+                # The rank names its pipeline once, in every handshake: a decode that calls it
+                # otherwise cannot be served by this engine.
+                logger.error("kvx: decode %s names this prefill instance %r, not %r: not served",
+                             d["decode_id"], instance, self._instance)
+                return
+            if not started:
+                n = engine.add_decode(d["address"])
+                logger.info("kvx: prefill rank (TP %d, PP %d) serves decode %s too (link %d)",
+                            self.tp_rank, self.pp_rank, d["decode_id"], n)
         except Exception:
-            logger.exception("kvx: cannot connect to decode %s", decode_id)
-            return
-        with self._lock:
-            self._prefills[decode_id] = engine
-        try:
-            while not self._closed.is_set():
-                req = engine.next_request(0.5)
-                if req is None:
-                    if engine.closed:
-                        return
-                    continue
-                with self._lock:
-                    self._allocations[req.request] = (engine, req)
-                    self._arrived.notify_all()
-        finally:
-            # That decode is gone (or we close): its engine's requests failed with it.
+            logger.exception("kvx: cannot serve decode %s", d["decode_id"])
+
+    def _start_prefill(self, d: dict) -> "kvx.PrefillEngine":
+        """The rank's PrefillEngine, started against decode `d`, with the pipeline's vote mesh."""
+        peers, mesh_socket = [], None
+        if self.pp_size > 1:
+            # Bound now and held, so the port published below stays ours until the rank starts.
+            mesh_socket = kvx.MeshSocket(f"{settings.url_host(self.local_ip)}:0")
+            self._put(f"{self.bootstrap_url}/kvx/mesh", {
+                "tp_rank": self.tp_rank, "pp_rank": self.pp_rank, "addr": mesh_socket.address})
+            deadline = time.monotonic() + 60
+            while True:
+                mesh = self._get(f"{self.bootstrap_url}/kvx/mesh?tp_rank={self.tp_rank}")["mesh"]
+                if len(mesh) == self.pp_size:
+                    peers = [mesh[str(r)] for r in range(self.pp_size)]
+                    break
+                if time.monotonic() > deadline:
+                    raise kvx.Timeout(f"PP ranks of TP rank {self.tp_rank} never all published")
+                time.sleep(0.02)
+        self._instance = str(d.get("instance", ""))
+        engine = kvx.PrefillEngine(
+            decode=d["address"], pp_rank=self.pp_rank, pp_size=self.pp_size,
+            layout=self.pool.layout, total_layers=int(d["total_layers"]),
+            page_tokens=self.page_size, memory=self.pool.memory, peers=peers,
+            mesh_socket=mesh_socket, instance=self._instance, keep_open=True,
+            secret=self.secret, backend=self.backend, device=self.device,
+            engine_id=f"sglang-prefill-{self.tp_rank}-{self.pp_rank}-{os.getpid()}")
+        logger.info("kvx: prefill engine started (TP %d, PP %d): one engine for every decode",
+                    self.tp_rank, self.pp_rank)
+        threading.Thread(target=self._take_allocations, args=(engine,), daemon=True,
+                         name="kvx-allocations").start()
+        return engine
+
+    def _take_allocations(self, engine: "kvx.PrefillEngine"):
+        """Hands every page allocation, from whichever decode, to the room's sender."""
+        while not self._closed.is_set():
+            req = engine.next_request(0.5)
+            if req is None:
+                if engine.closed:
+                    return
+                continue
             with self._lock:
-                if self._prefills.get(decode_id) is engine:
-                    del self._prefills[decode_id]
+                self._allocations[req.request] = (engine, req)
+                self._arrived.notify_all()
 
     def allocation(self, room: int):
         with self._lock:
@@ -466,7 +482,7 @@ class KvxKVManager(BaseKVManager):
     def close(self):
         self._closed.set()
         with self._lock:
-            prefills = list(getattr(self, "_prefills", {}).values())
+            prefills = [p for p in [getattr(self, "_prefill", None)] if p is not None]
             decode = getattr(self, "_engine", None)
         for p in prefills:
             p.close()

@@ -67,7 +67,9 @@ fn every_message() -> Vec<Msg> {
             role: Role::Prefill,
             side: Side::Dialer,
         }),
-        Msg::Proof(transfer_engine::control::Proof { mac: [0x9f; 32] }),
+        Msg::Proof(transfer_engine::control::Proof {
+            msg: vec![0x9f; 48],
+        }),
         Msg::HelloAck(HelloAck {
             engine_id: "decode-0".into(),
         }),
@@ -146,8 +148,10 @@ fn every_kind_round_trips_whole_and_byte_by_byte() {
 }
 
 #[test]
-fn proofs_depend_on_secret_side_roles_and_both_nonces_and_the_secret_is_never_printed() {
+fn handshake_messages_depend_on_secret_sides_roles_and_both_nonces_and_the_secret_is_never_printed()
+{
     use transfer_engine::control::Challenge;
+    use transfer_engine::control::channel::Handshake;
     let key = Secret::new(b"hunter2");
     let dialer = Challenge {
         nonce: [1; 32],
@@ -159,23 +163,42 @@ fn proofs_depend_on_secret_side_roles_and_both_nonces_and_the_secret_is_never_pr
         role: Role::Decode,
         side: Side::Listener,
     };
-    let proof = key.prove(Side::Dialer, &dialer, &listener);
-    assert!(key.verify(Side::Dialer, &dialer, &listener, &proof));
-    // Every input changes the proof.
-    assert!(!key.verify(Side::Listener, &dialer, &listener, &proof));
-    assert!(!Secret::new(b"hunter3").verify(Side::Dialer, &dialer, &listener, &proof));
-    assert!(!Secret::none().verify(Side::Dialer, &dialer, &listener, &proof));
+    // The dialer's first message, read by a listener with `secret` that saw `d` and `l`.
+    let first = Handshake::new(&key, Side::Dialer, &dialer, &listener)
+        .unwrap()
+        .write()
+        .unwrap();
+    let accepts = |secret: &Secret, d: &Challenge, l: &Challenge| {
+        Handshake::new(secret, Side::Listener, d, l)
+            .unwrap()
+            .read(&first)
+    };
+    assert!(accepts(&key, &dialer, &listener));
+    // Every input changes what authenticates.
+    assert!(!accepts(&Secret::new(b"hunter3"), &dialer, &listener));
+    assert!(!accepts(&Secret::none(), &dialer, &listener));
     let mut other = dialer.clone();
     other.nonce[31] ^= 1;
-    assert!(!key.verify(Side::Dialer, &other, &listener, &proof));
+    assert!(!accepts(&key, &other, &listener));
     let mut other = listener.clone();
     other.nonce[0] ^= 1;
-    assert!(!key.verify(Side::Dialer, &dialer, &other, &proof));
+    assert!(!accepts(&key, &dialer, &other));
     let mut other = listener.clone();
     other.role = Role::Prefill;
-    assert!(!key.verify(Side::Dialer, &dialer, &other, &proof));
+    assert!(!accepts(&key, &dialer, &other));
+    let mut other = dialer.clone();
+    other.side = Side::Listener;
+    assert!(!accepts(&key, &other, &listener));
     // Swapping the challenges is a different transcript.
-    assert!(!key.verify(Side::Dialer, &listener, &dialer, &proof));
+    assert!(!accepts(&key, &listener, &dialer));
+    // A changed byte of the message.
+    let mut flipped = first.clone();
+    flipped[40] ^= 1;
+    assert!(
+        !Handshake::new(&key, Side::Listener, &dialer, &listener)
+            .unwrap()
+            .read(&flipped)
+    );
     assert!(!format!("{key:?}").contains("hunter2"));
     assert!(Secret::none().is_none());
     assert!(!key.is_none());
@@ -223,9 +246,9 @@ fn garbage_is_refused_at_the_first_byte() {
 #[test]
 fn header_errors_are_typed() {
     assert!(matches!(
-        decode_err(&header(0, 7, 1, 0), 1024),
+        decode_err(&header(0, 99, 1, 0), 1024),
         FrameError::UnsupportedVersion {
-            got: 7,
+            got: 99,
             supported: PROTOCOL_VERSION
         }
     ));

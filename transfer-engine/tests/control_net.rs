@@ -9,6 +9,7 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::{Instant, timeout};
+use transfer_engine::control::channel::Handshake;
 use transfer_engine::control::{
     Abort, BackendInfo, BackendKind, Connection, ControlError, DEFAULT_MAX_FRAME_LEN, FrameDecoder,
     FrameError, HEADER_LEN, Hello, HelloAck, LayoutInfo, Listener, MAGIC, Msg, MsgKind,
@@ -300,7 +301,9 @@ async fn before_authentication_a_peer_gets_only_a_challenge() {
         &mut raw,
         [
             Msg::Challenge(mine),
-            Msg::Proof(transfer_engine::control::Proof { mac: [0x5a; 32] }),
+            Msg::Proof(transfer_engine::control::Proof {
+                msg: vec![0x5a; 48],
+            }),
         ],
     )
     .await;
@@ -308,8 +311,8 @@ async fn before_authentication_a_peer_gets_only_a_challenge() {
     assert_eq!(rejected_peer(r), RejectReason::AuthFailed);
     let (bytes, msgs) = frames_from(&mut raw, BOUND).await;
     assert!(
-        // Not even the listener's proof: it proves only to a dialer that proved first, so nothing
-        // here lets the client guess the secret offline.
+        // Not even the listener's handshake message: it answers only a dialer whose message
+        // authenticated, so nothing here lets the client guess the secret offline.
         matches!(
             msgs.as_slice(),
             [Msg::Reject(Reject {
@@ -325,9 +328,10 @@ async fn before_authentication_a_peer_gets_only_a_challenge() {
     assert!(!contains(&bytes, &b.regions[0].rkey[..16]), "rkey leaked");
 }
 
-/// Drives the client side of the authentication by hand: the right secret, but `prover` as the
-/// side named in the proof and `nonce` (if given) instead of a fresh one.
-async fn hand_made_client(prover: Side, reflect: bool) -> (RejectReason, Vec<Msg>) {
+/// Drives the client side of the authentication by hand: the right secret, but (with `swap`) the
+/// two challenges in each other's place in the Noise prologue, and (with `reflect`) the server's
+/// own nonce in our challenge.
+async fn hand_made_client(swap: bool, reflect: bool) -> (RejectReason, Vec<Msg>) {
     let (mut server, mut raw) = raw_pair().await;
     let hello = decode_hello();
     let run =
@@ -345,22 +349,37 @@ async fn hand_made_client(prover: Side, reflect: bool) -> (RejectReason, Vec<Msg
     if reflect {
         mine.nonce = theirs.nonce;
     }
-    let proof = secret().prove(prover, &mine, &theirs);
-    send_frames(&mut raw, [Msg::Challenge(mine), Msg::Proof(proof)]).await;
+    let (first, second) = if swap {
+        (&theirs, &mine)
+    } else {
+        (&mine, &theirs)
+    };
+    let msg = Handshake::new(&secret(), Side::Dialer, first, second)
+        .unwrap()
+        .write()
+        .unwrap();
+    send_frames(
+        &mut raw,
+        [
+            Msg::Challenge(mine),
+            Msg::Proof(transfer_engine::control::Proof { msg }),
+        ],
+    )
+    .await;
     let reason = rejected_peer(bounded(run).await.unwrap());
     let (_, msgs) = frames_from(&mut raw, BOUND).await;
     (reason, msgs)
 }
 
 #[tokio::test]
-async fn a_proof_is_bound_to_its_side_and_a_reflected_nonce_is_refused() {
-    // The right secret over the right challenges, but claiming the listener's side: a proof the
-    // listener itself could have produced, so it must not count for the dialer.
-    let (reason, msgs) = hand_made_client(Side::Listener, false).await;
+async fn a_handshake_message_is_bound_to_both_challenges_and_a_reflected_nonce_is_refused() {
+    // The right secret over the right challenges, but in each other's place: the message of
+    // another connection (where the sides were the other way round), so it must not authenticate.
+    let (reason, msgs) = hand_made_client(true, false).await;
     assert_eq!(reason, RejectReason::AuthFailed);
     assert!(!msgs.iter().any(|m| matches!(m, Msg::Hello(_))), "{msgs:?}");
     // Our own nonce sent back.
-    let (reason, msgs) = hand_made_client(Side::Dialer, true).await;
+    let (reason, msgs) = hand_made_client(false, true).await;
     assert!(matches!(reason, RejectReason::Protocol(_)), "{reason:?}");
     assert!(!msgs.iter().any(|m| matches!(m, Msg::Hello(_))), "{msgs:?}");
     // The control: done right, the same hand-made client gets the Hello.
@@ -373,13 +392,32 @@ async fn a_proof_is_bound_to_its_side_and_a_reflected_nonce_is_refused() {
         panic!("{msgs:?}")
     };
     let mine = transfer_engine::control::Challenge::fresh(Role::Prefill, Side::Dialer);
-    let proof = secret().prove(Side::Dialer, &mine, theirs);
-    send_frames(&mut raw, [Msg::Challenge(mine), Msg::Proof(proof)]).await;
-    let (_, msgs) = frames_from(&mut raw, Duration::from_millis(500)).await;
+    let msg = Handshake::new(&secret(), Side::Dialer, &mine, theirs)
+        .unwrap()
+        .write()
+        .unwrap();
+    send_frames(
+        &mut raw,
+        [
+            Msg::Challenge(mine),
+            Msg::Proof(transfer_engine::control::Proof { msg }),
+        ],
+    )
+    .await;
+    let (bytes, msgs) = frames_from(&mut raw, Duration::from_millis(500)).await;
+    // The listener's answer, then its Hello, sealed: no frame and nothing of it in clear.
+    assert!(matches!(msgs.as_slice(), [Msg::Proof(_)]), "{msgs:?}");
+    let b = backend();
     assert!(
-        matches!(msgs.as_slice(), [Msg::Proof(_), Msg::Hello(_), ..]),
-        "{msgs:?}"
+        bytes.len() > 200,
+        "no Hello after the answer: {} bytes",
+        bytes.len()
     );
+    assert!(
+        !contains(&bytes, &b.worker_or_agent[..16]),
+        "worker address in clear"
+    );
+    assert!(!contains(&bytes, &b.regions[0].rkey[..16]), "rkey in clear");
     run.abort();
 }
 
@@ -768,7 +806,7 @@ fn every_message() -> Vec<Msg> {
             role: Role::Decode,
             side: Side::Listener,
         }),
-        Msg::Proof(transfer_engine::control::Proof { mac: [4; 32] }),
+        Msg::Proof(transfer_engine::control::Proof { msg: vec![4; 48] }),
     ]
 }
 

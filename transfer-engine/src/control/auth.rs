@@ -1,21 +1,22 @@
 //! Mutual authentication of a control connection, before anything else crosses it.
 //!
-//! Each side sends a [`Challenge`]: a fresh 32-byte random nonce and its role. Each then sends a
-//! [`Proof`]: BLAKE3 in keyed mode, under a key derived from the shared secret, over a transcript of
-//! both challenges, both roles and which side of the TCP connection the prover is on. A side that
-//! cannot check the peer's proof refuses it with [`RejectReason::AuthFailed`](super::RejectReason).
-//! Only after both proofs checked does either side send its `Hello` (worker address, rkeys, agent
-//! metadata).
+//! Each side sends a [`Challenge`]: a fresh 32-byte random nonce, its role and its side of the TCP
+//! connection. Then the two sides run a Noise `NNpsk0` handshake ([`super::channel`]): the dialer
+//! sends the first message, the listener answers only if it authenticated, each carried in a
+//! [`Proof`]. The pre-shared key is derived from the deployment's secret and the handshake's
+//! prologue holds both challenges. A side whose handshake message does not authenticate is refused
+//! with [`RejectReason::AuthFailed`](super::RejectReason). Only after both messages checked does
+//! either side send its `Hello` (worker address, rkeys, agent metadata), and from then on every byte
+//! is sealed under the keys the handshake agreed.
 //!
-//! Why each part of the transcript is there:
-//! - both nonces: a proof is fresh for this connection, so a recorded proof replays nowhere;
-//! - the prover's side (dialer or listener): a proof cannot be reflected back at its author on a
-//!   second connection, since the author never proves for the other side of its own connection;
-//! - both roles: a peer cannot claim one role in the challenge and another in its Hello (the
-//!   handshake checks the Hello against the challenge).
-//!
-//! What this does not do: encrypt. After the handshake the connection is plain TCP; see the README's
-//! security model.
+//! Why each part is there:
+//! - both nonces (in the prologue) and the ephemeral keys: the keys are fresh for this connection,
+//!   so nothing recorded on another connection replays here;
+//! - the sides and roles (in the prologue): a peer cannot claim one role in the challenge and
+//!   another in its Hello (the handshake checks the Hello against the challenge), and a message
+//!   cannot be reflected back at its author on a second connection;
+//! - the ephemeral Diffie-Hellman: a relay that forwards both messages between two honest engines
+//!   learns no key; it can carry their sealed records or drop them, never read or change them.
 
 use serde::{Deserialize, Serialize};
 
@@ -23,8 +24,8 @@ use super::msg::Role;
 
 /// Domain of the key derivation, so the secret's use here never collides with another use of it.
 const KEY_CONTEXT: &str = "kvx control plane 2026-12 mutual authentication key v1";
-/// Domain of the transcript, hashed first.
-const TRANSCRIPT_LABEL: &[u8] = b"kvx/auth/v1";
+/// Domain of the channel's pre-shared key, derived from the secret's key.
+const CHANNEL_KEY_LABEL: &[u8] = b"kvx/channel/psk/v1";
 
 /// The shared secret of a deployment. It never leaves the process: only proofs computed from it
 /// do. Its `Debug` never shows it.
@@ -59,32 +60,9 @@ impl Secret {
         self.empty
     }
 
-    /// The proof that the side `prover` of a connection holds this secret.
-    pub fn prove(&self, prover: Side, dialer: &Challenge, listener: &Challenge) -> Proof {
-        let mut h = blake3::Hasher::new_keyed(&self.key);
-        h.update(TRANSCRIPT_LABEL);
-        h.update(&[prover as u8]);
-        for c in [dialer, listener] {
-            h.update(&[role_byte(c.role)]);
-            h.update(&c.nonce);
-        }
-        Proof {
-            mac: *h.finalize().as_bytes(),
-        }
-    }
-
-    /// Whether `proof` is the side `prover`'s proof over these challenges, compared in constant
-    /// time.
-    pub fn verify(
-        &self,
-        prover: Side,
-        dialer: &Challenge,
-        listener: &Challenge,
-        proof: &Proof,
-    ) -> bool {
-        let want = blake3::Hash::from_bytes(self.prove(prover, dialer, listener).mac);
-        // blake3::Hash's equality is constant-time.
-        want == blake3::Hash::from_bytes(proof.mac)
+    /// The channel's pre-shared key (Noise's `psk`), derived from the secret's key.
+    pub(crate) fn channel_key(&self) -> [u8; 32] {
+        *blake3::keyed_hash(&self.key, CHANNEL_KEY_LABEL).as_bytes()
     }
 }
 
@@ -98,7 +76,7 @@ impl std::fmt::Debug for Secret {
     }
 }
 
-fn role_byte(r: Role) -> u8 {
+pub(crate) fn role_byte(r: Role) -> u8 {
     match r {
         Role::Prefill => 1,
         Role::Decode => 2,
@@ -147,9 +125,10 @@ impl Challenge {
     }
 }
 
-/// The second message on a connection, from both sides: the keyed MAC over both challenges.
+/// A Noise handshake message of the channel ([`super::channel::Handshake`]): the dialer's first,
+/// then the listener's answer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Proof {
-    /// BLAKE3 keyed hash of the transcript.
-    pub mac: [u8; 32],
+    /// The Noise message (an ephemeral public key and a tag).
+    pub msg: Vec<u8>,
 }

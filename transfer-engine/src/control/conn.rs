@@ -10,7 +10,8 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
 use tokio::time::Instant;
 
-use super::auth::{Challenge, Secret, Side};
+use super::auth::{Challenge, Proof, Secret, Side};
+use super::channel::{ChannelError, Handshake, Opener, Sealer};
 use super::frame::{
     DEFAULT_MAX_FRAME_LEN, FrameDecoder, FrameError, MsgKind, PROTOCOL_VERSION, encode_frame,
 };
@@ -124,6 +125,16 @@ pub enum ControlError {
         /// The peer.
         peer: SocketAddr,
     },
+    /// The encrypted channel refused a record (a changed, dropped or forged byte): the connection
+    /// is unusable from here on. Counted in [`channel::refused_records`](super::channel::refused_records).
+    #[error("the channel with {peer} failed")]
+    Channel {
+        /// The peer.
+        peer: SocketAddr,
+        /// What failed.
+        #[source]
+        source: ChannelError,
+    },
 }
 
 impl ControlError {
@@ -169,6 +180,10 @@ pub struct ControlReader {
     decoder: FrameDecoder,
     peer: SocketAddr,
     eof: bool,
+    /// After the handshake: every byte read is a sealed record, opened into `decoder`.
+    opener: Option<Opener>,
+    /// The channel failed: nothing more is read.
+    broken: bool,
 }
 
 impl ControlReader {
@@ -186,7 +201,7 @@ impl ControlReader {
     /// resumes where this one stopped.
     pub async fn recv(&mut self) -> Result<Option<Msg>, ControlError> {
         let peer = self.peer;
-        if self.decoder.is_poisoned() {
+        if self.decoder.is_poisoned() || self.broken {
             return Err(ControlError::Broken { peer });
         }
         loop {
@@ -196,16 +211,26 @@ impl ControlReader {
                 Err(source) => return Err(ControlError::Frame { peer, source }),
             }
             if self.eof {
+                let partial_record = self
+                    .opener
+                    .as_mut()
+                    .is_some_and(|o| !o.raw_mut().is_empty());
                 return match self.decoder.finish() {
-                    None => Ok(None),
+                    None if !partial_record => Ok(None),
+                    None => Err(ControlError::Frame {
+                        peer,
+                        source: FrameError::Truncated { needed: 1, got: 0 },
+                    }),
                     Some(source) => Err(ControlError::Frame { peer, source }),
                 };
             }
-            // Reserve only what the current frame still needs, capped, so a peer's declared
-            // length never turns into an allocation before its bytes arrive.
-            let hint = self.decoder.read_hint();
-            let buf = self.decoder.buf_mut();
-            buf.reserve(hint);
+            // Reserve only what the current frame (or record) still needs, capped, so a peer's
+            // declared length never turns into an allocation before its bytes arrive.
+            let (hint, buf) = match self.opener.as_mut() {
+                Some(o) => (o.read_hint(), o.raw_mut()),
+                None => (self.decoder.read_hint(), self.decoder.buf_mut()),
+            };
+            buf.reserve(hint.min(super::frame::READ_CHUNK));
             // read_buf is cancel-safe: if this future is dropped here, no byte was consumed.
             let n = self
                 .io
@@ -219,7 +244,29 @@ impl ControlReader {
             if n == 0 {
                 self.eof = true;
             }
+            if let Some(o) = self.opener.as_mut()
+                && let Err(source) = o.open(self.decoder.buf_mut())
+            {
+                self.broken = true;
+                tracing::warn!(%peer, error = %source, "control channel refused a record: closing");
+                return Err(ControlError::Channel { peer, source });
+            }
         }
+    }
+
+    /// Reads everything after this point as sealed records. Bytes already buffered past the last
+    /// frame read are the first of them.
+    fn seal(&mut self, opener: Opener) -> Result<(), ControlError> {
+        let peer = self.peer;
+        let mut opener = opener;
+        let early = std::mem::take(self.decoder.buf_mut());
+        opener.raw_mut().extend_from_slice(&early);
+        let opened = opener.open(self.decoder.buf_mut());
+        self.opener = Some(opener);
+        opened.map_err(|source| {
+            self.broken = true;
+            ControlError::Channel { peer, source }
+        })
     }
 
     /// The peer's address.
@@ -232,11 +279,16 @@ impl ControlReader {
 #[derive(Debug)]
 pub struct ControlWriter {
     io: OwnedWriteHalf,
-    /// Encoded bytes not yet handed to the socket, starting at `written`.
+    /// Encoded (and, after the handshake, sealed) bytes not yet handed to the socket, starting at
+    /// `written`.
     pending: Vec<u8>,
     written: usize,
     max_len: u32,
     peer: SocketAddr,
+    /// After the handshake: every frame is sealed into records before it is queued.
+    sealer: Option<Sealer>,
+    /// A frame's plaintext, before sealing.
+    plain: Vec<u8>,
 }
 
 impl ControlWriter {
@@ -255,8 +307,21 @@ impl ControlWriter {
     pub async fn send(&mut self, msg: &Msg) -> Result<(), ControlError> {
         let peer = self.peer;
         self.flush_pending().await?;
-        encode_frame(msg, self.max_len, &mut self.pending)
-            .map_err(|source| ControlError::Frame { peer, source })?;
+        match self.sealer.as_mut() {
+            None => encode_frame(msg, self.max_len, &mut self.pending)
+                .map_err(|source| ControlError::Frame { peer, source })?,
+            Some(sealer) => {
+                self.plain.clear();
+                encode_frame(msg, self.max_len, &mut self.plain)
+                    .map_err(|source| ControlError::Frame { peer, source })?;
+                sealer
+                    .seal(&self.plain, &mut self.pending)
+                    .map_err(|source| ControlError::Channel { peer, source })?;
+                if self.plain.capacity() > 1 << 20 {
+                    self.plain = Vec::new();
+                }
+            }
+        }
         self.flush_pending().await
     }
 
@@ -407,6 +472,8 @@ impl Connection {
                 decoder: FrameDecoder::new(DEFAULT_MAX_FRAME_LEN),
                 peer,
                 eof: false,
+                opener: None,
+                broken: false,
             },
             writer: ControlWriter {
                 io: w,
@@ -414,6 +481,8 @@ impl Connection {
                 written: 0,
                 max_len: DEFAULT_MAX_FRAME_LEN,
                 peer,
+                sealer: None,
+                plain: Vec::new(),
             },
             side,
         })
@@ -698,23 +767,31 @@ where
         Side::Dialer => (&ours, &theirs),
         Side::Listener => (&theirs, &ours),
     };
-    // The dialer proves first and the listener only once the dialer's proof checked, so a client
-    // that merely connects never obtains a proof to guess the secret from offline.
-    let ours = Msg::Proof(secret.prove(side, dialer, listener));
+    // Noise NNpsk0: the dialer's message first, the listener's answer only once the dialer's
+    // authenticated, so a client that merely connects never obtains a message to guess the secret
+    // from offline.
+    let channel = |source| ControlError::Channel { peer, source };
+    let mut noise = Handshake::new(secret, side, dialer, listener).map_err(channel)?;
     if side == Side::Dialer {
-        conn.send(&ours).await?;
+        let msg = noise.write().map_err(channel)?;
+        conn.send(&Msg::Proof(Proof { msg })).await?;
     }
     let proof = expect_step(conn, "Proof", |m| match m {
         Msg::Proof(p) => Some(p),
         _ => None,
     })
     .await?;
-    if !secret.verify(side.peer(), dialer, listener, &proof) {
+    if !noise.read(&proof.msg) {
         return refuse(conn, RejectReason::AuthFailed, true).await;
     }
     if side == Side::Listener {
-        conn.send(&ours).await?;
+        let msg = noise.write().map_err(channel)?;
+        conn.send(&Msg::Proof(Proof { msg })).await?;
     }
+    // Both messages went: everything from here on is sealed, in both directions.
+    let (sealer, opener) = noise.finish().map_err(channel)?;
+    conn.writer.sealer = Some(sealer);
+    conn.reader.seal(opener)?;
     conn.reader.decoder.set_max_len(cap);
 
     // Authenticated: from here on the peer may learn how to reach our memory.

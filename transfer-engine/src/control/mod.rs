@@ -1,6 +1,6 @@
 //! The control plane: a tokio TCP connection per peer carrying the handshake, page allocations
 //! (transfer requests), aborts, PP votes and close, as length-prefixed, versioned, size-capped
-//! frames.
+//! frames, sealed after the handshake in an authenticated, encrypted channel ([`channel`]).
 //!
 //! ```
 //! use std::time::Duration;
@@ -62,6 +62,7 @@
 //! (`recv` returns `None`) rather than a reset.
 
 mod auth;
+pub mod channel;
 mod conn;
 mod frame;
 mod msg;

@@ -147,6 +147,9 @@ pub struct DecodeStats {
     pub unknown_sender: u64,
     /// Notifications the tracker refused (wrong peer, unknown request, violation...).
     pub refused: u64,
+    /// Rank connections whose channel refused a record (a changed or forged byte on the way):
+    /// each was closed, and its requests' pages stay quarantined.
+    pub tampered: u64,
     /// Chunks whose checksum did not match the pool's bytes.
     pub checksum_mismatch: u64,
     /// Requests still tracked.
@@ -481,6 +484,7 @@ struct Counters {
     malformed: AtomicU64,
     unknown_sender: AtomicU64,
     refused: AtomicU64,
+    tampered: AtomicU64,
     checksum_mismatch: AtomicU64,
     abort_ack_timeouts: AtomicU64,
     auth_failures: AtomicU64,
@@ -1245,6 +1249,7 @@ impl DecodeEngine {
             malformed: c.malformed.load(Ordering::Relaxed),
             unknown_sender: c.unknown_sender.load(Ordering::Relaxed),
             refused: c.refused.load(Ordering::Relaxed),
+            tampered: c.tampered.load(Ordering::Relaxed),
             checksum_mismatch: c.checksum_mismatch.load(Ordering::Relaxed),
             in_flight,
             instances,
@@ -1920,18 +1925,27 @@ impl Inner {
         self.timer.notify_one();
     }
 
-    /// `rank` of `session`'s connection ended: with its Close (`closed`, its writes are over) or
-    /// without.
-    fn peer_lost(
-        &self,
-        session: SessionId,
-        rank: u16,
-        peer: PeerId,
-        sender: &Sender,
-        closed: bool,
-    ) {
+    /// `rank` of `session`'s connection ended: with its Close (its writes are over), without, or
+    /// cut by a tampered channel (its writes may go on).
+    fn peer_lost(&self, session: SessionId, rank: u16, peer: PeerId, sender: &Sender, end: End) {
+        let closed = end == End::Closed;
+        let tampered = end == End::Tampered;
         let mut st = self.lock();
         let mut name = String::new();
+        if tampered {
+            // Failed as for a lost rank, but counted like an evicted one while its requests fail:
+            // the outcome does not wait for it, their pages do (it cannot confirm any more).
+            if let Some(r) = st
+                .sessions
+                .get_mut(&session)
+                .and_then(|s| s.rank_mut(rank))
+                .filter(|r| r.peer == peer)
+            {
+                r.evicted = true;
+            }
+            let _ = st.tracker.handle_peer_lost(Instant::now(), peer);
+            self.drain(&mut st);
+        }
         if let Some(s) = st.sessions.get_mut(&session) {
             name.clone_from(&s.name);
             if closed {
@@ -1953,12 +1967,15 @@ impl Inner {
         }
         self.drain(&mut st);
         // A rank that is gone writes nothing more (its process or its connection ended); that
-        // includes one evicted earlier, whose confirmations were pending beside the outcome.
+        // includes one evicted earlier, whose confirmations were pending beside the outcome. A rank
+        // cut by tampering may still write: nothing of it counts as confirmed.
         let waiting: Vec<RequestId> = st
             .unacked
             .iter()
             .filter(|(_, u)| {
-                u.session == session && (u.ranks.contains(&rank) || u.external.contains(&rank))
+                !tampered
+                    && u.session == session
+                    && (u.ranks.contains(&rank) || u.external.contains(&rank))
             })
             .map(|(r, _)| *r)
             .collect();
@@ -2211,11 +2228,24 @@ async fn serve_rank(inner: Weak<Inner>, mut conn: Connection) {
     tracing::info!(rank, instance = %remote.instance, peer = peer.0, "prefill rank connected");
     drop(i);
     let write_task = tokio::spawn(write_loop(writer, rx));
-    let closed = read_loop(&inner, reader, session, rank, peer).await;
+    let end = read_loop(&inner, reader, session, rank, peer).await;
     write_task.abort();
     if let Some(i) = inner.upgrade() {
-        i.peer_lost(session, rank, peer, &sender, closed);
+        i.peer_lost(session, rank, peer, &sender, end);
     }
+}
+
+/// How a rank's control connection ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum End {
+    /// With the rank's Close: none of its writes into the pool still runs.
+    Closed,
+    /// Without it: the rank's process (or its connection) is gone.
+    Lost,
+    /// The channel refused a record (a changed or forged byte on the way): the rank's process may
+    /// be alive and still writing, so its requests' pages are not handed back (quarantined until
+    /// [`DecodeEngine::confirm_stopped`]).
+    Tampered,
 }
 
 async fn write_loop(mut writer: ControlWriter, mut rx: mpsc::UnboundedReceiver<Msg>) {
@@ -2226,26 +2256,32 @@ async fn write_loop(mut writer: ControlWriter, mut rx: mpsc::UnboundedReceiver<M
     }
 }
 
-/// Handles a rank's messages until its connection ends; true if it ended with the rank's Close
-/// (which a rank sends only once none of its writes into the pool still runs).
+/// Handles a rank's messages until its connection ends, and says how it ended.
 async fn read_loop(
     inner: &Weak<Inner>,
     mut reader: control::ControlReader,
     session: SessionId,
     rank: u16,
     peer: PeerId,
-) -> bool {
+) -> End {
     loop {
         let msg = match reader.recv().await {
             Ok(Some(m)) => m,
-            Ok(None) => return false,
+            Ok(None) => return End::Lost,
+            Err(e @ control::ControlError::Channel { .. }) => {
+                tracing::error!(rank, error = %e, "control channel tampered with: the rank's pages stay held");
+                if let Some(i) = inner.upgrade() {
+                    i.counters.tampered.fetch_add(1, Ordering::Relaxed);
+                }
+                return End::Tampered;
+            }
             Err(e) => {
                 tracing::warn!(rank, error = %e, "control connection failed");
-                return false;
+                return End::Lost;
             }
         };
         let Some(i) = inner.upgrade() else {
-            return false;
+            return End::Lost;
         };
         // A rank speaks only for its own instance's requests: anything about another's is
         // counted and dropped, so one instance can never fail, confirm or feed another's.
@@ -2304,7 +2340,7 @@ async fn read_loop(
                 i.counters.refused.fetch_add(1, Ordering::Relaxed);
             }
             Msg::Ready => i.on_ready(session, rank, peer),
-            Msg::Close => return true,
+            Msg::Close => return End::Closed,
             _ => {}
         }
     }

@@ -1,0 +1,343 @@
+//! The encrypted channel of a control connection: everything after the handshake's two Noise
+//! messages travels in records sealed with the keys that handshake agreed.
+//!
+//! The handshake is Noise `NNpsk0` (X25519, ChaCha20-Poly1305, BLAKE2s) from the `snow` crate. The
+//! pre-shared key is derived from the deployment's secret, and the prologue holds both sides'
+//! challenges (nonces, roles, sides), so the keys belong to this connection and these two claims:
+//! a side that does not hold the secret cannot complete the handshake, and one that relays the
+//! two messages between honest engines learns no key, so it can neither read nor change a byte
+//! of what follows (each record's tag fails).
+//!
+//! A record is a 2-byte big-endian length and that many bytes of ciphertext (at most 65,535, a
+//! Noise message, of which 16 are the tag). Each direction counts its records from 0 and uses the
+//! count as the nonce, so a record dropped, repeated, reordered or altered fails to open. The frames
+//! of [`super::frame`] are cut into records as they are sent and joined again as they are read.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::auth::{Challenge, Secret, Side};
+
+/// The Noise protocol of every control connection.
+const PARAMS: &str = "Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s";
+/// Domain of the prologue.
+const PROLOGUE_LABEL: &[u8] = b"kvx/channel/v1";
+/// Bytes of a record's tag.
+const TAG: usize = 16;
+/// Largest ciphertext of one record (a Noise message).
+const MAX_RECORD: usize = 65_535;
+/// Largest plaintext of one record.
+const MAX_PLAIN: usize = MAX_RECORD - TAG;
+/// Largest Noise handshake message we produce or accept (an ephemeral key, a tag, no payload).
+pub(crate) const MAX_HANDSHAKE_MESSAGE: usize = 128;
+
+/// Records that failed to open, in this process: a changed, dropped or forged byte on some
+/// connection after its handshake.
+static REFUSED_RECORDS: AtomicU64 = AtomicU64::new(0);
+
+/// How many records failed to open in this process (each closes its connection).
+pub fn refused_records() -> u64 {
+    REFUSED_RECORDS.load(Ordering::Relaxed)
+}
+
+/// What went wrong on the encrypted channel.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ChannelError {
+    /// A record did not open: its bytes were changed, or it is not the next record of this
+    /// connection.
+    #[error("a record failed authentication (record {record})")]
+    Tampered {
+        /// The record's number in its direction.
+        record: u64,
+    },
+    /// A record shorter than its tag.
+    #[error("a record of {len} bytes is shorter than its tag")]
+    Short {
+        /// Its declared length.
+        len: usize,
+    },
+    /// The Noise library refused an operation (a key, a message out of turn).
+    #[error("noise: {0}")]
+    Noise(String),
+    /// A direction ran out of nonces (2^64 records).
+    #[error("the connection sent or read every record it may")]
+    Exhausted,
+}
+
+impl From<snow::Error> for ChannelError {
+    fn from(e: snow::Error) -> Self {
+        ChannelError::Noise(e.to_string())
+    }
+}
+
+/// The handshake of one connection, before its keys exist. Public for tools and tests that speak
+/// the protocol by hand; engines run it through [`super::handshake`].
+pub struct Handshake {
+    state: snow::HandshakeState,
+}
+
+impl std::fmt::Debug for Handshake {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Handshake")
+    }
+}
+
+impl Handshake {
+    /// The dialer is Noise's initiator, the listener its responder. The prologue binds both
+    /// challenges, so both sides must have seen the same two.
+    ///
+    /// # Errors
+    /// The Noise library refused the parameters (not expected).
+    pub fn new(
+        secret: &Secret,
+        side: Side,
+        dialer: &Challenge,
+        listener: &Challenge,
+    ) -> Result<Self, ChannelError> {
+        let params: snow::params::NoiseParams = PARAMS.parse()?;
+        let mut prologue = PROLOGUE_LABEL.to_vec();
+        for c in [dialer, listener] {
+            prologue.push(super::auth::role_byte(c.role));
+            prologue.push(c.side as u8);
+            prologue.extend_from_slice(&c.nonce);
+        }
+        let psk = secret.channel_key();
+        let builder = snow::Builder::new(params)
+            .prologue(&prologue)?
+            .psk(0, &psk)?;
+        let state = match side {
+            Side::Dialer => builder.build_initiator()?,
+            Side::Listener => builder.build_responder()?,
+        };
+        Ok(Handshake { state })
+    }
+
+    /// Our next handshake message.
+    ///
+    /// # Errors
+    /// It is not our turn.
+    pub fn write(&mut self) -> Result<Vec<u8>, ChannelError> {
+        let mut out = vec![0u8; MAX_HANDSHAKE_MESSAGE];
+        let n = self.state.write_message(&[], &mut out)?;
+        out.truncate(n);
+        Ok(out)
+    }
+
+    /// Reads the peer's handshake message: `false` when it does not authenticate (the peer does
+    /// not hold the secret, or saw other challenges).
+    pub fn read(&mut self, msg: &[u8]) -> bool {
+        if msg.len() > MAX_HANDSHAKE_MESSAGE {
+            return false;
+        }
+        let mut payload = [0u8; MAX_HANDSHAKE_MESSAGE];
+        self.state.read_message(msg, &mut payload) == Ok(0)
+    }
+
+    /// The two directions' ciphers, once both messages went.
+    pub(crate) fn finish(self) -> Result<(Sealer, Opener), ChannelError> {
+        let keys = Arc::new(self.state.into_stateless_transport_mode()?);
+        Ok((
+            Sealer {
+                keys: keys.clone(),
+                next: 0,
+            },
+            Opener {
+                keys,
+                next: 0,
+                raw: Vec::new(),
+            },
+        ))
+    }
+}
+
+/// Seals what a side sends.
+pub(crate) struct Sealer {
+    keys: Arc<snow::StatelessTransportState>,
+    next: u64,
+}
+
+impl std::fmt::Debug for Sealer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sealer").field("next", &self.next).finish()
+    }
+}
+
+impl Sealer {
+    /// Appends `plain`, cut into records, to `out`.
+    pub(crate) fn seal(&mut self, plain: &[u8], out: &mut Vec<u8>) -> Result<(), ChannelError> {
+        for piece in plain.chunks(MAX_PLAIN) {
+            let nonce = self.next;
+            self.next = self.next.checked_add(1).ok_or(ChannelError::Exhausted)?;
+            let len = piece.len() + TAG;
+            let at = out.len();
+            out.extend_from_slice(&(len as u16).to_be_bytes());
+            out.resize(at + 2 + len, 0);
+            let n = self.keys.write_message(nonce, piece, &mut out[at + 2..])?;
+            debug_assert_eq!(n, len);
+        }
+        Ok(())
+    }
+}
+
+/// Opens what a side reads.
+pub(crate) struct Opener {
+    keys: Arc<snow::StatelessTransportState>,
+    next: u64,
+    /// Bytes read and not yet opened: the start of a record.
+    raw: Vec<u8>,
+}
+
+impl std::fmt::Debug for Opener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Opener")
+            .field("next", &self.next)
+            .field("buffered", &self.raw.len())
+            .finish()
+    }
+}
+
+impl Opener {
+    /// Where the socket's bytes go before they are opened.
+    pub(crate) fn raw_mut(&mut self) -> &mut Vec<u8> {
+        &mut self.raw
+    }
+
+    /// How many bytes the record being read still needs (at least 1), for the next read's
+    /// reservation.
+    pub(crate) fn read_hint(&self) -> usize {
+        match self.raw.get(..2) {
+            Some(h) => (2 + usize::from(u16::from_be_bytes([h[0], h[1]])))
+                .saturating_sub(self.raw.len())
+                .max(1),
+            None => 2 - self.raw.len(),
+        }
+    }
+
+    /// Opens every whole record buffered, appending the plaintext to `plain`. A record that does
+    /// not open is counted in [`refused_records`]; nothing after it is ever opened.
+    pub(crate) fn open(&mut self, plain: &mut Vec<u8>) -> Result<(), ChannelError> {
+        let mut at = 0;
+        let result = loop {
+            let Some(h) = self.raw.get(at..at + 2) else {
+                break Ok(());
+            };
+            let len = usize::from(u16::from_be_bytes([h[0], h[1]]));
+            if len < TAG {
+                break Err(ChannelError::Short { len });
+            }
+            let Some(record) = self.raw.get(at + 2..at + 2 + len) else {
+                break Ok(());
+            };
+            let start = plain.len();
+            plain.resize(start + len - TAG, 0);
+            match self
+                .keys
+                .read_message(self.next, record, &mut plain[start..])
+            {
+                Ok(n) => plain.truncate(start + n),
+                Err(_) => {
+                    plain.truncate(start);
+                    break Err(ChannelError::Tampered { record: self.next });
+                }
+            }
+            self.next = match self.next.checked_add(1) {
+                Some(n) => n,
+                None => break Err(ChannelError::Exhausted),
+            };
+            at += 2 + len;
+        };
+        self.raw.drain(..at);
+        if result.is_err() {
+            REFUSED_RECORDS.fetch_add(1, Ordering::Relaxed);
+            // Nothing more of this stream is read as records.
+            self.raw.clear();
+        }
+        result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::control::Role;
+
+    fn pair(a: &Secret, b: &Secret) -> Option<((Sealer, Opener), (Sealer, Opener))> {
+        let d = Challenge::fresh(Role::Prefill, Side::Dialer);
+        let l = Challenge::fresh(Role::Decode, Side::Listener);
+        let mut i = Handshake::new(a, Side::Dialer, &d, &l).unwrap();
+        let mut r = Handshake::new(b, Side::Listener, &d, &l).unwrap();
+        let m1 = i.write().unwrap();
+        if !r.read(&m1) {
+            return None;
+        }
+        let m2 = r.write().unwrap();
+        if !i.read(&m2) {
+            return None;
+        }
+        Some((i.finish().unwrap(), r.finish().unwrap()))
+    }
+
+    #[test]
+    fn records_round_trip_across_record_boundaries() {
+        let s = Secret::new(b"s");
+        let ((mut seal, _), (_, mut open)) = pair(&s, &s).unwrap();
+        let big: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+        let mut wire = Vec::new();
+        seal.seal(&big, &mut wire).unwrap();
+        seal.seal(b"tail", &mut wire).unwrap();
+        assert!(!wire.windows(64).any(|w| big.windows(64).next() == Some(w)));
+        let mut plain = Vec::new();
+        // Fed a byte at a time: records open once whole.
+        for b in &wire {
+            open.raw_mut().push(*b);
+            open.open(&mut plain).unwrap();
+        }
+        assert_eq!(&plain[..big.len()], &big[..]);
+        assert_eq!(&plain[big.len()..], b"tail");
+    }
+
+    #[test]
+    fn a_changed_byte_or_a_replayed_record_fails_to_open() {
+        let s = Secret::new(b"s");
+        let ((mut seal, _), (_, mut open)) = pair(&s, &s).unwrap();
+        let mut one = Vec::new();
+        seal.seal(b"hello", &mut one).unwrap();
+        let before = refused_records();
+        let mut flipped = one.clone();
+        flipped[5] ^= 1;
+        open.raw_mut().extend_from_slice(&flipped);
+        let mut plain = Vec::new();
+        assert!(matches!(
+            open.open(&mut plain),
+            Err(ChannelError::Tampered { record: 0 })
+        ));
+        assert!(plain.is_empty());
+        assert!(refused_records() > before);
+
+        let ((mut seal, _), (_, mut open)) = pair(&s, &s).unwrap();
+        let mut one = Vec::new();
+        seal.seal(b"once", &mut one).unwrap();
+        open.raw_mut().extend_from_slice(&one);
+        open.raw_mut().extend_from_slice(&one);
+        let mut plain = Vec::new();
+        assert!(matches!(
+            open.open(&mut plain),
+            Err(ChannelError::Tampered { record: 1 })
+        ));
+        assert_eq!(plain, b"once");
+    }
+
+    #[test]
+    fn another_secret_or_other_challenges_never_complete_the_handshake() {
+        assert!(pair(&Secret::new(b"a"), &Secret::new(b"b")).is_none());
+        let s = Secret::new(b"s");
+        let d = Challenge::fresh(Role::Prefill, Side::Dialer);
+        let l = Challenge::fresh(Role::Decode, Side::Listener);
+        let other = Challenge::fresh(Role::Decode, Side::Listener);
+        let mut i = Handshake::new(&s, Side::Dialer, &d, &l).unwrap();
+        let mut r = Handshake::new(&s, Side::Listener, &d, &other).unwrap();
+        assert!(!r.read(&i.write().unwrap()));
+    }
+}

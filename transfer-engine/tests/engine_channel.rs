@@ -1,0 +1,268 @@
+//! The control channel through a byte relay between a real prefill and a real decode engine (UCX on
+//! loopback): the relay sees no plaintext and the run works; a byte it changes after the handshake
+//! closes the connection with a typed, counted error, and never yields a write into pages decode
+//! handed back. Every wait is bounded; every byte is checked on poisoned pages.
+#![allow(clippy::unwrap_used)]
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use transfer_engine::control::channel::refused_records;
+use transfer_engine::core::RequestId;
+use transfer_engine::core::planner::{KvLayout, RegionKind};
+use transfer_engine::engine::{
+    DecodeConfig, DecodeEngine, EngineError, Outcome, Pool, PrefillConfig, PrefillEngine,
+};
+use transfer_engine::mem::{HostBuffer, HostOptions};
+
+const LAYERS: u32 = 2;
+const PAGE_TOKENS: u32 = 16;
+const PAGE_BYTES: u64 = 256;
+const PAGES: u32 = 16;
+const PROMPT: u32 = 64;
+const CHUNK: u32 = 32;
+const POISON: u8 = 0xC3;
+const SECRET: &[u8] = b"channel-test secret, 32 bytes...";
+const DECODE_ID: &str = "decode-7f3a-seen-only-in-its-hello";
+const PREFILL_ID: &str = "prefill-9c2e-seen-only-in-its-hello";
+const BOUND: Duration = Duration::from_secs(10);
+
+fn layout() -> KvLayout {
+    KvLayout::packed(0, LAYERS, RegionKind::Fused, PAGE_BYTES, PAGES)
+}
+
+fn byte(layer: u32, page: u32, at: u64) -> u8 {
+    (u64::from(layer) * 131 + u64::from(page) * 17 + at) as u8 ^ 0x5C
+}
+
+/// Which way the relay changes a byte, once armed.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Toward {
+    Prefill,
+    Decode,
+}
+
+/// A byte relay on loopback in front of `target`: it records every byte each way and, once
+/// `armed`, flips the last byte of the next read going `toward`.
+struct Relay {
+    addr: SocketAddr,
+    to_prefill: Arc<Mutex<Vec<u8>>>,
+    to_decode: Arc<Mutex<Vec<u8>>>,
+    armed: Arc<AtomicBool>,
+}
+
+async fn relay(target: SocketAddr, toward: Toward) -> Relay {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (to_prefill, to_decode) = (Arc::default(), Arc::default());
+    let armed = Arc::new(AtomicBool::new(false));
+    let r = Relay {
+        addr,
+        to_prefill: Arc::clone(&to_prefill),
+        to_decode: Arc::clone(&to_decode),
+        armed: Arc::clone(&armed),
+    };
+    tokio::spawn(async move {
+        let (prefill, _) = listener.accept().await.unwrap();
+        let decode = TcpStream::connect(target).await.unwrap();
+        let (pr, pw) = prefill.into_split();
+        let (dr, dw) = decode.into_split();
+        let a = armed.clone();
+        tokio::spawn(pump(pr, dw, to_decode, a, toward == Toward::Decode));
+        tokio::spawn(pump(dr, pw, to_prefill, armed, toward == Toward::Prefill));
+    });
+    r
+}
+
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    seen: Arc<Mutex<Vec<u8>>>,
+    armed: Arc<AtomicBool>,
+    flips: bool,
+) {
+    let mut buf = vec![0u8; 1 << 16];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        seen.lock().unwrap().extend_from_slice(&buf[..n]);
+        // The last byte of a read is a record's last byte (a tag's), so the change lands inside
+        // a record and not in a length.
+        if flips && armed.swap(false, Ordering::SeqCst) {
+            buf[n - 1] ^= 0x01;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            break;
+        }
+    }
+    let _ = to.shutdown().await;
+}
+
+async fn decode() -> DecodeEngine {
+    let mut cfg = DecodeConfig::new(LAYERS, PAGE_TOKENS, layout(), 1);
+    cfg.engine_id = DECODE_ID.into();
+    cfg.token = Some(SECRET.to_vec());
+    cfg.abort_ack_timeout = Duration::from_millis(500);
+    let mut b = HostBuffer::new(layout().buffer_len as usize, HostOptions::default()).unwrap();
+    b.as_mut_slice().fill(POISON);
+    DecodeEngine::start(cfg, Pool::Owned(b)).await.unwrap()
+}
+
+async fn prefill(decode: SocketAddr) -> PrefillEngine {
+    let mut cfg = PrefillConfig::new(decode, 0, 1, LAYERS, PAGE_TOKENS, layout());
+    cfg.engine_id = PREFILL_ID.into();
+    cfg.token = Some(SECRET.to_vec());
+    cfg.connect_timeout = Duration::from_secs(5);
+    cfg.request_wait = Duration::from_secs(2);
+    let mut b = HostBuffer::new(layout().buffer_len as usize, HostOptions::default()).unwrap();
+    for (i, x) in b.as_mut_slice().iter_mut().enumerate() {
+        let i = i as u64;
+        let per_layer = u64::from(PAGES) * PAGE_BYTES;
+        *x = byte(
+            (i / per_layer) as u32,
+            ((i % per_layer) / PAGE_BYTES) as u32,
+            i % PAGE_BYTES,
+        );
+    }
+    PrefillEngine::start(cfg, Pool::Owned(b)).await.unwrap()
+}
+
+fn landed(d: &DecodeEngine, src: &[u32], dst: &[u32]) -> bool {
+    let mut page = vec![0u8; PAGE_BYTES as usize];
+    (0..LAYERS).all(|layer| {
+        src.iter().zip(dst).all(|(&s, &t)| {
+            let off = (u64::from(layer) * u64::from(PAGES) + u64::from(t)) * PAGE_BYTES;
+            d.read_pool(off, &mut page).unwrap();
+            page.iter()
+                .enumerate()
+                .all(|(at, &b)| b == byte(layer, s, at as u64))
+        })
+    })
+}
+
+fn poisoned(d: &DecodeEngine, dst: &[u32]) -> bool {
+    let mut page = vec![0u8; PAGE_BYTES as usize];
+    (0..LAYERS).all(|layer| {
+        dst.iter().all(|&t| {
+            let off = (u64::from(layer) * u64::from(PAGES) + u64::from(t)) * PAGE_BYTES;
+            d.read_pool(off, &mut page).unwrap();
+            page.iter().all(|&b| b == POISON)
+        })
+    })
+}
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle)
+}
+
+async fn bounded<T>(f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(BOUND, f)
+        .await
+        .expect("did not finish within the bound")
+}
+
+async fn send(p: &PrefillEngine, r: RequestId, src: &[u32]) -> Result<(), EngineError> {
+    let last = PROMPT.div_ceil(CHUNK) - 1;
+    for c in 0..=last {
+        p.send_chunk(r, c, src, c == last).await?;
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_byte_relay_sees_no_plaintext_and_the_run_still_works() {
+    let d = decode().await;
+    let relay = relay(d.local_addr(), Toward::Decode).await;
+    let p = prefill(relay.addr).await;
+    bounded(d.wait_for_ranks(BOUND)).await.unwrap();
+    let (r, src, dst) = (RequestId(5), [0, 1, 2, 3], [8, 9, 10, 11]);
+    let done = d.expect(r, PROMPT, CHUNK, dst.to_vec(), BOUND).unwrap();
+    bounded(send(&p, r, &src)).await.unwrap();
+    assert_eq!(bounded(done).await, Outcome::Complete);
+    assert!(landed(&d, &src, &dst));
+    let (to_p, to_d) = (
+        relay.to_prefill.lock().unwrap().clone(),
+        relay.to_decode.lock().unwrap().clone(),
+    );
+    // Both Hellos, the Ready and the page allocation crossed the relay...
+    assert!(
+        to_p.len() > 500 && to_d.len() > 200,
+        "{} {}",
+        to_p.len(),
+        to_d.len()
+    );
+    // ...and none of them in clear.
+    for (what, bytes) in [("to prefill", &to_p), ("to decode", &to_d)] {
+        assert!(!contains(bytes, DECODE_ID.as_bytes()), "decode's id {what}");
+        assert!(
+            !contains(bytes, PREFILL_ID.as_bytes()),
+            "prefill's id {what}"
+        );
+    }
+    d.shutdown(BOUND).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_byte_toward_prefill_closes_the_connection_and_nothing_is_written() {
+    let d = decode().await;
+    let relay = relay(d.local_addr(), Toward::Prefill).await;
+    let p = prefill(relay.addr).await;
+    bounded(d.wait_for_ranks(BOUND)).await.unwrap();
+    let before = refused_records();
+    // The page allocation is the next thing decode sends: the relay changes its last byte.
+    relay.armed.store(true, Ordering::SeqCst);
+    let (r, dst) = (RequestId(6), [4, 5, 6, 7]);
+    let done = d.expect(r, PROMPT, CHUNK, dst.to_vec(), BOUND).unwrap();
+    let outcome = bounded(done).await;
+    assert!(matches!(outcome, Outcome::Failed(_)), "{outcome:?}");
+    assert!(
+        refused_records() > before,
+        "the changed record was not refused"
+    );
+    // Prefill never took the changed allocation: nothing of it was posted or written.
+    assert!(matches!(
+        send(&p, r, &[0, 1, 2, 3]).await,
+        Err(EngineError::UnknownRequest(_) | EngineError::Shutdown)
+    ));
+    assert!(poisoned(&d, &dst));
+    d.shutdown(BOUND).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_byte_toward_decode_keeps_the_pages_of_a_rank_that_may_still_write() {
+    let d = decode().await;
+    let relay = relay(d.local_addr(), Toward::Decode).await;
+    let p = prefill(relay.addr).await;
+    bounded(d.wait_for_ranks(BOUND)).await.unwrap();
+    let (r, src, dst) = (RequestId(7), [0, 1, 2, 3], [12, 13, 14, 15]);
+    let done = d.expect(r, PROMPT, CHUNK, dst.to_vec(), BOUND).unwrap();
+    assert_eq!(bounded(p.next_request()).await.unwrap().request, r);
+    // Chunk 0 lands; then the relay changes a byte of the next control message from prefill.
+    p.send_chunk(r, 0, &src, false).await.unwrap();
+    relay.armed.store(true, Ordering::SeqCst);
+    p.send_aux(r, b"the first token".to_vec()).unwrap();
+    let outcome = bounded(done).await;
+    assert!(matches!(outcome, Outcome::Failed(_)), "{outcome:?}");
+    let until = tokio::time::Instant::now() + BOUND;
+    while d.stats().tampered == 0 {
+        assert!(tokio::time::Instant::now() < until, "{:?}", d.stats());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The rank's process is alive and may still write: its request's pages are not handed back.
+    assert_eq!(d.quarantined(), vec![r]);
+    assert!(matches!(
+        d.expect(RequestId(8), PROMPT, CHUNK, dst.to_vec(), BOUND),
+        Err(EngineError::PageHeld { .. })
+    ));
+    // Once the operator knows it stopped, they are.
+    d.confirm_stopped(0, r);
+    bounded(d.released(r)).await;
+    assert!(d.quarantined().is_empty());
+    drop(p);
+    d.shutdown(BOUND).await;
+}

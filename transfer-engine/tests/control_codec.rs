@@ -112,6 +112,7 @@ fn every_message() -> Vec<Msg> {
             data: vec![7; 300],
         }),
         Msg::Ready,
+        Msg::Heartbeat,
     ]
 }
 

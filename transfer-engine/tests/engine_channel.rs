@@ -1,7 +1,9 @@
 //! The control channel through a byte relay between a real prefill and a real decode engine (UCX on
 //! loopback): the relay sees no plaintext and the run works; a byte it changes after the handshake
 //! closes the connection with a typed, counted error, and never yields a write into pages decode
-//! handed back. Every wait is bounded; every byte is checked on poisoned pages.
+//! handed back; a relay that goes silent (a half-open link: both TCP connections stay up, nothing
+//! passes) has the rank declared lost within three heartbeat intervals, and a new start of it is
+//! admitted. Every wait is bounded; every byte is checked on poisoned pages.
 #![allow(clippy::unwrap_used)]
 
 use std::net::SocketAddr;
@@ -52,6 +54,8 @@ struct Relay {
     to_prefill: Arc<Mutex<Vec<u8>>>,
     to_decode: Arc<Mutex<Vec<u8>>>,
     armed: Arc<AtomicBool>,
+    /// Once set, nothing passes either way; both connections stay open.
+    mute: Arc<AtomicBool>,
 }
 
 async fn relay(target: SocketAddr, toward: Toward) -> Relay {
@@ -59,20 +63,29 @@ async fn relay(target: SocketAddr, toward: Toward) -> Relay {
     let addr = listener.local_addr().unwrap();
     let (to_prefill, to_decode) = (Arc::default(), Arc::default());
     let armed = Arc::new(AtomicBool::new(false));
+    let mute = Arc::new(AtomicBool::new(false));
     let r = Relay {
         addr,
         to_prefill: Arc::clone(&to_prefill),
         to_decode: Arc::clone(&to_decode),
         armed: Arc::clone(&armed),
+        mute: Arc::clone(&mute),
     };
     tokio::spawn(async move {
         let (prefill, _) = listener.accept().await.unwrap();
         let decode = TcpStream::connect(target).await.unwrap();
         let (pr, pw) = prefill.into_split();
         let (dr, dw) = decode.into_split();
-        let a = armed.clone();
-        tokio::spawn(pump(pr, dw, to_decode, a, toward == Toward::Decode));
-        tokio::spawn(pump(dr, pw, to_prefill, armed, toward == Toward::Prefill));
+        let (a, m) = (armed.clone(), mute.clone());
+        tokio::spawn(pump(pr, dw, to_decode, a, m, toward == Toward::Decode));
+        tokio::spawn(pump(
+            dr,
+            pw,
+            to_prefill,
+            armed,
+            mute,
+            toward == Toward::Prefill,
+        ));
     });
     r
 }
@@ -82,6 +95,7 @@ async fn pump(
     mut to: tokio::net::tcp::OwnedWriteHalf,
     seen: Arc<Mutex<Vec<u8>>>,
     armed: Arc<AtomicBool>,
+    mute: Arc<AtomicBool>,
     flips: bool,
 ) {
     let mut buf = vec![0u8; 1 << 16];
@@ -90,6 +104,9 @@ async fn pump(
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
+        if mute.load(Ordering::SeqCst) {
+            continue;
+        }
         seen.lock().unwrap().extend_from_slice(&buf[..n]);
         // The last byte of a read is a record's last byte (a tag's), so the change lands inside
         // a record and not in a length.
@@ -104,7 +121,12 @@ async fn pump(
 }
 
 async fn decode() -> DecodeEngine {
+    decode_with(Some(Duration::from_secs(5))).await
+}
+
+async fn decode_with(heartbeat: Option<Duration>) -> DecodeEngine {
     let mut cfg = DecodeConfig::new(LAYERS, PAGE_TOKENS, layout(), 1);
+    cfg.heartbeat = heartbeat;
     cfg.engine_id = DECODE_ID.into();
     cfg.token = Some(SECRET.to_vec());
     cfg.abort_ack_timeout = Duration::from_millis(500);
@@ -114,7 +136,12 @@ async fn decode() -> DecodeEngine {
 }
 
 async fn prefill(decode: SocketAddr) -> PrefillEngine {
+    prefill_with(decode, Some(Duration::from_secs(5))).await
+}
+
+async fn prefill_with(decode: SocketAddr, heartbeat: Option<Duration>) -> PrefillEngine {
     let mut cfg = PrefillConfig::new(decode, 0, 1, LAYERS, PAGE_TOKENS, layout());
+    cfg.heartbeat = heartbeat;
     cfg.engine_id = PREFILL_ID.into();
     cfg.token = Some(SECRET.to_vec());
     cfg.connect_timeout = Duration::from_secs(5);
@@ -264,5 +291,51 @@ async fn a_changed_byte_toward_decode_keeps_the_pages_of_a_rank_that_may_still_w
     bounded(d.released(r)).await;
     assert!(d.quarantined().is_empty());
     drop(p);
+    d.shutdown(BOUND).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_behind_a_silent_link_is_lost_within_three_intervals_and_its_new_start_admitted() {
+    let beat = Duration::from_millis(200);
+    let d = decode_with(Some(beat)).await;
+    let relay = relay(d.local_addr(), Toward::Decode).await;
+    let p = prefill_with(relay.addr, Some(beat)).await;
+    bounded(d.wait_for_ranks(BOUND)).await.unwrap();
+    // Idle for five intervals: the heartbeats keep the connection.
+    tokio::time::sleep(beat * 5).await;
+    assert_eq!(d.stats().connected_ranks, 1, "{:?}", d.stats());
+    assert_eq!(p.stats().decodes, 1, "{:?}", p.stats());
+    let (r, src, dst) = (RequestId(9), [0, 1, 2, 3], [4, 5, 6, 7]);
+    let done = d.expect(r, PROMPT, CHUNK, dst.to_vec(), BOUND).unwrap();
+    assert_eq!(bounded(p.next_request()).await.unwrap().request, r);
+    p.send_chunk(r, 0, &src, false).await.unwrap();
+    // The link goes half-open: nothing passes, no connection ends.
+    relay.mute.store(true, Ordering::SeqCst);
+    let cut = tokio::time::Instant::now();
+    let outcome = bounded(done).await;
+    assert!(matches!(outcome, Outcome::Failed(_)), "{outcome:?}");
+    while d.stats().connected_ranks != 0 || p.stats().decodes != 0 {
+        assert!(cut.elapsed() < BOUND, "{:?} {:?}", d.stats(), p.stats());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let lost_after = cut.elapsed();
+    // Three intervals of silence, and the scheduling slack of a busy host.
+    assert!(
+        lost_after <= beat * 3 + Duration::from_millis(700),
+        "lost after {lost_after:?}"
+    );
+    assert_eq!(d.stats().silent, 1, "{:?}", d.stats());
+    // It may still be writing: the request's pages stay held.
+    assert_eq!(d.quarantined(), vec![r]);
+    // A new start of the rank takes the freed slot and is served.
+    drop(p);
+    let p2 = prefill_with(d.local_addr(), Some(beat)).await;
+    bounded(d.wait_for_ranks(BOUND)).await.unwrap();
+    let (r2, dst2) = (RequestId(10), [8, 9, 10, 11]);
+    let done = d.expect(r2, PROMPT, CHUNK, dst2.to_vec(), BOUND).unwrap();
+    bounded(send(&p2, r2, &src)).await.unwrap();
+    assert_eq!(bounded(done).await, Outcome::Complete);
+    assert!(landed(&d, &src, &dst2));
+    eprintln!("declared lost {lost_after:?} after the link went silent (heartbeat {beat:?})");
     d.shutdown(BOUND).await;
 }

@@ -125,6 +125,15 @@ pub enum ControlError {
         /// The peer.
         peer: SocketAddr,
     },
+    /// The peer sent nothing, not even a heartbeat, for `after`: its host is gone or the link
+    /// to it half-open.
+    #[error("{peer} sent nothing for {after:?}")]
+    Silent {
+        /// The peer.
+        peer: SocketAddr,
+        /// How long it was silent.
+        after: Duration,
+    },
     /// The encrypted channel refused a record (a changed, dropped or forged byte): the connection
     /// is unusable from here on. Counted in [`channel::refused_records`](super::channel::refused_records).
     #[error("the channel with {peer} failed")]
@@ -169,6 +178,12 @@ fn retryable(kind: io::ErrorKind) -> bool {
             | K::NetworkUnreachable
     )
 }
+
+/// TCP keepalive: idle time before the first probe, time between probes, probes before the kernel
+/// ends the connection (about 60 s for a vanished host).
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const KEEPALIVE_PROBES: u32 = 3;
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(10);
 const MAX_BACKOFF: Duration = Duration::from_millis(500);
@@ -267,6 +282,27 @@ impl ControlReader {
             self.broken = true;
             ControlError::Channel { peer, source }
         })
+    }
+
+    /// [`recv`](Self::recv), bounded by `silence` when it is given: a peer that sends nothing for
+    /// that long ends with [`ControlError::Silent`].
+    ///
+    /// # Errors
+    /// As [`recv`](Self::recv), and [`ControlError::Silent`].
+    ///
+    /// # Cancel safety
+    /// Cancel-safe, as [`recv`](Self::recv).
+    pub async fn recv_within(
+        &mut self,
+        silence: Option<Duration>,
+    ) -> Result<Option<Msg>, ControlError> {
+        let Some(after) = silence else {
+            return self.recv().await;
+        };
+        let peer = self.peer;
+        tokio::time::timeout(after, self.recv())
+            .await
+            .unwrap_or(Err(ControlError::Silent { peer, after }))
     }
 
     /// The peer's address.
@@ -465,6 +501,14 @@ impl Connection {
         let peer = stream.peer_addr()?;
         // Control messages are small and latency-bound; do not let Nagle hold them back.
         stream.set_nodelay(true)?;
+        // Beside the engines' heartbeats: the kernel, too, probes a connection that carries
+        // nothing, so even an engine with heartbeats off learns of a host that vanished.
+        socket2::SockRef::from(&stream).set_tcp_keepalive(
+            &socket2::TcpKeepalive::new()
+                .with_time(KEEPALIVE_IDLE)
+                .with_interval(KEEPALIVE_INTERVAL)
+                .with_retries(KEEPALIVE_PROBES),
+        )?;
         let (r, w) = stream.into_split();
         Ok(Self {
             reader: ControlReader {

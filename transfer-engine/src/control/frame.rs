@@ -7,7 +7,8 @@
 //!      8     2  version    protocol version, u16 little-endian
 //!     10     1  kind       message kind (see MsgKind)
 //!     11     1  reserved   must be 0
-//!     12     n  payload    postcard encoding of the message body (empty for Close and Ready)
+//!     12     n  payload    postcard encoding of the message body (empty for Close, Ready and
+//!                          Heartbeat)
 //! ```
 //!
 //! The header layout and the `Reject` kind number are frozen across protocol versions, so a peer
@@ -61,6 +62,8 @@ pub enum MsgKind {
     Aux = 12,
     /// [`Msg::Ready`] (protocol version 4).
     Ready = 13,
+    /// [`Msg::Heartbeat`] (protocol version 7).
+    Heartbeat = 14,
 }
 
 impl MsgKind {
@@ -80,6 +83,7 @@ impl MsgKind {
             11 => Self::Proof,
             12 => Self::Aux,
             13 => Self::Ready,
+            14 => Self::Heartbeat,
             _ => return None,
         })
     }
@@ -273,7 +277,7 @@ pub fn encode_frame(msg: &Msg, max_len: u32, out: &mut Vec<u8>) -> Result<(), Fr
         Msg::Challenge(m) => postcard::to_extend(m, Sink(out)),
         Msg::Proof(m) => postcard::to_extend(m, Sink(out)),
         Msg::Aux(m) => postcard::to_extend(m, Sink(out)),
-        Msg::Close | Msg::Ready => Ok(Sink(out)),
+        Msg::Close | Msg::Ready | Msg::Heartbeat => Ok(Sink(out)),
     };
     if let Err(source) = body {
         out.truncate(start);
@@ -349,17 +353,17 @@ pub fn decode_payload(kind: MsgKind, payload: &[u8]) -> Result<Msg, FrameError> 
         MsgKind::Challenge => Msg::Challenge(body::<Challenge>(kind, payload)?),
         MsgKind::Proof => Msg::Proof(body::<Proof>(kind, payload)?),
         MsgKind::Aux => Msg::Aux(body::<AuxData>(kind, payload)?),
-        MsgKind::Close | MsgKind::Ready => {
+        MsgKind::Close | MsgKind::Ready | MsgKind::Heartbeat => {
             if !payload.is_empty() {
                 return Err(FrameError::TrailingBytes {
                     kind,
                     extra: payload.len(),
                 });
             }
-            if kind == MsgKind::Close {
-                Msg::Close
-            } else {
-                Msg::Ready
+            match kind {
+                MsgKind::Close => Msg::Close,
+                MsgKind::Ready => Msg::Ready,
+                _ => Msg::Heartbeat,
             }
         }
     })

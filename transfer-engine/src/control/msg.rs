@@ -434,6 +434,9 @@ pub enum Msg {
     /// A prefill rank's vote mesh is formed (every PP peer connected): decode asks it for requests
     /// only from then on, so no PP peer's board starts a request without it.
     Ready,
+    /// The sender is alive; sent every heartbeat interval on every control connection, so that a
+    /// peer that goes silent (its host gone, its link half-open) is declared lost within a bound.
+    Heartbeat,
 }
 
 impl Msg {
@@ -453,6 +456,7 @@ impl Msg {
             Self::Proof(_) => MsgKind::Proof,
             Self::Aux(_) => MsgKind::Aux,
             Self::Ready => MsgKind::Ready,
+            Self::Heartbeat => MsgKind::Heartbeat,
         }
     }
 }

@@ -15,8 +15,7 @@ use super::{
     EngineError, Outcome, Pool, TpConfig, layout_from_info, layout_info, to_wire_kind, wire_regions,
 };
 use crate::control::{
-    self, BackendInfo, Connection, ControlWriter, Hello, Listener, Msg, RejectReason, Role,
-    TransferRequest,
+    self, BackendInfo, Connection, Hello, Listener, Msg, RejectReason, Role, TransferRequest,
 };
 use crate::core::membership::Incarnations;
 use crate::core::notify::{self, Notification};
@@ -78,6 +77,11 @@ pub struct DecodeConfig {
     /// rejoined yet) waits for it, at most its own timeout; then it fails with
     /// [`FailureReason::RankUnavailable`].
     pub rank_wait: Duration,
+    /// Interval of the heartbeats sent to every prefill rank; a rank that sends nothing for
+    /// [`SILENT_INTERVALS`](super::SILENT_INTERVALS) of them is declared lost (its slot freed, its
+    /// requests failed, their pages held: it may still be writing). `None`: no heartbeats, and a
+    /// silent rank is noticed only by TCP keepalive.
+    pub heartbeat: Option<Duration>,
 }
 
 impl DecodeConfig {
@@ -99,6 +103,7 @@ impl DecodeConfig {
             handshake_timeout: Duration::from_secs(10),
             abort_ack_timeout: Duration::from_secs(5),
             rank_wait: Duration::from_secs(10),
+            heartbeat: Some(super::DEFAULT_HEARTBEAT),
         }
     }
 }
@@ -150,6 +155,9 @@ pub struct DecodeStats {
     /// Rank connections whose channel refused a record (a changed or forged byte on the way):
     /// each was closed, and its requests' pages stay quarantined.
     pub tampered: u64,
+    /// Rank connections declared lost after a silence of three heartbeat intervals: each was
+    /// closed, and its requests' pages stay quarantined.
+    pub silent: u64,
     /// Chunks whose checksum did not match the pool's bytes.
     pub checksum_mismatch: u64,
     /// Requests still tracked.
@@ -485,6 +493,7 @@ struct Counters {
     unknown_sender: AtomicU64,
     refused: AtomicU64,
     tampered: AtomicU64,
+    silent: AtomicU64,
     checksum_mismatch: AtomicU64,
     abort_ack_timeouts: AtomicU64,
     auth_failures: AtomicU64,
@@ -1250,6 +1259,7 @@ impl DecodeEngine {
             unknown_sender: c.unknown_sender.load(Ordering::Relaxed),
             refused: c.refused.load(Ordering::Relaxed),
             tampered: c.tampered.load(Ordering::Relaxed),
+            silent: c.silent.load(Ordering::Relaxed),
             checksum_mismatch: c.checksum_mismatch.load(Ordering::Relaxed),
             in_flight,
             instances,
@@ -2226,9 +2236,18 @@ async fn serve_rank(inner: Weak<Inner>, mut conn: Connection) {
     };
     i.changed.send_modify(|n| *n += 1);
     tracing::info!(rank, instance = %remote.instance, peer = peer.0, "prefill rank connected");
+    let heartbeat = i.cfg.heartbeat;
     drop(i);
-    let write_task = tokio::spawn(write_loop(writer, rx));
-    let end = read_loop(&inner, reader, session, rank, peer).await;
+    let write_task = tokio::spawn(super::write_loop(writer, rx, heartbeat));
+    let end = read_loop(
+        &inner,
+        reader,
+        session,
+        rank,
+        peer,
+        super::silence_bound(heartbeat),
+    )
+    .await;
     write_task.abort();
     if let Some(i) = inner.upgrade() {
         i.peer_lost(session, rank, peer, &sender, end);
@@ -2242,18 +2261,10 @@ enum End {
     Closed,
     /// Without it: the rank's process (or its connection) is gone.
     Lost,
-    /// The channel refused a record (a changed or forged byte on the way): the rank's process may
-    /// be alive and still writing, so its requests' pages are not handed back (quarantined until
-    /// [`DecodeEngine::confirm_stopped`]).
+    /// The channel refused a record (a changed or forged byte on the way), or the rank sent
+    /// nothing for three heartbeat intervals: its process may be alive and still writing, so its
+    /// requests' pages are not handed back (quarantined until [`DecodeEngine::confirm_stopped`]).
     Tampered,
-}
-
-async fn write_loop(mut writer: ControlWriter, mut rx: mpsc::UnboundedReceiver<Msg>) {
-    while let Some(msg) = rx.recv().await {
-        if writer.send(&msg).await.is_err() {
-            return;
-        }
-    }
 }
 
 /// Handles a rank's messages until its connection ends, and says how it ended.
@@ -2263,11 +2274,19 @@ async fn read_loop(
     session: SessionId,
     rank: u16,
     peer: PeerId,
+    silence: Option<Duration>,
 ) -> End {
     loop {
-        let msg = match reader.recv().await {
+        let msg = match reader.recv_within(silence).await {
             Ok(Some(m)) => m,
             Ok(None) => return End::Lost,
+            Err(e @ control::ControlError::Silent { .. }) => {
+                tracing::error!(rank, error = %e, "prefill rank silent: lost, its pages stay held");
+                if let Some(i) = inner.upgrade() {
+                    i.counters.silent.fetch_add(1, Ordering::Relaxed);
+                }
+                return End::Tampered;
+            }
             Err(e @ control::ControlError::Channel { .. }) => {
                 tracing::error!(rank, error = %e, "control channel tampered with: the rank's pages stay held");
                 if let Some(i) = inner.upgrade() {

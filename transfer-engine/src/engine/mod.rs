@@ -457,6 +457,46 @@ async fn run_timer<T>(
     }
 }
 
+/// The default heartbeat interval of every control connection (`heartbeat` in both configs).
+pub const DEFAULT_HEARTBEAT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Heartbeat intervals of silence after which a peer is declared lost.
+pub const SILENT_INTERVALS: u32 = 3;
+
+/// How long a peer may stay silent with heartbeats every `heartbeat`.
+fn silence_bound(heartbeat: Option<std::time::Duration>) -> Option<std::time::Duration> {
+    heartbeat.map(|h| h * SILENT_INTERVALS)
+}
+
+/// Sends what the engine queues for one control connection, and a heartbeat every `heartbeat`
+/// (when given); ends after a `Close`, when the queue closes, or when a send fails.
+async fn write_loop(
+    mut writer: crate::control::ControlWriter,
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<crate::control::Msg>,
+    heartbeat: Option<std::time::Duration>,
+) {
+    use crate::control::Msg;
+    let mut tick = heartbeat.map(|h| {
+        let mut t = tokio::time::interval_at(tokio::time::Instant::now() + h, h);
+        t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        t
+    });
+    loop {
+        let msg = match tick.as_mut() {
+            Some(t) => tokio::select! {
+                m = rx.recv() => m,
+                _ = t.tick() => Some(Msg::Heartbeat),
+            },
+            None => rx.recv().await,
+        };
+        let Some(msg) = msg else { return };
+        let last = matches!(msg, Msg::Close);
+        if writer.send(&msg).await.is_err() || last {
+            return;
+        }
+    }
+}
+
 /// A new incarnation: nanoseconds since the Unix epoch, so a restart of a rank on any host whose
 /// clock does not step back by more than the restart takes gets a larger one.
 pub fn fresh_incarnation() -> u64 {

@@ -16,7 +16,7 @@ use super::{
     to_wire_kind,
 };
 use crate::control::{
-    self, BackendInfo, Connection, ControlWriter, Hello, Listener, Msg, RejectReason, Role, Secret,
+    self, BackendInfo, Connection, Hello, Listener, Msg, RejectReason, Role, Secret,
 };
 use crate::core::membership::Incarnations;
 use crate::core::notify::{ChunkNotification, ChunkStatus, TextForm};
@@ -87,6 +87,10 @@ pub struct PrefillConfig {
     /// one for the rank again (see [`crate::core::membership`]). [`PrefillConfig::new`] takes the
     /// clock's nanoseconds since the Unix epoch, so a restarted process gets a larger one.
     pub incarnation: u64,
+    /// Interval of the heartbeats sent on every control connection (to each decode, to each PP
+    /// peer); a peer that sends nothing for [`SILENT_INTERVALS`](super::SILENT_INTERVALS) of them is
+    /// declared lost. `None`: no heartbeats (TCP keepalive still runs).
+    pub heartbeat: Option<Duration>,
 }
 
 /// A listening socket for a rank's vote mesh, bound before the rank starts: bind it with port 0,
@@ -186,6 +190,7 @@ impl PrefillConfig {
             notify_format: NotifyFormat::Binary,
             mesh_socket: None,
             incarnation: super::fresh_incarnation(),
+            heartbeat: Some(super::DEFAULT_HEARTBEAT),
         }
     }
 }
@@ -560,7 +565,11 @@ impl PrefillEngine {
         let mut tasks = Vec::new();
         if let Some((conn, rx)) = conn {
             let (reader, writer) = conn.into_split();
-            tasks.push(tokio::spawn(write_loop(writer, rx)));
+            tasks.push(tokio::spawn(super::write_loop(
+                writer,
+                rx,
+                inner.cfg.heartbeat,
+            )));
             tasks.push(tokio::spawn(decode_read_loop(
                 Arc::downgrade(&inner),
                 link.clone(),
@@ -671,7 +680,7 @@ impl PrefillEngine {
             }
         };
         let (reader, w) = conn.into_split();
-        inner.keep_task(tokio::spawn(write_loop(w, rx)));
+        inner.keep_task(tokio::spawn(super::write_loop(w, rx, inner.cfg.heartbeat)));
         inner.keep_task(tokio::spawn(decode_read_loop(
             Arc::downgrade(inner),
             link.clone(),
@@ -1426,24 +1435,23 @@ impl Inner {
     }
 }
 
-async fn write_loop(mut writer: ControlWriter, mut rx: mpsc::UnboundedReceiver<Msg>) {
-    while let Some(msg) = rx.recv().await {
-        if writer.send(&msg).await.is_err() {
-            return;
-        }
-    }
-}
-
 async fn decode_read_loop(
     inner: Weak<Inner>,
     link: Arc<Link>,
     mut reader: control::ControlReader,
     incoming: mpsc::UnboundedSender<IncomingRequest>,
 ) {
+    let silence = inner
+        .upgrade()
+        .and_then(|i| super::silence_bound(i.cfg.heartbeat));
     loop {
-        let msg = match reader.recv().await {
+        let msg = match reader.recv_within(silence).await {
             Ok(Some(m)) => m,
-            Ok(None) | Err(_) => break,
+            Ok(None) => break,
+            Err(e) => {
+                tracing::warn!(decode = %link.addr, error = %e, "decode connection ended");
+                break;
+            }
         };
         let Some(i) = inner.upgrade() else { return };
         match msg {
@@ -1834,12 +1842,13 @@ fn attach_peer(
         inner.flush_board(&mut st);
     }
     inner.mesh_changed.send_modify(|n| *n += 1);
-    let write = tokio::spawn(write_loop(writer, rx));
+    let write = tokio::spawn(super::write_loop(writer, rx, inner.cfg.heartbeat));
+    let silence = super::silence_bound(inner.cfg.heartbeat);
     let weak = Arc::downgrade(inner);
     let hello = hello.clone();
     let read = tokio::spawn(async move {
         loop {
-            match reader.recv().await {
+            match reader.recv_within(silence).await {
                 Ok(Some(Msg::Vote(v))) => match weak.upgrade() {
                     Some(i) => i.on_peer_message(rank, &v.bytes),
                     None => return,

@@ -102,6 +102,7 @@ class DecodeEngine:
         abort_ack_timeout: float = 5.0,
         handshake_timeout: float = 10.0,
         rank_wait: float = 10.0,
+        heartbeat: float | None = 5.0,
     ) -> None: ...
     @property
     def address(self) -> str: ...
@@ -165,6 +166,7 @@ class PrefillEngine:
         request_wait: float = 10.0,
         instance: str = "",
         keep_open: bool = False,
+        heartbeat: float | None = 5.0,
     ) -> None: ...
     @staticmethod
     def external(

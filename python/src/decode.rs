@@ -57,12 +57,14 @@ impl DecodeEngine {
     /// there is none, and every prefill instance is added by name (`add_instance`): one engine
     /// serves any number of them, with one registration of the pool. A request expected while a rank is away (dead, restarting) waits
     /// up to `rank_wait` seconds (at most its own timeout) for it, then fails with
-    /// `TransferFailed(reason="rank_unavailable")`.
+    /// `TransferFailed(reason="rank_unavailable")`. Every rank connection carries a heartbeat each
+    /// way every `heartbeat` seconds; a rank silent for three of them is lost (`None`: no
+    /// heartbeats).
     #[new]
     #[pyo3(signature = (
         *, layout, total_layers, page_tokens, pp_size, memory, listen = "127.0.0.1:0",
         secret = None, backend = "ucx", engine_id = None, device = "cpu", checksums = false,
-        abort_ack_timeout = 5.0, handshake_timeout = 10.0, rank_wait = 10.0,
+        abort_ack_timeout = 5.0, handshake_timeout = 10.0, rank_wait = 10.0, heartbeat = Some(5.0),
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -81,6 +83,7 @@ impl DecodeEngine {
         abort_ack_timeout: f64,
         handshake_timeout: f64,
         rank_wait: f64,
+        heartbeat: Option<f64>,
     ) -> PyResult<Self> {
         let listen: SocketAddr = listen
             .parse()
@@ -108,6 +111,7 @@ impl DecodeEngine {
         cfg.abort_ack_timeout = seconds("abort_ack_timeout", abort_ack_timeout)?;
         cfg.handshake_timeout = seconds("handshake_timeout", handshake_timeout)?;
         cfg.rank_wait = seconds("rank_wait", rank_wait)?;
+        cfg.heartbeat = heartbeat.map(|h| seconds("heartbeat", h)).transpose()?;
         let pool_len = mem.len();
         let (pools, keep) = mem.into_pools();
         let rt = runtime()?;

@@ -135,12 +135,15 @@ impl PrefillEngine {
     /// `instance` names the prefill instance (the pipeline) this rank belongs to, as the decode
     /// engine added it (`DecodeEngine.add_instance`); `""` is its default instance. More decode
     /// engines are served with `add_decode`; `keep_open` keeps the rank serving once every decode
-    /// closed (otherwise it closes with its last one).
+    /// closed (otherwise it closes with its last one). Every control connection carries a
+    /// heartbeat each way every `heartbeat` seconds; a peer silent for three of them is lost
+    /// (`None`: no heartbeats).
     #[new]
     #[pyo3(signature = (
         *, decode, pp_rank, pp_size, layout, total_layers, page_tokens, memory, peers = Vec::new(),
         mesh_socket = None, secret = None, backend = "ucx", engine_id = None, device = "cpu", checksums = false,
         connect_timeout = 60.0, request_wait = 10.0, instance = String::new(), keep_open = false,
+        heartbeat = Some(5.0),
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -163,6 +166,7 @@ impl PrefillEngine {
         request_wait: f64,
         instance: String,
         keep_open: bool,
+        heartbeat: Option<f64>,
     ) -> PyResult<Self> {
         let decode = addr("decode address", decode)?;
         let (mut cfg, mem) = config(
@@ -185,6 +189,7 @@ impl PrefillEngine {
         )?;
         cfg.instance = instance;
         cfg.keep_open = keep_open;
+        cfg.heartbeat = heartbeat.map(|h| seconds("heartbeat", h)).transpose()?;
         let (pools, keep) = mem.into_pools();
         let rt = runtime()?;
         let engine = py

@@ -731,3 +731,51 @@ proptest! {
         run(&s)?;
     }
 }
+
+#[test]
+fn a_lost_peer_fails_only_the_requests_it_had_not_delivered() {
+    let t0 = Instant::now();
+    let dl = t0 + Duration::from_secs(10);
+    let mut t = CompletionTracker::new(TrackerConfig::default());
+    let p = [PeerId(10), PeerId(11)];
+    // Request 1: rank 1 delivered both its chunks; request 2: rank 1 delivered one of two.
+    for r in [1, 2] {
+        t.expect(t0, RequestId(r), 2, &p, dl).unwrap();
+        t.handle_notification(
+            t0,
+            p[1],
+            &ChunkNotification::new(RequestId(r), 1, 0, ChunkStatus::More),
+        )
+        .unwrap();
+    }
+    t.handle_notification(
+        t0,
+        p[1],
+        &ChunkNotification::new(RequestId(1), 1, 1, ChunkStatus::Last { count: 2 }),
+    )
+    .unwrap();
+    assert_eq!(t.handle_peer_lost(t0, p[1]), 1);
+    assert_eq!(
+        drain(&mut t),
+        vec![TrackerEvent::Failed {
+            request: RequestId(2),
+            reason: FailureReason::PeerLost {
+                rank: 1,
+                peer: p[1]
+            }
+        }]
+    );
+    // Request 1 completes once rank 0 delivers.
+    t.handle_notification(
+        t0,
+        p[0],
+        &ChunkNotification::new(RequestId(1), 0, 0, ChunkStatus::Last { count: 1 }),
+    )
+    .unwrap();
+    assert_eq!(
+        drain(&mut t),
+        vec![TrackerEvent::Complete {
+            request: RequestId(1)
+        }]
+    );
+}

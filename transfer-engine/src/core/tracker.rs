@@ -586,8 +586,10 @@ impl CompletionTracker {
         Ok(())
     }
 
-    /// The engine lost `peer`: every in-flight request with a rank bound to it fails with
-    /// [`FailureReason::PeerLost`] (naming its lowest such rank). Returns how many failed.
+    /// The engine lost `peer`: every in-flight request with a rank bound to it that had not
+    /// delivered all of its chunks fails with [`FailureReason::PeerLost`] (naming its lowest such
+    /// rank). A request whose ranks bound to `peer` had all delivered (their `LAST` and every chunk
+    /// it counts) goes on: nothing of it was still to come from there. Returns how many failed.
     pub fn handle_peer_lost(&mut self, now: Instant, peer: PeerId) -> usize {
         self.clock.observe(now);
         let mut hit: Vec<(RequestId, u16)> = self
@@ -596,7 +598,7 @@ impl CompletionTracker {
             .filter_map(|(id, e)| {
                 e.ranks
                     .iter()
-                    .position(|r| r.peer == peer)
+                    .position(|r| r.peer == peer && !rank_done(r))
                     .map(|r| (*id, r as u16))
             })
             .collect();

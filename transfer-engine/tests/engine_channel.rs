@@ -339,3 +339,50 @@ async fn a_rank_behind_a_silent_link_is_lost_within_three_intervals_and_its_new_
     eprintln!("declared lost {lost_after:?} after the link went silent (heartbeat {beat:?})");
     d.shutdown(BOUND).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_over_the_handshake_bound_are_closed_and_the_engine_serves_afterwards() {
+    use transfer_engine::engine::MAX_PENDING_HANDSHAKES;
+    let mut cfg = DecodeConfig::new(LAYERS, PAGE_TOKENS, layout(), 1);
+    cfg.token = Some(SECRET.to_vec());
+    cfg.handshake_timeout = Duration::from_secs(1);
+    let mut b = HostBuffer::new(layout().buffer_len as usize, HostOptions::default()).unwrap();
+    b.as_mut_slice().fill(POISON);
+    let d = DecodeEngine::start(cfg, Pool::Owned(b)).await.unwrap();
+    // Clients that connect and never say a word, more than the bound.
+    let extra = 16;
+    let mut silent = Vec::new();
+    for _ in 0..MAX_PENDING_HANDSHAKES + extra {
+        silent.push(TcpStream::connect(d.local_addr()).await.unwrap());
+    }
+    let until = tokio::time::Instant::now() + BOUND;
+    while d.stats().refused_connections < extra as u64 {
+        assert!(tokio::time::Instant::now() < until, "{:?}", d.stats());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Every one ends: those over the bound at once, the others at their handshake's deadline.
+    for s in &mut silent {
+        let mut buf = [0u8; 4096];
+        loop {
+            match bounded(s.read(&mut buf)).await {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {} // our challenge
+            }
+        }
+    }
+    assert_eq!(
+        d.stats().refused_connections,
+        extra as u64,
+        "{:?}",
+        d.stats()
+    );
+    // A real rank is served once they are gone.
+    let p = prefill(d.local_addr()).await;
+    bounded(d.wait_for_ranks(BOUND)).await.unwrap();
+    let (r, src, dst) = (RequestId(11), [0, 1, 2, 3], [4, 5, 6, 7]);
+    let done = d.expect(r, PROMPT, CHUNK, dst.to_vec(), BOUND).unwrap();
+    bounded(send(&p, r, &src)).await.unwrap();
+    assert_eq!(bounded(done).await, Outcome::Complete);
+    assert!(landed(&d, &src, &dst));
+    d.shutdown(BOUND).await;
+}

@@ -158,6 +158,9 @@ pub struct DecodeStats {
     /// Rank connections declared lost after a silence of three heartbeat intervals: each was
     /// closed, and its requests' pages stay quarantined.
     pub silent: u64,
+    /// Connections closed on arrival because [`MAX_PENDING_HANDSHAKES`](super::MAX_PENDING_HANDSHAKES)
+    /// handshakes were already in progress.
+    pub refused_connections: u64,
     /// Chunks whose checksum did not match the pool's bytes.
     pub checksum_mismatch: u64,
     /// Requests still tracked.
@@ -494,6 +497,7 @@ struct Counters {
     refused: AtomicU64,
     tampered: AtomicU64,
     silent: AtomicU64,
+    refused_connections: AtomicU64,
     checksum_mismatch: AtomicU64,
     abort_ack_timeouts: AtomicU64,
     auth_failures: AtomicU64,
@@ -1260,6 +1264,7 @@ impl DecodeEngine {
             refused: c.refused.load(Ordering::Relaxed),
             tampered: c.tampered.load(Ordering::Relaxed),
             silent: c.silent.load(Ordering::Relaxed),
+            refused_connections: c.refused_connections.load(Ordering::Relaxed),
             checksum_mismatch: c.checksum_mismatch.load(Ordering::Relaxed),
             in_flight,
             instances,
@@ -2053,16 +2058,18 @@ fn release_pages(st: &mut State, request: RequestId, pages: &[u32]) {
 }
 
 async fn accept_loop(inner: Weak<Inner>, listener: Listener) {
+    let places = Arc::new(tokio::sync::Semaphore::new(super::MAX_PENDING_HANDSHAKES));
     loop {
-        let conn = match listener.accept().await {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!(error = %e, "accept failed");
-                continue;
+        let (conn, place) = super::admit(&listener, &places, || {
+            if let Some(i) = inner.upgrade() {
+                i.counters
+                    .refused_connections
+                    .fetch_add(1, Ordering::Relaxed);
             }
-        };
+        })
+        .await;
         let Some(i) = inner.upgrade() else { return };
-        tokio::spawn(serve_rank(Arc::downgrade(&i), conn));
+        tokio::spawn(serve_rank(Arc::downgrade(&i), conn, place));
     }
 }
 
@@ -2088,7 +2095,11 @@ fn local_hello(inner: &Inner) -> Result<Hello, EngineError> {
     Ok(hello)
 }
 
-async fn serve_rank(inner: Weak<Inner>, mut conn: Connection) {
+async fn serve_rank(
+    inner: Weak<Inner>,
+    mut conn: Connection,
+    place: tokio::sync::OwnedSemaphorePermit,
+) {
     let (hello, deadline) = {
         let Some(i) = inner.upgrade() else { return };
         match local_hello(&i) {
@@ -2170,6 +2181,8 @@ async fn serve_rank(inner: Weak<Inner>, mut conn: Connection) {
         None => return,
     };
     let result = control::handshake_with(&mut conn, &hello, &secret, deadline, taken).await;
+    // The handshake is over: its place goes to the next connection.
+    drop(place);
     let Some(i) = inner.upgrade() else { return };
     let (remote, (session, slot, planner, sender)) = match (result, bound) {
         (Ok(r), Some(b)) => (r, b),

@@ -241,6 +241,9 @@ pub struct PrefillStats {
     pub decodes: u64,
     /// Control messages from a decode engine about a request another decode engine owns, dropped.
     pub refused: u64,
+    /// Vote mesh connections closed on arrival because
+    /// [`MAX_PENDING_HANDSHAKES`](super::MAX_PENDING_HANDSHAKES) handshakes were in progress.
+    pub refused_connections: u64,
 }
 
 /// One decode engine this rank writes into: its transport peer, what this rank writes there, the
@@ -319,6 +322,7 @@ struct Counters {
     rejected: AtomicU64,
     writes: AtomicU64,
     refused: AtomicU64,
+    refused_connections: AtomicU64,
 }
 
 struct Inner {
@@ -1038,6 +1042,7 @@ impl PrefillEngine {
             writes: c.writes.load(Ordering::Relaxed),
             decodes,
             refused: c.refused.load(Ordering::Relaxed),
+            refused_connections: c.refused_connections.load(Ordering::Relaxed),
         }
     }
 
@@ -1776,19 +1781,21 @@ async fn connect_peer(
 /// Accepts higher ranks for as long as the engine lives: the first start of each, then every new
 /// incarnation of one whose connection ended.
 async fn mesh_accept_loop(inner: Weak<Inner>, listener: Listener, hello: Arc<Hello>) {
+    let places = Arc::new(tokio::sync::Semaphore::new(super::MAX_PENDING_HANDSHAKES));
     loop {
-        let c = match listener.accept().await {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!(error = %e, "PP peer accept failed");
-                tokio::time::sleep(MESH_RETRY).await;
-                continue;
+        let (c, place) = super::admit(&listener, &places, || {
+            if let Some(i) = inner.upgrade() {
+                i.counters
+                    .refused_connections
+                    .fetch_add(1, Ordering::Relaxed);
             }
-        };
+        })
+        .await;
         let Some(i) = inner.upgrade() else { return };
         let hello = hello.clone();
         // Each handshake on its own task: a slow or silent client holds up nobody.
         tokio::spawn(async move {
+            let _place = place;
             let mut c = c;
             let deadline = tokio::time::Instant::now() + i.cfg.connect_timeout;
             let me = i.cfg.pp_rank;

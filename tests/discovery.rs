@@ -183,6 +183,57 @@ async fn a_deleted_record_is_put_back_by_its_registration() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_start_never_overwrites_its_successor() {
+    let server = EtcdServer::start().unwrap();
+    let c = cfg(&server, "owners", 3);
+    let stale = Registration::register(&c, record(RecordRole::Prefill, 1, 4000, 5))
+        .await
+        .unwrap();
+    // The stale start loses its lease (stopped past its TTL, say), and its successor, a later
+    // incarnation, takes the key before the stale one notices.
+    let mut client = etcd_client::Client::connect([server.url()], None)
+        .await
+        .unwrap();
+    client.lease_revoke(stale.state().lease).await.unwrap();
+    let next = Registration::register(&c, record(RecordRole::Prefill, 1, 4001, 6))
+        .await
+        .unwrap();
+    // The stale start's renewal finds its lease gone and the key a later start's: it stops.
+    let t = Instant::now();
+    while !stale.state().superseded {
+        assert!(t.elapsed() < BOUND, "{:?}", stale.state());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Two renewal periods later the key still holds the successor's record.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let rs = Directory::open(&c).await.unwrap().records();
+    assert_eq!(rs.len(), 1, "{rs:?}");
+    assert_eq!(
+        (rs[0].incarnation, rs[0].address.port()),
+        (6, 4001),
+        "{rs:?}"
+    );
+    assert!(!next.state().superseded && next.state().reregistered == 0);
+    // A stale start that registers after its successor is refused outright.
+    let err = Registration::register(&c, record(RecordRole::Prefill, 1, 4002, 4))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            transfer_engine::discovery::DiscoveryError::Superseded {
+                theirs: 6,
+                ours: 4,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let rs = Directory::open(&c).await.unwrap().records();
+    assert_eq!(rs[0].incarnation, 6, "{rs:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_of_etcd_keeps_records_and_registrations_renew() {
     let mut server = EtcdServer::start().unwrap();
     let c = cfg(&server, "restart", 3);

@@ -99,6 +99,17 @@ pub enum DiscoveryError {
     /// What a caller waited for did not appear in time.
     #[error("timed out waiting for {0}")]
     Timeout(String),
+    /// The key holds the record of a later start of the same engine (a larger incarnation):
+    /// this start is stale and does not overwrite it.
+    #[error("{key} belongs to a later start (incarnation {theirs}, ours {ours})")]
+    Superseded {
+        /// The key.
+        key: String,
+        /// The later start's incarnation.
+        theirs: u64,
+        /// Ours.
+        ours: u64,
+    },
 }
 
 impl From<DiscoveryError> for EngineError {
@@ -201,6 +212,9 @@ pub struct RegState {
     pub reregistered: u64,
     /// etcd cannot be reached now.
     pub unreachable: bool,
+    /// A later start of the engine holds the key: this registration stopped (its lease revoked)
+    /// and never writes the key again.
+    pub superseded: bool,
 }
 
 impl Registration {
@@ -220,10 +234,13 @@ impl Registration {
         Ok(())
     }
 
-    /// Puts `record` under `cfg`'s prefix with a new lease, and keeps it there.
+    /// Puts `record` under `cfg`'s prefix with a new lease, and keeps it there. Every put, this
+    /// first one and those that put the record back later, is a transaction conditioned on what
+    /// the key holds: it takes the key only while it is empty or holds a start of the engine with
+    /// a smaller (or the same) incarnation, so a stale start never overwrites its successor.
     ///
     /// # Errors
-    /// etcd unreachable, or a bad cluster name.
+    /// etcd unreachable, a bad cluster name, or [`DiscoveryError::Superseded`].
     pub async fn register(cfg: &EtcdConfig, record: EngineRecord) -> Result<Self, DiscoveryError> {
         let key = record.key(&cfg.prefix()?)?;
         let value = serde_json::to_vec(&record).map_err(|e| DiscoveryError::BadRecord {
@@ -231,12 +248,21 @@ impl Registration {
             reason: e.to_string(),
         })?;
         let mut client = cfg.connect().await?;
-        let lease = put_with_lease(&mut client, cfg.ttl_secs(), &key, &value).await?;
+        let mine = Owned {
+            key,
+            value,
+            incarnation: record.incarnation,
+        };
+        let lease = client.lease_grant(cfg.ttl_secs(), None).await?.id();
+        if let Err(e) = mine.put(&mut client, lease).await {
+            let _ = client.lease_revoke(lease).await;
+            return Err(e);
+        }
         let (tx, rx) = watch::channel(RegState {
             lease,
             ..RegState::default()
         });
-        let task = tokio::spawn(keep_alive(cfg.clone(), client.clone(), key, value, tx));
+        let task = tokio::spawn(keep_alive(cfg.clone(), client.clone(), mine, tx));
         Ok(Registration {
             state: rx,
             task: Some(task),
@@ -267,30 +293,111 @@ impl Drop for Registration {
     }
 }
 
-async fn put_with_lease(
-    client: &mut etcd_client::Client,
-    ttl: i64,
-    key: &str,
-    value: &[u8],
-) -> Result<i64, DiscoveryError> {
-    let lease = client.lease_grant(ttl, None).await?.id();
-    let opts = etcd_client::PutOptions::new().with_lease(lease);
-    client.put(key, value, Some(opts)).await?;
-    Ok(lease)
+/// A registration's key and record, and the incarnation that owns the key while it holds it.
+struct Owned {
+    key: String,
+    value: Vec<u8>,
+    incarnation: u64,
+}
+
+impl Owned {
+    /// Puts the record under `lease`, in a transaction that succeeds only if the key still holds
+    /// what was read just before (nothing, or a record of an incarnation no larger than ours);
+    /// read and try again when something else wrote in between. `Ok(false)`: the key already
+    /// held this record under this lease, nothing was written.
+    async fn put(
+        &self,
+        client: &mut etcd_client::Client,
+        lease: i64,
+    ) -> Result<bool, DiscoveryError> {
+        use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
+        loop {
+            let got = client.get(self.key.as_str(), None).await?;
+            let guard = match got.kvs().first() {
+                None => Compare::version(self.key.as_str(), CompareOp::Equal, 0),
+                Some(kv) => {
+                    // A record we cannot read is not a later start: ours replaces it.
+                    let theirs = parse(&self.key, kv.value()).map_or(0, |r| r.incarnation);
+                    if theirs > self.incarnation {
+                        return Err(DiscoveryError::Superseded {
+                            key: self.key.clone(),
+                            theirs,
+                            ours: self.incarnation,
+                        });
+                    }
+                    if kv.value() == self.value.as_slice() && kv.lease() == lease {
+                        return Ok(false);
+                    }
+                    Compare::mod_revision(self.key.as_str(), CompareOp::Equal, kv.mod_revision())
+                }
+            };
+            let put = TxnOp::put(
+                self.key.as_str(),
+                self.value.clone(),
+                Some(PutOptions::new().with_lease(lease)),
+            );
+            if client
+                .txn(Txn::new().when([guard]).and_then([put]))
+                .await?
+                .succeeded()
+            {
+                return Ok(true);
+            }
+        }
+    }
 }
 
 /// Renews the lease every third of its TTL; reconnects while etcd is away; puts the record again
-/// with a new lease when the old one is gone, and under the live lease when someone deleted it.
+/// with a new lease when the old one is gone, and under the live lease when someone deleted it,
+/// both only while the key is not a later start's ([`Owned::put`]). Once a later start holds the
+/// key, revokes its lease and stops for good.
 async fn keep_alive(
     cfg: EtcdConfig,
     mut client: etcd_client::Client,
-    key: String,
-    value: Vec<u8>,
+    mine: Owned,
     tx: watch::Sender<RegState>,
 ) {
     let period = Duration::from_secs_f64(cfg.lease_ttl.as_secs_f64().max(1.0) / 3.0);
+    let key = mine.key.as_str();
     loop {
         let lease = tx.borrow().lease;
+        // A lease that is gone (expired, or revoked from outside) cannot be kept alive: put the
+        // record again under a new one, if the key is not a later start's.
+        let gone = matches!(
+            client.lease_time_to_live(lease, None).await,
+            Ok(r) if r.ttl() <= 0
+        );
+        if gone {
+            match client.lease_grant(cfg.ttl_secs(), None).await {
+                Ok(l) => {
+                    let fresh = l.id();
+                    match mine.put(&mut client, fresh).await {
+                        Ok(_) => {
+                            tracing::info!(key, lease = fresh, "registered again in etcd");
+                            tx.send_modify(|s| {
+                                s.lease = fresh;
+                                s.reregistered += 1;
+                            });
+                        }
+                        Err(e) => {
+                            let _ = client.lease_revoke(fresh).await;
+                            if matches!(e, DiscoveryError::Superseded { .. }) {
+                                tracing::error!(key, error = %e, "a later start holds this engine's key: registration stopped");
+                                tx.send_modify(|s| s.superseded = true);
+                                return;
+                            }
+                            tracing::warn!(key, error = %e, "etcd registration failed");
+                            tokio::time::sleep(Duration::from_millis(500)).await;
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(key, error = %e, "etcd lease grant failed");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            }
+            continue;
+        }
         // One keep-alive stream until it fails.
         if let Ok((mut keeper, mut stream)) = client.lease_keep_alive(lease).await {
             tx.send_modify(|s| s.unreachable = false);
@@ -298,42 +405,52 @@ async fn keep_alive(
                 if keeper.keep_alive().await.is_err() {
                     break;
                 }
-                match tokio::time::timeout(period, stream.message()).await {
-                    Ok(Ok(Some(r))) if r.ttl() > 0 => {
-                        // A record deleted while its lease lives (by hand, or by another writer)
-                        // would leave decode evicting this engine for good: put it back.
-                        let only_keys = etcd_client::GetOptions::new().with_keys_only();
-                        match client.get(key.as_str(), Some(only_keys)).await {
-                            Ok(resp) if resp.kvs().is_empty() => {
-                                let opts = etcd_client::PutOptions::new().with_lease(lease);
-                                if client
-                                    .put(key.as_str(), value.clone(), Some(opts))
-                                    .await
-                                    .is_ok()
-                                {
-                                    tracing::info!(key, "record was deleted: put back");
-                                    tx.send_modify(|s| s.reregistered += 1);
-                                }
-                            }
-                            Ok(_) => {}
-                            Err(_) => break,
-                        }
-                    }
+                // `restart`: the lease changed, so the keep-alive stream starts again.
+                let (written, restart) = match tokio::time::timeout(period, stream.message()).await
+                {
+                    // A record deleted while its lease lives (by hand, or by another writer)
+                    // would leave decode evicting this engine for good: put it back.
+                    Ok(Ok(Some(r))) if r.ttl() > 0 => (mine.put(&mut client, lease).await, false),
                     Ok(Ok(Some(_))) => {
                         // The lease is gone: put the record again under a new one.
-                        match put_with_lease(&mut client, cfg.ttl_secs(), &key, &value).await {
-                            Ok(new) => {
-                                tracing::info!(key, lease = new, "registered again in etcd");
-                                tx.send_modify(|s| {
-                                    s.lease = new;
-                                    s.reregistered += 1;
-                                });
+                        let fresh = match client.lease_grant(cfg.ttl_secs(), None).await {
+                            Ok(l) => l.id(),
+                            Err(e) => {
+                                tracing::warn!(key, error = %e, "etcd registration failed");
+                                break;
                             }
-                            Err(e) => tracing::warn!(key, error = %e, "etcd registration failed"),
+                        };
+                        let put = mine.put(&mut client, fresh).await;
+                        match &put {
+                            Ok(_) => {
+                                tracing::info!(key, lease = fresh, "registered again in etcd");
+                                tx.send_modify(|s| s.lease = fresh);
+                            }
+                            Err(_) => {
+                                let _ = client.lease_revoke(fresh).await;
+                            }
                         }
-                        break;
+                        (put.map(|_| true), true)
                     }
                     _ => break,
+                };
+                match written {
+                    Ok(true) => tx.send_modify(|s| s.reregistered += 1),
+                    Ok(false) => {}
+                    Err(e @ DiscoveryError::Superseded { .. }) => {
+                        tracing::error!(key, error = %e, "a later start holds this engine's key: registration stopped");
+                        let lease = tx.borrow().lease;
+                        let _ = client.lease_revoke(lease).await;
+                        tx.send_modify(|s| s.superseded = true);
+                        return;
+                    }
+                    Err(e) => {
+                        tracing::warn!(key, error = %e, "etcd registration check failed");
+                        break;
+                    }
+                }
+                if restart {
+                    break;
                 }
                 tokio::time::sleep(period).await;
             }

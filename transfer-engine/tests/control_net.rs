@@ -328,6 +328,28 @@ async fn before_authentication_a_peer_gets_only_a_challenge() {
     assert!(!contains(&bytes, &b.regions[0].rkey[..16]), "rkey leaked");
 }
 
+/// Sends challenge `mine` and the dialer's first Noise message built over `first` and `second`
+/// (the prologue's dialer and listener challenges) with the right secret.
+async fn open_as_dialer(
+    raw: &mut TcpStream,
+    mine: transfer_engine::control::Challenge,
+    first: &transfer_engine::control::Challenge,
+    second: &transfer_engine::control::Challenge,
+) {
+    let msg = Handshake::new(&secret(), Side::Dialer, first, second)
+        .unwrap()
+        .write()
+        .unwrap();
+    send_frames(
+        raw,
+        [
+            Msg::Challenge(mine),
+            Msg::Proof(transfer_engine::control::Proof { msg }),
+        ],
+    )
+    .await;
+}
+
 /// Drives the client side of the authentication by hand: the right secret, but (with `swap`) the
 /// two challenges in each other's place in the Noise prologue, and (with `reflect`) the server's
 /// own nonce in our challenge.
@@ -354,18 +376,8 @@ async fn hand_made_client(swap: bool, reflect: bool) -> (RejectReason, Vec<Msg>)
     } else {
         (&mine, &theirs)
     };
-    let msg = Handshake::new(&secret(), Side::Dialer, first, second)
-        .unwrap()
-        .write()
-        .unwrap();
-    send_frames(
-        &mut raw,
-        [
-            Msg::Challenge(mine),
-            Msg::Proof(transfer_engine::control::Proof { msg }),
-        ],
-    )
-    .await;
+    let (first, second) = (first.clone(), second.clone());
+    open_as_dialer(&mut raw, mine, &first, &second).await;
     let reason = rejected_peer(bounded(run).await.unwrap());
     let (_, msgs) = frames_from(&mut raw, BOUND).await;
     (reason, msgs)
@@ -392,18 +404,8 @@ async fn a_handshake_message_is_bound_to_both_challenges_and_a_reflected_nonce_i
         panic!("{msgs:?}")
     };
     let mine = transfer_engine::control::Challenge::fresh(Role::Prefill, Side::Dialer);
-    let msg = Handshake::new(&secret(), Side::Dialer, &mine, theirs)
-        .unwrap()
-        .write()
-        .unwrap();
-    send_frames(
-        &mut raw,
-        [
-            Msg::Challenge(mine),
-            Msg::Proof(transfer_engine::control::Proof { msg }),
-        ],
-    )
-    .await;
+    let theirs = theirs.clone();
+    open_as_dialer(&mut raw, mine.clone(), &mine, &theirs).await;
     let (bytes, msgs) = frames_from(&mut raw, Duration::from_millis(500)).await;
     // The listener's answer, then its Hello, sealed: no frame and nothing of it in clear.
     assert!(matches!(msgs.as_slice(), [Msg::Proof(_)]), "{msgs:?}");

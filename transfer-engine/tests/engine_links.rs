@@ -5,16 +5,16 @@
 //! every wait is bounded.
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 use transfer_engine::core::RequestId;
-use transfer_engine::core::planner::{KvLayout, PpSplit, RegionKind};
+use transfer_engine::core::planner::{KvLayout, RegionKind};
 use transfer_engine::core::tracker::FailureReason;
 use transfer_engine::core::vote::Decision;
 use transfer_engine::engine::{
-    DecodeConfig, DecodeEngine, EngineError, LinkId, MeshSocket, Outcome, Pool, PrefillConfig,
-    PrefillEngine,
+    DecodeConfig, DecodeEngine, EngineError, LinkId, Outcome, Pool, PrefillConfig, PrefillEngine,
 };
 use transfer_engine::mem::{HostBuffer, HostOptions};
 
@@ -58,31 +58,11 @@ async fn pipeline(
     more: &[&DecodeEngine],
     keep_open: bool,
 ) -> Vec<PrefillEngine> {
-    let mut sockets = Vec::new();
-    let mut peers = Vec::new();
-    for _ in 0..PP {
-        let s = MeshSocket::bind(SocketAddr::from(([127, 0, 0, 1], 0))).unwrap();
-        peers.push(s.local_addr().unwrap());
-        sockets.push(Arc::new(s));
-    }
+    let (sockets, peers) = common::mesh_sockets(PP);
     let mut starts = Vec::new();
     for rank in 0..PP {
-        let range = PpSplit::SglangEven.layer_range(LAYERS, PP, rank).unwrap();
-        let layout = KvLayout::packed(
-            range.start,
-            range.len() as u32,
-            RegionKind::Fused,
-            PAGE_BYTES,
-            PREFILL_PAGES,
-        );
-        let mut buf = HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).unwrap();
-        for (i, x) in buf.as_mut_slice().iter_mut().enumerate() {
-            let i = i as u64;
-            let per_layer = u64::from(PREFILL_PAGES) * PAGE_BYTES;
-            let layer = range.start + (i / per_layer) as u32;
-            let page = ((i % per_layer) / PAGE_BYTES) as u32;
-            *x = pattern(layer, page, i % PAGE_BYTES);
-        }
+        let (layout, buf) =
+            common::patterned_rank(LAYERS, PP, rank, PAGE_BYTES, PREFILL_PAGES, pattern);
         let mut cfg = PrefillConfig::new(
             first.local_addr(),
             rank,

@@ -4,19 +4,18 @@
 //! counted and ignored. Every byte is checked on poisoned destination pages; every wait is bounded.
 #![allow(clippy::unwrap_used)]
 
-use std::net::SocketAddr;
-use std::sync::Arc;
+mod common;
+
 use std::time::Duration;
 use transfer_engine::control::{
     self, BackendInfo, BackendKind as WireKind, Connection, Hello, LayoutInfo, Msg, RejectReason,
     Role, Secret, TpMode,
 };
-use transfer_engine::core::planner::{KvLayout, PpSplit, RegionKind};
+use transfer_engine::core::planner::{KvLayout, RegionKind};
 use transfer_engine::core::tracker::FailureReason;
 use transfer_engine::core::{FailureCode, RequestId};
 use transfer_engine::engine::{
-    DecodeConfig, DecodeEngine, EngineError, Expected, MeshSocket, Outcome, Pool, PrefillConfig,
-    PrefillEngine,
+    DecodeConfig, DecodeEngine, EngineError, Expected, Outcome, Pool, PrefillConfig, PrefillEngine,
 };
 use transfer_engine::mem::{HostBuffer, HostOptions};
 
@@ -56,33 +55,13 @@ async fn decode() -> DecodeEngine {
 
 /// The PP ranks of prefill instance `name` (pattern `tag`), connected to `d`.
 async fn instance(d: &DecodeEngine, name: &str, tag: u8, pp: u16) -> Vec<PrefillEngine> {
-    let mut sockets = Vec::new();
-    let mut peers = Vec::new();
-    if pp > 1 {
-        for _ in 0..pp {
-            let s = MeshSocket::bind(SocketAddr::from(([127, 0, 0, 1], 0))).unwrap();
-            peers.push(s.local_addr().unwrap());
-            sockets.push(Arc::new(s));
-        }
-    }
+    let (sockets, peers) = common::mesh_sockets(pp);
     let mut starts = Vec::new();
     for rank in 0..pp {
-        let range = PpSplit::SglangEven.layer_range(LAYERS, pp, rank).unwrap();
-        let layout = KvLayout::packed(
-            range.start,
-            range.len() as u32,
-            RegionKind::Fused,
-            PAGE_BYTES,
-            PREFILL_PAGES,
-        );
-        let mut buf = HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).unwrap();
-        for (i, x) in buf.as_mut_slice().iter_mut().enumerate() {
-            let i = i as u64;
-            let per_layer = u64::from(PREFILL_PAGES) * PAGE_BYTES;
-            let layer = range.start + (i / per_layer) as u32;
-            let page = ((i % per_layer) / PAGE_BYTES) as u32;
-            *x = pattern(tag, layer, page, i % PAGE_BYTES);
-        }
+        let (layout, buf) =
+            common::patterned_rank(LAYERS, pp, rank, PAGE_BYTES, PREFILL_PAGES, |l, p, at| {
+                pattern(tag, l, p, at)
+            });
         let mut cfg = PrefillConfig::new(
             d.local_addr(),
             rank,

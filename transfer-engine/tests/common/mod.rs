@@ -1,0 +1,52 @@
+//! Helpers the engine tests share: a pipeline's vote mesh sockets and a prefill rank's pool
+//! filled with a pattern.
+#![allow(clippy::unwrap_used, dead_code)]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use transfer_engine::core::planner::{KvLayout, PpSplit, RegionKind};
+use transfer_engine::engine::MeshSocket;
+use transfer_engine::mem::{HostBuffer, HostOptions};
+
+/// The loopback vote mesh sockets of `pp` ranks and their addresses (none for one rank).
+pub fn mesh_sockets(pp: u16) -> (Vec<Arc<MeshSocket>>, Vec<SocketAddr>) {
+    if pp < 2 {
+        return (Vec::new(), Vec::new());
+    }
+    (0..pp)
+        .map(|_| {
+            let s = MeshSocket::bind(SocketAddr::from(([127, 0, 0, 1], 0))).unwrap();
+            let a = s.local_addr().unwrap();
+            (Arc::new(s), a)
+        })
+        .unzip()
+}
+
+/// PP rank `rank`'s layout of `layers` split as SGLang splits them, and its pool of `pages` pages
+/// of `page_bytes` per layer, every byte `pattern(layer, page, at)`.
+pub fn patterned_rank(
+    layers: u32,
+    pp: u16,
+    rank: u16,
+    page_bytes: u64,
+    pages: u32,
+    pattern: impl Fn(u32, u32, u64) -> u8,
+) -> (KvLayout, HostBuffer) {
+    let range = PpSplit::SglangEven.layer_range(layers, pp, rank).unwrap();
+    let layout = KvLayout::packed(
+        range.start,
+        range.len() as u32,
+        RegionKind::Fused,
+        page_bytes,
+        pages,
+    );
+    let mut buf = HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).unwrap();
+    let per_layer = u64::from(pages) * page_bytes;
+    for (i, x) in buf.as_mut_slice().iter_mut().enumerate() {
+        let i = i as u64;
+        let layer = range.start + (i / per_layer) as u32;
+        let page = ((i % per_layer) / page_bytes) as u32;
+        *x = pattern(layer, page, i % page_bytes);
+    }
+    (layout, buf)
+}

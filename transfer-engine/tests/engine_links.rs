@@ -129,19 +129,9 @@ fn assert_landed(d: &DecodeEngine, src: &[u32], dst: &[u32]) {
     }
 }
 
-/// Every layer's `dst` pages in `d` still hold the poison.
+/// Every layer's `dst` pages still hold the poison.
 fn assert_poisoned(d: &DecodeEngine, dst: &[u32]) {
-    let mut page = vec![0u8; PAGE_BYTES as usize];
-    for layer in 0..LAYERS {
-        for &t in dst {
-            let off = (u64::from(layer) * u64::from(DECODE_PAGES) + u64::from(t)) * PAGE_BYTES;
-            d.read_pool(off, &mut page).unwrap();
-            assert!(
-                page.iter().all(|&b| b == POISON),
-                "layer {layer} page {t} was written"
-            );
-        }
-    }
+    common::assert_poisoned(d, (LAYERS, DECODE_PAGES, PAGE_BYTES), POISON, dst);
 }
 
 async fn bounded<T>(f: impl std::future::Future<Output = T>) -> T {

@@ -50,3 +50,24 @@ pub fn patterned_rank(
     }
     (layout, buf)
 }
+
+/// Every layer's `dst` pages in `d` (a pool of `decode_pages` pages of `page_bytes` per layer)
+/// still hold `poison`.
+pub fn assert_poisoned(
+    d: &transfer_engine::engine::DecodeEngine,
+    (layers, decode_pages, page_bytes): (u32, u32, u64),
+    poison: u8,
+    dst: &[u32],
+) {
+    let mut page = vec![0u8; page_bytes as usize];
+    for layer in 0..layers {
+        for &t in dst {
+            let off = (u64::from(layer) * u64::from(decode_pages) + u64::from(t)) * page_bytes;
+            d.read_pool(off, &mut page).unwrap();
+            assert!(
+                page.iter().all(|&b| b == poison),
+                "layer {layer} page {t} was written"
+            );
+        }
+    }
+}

@@ -113,6 +113,7 @@ fn every_message() -> Vec<Msg> {
         }),
         Msg::Ready,
         Msg::Heartbeat,
+        Msg::NotReady,
     ]
 }
 

@@ -308,3 +308,102 @@ async fn a_decode_cannot_abort_a_request_another_decode_owns() {
     d1.shutdown(BOUND).await;
     d2.shutdown(BOUND).await;
 }
+
+/// A relay on loopback in front of `target` that passes every connection through until
+/// `blocked` is set; then it cuts the connections it carries and closes new ones at once, until
+/// cleared.
+async fn mesh_relay(target: SocketAddr) -> (SocketAddr, tokio::sync::watch::Sender<bool>) {
+    use tokio::io::AsyncWriteExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut from, _)) = listener.accept().await else {
+                return;
+            };
+            if *rx.borrow() {
+                let _ = from.shutdown().await;
+                continue;
+            }
+            let mut blocked = rx.clone();
+            tokio::spawn(async move {
+                let Ok(mut to) = tokio::net::TcpStream::connect(target).await else {
+                    return;
+                };
+                tokio::select! {
+                    _ = tokio::io::copy_bidirectional(&mut from, &mut to) => {}
+                    _ = blocked.wait_for(|b| *b) => {}
+                }
+            });
+        }
+    });
+    (addr, tx)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_request_starts_while_a_vote_mesh_link_is_down() {
+    let d = decode().await;
+    // Rank 1 reaches rank 0's mesh socket through a relay that can cut the link.
+    let (sockets, real) = common::mesh_sockets(PP);
+    let (relay, blocked) = mesh_relay(real[0]).await;
+    let mut starts = Vec::new();
+    for rank in 0..PP {
+        let (layout, buf) =
+            common::patterned_rank(LAYERS, PP, rank, PAGE_BYTES, PREFILL_PAGES, pattern);
+        let mut cfg = PrefillConfig::new(d.local_addr(), rank, PP, LAYERS, PAGE_TOKENS, layout);
+        cfg.engine_id = format!("mesh-{rank}");
+        cfg.backend = transfer_engine::engine::BackendConfig::default_for(
+            transfer_engine::transport::BackendKind::Ucx,
+            &format!("mesh-{rank}"),
+        );
+        cfg.peers = if rank == 1 {
+            vec![relay, real[1]]
+        } else {
+            real.clone()
+        };
+        cfg.mesh_socket = Some(sockets[usize::from(rank)].clone());
+        cfg.token = Some(SECRET.to_vec());
+        cfg.connect_timeout = Duration::from_secs(5);
+        starts.push(tokio::spawn(PrefillEngine::start(cfg, Pool::Owned(buf))));
+    }
+    let mut ranks = Vec::new();
+    for s in starts {
+        ranks.push(s.await.unwrap().unwrap());
+    }
+    d.wait_for_ranks(BOUND).await.unwrap();
+    let src = [0, 1, 2, 3];
+    let (r1, dst1) = (RequestId(41), [4, 5, 6, 7]);
+    let done = d.expect(r1, PROMPT, CHUNK, dst1.to_vec(), LONG).unwrap();
+    send_all(&ranks, r1, &src).await;
+    assert_eq!(bounded(done).await, Outcome::Complete);
+    for r in &ranks {
+        assert_eq!(bounded(r.next_request()).await.unwrap().request, r1);
+    }
+
+    // The mesh link goes down: both ranks tell decode, which asks them for nothing new.
+    blocked.send_replace(true);
+    until("decode sees the ranks away", || {
+        d.absences().last().is_some_and(|a| a.until.is_none())
+    })
+    .await;
+    let (r2, dst2) = (RequestId(42), [8, 9, 10, 11]);
+    let done = d.expect(r2, PROMPT, CHUNK, dst2.to_vec(), LONG).unwrap();
+    for r in &ranks {
+        assert!(
+            tokio::time::timeout(Duration::from_millis(500), r.next_request())
+                .await
+                .is_err(),
+            "a rank was asked for a request while its vote mesh was down"
+        );
+    }
+    // The link comes back: the mesh forms again, the ranks say Ready, the request goes out.
+    blocked.send_replace(false);
+    for r in &ranks {
+        assert_eq!(bounded(r.next_request()).await.unwrap().request, r2);
+    }
+    send_all(&ranks, r2, &src).await;
+    assert_eq!(bounded(done).await, Outcome::Complete);
+    assert_landed(&d, &src, &dst2);
+    d.shutdown(BOUND).await;
+}

@@ -64,6 +64,8 @@ pub enum MsgKind {
     Ready = 13,
     /// [`Msg::Heartbeat`] (protocol version 7).
     Heartbeat = 14,
+    /// [`Msg::NotReady`] (protocol version 7).
+    NotReady = 15,
 }
 
 impl MsgKind {
@@ -84,6 +86,7 @@ impl MsgKind {
             12 => Self::Aux,
             13 => Self::Ready,
             14 => Self::Heartbeat,
+            15 => Self::NotReady,
             _ => return None,
         })
     }
@@ -277,7 +280,7 @@ pub fn encode_frame(msg: &Msg, max_len: u32, out: &mut Vec<u8>) -> Result<(), Fr
         Msg::Challenge(m) => postcard::to_extend(m, Sink(out)),
         Msg::Proof(m) => postcard::to_extend(m, Sink(out)),
         Msg::Aux(m) => postcard::to_extend(m, Sink(out)),
-        Msg::Close | Msg::Ready | Msg::Heartbeat => Ok(Sink(out)),
+        Msg::Close | Msg::Ready | Msg::Heartbeat | Msg::NotReady => Ok(Sink(out)),
     };
     if let Err(source) = body {
         out.truncate(start);
@@ -353,7 +356,7 @@ pub fn decode_payload(kind: MsgKind, payload: &[u8]) -> Result<Msg, FrameError> 
         MsgKind::Challenge => Msg::Challenge(body::<Challenge>(kind, payload)?),
         MsgKind::Proof => Msg::Proof(body::<Proof>(kind, payload)?),
         MsgKind::Aux => Msg::Aux(body::<AuxData>(kind, payload)?),
-        MsgKind::Close | MsgKind::Ready | MsgKind::Heartbeat => {
+        MsgKind::Close | MsgKind::Ready | MsgKind::Heartbeat | MsgKind::NotReady => {
             if !payload.is_empty() {
                 return Err(FrameError::TrailingBytes {
                     kind,
@@ -363,6 +366,7 @@ pub fn decode_payload(kind: MsgKind, payload: &[u8]) -> Result<Msg, FrameError> 
             match kind {
                 MsgKind::Close => Msg::Close,
                 MsgKind::Ready => Msg::Ready,
+                MsgKind::NotReady => Msg::NotReady,
                 _ => Msg::Heartbeat,
             }
         }

@@ -437,6 +437,9 @@ pub enum Msg {
     /// The sender is alive; sent every heartbeat interval on every control connection, so that a
     /// peer that goes silent (its host gone, its link half-open) is declared lost within a bound.
     Heartbeat,
+    /// A prefill rank's vote mesh lost a link: decode asks it for no new request until its next
+    /// `Ready` (the mesh formed again), so no request starts on a board that cannot decide it.
+    NotReady,
 }
 
 impl Msg {
@@ -457,6 +460,7 @@ impl Msg {
             Self::Aux(_) => MsgKind::Aux,
             Self::Ready => MsgKind::Ready,
             Self::Heartbeat => MsgKind::Heartbeat,
+            Self::NotReady => MsgKind::NotReady,
         }
     }
 }

@@ -1940,6 +1940,29 @@ impl Inner {
         self.timer.notify_one();
     }
 
+    /// `rank` of `session`'s vote mesh lost a link: no new request goes to the session until its
+    /// next `Ready` (requests expected meanwhile wait, as for an absent rank).
+    fn on_not_ready(&self, session: SessionId, rank: u16, peer: PeerId) {
+        let mut st = self.lock();
+        let Some(s) = st.sessions.get_mut(&session) else {
+            return;
+        };
+        let Some(r) = s.rank_mut(rank) else {
+            return;
+        };
+        if r.peer != peer || !r.ready {
+            return;
+        }
+        r.ready = false;
+        absence_begins(s, Instant::now());
+        drop(st);
+        tracing::info!(
+            rank,
+            "prefill rank's vote mesh lost a link: no new requests until it is back"
+        );
+        self.changed.send_modify(|n| *n += 1);
+    }
+
     /// `rank` of `session`'s connection ended: with its Close (its writes are over), without, or
     /// cut by a tampered channel (its writes may go on).
     fn peer_lost(&self, session: SessionId, rank: u16, peer: PeerId, sender: &Sender, end: End) {
@@ -2372,6 +2395,7 @@ async fn read_loop(
                 i.counters.refused.fetch_add(1, Ordering::Relaxed);
             }
             Msg::Ready => i.on_ready(session, rank, peer),
+            Msg::NotReady => i.on_not_ready(session, rank, peer),
             Msg::Close => return End::Closed,
             _ => {}
         }

@@ -310,6 +310,26 @@ struct State {
     closed: bool,
     /// Where accepted allocations go for `next_request`; dropped when the engine closes.
     incoming: Option<mpsc::UnboundedSender<IncomingRequest>>,
+    /// The mesh formed once and the decodes were told (`Ready`): from then on every mesh change
+    /// is announced to them (`NotReady` on a loss, `Ready` when it formed again).
+    announced: bool,
+}
+
+impl State {
+    /// Every PP peer is connected and said it counts us.
+    fn mesh_complete(&self, me: u16) -> bool {
+        (0..self.peer_writers.len()).all(|r| {
+            r == usize::from(me)
+                || (self.peer_writers[r].is_some() && self.mesh_confirmed.get(r) == Some(&true))
+        })
+    }
+
+    /// Sends `msg` to every open decode link.
+    fn tell_decodes(&self, msg: &Msg) {
+        for l in self.links.values().filter(|l| !l.closed) {
+            let _ = l.link.writer.send(msg.clone());
+        }
+    }
 }
 
 #[derive(Default)]
@@ -554,6 +574,7 @@ impl PrefillEngine {
                 next_link: 1,
                 closed: false,
                 incoming: conn.is_some().then(|| itx.clone()),
+                announced: false,
             }),
             cfg,
             secret,
@@ -606,6 +627,7 @@ impl PrefillEngine {
             }
         }
         // Every PP peer is connected: decode may ask this rank for requests now.
+        lock(&inner.state).announced = true;
         let _ = link.writer.send(Msg::Ready);
         Ok(PrefillEngine {
             inner,
@@ -691,8 +713,14 @@ impl PrefillEngine {
             reader,
             incoming,
         )));
-        // The vote mesh formed at start: decode may ask this rank for requests now.
-        let _ = link.writer.send(Msg::Ready);
+        // Decode may ask this rank for requests once the vote mesh is whole; if a link of it is
+        // down now, the Ready goes when it formed again.
+        {
+            let st = lock(&inner.state);
+            if st.mesh_complete(inner.cfg.pp_rank) {
+                let _ = link.writer.send(Msg::Ready);
+            }
+        }
         tracing::info!(decode = %addr, link = id.0, "prefill rank serves one more decode engine");
         Ok(id)
     }
@@ -1432,8 +1460,17 @@ impl Inner {
         if let Some(w) = st.peer_writers.get_mut(usize::from(rank)) {
             *w = None;
         }
+        let was = st.mesh_confirmed.get(usize::from(rank)) == Some(&true);
         if let Some(ok) = st.mesh_confirmed.get_mut(usize::from(rank)) {
             *ok = false;
+        }
+        if st.announced && was {
+            tracing::warn!(
+                pp_rank = self.cfg.pp_rank,
+                peer = rank,
+                "vote mesh link lost: decodes told NotReady"
+            );
+            st.tell_decodes(&Msg::NotReady);
         }
         let _ = st.board.handle_peer_lost(Instant::now(), rank);
         self.flush_board(&mut st);
@@ -1862,9 +1899,18 @@ fn attach_peer(
                 },
                 Ok(Some(Msg::Ready)) => match weak.upgrade() {
                     Some(i) => {
-                        if let Some(ok) = lock(&i.state).mesh_confirmed.get_mut(usize::from(rank)) {
+                        let mut st = lock(&i.state);
+                        if let Some(ok) = st.mesh_confirmed.get_mut(usize::from(rank)) {
                             *ok = true;
                         }
+                        if st.announced && st.mesh_complete(i.cfg.pp_rank) {
+                            tracing::info!(
+                                pp_rank = i.cfg.pp_rank,
+                                "vote mesh formed again: decodes told Ready"
+                            );
+                            st.tell_decodes(&Msg::Ready);
+                        }
+                        drop(st);
                         i.mesh_changed.send_modify(|n| *n += 1);
                     }
                     None => return,

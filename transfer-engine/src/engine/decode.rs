@@ -283,11 +283,18 @@ impl Session {
         crate::core::topology::slot(pp_rank, self.sources.len() as u16, j as u16)
     }
 
-    /// The lowest rank that is not connected and ready, if any.
+    /// The lowest rank that is not connected, or else the lowest connected one that does not
+    /// serve (its vote mesh is not whole, or it is evicted), if any: a request that waited in
+    /// vain names the rank that is gone before those waiting for it.
     fn first_absent(&self) -> Option<u16> {
         self.ranks
             .iter()
-            .position(|r| !r.as_ref().is_some_and(RankConn::serving))
+            .position(Option::is_none)
+            .or_else(|| {
+                self.ranks
+                    .iter()
+                    .position(|r| !r.as_ref().is_some_and(RankConn::serving))
+            })
             .map(|r| r as u16)
     }
 

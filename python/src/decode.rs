@@ -29,12 +29,9 @@ impl DecodeEngine {
 
 impl Drop for DecodeEngine {
     fn drop(&mut self) {
-        if let Some((engine, keep)) = self.held.take() {
-            // Not shut down: a rank may still write into the pool, which the engine leaks; so is the
-            // memory behind it.
-            drop(engine);
-            keep.leak();
-        }
+        // Not shut down: a rank may still write into the pool, which the engine leaks, and with it
+        // the reference to the memory's owner that the pool holds.
+        drop(self.held.take());
     }
 }
 
@@ -113,22 +110,16 @@ impl DecodeEngine {
         cfg.rank_wait = seconds("rank_wait", rank_wait)?;
         cfg.heartbeat = heartbeat.map(|h| seconds("heartbeat", h)).transpose()?;
         let pool_len = mem.len();
-        let (pools, keep) = mem.into_pools();
+        let pools = mem.into_pools();
         let rt = runtime()?;
         match py.detach(|| rt.block_on(engine::DecodeEngine::start_regions(cfg, pools))) {
             Ok(engine) => Ok(DecodeEngine {
                 address: engine.local_addr().to_string(),
-                held: Held::new(engine, keep),
+                held: Held::new(engine),
                 pool_len,
             }),
-            Err(e) => {
-                // Past the configuration checks the pool may have been registered, and its
-                // registration leaked: keep the memory alive for it.
-                if !matches!(e, EngineError::Config(_) | EngineError::Plan { .. }) {
-                    keep.leak();
-                }
-                Err(errors::engine(e))
-            }
+            // A pool whose registration had to be leaked keeps its memory's owner with it.
+            Err(e) => Err(errors::engine(e)),
         }
     }
 
@@ -339,16 +330,11 @@ impl DecodeEngine {
     #[pyo3(signature = (timeout = 10.0))]
     fn shutdown<'py>(&self, py: Python<'py>, timeout: f64) -> PyResult<Bound<'py, PyDict>> {
         let t = seconds("timeout", timeout)?;
-        let Some((engine, keep)) = self.held.take() else {
+        let Some(engine) = self.held.take() else {
             return Err(errors::engine(EngineError::Shutdown));
         };
         let rt = runtime()?;
         let report = py.detach(|| rt.block_on(engine.shutdown(t)));
-        if report.pool_freed {
-            drop(keep);
-        } else {
-            keep.leak();
-        }
         let d = PyDict::new(py);
         d.set_item("confirmed", report.confirmed)?;
         d.set_item("gone", report.gone)?;

@@ -9,8 +9,9 @@
 //!   is registered on its own and they split the layout into equal segments, in order (SGLang's one
 //!   buffer per layer, then per K and V).
 //!
-//! The engine hands what it holds back only once no peer can write into the memory any more (a
-//! decode `shutdown` that every rank confirmed); otherwise it is leaked, never released.
+//! Each pool holds what keeps its memory alive, and drops it only once its registration is over: no
+//! posted write still reads or writes the memory and no peer may write into it any more (a decode
+//! `shutdown` that every rank confirmed); a pool whose engine cannot tell is leaked, never released.
 
 use crate::errors;
 use pyo3::prelude::*;
@@ -19,19 +20,12 @@ use transfer_engine::engine::Pool;
 use transfer_engine::mem::{MemDesc, MemKind};
 
 /// What keeps a pool's memory alive.
-pub(crate) enum Keep {
+enum Keep {
     /// A reference to the object that owns the memory (a tensor), or that holds a buffer export of
     /// it (a ctypes array made `from_buffer`).
-    Object(#[expect(dead_code, reason = "held for its lifetime, never read")] Py<PyAny>),
+    Object(Py<PyAny>),
     /// Raw memory: the caller's promise.
     Raw,
-}
-
-impl Keep {
-    /// Never hands the memory back: a peer may still write into it.
-    pub(crate) fn leak(self) {
-        std::mem::forget(self);
-    }
 }
 
 /// A pool's memory as Python gave it: one region, or several that split the layout.
@@ -179,22 +173,33 @@ impl Memory {
         })
     }
 
-    /// The pools to register (one per region), and what the engine's owner must hold until the
-    /// engine says the memory is safe to hand back (or leak).
-    pub(crate) fn into_pools(self) -> (Vec<Pool>, Keep) {
+    /// The pools to register (one per region). Each holds a reference to the Python object the
+    /// memory belongs to, which it drops only when it is dropped itself: after its registration is
+    /// over and no peer may still write into it (a pool an engine leaks keeps the object forever).
+    pub(crate) fn into_pools(self) -> Vec<Pool> {
+        let owner = match self.keep {
+            Keep::Object(obj) => Some(std::sync::Arc::new(obj)),
+            Keep::Raw => None,
+        };
         let mut pools = Vec::with_capacity(self.descs.len());
         for d in self.descs {
-            // SAFETY: each region is one live allocation of its kind, held as `Pool::borrowed` asks
-            // for as long as `Keep` lives: the ctypes array holds a buffer export, which keeps its
-            // exporter from resizing or freeing the memory (numpy refuses to resize an array with
-            // exports, and the export holds the array); a tensor reference keeps its storage; raw
-            // pointers are the caller's documented promise (the same one NIXL's registration makes).
-            // Every owner of a `Keep` (the engine classes) releases it only after the engine
-            // confirmed no peer can still write into the memory, and leaks it otherwise; nothing of
-            // ours takes Rust references into it (copies go through the pool's atomic copies).
-            pools.push(unsafe { Pool::borrowed(d) });
+            // SAFETY: each region is one live allocation of its kind for as long as the pool holds
+            // `owner`, as `Pool::borrowed_with` asks: the ctypes array holds a buffer export, which
+            // keeps its exporter from resizing or freeing the memory (numpy refuses to resize an
+            // array with exports, and the export holds the array); a tensor reference keeps its
+            // storage. Raw pointers (no owner) are the caller's documented promise, the one NIXL's
+            // registration makes, for as long as the engine may use them. The pool drops `owner`
+            // only after its registration ended with every write over (see `Registration`), or never;
+            // nothing of ours takes Rust references into the memory (copies go through the pool's
+            // atomic copies).
+            pools.push(unsafe {
+                match &owner {
+                    Some(o) => Pool::borrowed_with(d, Box::new(o.clone())),
+                    None => Pool::borrowed(d),
+                }
+            });
         }
-        (pools, self.keep)
+        pools
     }
 
     /// Bytes, all regions together.

@@ -3,7 +3,7 @@
 use crate::decode::stats_dict;
 use crate::errors::{self, ErrInfo};
 use crate::held::Held;
-use crate::memory::{Keep, Memory};
+use crate::memory::Memory;
 use crate::pending::{Done, Pending};
 use crate::{Layout, runtime, seconds};
 use pyo3::prelude::*;
@@ -103,9 +103,9 @@ impl PrefillEngine {
         self.held.engine()
     }
 
-    fn started(engine: engine::PrefillEngine, keep: Keep, pp_rank: u16) -> Self {
+    fn started(engine: engine::PrefillEngine, pp_rank: u16) -> Self {
         PrefillEngine {
-            held: Held::new(engine, keep),
+            held: Held::new(engine),
             pp_rank,
             closed: AtomicBool::new(false),
         }
@@ -114,11 +114,9 @@ impl PrefillEngine {
 
 impl Drop for PrefillEngine {
     fn drop(&mut self) {
-        // Nobody writes into a prefill pool; its own reads end with the engine (dropped first).
-        if let Some((engine, keep)) = self.held.take() {
-            drop(engine);
-            drop(keep);
-        }
+        // The pool's memory outlives this handle while a pending chunk's handle may still post reads
+        // from it: the pool holds its owner until its registration is over.
+        drop(self.held.take());
     }
 }
 
@@ -190,12 +188,12 @@ impl PrefillEngine {
         cfg.instance = instance;
         cfg.keep_open = keep_open;
         cfg.heartbeat = heartbeat.map(|h| seconds("heartbeat", h)).transpose()?;
-        let (pools, keep) = mem.into_pools();
+        let pools = mem.into_pools();
         let rt = runtime()?;
         let engine = py
             .detach(|| rt.block_on(engine::PrefillEngine::start_regions(cfg, pools)))
             .map_err(errors::engine)?;
-        Ok(Self::started(engine, keep, pp_rank))
+        Ok(Self::started(engine, pp_rank))
     }
 
     /// A rank whose decode side does not speak kvx's control plane (a NIXL agent, an SGLang decode
@@ -283,7 +281,7 @@ impl PrefillEngine {
             region,
             layout: decode_layout.inner.clone(),
         };
-        let (mut pools, keep) = mem.into_pools();
+        let mut pools = mem.into_pools();
         if pools.len() != 1 {
             return Err(errors::config(
                 "an external decode takes this rank's pool as one region",
@@ -294,7 +292,7 @@ impl PrefillEngine {
         let engine = py
             .detach(|| rt.block_on(engine::PrefillEngine::start_external(cfg, pool, decode)))
             .map_err(errors::engine)?;
-        Ok(Self::started(engine, keep, pp_rank))
+        Ok(Self::started(engine, pp_rank))
     }
 
     /// Gives an external decode's page allocation of `request` (see `external`).
@@ -515,9 +513,10 @@ impl PrefillEngine {
 
     /// Stops this rank (interpreter detached while its backend shuts down).
     fn close(&self, py: Python<'_>) {
-        if let Some((engine, keep)) = self.held.take() {
+        // Posts still pending hold engine handles of their own; the pool (and the memory's owner it
+        // holds) goes only with the last of them, once its writes are over.
+        if let Some(engine) = self.held.take() {
             py.detach(move || drop(engine));
-            drop(keep);
         }
     }
 

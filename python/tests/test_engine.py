@@ -442,3 +442,37 @@ def test_one_prefill_rank_serves_a_second_decode_engine(cluster):
             assert time.monotonic() < deadline, p.stats()
             time.sleep(0.01)
         assert not p.closed
+
+
+def test_a_closed_rank_keeps_its_source_memory_while_a_posted_chunk_may_read_it(backend):
+    """A chunk posted before decode allocated the request waits for the allocation; the rank is
+    closed and every reference of ours to its source array dropped meanwhile. The pool holds the
+    array until the chunk's writes are over: decode receives exactly the pattern, and the array goes
+    only after that."""
+    import gc
+    import weakref
+
+    c = Cluster(backend, pp=1, layers=2)
+    try:
+        request, src, dst = 91, list(range(4)), list(range(10, 14))
+        c.prepare(request, src, dst)
+        rank = c.prefill[0]
+        gone = weakref.ref(c.mems[0])
+        chunk = rank.post_chunk(request, 0, src, True)
+        rank.close()
+        c.mems[0] = None
+        gc.collect()
+        assert gone() is not None, "the source array was released under a posted chunk"
+        pending = c.decode.expect(request, 64, 64, dst, timeout=10)
+        assert chunk.wait(10) is None
+        assert pending.wait(10).complete
+        assert c.mismatches(request, dst) == []
+        del chunk, rank
+        c.prefill[0] = None
+        deadline = time.monotonic() + 10
+        while gone() is not None and time.monotonic() < deadline:
+            gc.collect()
+            time.sleep(0.05)
+        assert gone() is None, "the source array outlived every handle to its engine"
+    finally:
+        c.close()

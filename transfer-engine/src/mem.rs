@@ -176,13 +176,26 @@ impl TransportMem {
 }
 
 /// Caller-owned memory inside a [`Pool`]; see [`Pool::borrowed`].
-#[derive(Debug)]
-pub struct Borrowed(MemDesc);
+pub struct Borrowed {
+    desc: MemDesc,
+    /// What keeps the memory allocated ([`Pool::borrowed_with`]): dropped with the pool, so only
+    /// once the pool's registration is over and no peer may still write into it; leaked with it.
+    owner: Option<Box<dyn Send + Sync>>,
+}
+
+impl std::fmt::Debug for Borrowed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Borrowed")
+            .field("desc", &self.desc)
+            .field("owned", &self.owner.is_some())
+            .finish()
+    }
+}
 
 impl Borrowed {
     /// The memory's description.
     pub fn desc(&self) -> MemDesc {
-        self.0
+        self.desc
     }
 }
 
@@ -233,14 +246,30 @@ impl Pool {
     /// `DecodeEngine::shutdown`). Peers write into it at any time while it is registered, so the
     /// caller must not access it through Rust references (`&[u8]`, `&mut [u8]`) meanwhile.
     pub unsafe fn borrowed(desc: MemDesc) -> Pool {
-        Pool::Borrowed(Borrowed(desc))
+        Pool::Borrowed(Borrowed { desc, owner: None })
+    }
+
+    /// [`borrowed`](Self::borrowed) memory together with `owner`, the value that keeps it
+    /// allocated (a reference to the object the memory belongs to). The pool drops `owner` when it
+    /// is dropped, which a [`Registration`](crate::transport::Registration) does only after its
+    /// deregistration (and so every posted write from or into the memory) is over and no peer may
+    /// still write into it; a pool that is leaked instead leaks `owner` with it.
+    ///
+    /// # Safety
+    /// As [`borrowed`](Self::borrowed), with "the caller keeps it allocated" met by holding
+    /// `owner`: `desc` stays one live allocation of its kind for as long as `owner` lives.
+    pub unsafe fn borrowed_with(desc: MemDesc, owner: Box<dyn Send + Sync>) -> Pool {
+        Pool::Borrowed(Borrowed {
+            desc,
+            owner: Some(owner),
+        })
     }
 
     /// The description to register (for [`Pool::Shared`], only its length is meaningful).
     pub fn desc(&self) -> MemDesc {
         match self {
             Pool::Owned(b) => b.desc(),
-            Pool::Borrowed(b) => b.0,
+            Pool::Borrowed(b) => b.desc,
             Pool::Shared(len) => MemDesc {
                 addr: 0,
                 len: *len,

@@ -886,9 +886,10 @@ impl Transport for Gate {
         // SAFETY: our caller made `Transport::register`'s promise for `mem`; we pass it on unchanged.
         unsafe { self.inner.register(mem) }
     }
-    fn deregister(&self, id: RegionId) -> Result<(), TransportError> {
+    unsafe fn deregister(&self, id: RegionId) -> Result<(), TransportError> {
         let t = Instant::now();
-        let r = self.inner.deregister(id);
+        // SAFETY: our caller made `Transport::deregister`'s promise for `id`; passed on unchanged.
+        let r = unsafe { self.inner.deregister(id) };
         self.g.note(format!(
             "deregister on {} took {:?}: {r:?}",
             thread_name(),

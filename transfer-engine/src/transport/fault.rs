@@ -597,7 +597,9 @@ impl Shared {
         run_elsewhere(move || {
             if let Some(inner) = inner.and_then(|w| w.upgrade()) {
                 for r in ready {
-                    if let Err(e) = inner.deregister(r) {
+                    // SAFETY: `r` was deregistered through this wrapper, whose caller made
+                    // `Transport::deregister`'s promise for it; this carries it out.
+                    if let Err(e) = unsafe { inner.deregister(r) } {
                         tracing::warn!(region = r.0, error = %e, "deferred deregistration failed");
                     }
                 }
@@ -816,7 +818,7 @@ impl Transport for FaultTransport {
     }
 
     /// Deferred while a stuck post names the region (see [`SendFault::Stuck`]); forwarded otherwise.
-    fn deregister(&self, id: RegionId) -> Result<(), TransportError> {
+    unsafe fn deregister(&self, id: RegionId) -> Result<(), TransportError> {
         {
             let mut st = self.shared.lock();
             if st.stuck_refs.contains_key(&id) {
@@ -826,7 +828,8 @@ impl Transport for FaultTransport {
                 return Ok(());
             }
         }
-        self.inner.deregister(id)
+        // SAFETY: our caller made `Transport::deregister`'s promise for `id`; passed on unchanged.
+        unsafe { self.inner.deregister(id) }
     }
 
     fn connect(
@@ -955,7 +958,8 @@ impl Drop for FaultTransport {
             d(Err(TransportError::Shutdown));
         }
         for r in deferred {
-            if let Err(e) = self.inner.deregister(r) {
+            // SAFETY: as in `stuck_finished`: deregistrations our callers asked for, carried out.
+            if let Err(e) = unsafe { self.inner.deregister(r) } {
                 tracing::warn!(region = r.0, error = %e, "deferred deregistration failed");
             }
         }

@@ -166,6 +166,17 @@ pub enum TransportError {
     /// Bad metadata from a peer.
     #[error("bad peer metadata: {0}")]
     BadMetadata(String),
+    /// The pages of a pool the transport allocated cannot be had: no memory, or the shared-memory
+    /// mount it lives on has no room for it (a write would raise SIGBUS). Nothing was registered.
+    #[error("cannot populate a pool of {bytes} bytes: {message} (errno {code})")]
+    Populate {
+        /// The pool's length.
+        bytes: u64,
+        /// The operating system's error number.
+        code: i32,
+        /// Its description.
+        message: String,
+    },
     /// The transport's progress thread has stopped.
     #[error("transport is shut down")]
     Shutdown,
@@ -228,14 +239,21 @@ pub trait Transport: Send + Sync + 'static {
     /// default does nothing (a registration the caller leaks is never deregistered either).
     fn abandon(&self, _id: RegionId) {}
 
-    /// Deregisters memory. While posted writes still reference it, the call waits (bounded by the
-    /// transport's call bound) until they are over, counted in
-    /// [`TransportStats::deferred_deregistrations`] meanwhile; past the bound it returns an error and
-    /// the deregistration stays pending.
+    /// Deregisters memory; for memory the transport allocated ([`allocate`](Self::allocate)) that
+    /// frees it. While posted writes still reference it, the call waits (bounded by the transport's
+    /// call bound) until they are over, counted in [`TransportStats::deferred_deregistrations`]
+    /// meanwhile; past the bound it returns an error and the deregistration stays pending.
+    /// [`Registration`] is the safe way to call it.
+    ///
+    /// # Safety
+    /// `id` is the caller's own: no [`Registration`] holds it, and once the call returned `Ok`
+    /// nothing reads or writes the memory through anything `register` or `allocate` returned for it
+    /// (for allocated memory, the address is gone). An id that is unknown (or already deregistered)
+    /// is only looked up.
     ///
     /// # Errors
     /// Unknown region.
-    fn deregister(&self, id: RegionId) -> Result<(), TransportError>;
+    unsafe fn deregister(&self, id: RegionId) -> Result<(), TransportError>;
 
     /// Connects to a peer from its metadata; `regions` are the peer's registrations we will write to.
     /// `key` is carried with every notification we send to this peer (see [`Sender::Key`]).
@@ -460,7 +478,12 @@ impl Registration {
         if self.may_be_written() {
             return Err(Box::new((self, TransportError::MayBeWritten)));
         }
-        if let Err(e) = self.transport.deregister(self.id) {
+        // SAFETY: the id is this registration's own and no peer may still write into the memory
+        // (checked above); on `Ok` the pool is handed back below and this registration, the only
+        // holder of the id, is consumed, so nothing uses the memory through the id again (memory
+        // the transport allocated and freed comes back as a request for new memory, not as its
+        // address).
+        if let Err(e) = unsafe { self.transport.deregister(self.id) } {
             return Err(Box::new((self, e)));
         }
         match self.pool.take() {
@@ -483,13 +506,20 @@ impl Drop for Registration {
             self.transport.abandon(self.id);
             return leak(pool, "a peer that was given it may still write into it");
         }
-        let first = match self.transport.deregister(self.id) {
+        // SAFETY: the id is this registration's own and it is being dropped; on `Ok` the pool is freed
+        // or leaked right here and nothing else holds the id.
+        let first = match unsafe { self.transport.deregister(self.id) } {
             Ok(()) if !written => return drop(pool),
             Ok(()) => return leak(pool, "a peer that was given it may still write into it"),
             Err(e) => e,
         };
         if written {
             return leak(pool, "a peer that was given it may still write into it");
+        }
+        if first == TransportError::Shutdown {
+            // The transport's close kept the registration (and any memory it allocated): asking
+            // again cannot succeed.
+            return leak(pool, "its transport is shut down");
         }
         // The usual cause is that the last handle to an engine went away inside one of the
         // transport's own callbacks, on its progress thread, which cannot answer itself. A helper
@@ -502,7 +532,9 @@ impl Drop for Registration {
             .name("kvx-dereg".into())
             .spawn(move || {
                 let pool = theirs.lock().unwrap_or_else(|e| e.into_inner()).take();
-                match (transport.deregister(id), pool) {
+                // SAFETY: the dropped registration's id, asked again; on `Ok` the pool is freed here
+                // and nothing else holds the id.
+                match (unsafe { transport.deregister(id) }, pool) {
                     (Ok(()), pool) => drop(pool),
                     (Err(then), Some(p)) => {
                         tracing::warn!(%first, %then, "deregistration failed");

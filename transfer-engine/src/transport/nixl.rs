@@ -262,7 +262,8 @@ impl Transport for NixlTransport {
         self.call(|tx| Cmd::Register(mem, tx))
     }
 
-    fn deregister(&self, id: RegionId) -> Result<(), TransportError> {
+    unsafe fn deregister(&self, id: RegionId) -> Result<(), TransportError> {
+        // The caller's promise (`Transport::deregister`'s `# Safety`) travels with the command.
         self.call(|tx| Cmd::Deregister(id, tx))
     }
 

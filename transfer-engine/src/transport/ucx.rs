@@ -64,14 +64,15 @@ fn padded(blob: &[u8]) -> Vec<u8> {
 const STREAMING_COPY_MIN: usize = 4 << 10;
 
 /// Where UCX maps a peer's region `[addr, addr + len)` into this process, or null if it does not, or
-/// if the mapping it names does not hold the whole region.
+/// if the mapping UCX made for this rkey does not hold the whole region.
 ///
 /// `ucp_rkey_ptr` answers for shared-memory transports only (the peer's memory was allocated by
 /// UCX, which attached it here when the rkey was unpacked) and checks no length: the pointer is the
-/// peer's address plus an offset. So the region the peer claims is checked here against this
-/// process's own memory map: it must lie wholly inside one shared mapping, or we write nothing
-/// through it.
-fn mapped(rkey: ffi::ucp_rkey_h, addr: u64, len: u64) -> *mut u8 {
+/// peer's address plus an offset. So the region the peer claims must lie wholly inside one shared
+/// mapping of this process that appeared while the rkey was unpacked (`before` lists the shared
+/// mappings from just before): not in UCX's own queues, our pools or another peer's, which were
+/// there already. Otherwise we write nothing through it.
+fn mapped(rkey: ffi::ucp_rkey_h, addr: u64, len: u64, before: &[(u64, u64)]) -> *mut u8 {
     let mut local: *mut c_void = ptr::null_mut();
     // SAFETY: rkey is a live rkey this thread unpacked; UCX only writes the out pointer.
     let st = unsafe { ffi::ucp_rkey_ptr(rkey, addr, &mut local) };
@@ -82,70 +83,83 @@ fn mapped(rkey: ffi::ucp_rkey_h, addr: u64, len: u64) -> *mut u8 {
     let Some(end) = start.checked_add(len) else {
         return ptr::null_mut();
     };
-    if shared_mapping_holds(start, end) {
-        // Map every page now, so the first writes do not fault page by page.
-        populate(local.cast(), len);
-        local.cast()
-    } else {
+    let made = shared_mappings().is_some_and(|now| made_for_rkey(before, &now, start, end));
+    if !made {
         tracing::warn!(
             addr,
             len,
-            "a peer's region is not wholly inside the memory UCX mapped for it; using puts"
+            "a peer's region is not wholly inside the memory UCX mapped for its rkey; using puts"
         );
-        ptr::null_mut()
+        return ptr::null_mut();
     }
+    // Map every page now, so the first writes do not fault page by page; a region whose pages cannot
+    // be had (its segment is on a full mount) is written through puts, whose failure is an error
+    // status rather than a SIGBUS here.
+    if let Err(e) = populate(local.cast(), len) {
+        tracing::warn!(addr, len, error = %e, "cannot map a peer's region; using puts");
+        return ptr::null_mut();
+    }
+    local.cast()
+}
+
+/// Whether `[start, end)` lies wholly inside one of the mappings in `now` that is not in `before`.
+fn made_for_rkey(before: &[(u64, u64)], now: &[(u64, u64)], start: u64, end: u64) -> bool {
+    now.iter()
+        .any(|&(lo, hi)| lo <= start && end <= hi && !before.contains(&(lo, hi)))
 }
 
 /// The smallest page size `madvise` aligns to.
 const PAGE: usize = 4096;
 
 /// Asks the kernel to fault in `[addr, addr + len)` for writing (`MADV_POPULATE_WRITE`): pages are
-/// allocated and mapped, contents are not touched. Best effort: kernels before 5.14 refuse it, and
-/// the pages then fault in on first write as before.
-fn populate(addr: *mut u8, len: u64) {
+/// allocated and mapped, contents are not touched. Kernels before 5.14 do not know it (`EINVAL`);
+/// the pages then fault in on first write as before, which is not an error. Any other failure is:
+/// the memory cannot be had (`ENOMEM`), or a write would raise SIGBUS (`EFAULT`: a shared-memory
+/// mount without room for it).
+fn populate(addr: *mut u8, len: u64) -> std::io::Result<()> {
     // madvise takes whole pages; the mapping holds the pages around the range too.
     let start = addr as usize & !(PAGE - 1);
     let Some(len) = usize::try_from(len)
         .ok()
         .and_then(|l| l.checked_add(addr as usize - start))
     else {
-        return;
+        return Err(std::io::Error::from_raw_os_error(libc::EOVERFLOW));
     };
     let addr = start as *mut u8;
     // SAFETY: the range is a mapping of this process (memory UCX allocated for us, or a peer's
-    // region UCX attached, checked against our memory map); MADV_POPULATE_WRITE only prefaults it
-    // as a write would and never changes its contents, so memory others use concurrently is safe.
+    // region UCX attached for its rkey, checked against our memory map); MADV_POPULATE_WRITE only
+    // prefaults it as a write would and never changes its contents, so memory others use
+    // concurrently is safe.
     let rc = unsafe { libc::madvise(addr.cast(), len, libc::MADV_POPULATE_WRITE) };
-    if rc != 0 {
-        tracing::debug!(
-            error = %std::io::Error::last_os_error(),
-            "cannot prefault a pool; its pages fault in on first write"
-        );
+    if rc == 0 {
+        return Ok(());
     }
+    let e = std::io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EINVAL) {
+        tracing::debug!(error = %e, "cannot prefault a pool; its pages fault in on first write");
+        return Ok(());
+    }
+    Err(e)
 }
 
-/// Whether `[start, end)` lies inside one shared mapping of this process (`/proc/self/maps`).
-fn shared_mapping_holds(start: u64, end: u64) -> bool {
-    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
-        return false;
-    };
-    maps.lines().any(|line| {
-        let mut fields = line.split_whitespace();
-        let (Some(range), Some(perms)) = (fields.next(), fields.next()) else {
-            return false;
-        };
-        let Some((lo, hi)) = range.split_once('-') else {
-            return false;
-        };
-        let (Ok(lo), Ok(hi)) = (u64::from_str_radix(lo, 16), u64::from_str_radix(hi, 16)) else {
-            return false;
-        };
-        // Readable, writable and shared ("rw?s").
-        lo <= start
-            && end <= hi
-            && perms.starts_with("rw")
-            && perms.as_bytes().get(3) == Some(&b's')
-    })
+/// The readable, writable, shared mappings of this process (`/proc/self/maps`), as `[start, end)`.
+fn shared_mappings() -> Option<Vec<(u64, u64)>> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    Some(maps.lines().filter_map(shared_mapping).collect())
+}
+
+/// One line of `/proc/self/maps`, if it is a readable, writable, shared mapping ("rw?s").
+fn shared_mapping(line: &str) -> Option<(u64, u64)> {
+    let mut fields = line.split_whitespace();
+    let (lo, hi) = fields.next()?.split_once('-')?;
+    let perms = fields.next()?;
+    if !perms.starts_with("rw") || perms.as_bytes().get(3) != Some(&b's') {
+        return None;
+    }
+    Some((
+        u64::from_str_radix(lo, 16).ok()?,
+        u64::from_str_radix(hi, 16).ok()?,
+    ))
 }
 
 /// Copies `len` bytes from `src` to `dst` with non-temporal (streaming) stores, which write whole
@@ -516,7 +530,8 @@ impl Transport for UcxTransport {
         self.call(|tx| Cmd::Register(mem, tx))
     }
 
-    fn deregister(&self, id: RegionId) -> Result<(), TransportError> {
+    unsafe fn deregister(&self, id: RegionId) -> Result<(), TransportError> {
+        // The caller's promise (`Transport::deregister`'s `# Safety`) travels with the command.
         self.call(|tx| Cmd::Deregister(id, tx))
     }
 
@@ -576,6 +591,11 @@ struct Region {
     /// Its owner gave it up while a peer may still write into it: never unmapped, not even at close
     /// (for memory UCX allocated, unmapping would free it).
     abandoned: bool,
+    /// UCX allocated the memory (`Transport::allocate`): unmapping frees it, so only its owner's
+    /// deregistration does, never the transport's close.
+    allocated: bool,
+    /// Host memory, which our own CPU copies may read (device memory goes through UCX's puts).
+    host: bool,
 }
 
 struct RemoteKey {
@@ -973,7 +993,8 @@ impl Worker {
         // SAFETY: `Transport::register`'s caller promised the range is live memory of that kind
         // for the registration's life; ctx is live; memh is an out pointer.
         unsafe { ffi::ucp_mem_map(self.ctx, &params, &mut memh) }.result("ucp_mem_map")?;
-        self.add_region(memh, mem.addr(), mem.len())
+        let host = matches!(mem.kind(), MemKind::Host);
+        self.add_region(memh, mem.addr(), mem.len(), false, host)
     }
 
     /// Has UCX allocate `len` bytes of host memory and registers it: UCX takes it from a shared-memory
@@ -1022,9 +1043,18 @@ impl Worker {
                 ),
             });
         }
-        // The pool's pages are made now, not by the first writes into them.
-        populate(attr.address.cast(), len);
-        self.add_region(memh, attr.address as u64, len)
+        // The pool's pages are made now, not by the first writes into them; a pool that cannot have
+        // them (a size-limited shared-memory mount) fails here rather than by SIGBUS at a write.
+        if let Err(e) = populate(attr.address.cast(), len) {
+            // SAFETY: memh is mapped and unused; unmapping frees what UCX allocated.
+            unsafe { ffi::ucp_mem_unmap(self.ctx, memh) };
+            return Err(TransportError::Populate {
+                bytes: len,
+                code: e.raw_os_error().unwrap_or(0),
+                message: e.to_string(),
+            });
+        }
+        self.add_region(memh, attr.address as u64, len, true, true)
     }
 
     /// Records a mapped region and packs its rkey; unmaps it if packing fails.
@@ -1033,6 +1063,8 @@ impl Worker {
         memh: ffi::ucp_mem_h,
         addr: u64,
         len: u64,
+        allocated: bool,
+        host: bool,
     ) -> Result<(RegionId, RemoteRegion), TransportError> {
         let mut buf = ptr::null_mut();
         let mut rkey_len = 0usize;
@@ -1058,6 +1090,8 @@ impl Worker {
                 in_flight: 0,
                 deregister: None,
                 abandoned: false,
+                allocated,
+                host,
             },
         );
         let c = &self.shared.counters;
@@ -1170,6 +1204,13 @@ impl Worker {
         };
         for r in regions {
             let packed = padded(&r.rkey);
+            // What was mapped before the unpack, so that only the mapping it makes can take direct
+            // copies (see `mapped`).
+            let before = if self.direct_copy {
+                shared_mappings()
+            } else {
+                None
+            };
             let mut rkey = ptr::null_mut();
             // SAFETY: ep is live; the packed key is an authenticated peer's, bounded and zero-padded
             // above (UCX reads it by its own encoded lengths), and `packed` lives for the call.
@@ -1180,10 +1221,9 @@ impl Worker {
                 self.maybe_close_peer(id);
                 return Err(e);
             }
-            let direct = if self.direct_copy {
-                mapped(rkey, r.addr, r.len)
-            } else {
-                ptr::null_mut()
+            let direct = match &before {
+                Some(before) => mapped(rkey, r.addr, r.len, before),
+                None => ptr::null_mut(),
             };
             if !direct.is_null() {
                 self.shared
@@ -1310,14 +1350,15 @@ impl Worker {
             ) else {
                 break;
             };
-            if !rr.direct.is_null() {
+            if !rr.direct.is_null() && r.host {
                 let len = w.len as usize;
                 let src = (r.addr + w.local_offset) as *const u8;
-                // SAFETY: `direct` maps the peer's whole region (checked against this process's
-                // memory map when the rkey was unpacked) and stays mapped while the rkey lives, which
-                // is longer than this call; the write was bounds-checked against that region and the
-                // source against our registration above. The source is our own registered memory,
-                // the destination the peer's, so they do not overlap.
+                // SAFETY: `direct` maps the peer's whole region (checked against the mapping UCX
+                // made for this rkey when it was unpacked) and stays mapped while the rkey lives,
+                // which is longer than this call; the write was bounds-checked against that region
+                // and the source against our registration above. The source is our own registered
+                // host memory (device sources go through puts), the destination the peer's, so both
+                // are CPU-addressable and do not overlap.
                 unsafe {
                     let dst = rr.direct.add(w.remote_offset as usize);
                     if len >= STREAMING_COPY_MIN {
@@ -1562,9 +1603,15 @@ impl Worker {
             if let Some(reply) = self.regions.get_mut(&id).and_then(|r| r.deregister.take()) {
                 let _ = reply.send(Err(TransportError::Shutdown));
             }
-            if self.regions.get(&id).is_some_and(|r| r.abandoned) {
-                // A peer may still write into it: its memory handle (and, for memory UCX
-                // allocated, the memory) stays for the rest of the process.
+            if self
+                .regions
+                .get(&id)
+                .is_some_and(|r| r.abandoned || r.allocated)
+            {
+                // A peer may still write into it, or (memory UCX allocated) its owner's
+                // `Registration` still reads and writes it, and unmapping would free it: its memory
+                // handle and the memory stay for the rest of the process. The owner's own
+                // deregistration then hears `Shutdown` and leaks its side too.
                 self.shared.counters.leaked.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
@@ -1602,5 +1649,38 @@ impl Worker {
             }
         }
         std::mem::forget(self);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{made_for_rkey, shared_mapping};
+
+    #[test]
+    fn direct_copies_go_only_into_the_mapping_made_for_the_rkey() {
+        let before = [(0x1000, 0x5000), (0x9000, 0xa000)];
+        let now = [(0x1000, 0x5000), (0x6000, 0x8000), (0x9000, 0xa000)];
+        // Inside the new mapping.
+        assert!(made_for_rkey(&before, &now, 0x6000, 0x8000));
+        assert!(made_for_rkey(&before, &now, 0x6100, 0x6200));
+        // Inside a mapping that was there before the unpack (UCX's queues, our pools, another
+        // peer's): refused even though it is shared and writable.
+        assert!(!made_for_rkey(&before, &now, 0x2000, 0x3000));
+        assert!(!made_for_rkey(&before, &now, 0x9000, 0xa000));
+        // Past the new mapping's end, or across two mappings.
+        assert!(!made_for_rkey(&before, &now, 0x7000, 0x8001));
+        assert!(!made_for_rkey(&before, &now, 0x4000, 0x7000));
+    }
+
+    #[test]
+    fn only_shared_writable_mappings_count() {
+        let line = |perms: &str| format!("7f00a000-7f00c000 {perms} 00000000 00:01 42 /dev/shm/x");
+        assert_eq!(
+            shared_mapping(&line("rw-s")),
+            Some((0x7f00_a000, 0x7f00_c000))
+        );
+        assert_eq!(shared_mapping(&line("rw-p")), None);
+        assert_eq!(shared_mapping(&line("r--s")), None);
+        assert_eq!(shared_mapping("garbage"), None);
     }
 }

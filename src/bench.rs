@@ -626,11 +626,27 @@ pub fn find_perftest() -> Option<PathBuf> {
     here.exists().then_some(here)
 }
 
+/// A command for a helper process that must not outlive the thread that starts it: the kernel kills
+/// it (SIGKILL) when that thread ends, also when this process is killed by a signal, through
+/// util-linux's `setpriv --pdeathsig KILL` where it is installed (a plain command otherwise). Start it
+/// from a thread that lives as long as the helper is needed (the main thread, or the one that waits
+/// for it).
+pub fn dies_with_us(program: impl AsRef<std::ffi::OsStr>) -> Command {
+    let setpriv = Path::new("/usr/bin/setpriv");
+    if setpriv.exists() {
+        let mut c = Command::new(setpriv);
+        c.args(["--pdeathsig", "KILL", "--"]).arg(program);
+        c
+    } else {
+        Command::new(program)
+    }
+}
+
 /// A command for one of UCX's own tools, keeping UCX's EFA module out of it as the engine keeps it out
 /// of its own processes (it crashes at exit wherever rdma-core is installed), unless the environment
-/// sets `UCX_MODULES`.
+/// sets `UCX_MODULES`. It dies with us ([`dies_with_us`]).
 fn ucx_tool(tool: &Path) -> Command {
-    let mut c = Command::new(tool);
+    let mut c = dies_with_us(tool);
     if std::env::var_os("UCX_MODULES").is_none() {
         c.env("UCX_MODULES", "^efa");
     }

@@ -276,3 +276,65 @@ fn one_command_runs_every_engine_in_its_own_process() {
     let report: serde_json::Value = serde_json::from_str(&text).unwrap();
     assert_eq!(report[0]["complete_samples"], 4, "{text}");
 }
+
+/// A `kvbench --processes` killed by a signal (SIGKILL, which it cannot catch) takes its role
+/// processes with it: none is left running on its own.
+#[test]
+fn a_killed_kvbench_leaves_no_role_process_behind() {
+    let mut kvbench = std::process::Command::new(env!("CARGO_BIN_EXE_kvbench"))
+        .args(WORKLOAD)
+        .args([
+            "--requests",
+            "100000",
+            "--backend",
+            "ucx",
+            "--no-baseline",
+            "--processes",
+        ])
+        .env_remove("KVX_TOKEN")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = kvbench.id();
+    let children = || -> Vec<u32> {
+        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+            .unwrap_or_default()
+            .split_whitespace()
+            .filter_map(|p| p.parse().ok())
+            .collect()
+    };
+    // Decode and the four prefill ranks.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let mut roles = children();
+    while roles.len() < 5 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "kvbench started {roles:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        roles = children();
+    }
+    // Let them connect and run a little.
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    kvbench.kill().unwrap();
+    kvbench.wait().unwrap();
+    let alive = |p: &u32| {
+        std::fs::read_to_string(format!("/proc/{p}/stat")).is_ok_and(|s| {
+            s.rsplit(')')
+                .next()
+                .is_some_and(|t| !t.trim_start().starts_with('Z'))
+        })
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while roles.iter().any(alive) && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let left: Vec<u32> = roles.iter().copied().filter(alive).collect();
+    for p in &left {
+        let _ = std::process::Command::new("kill")
+            .args(["-9", &p.to_string()])
+            .status();
+    }
+    assert!(left.is_empty(), "role processes {left:?} outlived kvbench");
+}

@@ -6,8 +6,8 @@
 
 use clap::{Parser, Subcommand, ValueEnum};
 use kvbench::bench::{
-    Report, Verify, Workload, find_perftest, inprocess_put_bw, memcpy_bw, perftest_put_bw,
-    run_workload,
+    Report, Verify, Workload, dies_with_us, find_perftest, inprocess_put_bw, memcpy_bw,
+    perftest_put_bw, run_workload,
 };
 use kvbench::cluster::{PoolKind, Shape};
 use kvbench::roles;
@@ -886,7 +886,8 @@ fn run_processes(opts: &Opts, w: &Workload) -> ExitCode {
             .collect::<Vec<_>>()
             .join(",");
         let role = |args: Vec<String>| {
-            let mut c = std::process::Command::new(&exe);
+            // The roles die with this process, killed by a signal or not.
+            let mut c = dies_with_us(&exe);
             c.args(args)
                 .args(&passed)
                 .args(["--backend", &backend.to_string()])

@@ -542,13 +542,67 @@ async fn write_loop(
     }
 }
 
-/// A new incarnation: nanoseconds since the Unix epoch, so a restart of a rank on any host whose
-/// clock does not step back by more than the restart takes gets a larger one.
+/// Where the last incarnation drawn on this host is kept: `KVX_INCARNATION_FILE`, else
+/// `kvx-incarnation` in the temporary directory.
+fn incarnation_file() -> std::path::PathBuf {
+    std::env::var_os("KVX_INCARNATION_FILE").map_or_else(
+        || std::env::temp_dir().join("kvx-incarnation"),
+        std::path::PathBuf::from,
+    )
+}
+
+/// A new incarnation: nanoseconds since the Unix epoch, or one more than the last drawn on this
+/// host if that is larger, so a restart on the same host gets a larger one even after its clock
+/// stepped back. The last one is kept in a file shared by the host's processes
+/// (`KVX_INCARNATION_FILE`, else `kvx-incarnation` in the temporary directory), locked while it is
+/// read and written; where that file cannot be used, only this process's own draws are ordered.
 pub fn fresh_incarnation() -> u64 {
-    std::time::SystemTime::now()
+    next_incarnation(Some(&incarnation_file()))
+}
+
+/// The last incarnation this process drew.
+static LAST_INCARNATION: std::sync::Mutex<u64> = std::sync::Mutex::new(0);
+
+fn next_incarnation(file: Option<&std::path::Path>) -> u64 {
+    let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(1, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
-        .max(1)
+        .max(1);
+    let mut last = LAST_INCARNATION
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let at_least = now.max(last.saturating_add(1));
+    let n = match file.map(|f| draw_in_file(f, at_least)) {
+        Some(Ok(n)) => n,
+        Some(Err(e)) => {
+            tracing::debug!(error = %e, "cannot keep incarnations in a file; ordered in this process only");
+            at_least
+        }
+        None => at_least,
+    };
+    *last = n;
+    n
+}
+
+/// `at_least`, or one more than the incarnation `file` holds if that is larger; written back.
+fn draw_in_file(file: &std::path::Path, at_least: u64) -> std::io::Result<u64> {
+    use std::io::{Read, Seek, Write};
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(file)?;
+    f.lock()?;
+    let mut text = String::new();
+    f.read_to_string(&mut text)?;
+    let last = text.trim().parse::<u64>().unwrap_or(0);
+    let n = at_least.max(last.saturating_add(1));
+    f.set_len(0)?;
+    f.rewind()?;
+    f.write_all(n.to_string().as_bytes())?;
+    // Unlocked when `f` is closed.
+    Ok(n)
 }
 
 impl From<crate::core::membership::Refusal> for crate::control::RejectReason {
@@ -569,5 +623,29 @@ impl From<crate::core::membership::Refusal> for crate::control::RejectReason {
                 last,
             },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::next_incarnation;
+
+    #[test]
+    fn incarnations_on_one_host_never_go_backwards_even_when_its_clock_does() {
+        let file =
+            std::env::temp_dir().join(format!("kvx-incarnation-test-{}", std::process::id()));
+        // The last start on this host drew one an hour ahead of the clock now (the clock stepped
+        // back since).
+        let now = next_incarnation(None);
+        let ahead = now + 3_600_000_000_000;
+        std::fs::write(&file, ahead.to_string()).unwrap();
+        let a = next_incarnation(Some(&file));
+        let b = next_incarnation(Some(&file));
+        assert!(a > ahead && b > a, "{ahead} then {a}, {b}");
+        assert_eq!(std::fs::read_to_string(&file).unwrap(), b.to_string());
+        // Without a usable file, this process's own draws still rise.
+        let c = next_incarnation(Some(std::path::Path::new("/nonexistent/dir/file")));
+        assert!(c > b);
+        let _ = std::fs::remove_file(&file);
     }
 }

@@ -627,6 +627,7 @@ impl From<crate::core::membership::Refusal> for crate::control::RejectReason {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::next_incarnation;
 

@@ -199,10 +199,27 @@ fn roles_admit_only_the_shared_secret() {
         kids.logs()
     );
 
+    // A token file that others may read is refused before anything is sent.
     let file = dir.join("token");
     std::fs::write(&file, format!("{}\n", kids.token)).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
     let mut args = prefill.clone();
     args.extend(["--token-file".into(), file.display().to_string()]);
+    kids.spawn("prefill-open-file", &[], &args, &wrong);
+    let Some(status) = kids.wait(2, Instant::now() + PREFILL_EXIT_BOUND) else {
+        panic!(
+            "a prefill with an open token file is still running\n{}",
+            kids.logs()
+        );
+    };
+    let said = kids.stderr(2);
+    assert!(
+        !status.success() && said.contains("644") && said.contains("chmod 600"),
+        "a token file others can read was accepted ({status})\n{}",
+        kids.logs()
+    );
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
     kids.spawn("prefill", &[], &args, &wrong);
     let Some(status) = kids.wait(0, started + DECODE_BOUND) else {
         panic!(
@@ -217,7 +234,7 @@ fn roles_admit_only_the_shared_secret() {
     );
     let report: serde_json::Value = serde_json::from_str(&read(&json)).unwrap();
     assert_eq!(report[0]["verified"], true, "{report}");
-    let Some(status) = kids.wait(2, Instant::now() + PREFILL_EXIT_BOUND) else {
+    let Some(status) = kids.wait(3, Instant::now() + PREFILL_EXIT_BOUND) else {
         panic!("the admitted prefill did not exit\n{}", kids.logs());
     };
     assert!(

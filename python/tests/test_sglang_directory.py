@@ -177,3 +177,32 @@ def test_engines_publish_sglangs_local_address_never_a_wildcard(monkeypatch):
     multi = ns()
     multi.host, multi.dist_init_addr = "0.0.0.0", "127.0.0.9:5000"
     assert settings.bootstrap_host(multi) == "127.0.0.9"
+
+
+def test_a_secret_setting_that_is_there_but_unusable_is_refused(monkeypatch, tmp_path):
+    """An empty setting or file, or a file others may read, never turns authentication off or hands
+    the secret around quietly: it raises. A private file's secret is read without its newline."""
+    from kvx.sglang import settings
+
+    monkeypatch.delenv("KVX_SECRET", raising=False)
+    f = tmp_path / "secret"
+    f.write_bytes(b"")
+    os.chmod(f, 0o600)
+    monkeypatch.setenv("KVX_SECRET_FILE", str(f))
+    with pytest.raises(ValueError, match="is empty"):
+        settings.secret()
+    f.write_bytes(b"file-secret\n")
+    os.chmod(f, 0o644)
+    with pytest.raises(PermissionError, match="chmod 600"):
+        settings.secret()
+    os.chmod(f, 0o600)
+    assert settings.secret() == b"file-secret"
+    monkeypatch.setenv("KVX_SECRET_FILE", "")
+    with pytest.raises(ValueError, match="set but empty"):
+        settings.secret()
+    monkeypatch.delenv("KVX_SECRET_FILE")
+    monkeypatch.setenv("KVX_SECRET", "")
+    with pytest.raises(ValueError, match="set but empty"):
+        settings.secret()
+    monkeypatch.delenv("KVX_SECRET")
+    assert settings.secret() is None

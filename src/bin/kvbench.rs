@@ -162,7 +162,8 @@ struct Opts {
     #[arg(long, value_enum, default_value = "shared", global = true)]
     pool: PoolArg,
     /// `decode` and `prefill`: a file holding the secret every process of a run shares (a trailing
-    /// newline is not part of it). Without it, the `KVX_TOKEN` environment variable. The loopback
+    /// newline is not part of it), readable by its owner only (mode 600 or 400; others are refused).
+    /// Without it, the `KVX_TOKEN` environment variable. The loopback
     /// run draws a fresh secret of its own.
     #[arg(long, global = true)]
     token_file: Option<PathBuf>,
@@ -323,6 +324,18 @@ impl Opts {
     /// Errors name where the secret came from, never the secret.
     fn token(&self) -> Result<Option<Vec<u8>>, String> {
         let (mut secret, from) = if let Some(path) = &self.token_file {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(path)
+                .map_err(|e| format!("cannot read --token-file {}: {e}", path.display()))?
+                .permissions()
+                .mode();
+            if mode & 0o077 != 0 {
+                return Err(format!(
+                    "--token-file {} has mode {:o}: others may read or change the secret; chmod 600 it",
+                    path.display(),
+                    mode & 0o777
+                ));
+            }
             let bytes = std::fs::read(path)
                 .map_err(|e| format!("cannot read --token-file {}: {e}", path.display()))?;
             (bytes, format!("--token-file {}", path.display()))

@@ -5,6 +5,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
+use transfer_engine::control::Secret;
 use transfer_engine::core::planner::{KvLayout, PpSplit, RegionKind};
 use transfer_engine::core::{FailureCode, RequestId};
 use transfer_engine::engine::{
@@ -305,7 +306,7 @@ impl Cluster {
             };
             dcfg.backend = backend(None, &name);
             dcfg.verify_checksums = spec.checksums;
-            dcfg.token = Some(secret.clone());
+            dcfg.token = Some(Secret::new(&secret));
             let dpool = spec
                 .decode_pool
                 .pool(dst_layout.buffer_len)
@@ -410,7 +411,7 @@ impl Cluster {
             cfg.peers = peers.clone();
             cfg.mesh_socket = sockets.get(usize::from(rank)).cloned();
             cfg.checksums = spec.checksums;
-            cfg.token = Some(secret.to_vec());
+            cfg.token = Some(Secret::new(secret));
             let buf = spec
                 .decode_pool
                 .pool(layout.buffer_len)

@@ -13,6 +13,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use transfer_engine::control::Secret;
 use transfer_engine::core::planner::{KvLayout, PpSplit};
 use transfer_engine::core::{FailureCode, RequestId};
 use transfer_engine::discovery::{self, EngineRecord, EtcdConfig, RecordRole};
@@ -91,7 +92,7 @@ pub async fn run_decode(
     cfg.listen = listen;
     cfg.backend = BackendConfig::default_for(backend, "decode");
     cfg.verify_checksums = w.checksums;
-    cfg.token = token;
+    cfg.token = token.as_deref().map(Secret::new);
     let pool = w
         .decode_pool
         .pool(layout.buffer_len)
@@ -385,7 +386,7 @@ pub async fn run_prefill(
     cfg.peers = peers;
     cfg.checksums = w.checksums;
     cfg.connect_timeout = Duration::from_secs(60);
-    cfg.token = token;
+    cfg.token = token.as_deref().map(Secret::new);
     let buf = HostBuffer::new(
         layout.buffer_len as usize,
         HostOptions {

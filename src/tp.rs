@@ -13,6 +13,7 @@
 use crate::cluster::Shape;
 use crate::verify::{self, POISON};
 use std::time::{Duration, Instant};
+use transfer_engine::control::Secret;
 use transfer_engine::control::TpMode;
 use transfer_engine::core::RequestId;
 use transfer_engine::core::planner::{HeadLayout, HeadOrder, KvLayout, PpSplit};
@@ -229,7 +230,7 @@ impl TpCluster {
             let mut cfg = DecodeConfig::new(s.layers, s.page_tokens, layout.clone(), spec.pp);
             cfg.tp = spec.tp(rank, spec.decode_tp);
             cfg.prefill_tp = Some(spec.prefill_tp);
-            cfg.token = Some(secret.clone());
+            cfg.token = Some(Secret::new(&secret));
             cfg.verify_checksums = false;
             cfg.backend = BackendConfig::default_for(spec.backend, &format!("d{rank}-{tag}"));
             decodes.push(DecodeEngine::start(cfg, Pool::Shared(layout.buffer_len)).await?);
@@ -265,7 +266,7 @@ impl TpCluster {
                     cfg.backend = BackendConfig::default_for(spec.backend, &cfg.engine_id);
                     cfg.peers = peers.clone();
                     cfg.mesh_socket = sockets.get(usize::from(pp)).cloned();
-                    cfg.token = Some(secret.clone());
+                    cfg.token = Some(Secret::new(&secret));
                     cfg.checksums = false;
                     let pool = Pool::Shared(layout.buffer_len);
                     starts.push((pp, t, range, tokio::spawn(PrefillEngine::start(cfg, pool))));

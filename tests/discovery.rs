@@ -338,7 +338,7 @@ async fn two_prefill_instances_and_one_decode_share_a_cluster_name() {
     const PAGE: u64 = 256;
     let server = EtcdServer::start().unwrap();
     let c = cfg(&server, "instances", 5);
-    let secret = b"instances-test secret, 32 bytes.".to_vec();
+    let secret = transfer_engine::control::Secret::new(b"instances-test secret, 32 bytes.");
     let dlayout = KvLayout::packed(0, 4, RegionKind::Fused, PAGE, 16);
     let mut dcfg = DecodeConfig::new(4, 16, dlayout.clone(), 0);
     dcfg.token = Some(secret.clone());

@@ -581,7 +581,7 @@ async fn prefill_learns_when_decode_engine_is_dropped() {
 async fn decode_with_token(token: Option<&[u8]>) -> DecodeEngine {
     let mut cfg = DecodeConfig::new(SHAPE.layers, SHAPE.page_tokens, decode_layout(), 1);
     cfg.backend = BackendConfig::default_for(BackendKind::Ucx, &format!("decode-{}", tag()));
-    cfg.token = token.map(<[u8]>::to_vec);
+    cfg.token = token.map(transfer_engine::control::Secret::new);
     let pool =
         HostBuffer::new(decode_layout().buffer_len as usize, HostOptions::default()).unwrap();
     tokio::time::timeout(BOUND, DecodeEngine::start(cfg, Pool::Owned(pool)))
@@ -605,7 +605,7 @@ async fn prefill_with_token(
         layout.clone(),
     );
     cfg.backend = BackendConfig::default_for(BackendKind::Ucx, &format!("prefill-{}", tag()));
-    cfg.token = token.map(<[u8]>::to_vec);
+    cfg.token = token.map(transfer_engine::control::Secret::new);
     cfg.connect_timeout = Duration::from_secs(5);
     tokio::time::timeout(BOUND, PrefillEngine::start(cfg, zeroed_pool(&layout)))
         .await

@@ -59,18 +59,25 @@ fn backend(name: &str, engine: &str) -> PyResult<BackendConfig> {
     Ok(BackendConfig::default_for(kind, engine))
 }
 
-/// A secret from Python: bytes, or text (its UTF-8 bytes).
-fn secret(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<u8>>> {
+/// A secret from Python: bytes, or text (its UTF-8 bytes); `None` for none. An empty one is refused:
+/// it would turn authentication off while looking configured.
+fn secret(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<transfer_engine::control::Secret>> {
     let Some(obj) = obj else { return Ok(None) };
     if obj.is_none() {
         return Ok(None);
     }
-    if let Ok(s) = obj.extract::<String>() {
-        return Ok(Some(s.into_bytes()));
+    let bytes = match obj.extract::<String>() {
+        Ok(s) => s.into_bytes(),
+        Err(_) => obj
+            .extract::<Vec<u8>>()
+            .map_err(|_| errors::config("secret must be bytes or str"))?,
+    };
+    if bytes.is_empty() {
+        return Err(errors::config(
+            "the secret is empty; pass None to run without one",
+        ));
     }
-    obj.extract::<Vec<u8>>()
-        .map(Some)
-        .map_err(|_| errors::config("secret must be bytes or str"))
+    Ok(Some(transfer_engine::control::Secret::new(&bytes)))
 }
 
 /// Where one side keeps its KV cache: `[region][layer][page]`, packed from offset 0.

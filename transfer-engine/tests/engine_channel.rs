@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use transfer_engine::control::Secret;
 use transfer_engine::control::channel::refused_records;
 use transfer_engine::core::RequestId;
 use transfer_engine::core::planner::{KvLayout, RegionKind};
@@ -128,7 +129,7 @@ async fn decode_with(heartbeat: Option<Duration>) -> DecodeEngine {
     let mut cfg = DecodeConfig::new(LAYERS, PAGE_TOKENS, layout(), 1);
     cfg.heartbeat = heartbeat;
     cfg.engine_id = DECODE_ID.into();
-    cfg.token = Some(SECRET.to_vec());
+    cfg.token = Some(Secret::new(SECRET));
     cfg.abort_ack_timeout = Duration::from_millis(500);
     let mut b = HostBuffer::new(layout().buffer_len as usize, HostOptions::default()).unwrap();
     b.as_mut_slice().fill(POISON);
@@ -143,7 +144,7 @@ async fn prefill_with(decode: SocketAddr, heartbeat: Option<Duration>) -> Prefil
     let mut cfg = PrefillConfig::new(decode, 0, 1, LAYERS, PAGE_TOKENS, layout());
     cfg.heartbeat = heartbeat;
     cfg.engine_id = PREFILL_ID.into();
-    cfg.token = Some(SECRET.to_vec());
+    cfg.token = Some(Secret::new(SECRET));
     cfg.connect_timeout = Duration::from_secs(5);
     cfg.request_wait = Duration::from_secs(2);
     let mut b = HostBuffer::new(layout().buffer_len as usize, HostOptions::default()).unwrap();
@@ -344,7 +345,7 @@ async fn a_rank_behind_a_silent_link_is_lost_within_three_intervals_and_its_new_
 async fn connections_over_the_handshake_bound_are_closed_and_the_engine_serves_afterwards() {
     use transfer_engine::engine::MAX_PENDING_HANDSHAKES;
     let mut cfg = DecodeConfig::new(LAYERS, PAGE_TOKENS, layout(), 1);
-    cfg.token = Some(SECRET.to_vec());
+    cfg.token = Some(Secret::new(SECRET));
     cfg.handshake_timeout = Duration::from_secs(1);
     let mut b = HostBuffer::new(layout().buffer_len as usize, HostOptions::default()).unwrap();
     b.as_mut_slice().fill(POISON);

@@ -9,6 +9,7 @@ mod common;
 
 use std::net::SocketAddr;
 use std::time::Duration;
+use transfer_engine::control::Secret;
 use transfer_engine::core::RequestId;
 use transfer_engine::core::planner::{KvLayout, RegionKind};
 use transfer_engine::core::tracker::FailureReason;
@@ -44,7 +45,7 @@ fn pattern(layer: u32, page: u32, at: u64) -> u8 {
 
 async fn decode() -> DecodeEngine {
     let mut cfg = DecodeConfig::new(LAYERS, PAGE_TOKENS, decode_layout(), PP);
-    cfg.token = Some(SECRET.to_vec());
+    cfg.token = Some(Secret::new(SECRET));
     cfg.abort_ack_timeout = Duration::from_millis(500);
     let len = decode_layout().buffer_len as usize;
     let mut b = HostBuffer::new(len, HostOptions::default()).unwrap();
@@ -78,7 +79,7 @@ async fn pipeline(
         );
         cfg.peers = peers.clone();
         cfg.mesh_socket = Some(sockets[usize::from(rank)].clone());
-        cfg.token = Some(SECRET.to_vec());
+        cfg.token = Some(Secret::new(SECRET));
         cfg.connect_timeout = Duration::from_secs(5);
         cfg.keep_open = keep_open;
         starts.push(tokio::spawn(PrefillEngine::start(cfg, Pool::Owned(buf))));
@@ -363,7 +364,7 @@ async fn no_request_starts_while_a_vote_mesh_link_is_down() {
             real.clone()
         };
         cfg.mesh_socket = Some(sockets[usize::from(rank)].clone());
-        cfg.token = Some(SECRET.to_vec());
+        cfg.token = Some(Secret::new(SECRET));
         cfg.connect_timeout = Duration::from_secs(5);
         starts.push(tokio::spawn(PrefillEngine::start(cfg, Pool::Owned(buf))));
     }

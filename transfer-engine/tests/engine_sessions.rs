@@ -45,7 +45,7 @@ fn pattern(tag: u8, layer: u32, page: u32, at: u64) -> u8 {
 async fn decode() -> DecodeEngine {
     // No default instance: every instance is added by name.
     let mut cfg = DecodeConfig::new(LAYERS, PAGE_TOKENS, decode_layout(), 0);
-    cfg.token = Some(SECRET.to_vec());
+    cfg.token = Some(Secret::new(SECRET));
     cfg.abort_ack_timeout = Duration::from_millis(500);
     let len = decode_layout().buffer_len as usize;
     let mut b = HostBuffer::new(len, HostOptions::default()).unwrap();
@@ -78,7 +78,7 @@ async fn instance(d: &DecodeEngine, name: &str, tag: u8, pp: u16) -> Vec<Prefill
         );
         cfg.peers = peers.clone();
         cfg.mesh_socket = sockets.get(usize::from(rank)).cloned();
-        cfg.token = Some(SECRET.to_vec());
+        cfg.token = Some(Secret::new(SECRET));
         cfg.connect_timeout = Duration::from_secs(5);
         starts.push(tokio::spawn(PrefillEngine::start(cfg, Pool::Owned(buf))));
     }
@@ -283,7 +283,7 @@ async fn a_rank_of_an_unknown_instance_is_refused_at_the_handshake() {
         KvLayout::packed(0, LAYERS, RegionKind::Fused, PAGE_BYTES, PREFILL_PAGES),
     );
     cfg.instance = "stranger".into();
-    cfg.token = Some(SECRET.to_vec());
+    cfg.token = Some(Secret::new(SECRET));
     cfg.connect_timeout = Duration::from_secs(3);
     let pool = Pool::Owned(
         HostBuffer::new(cfg.layout.buffer_len as usize, HostOptions::default()).unwrap(),
@@ -335,7 +335,7 @@ async fn raw_rank(d: &DecodeEngine, instance: &str) -> Connection {
     .with_instance(instance)
     .with_incarnation(1);
     hello.notify_key = 0x5e55_1005;
-    let secret = Secret::from_config(Some(SECRET));
+    let secret = Secret::new(SECRET);
     control::handshake(&mut conn, &hello, &secret, deadline)
         .await
         .unwrap();

@@ -8,6 +8,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
+use transfer_engine::control::Secret;
 use transfer_engine::control::TpMode;
 use transfer_engine::core::RequestId;
 use transfer_engine::core::planner::{HeadLayout, HeadOrder, KvLayout, PpSplit, RegionKind};
@@ -117,7 +118,7 @@ async fn run(case: Case) -> Vec<usize> {
         let mut cfg = DecodeConfig::new(LAYERS, PAGE_TOKENS, layout.clone(), PP);
         cfg.tp = case.tp(rank, case.decode_tp);
         cfg.prefill_tp = Some(case.prefill_tp);
-        cfg.token = Some(SECRET.to_vec());
+        cfg.token = Some(Secret::new(SECRET));
         let mut b = HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).unwrap();
         b.as_mut_slice().fill(POISON);
         decodes.push(DecodeEngine::start(cfg, Pool::Owned(b)).await.unwrap());
@@ -180,7 +181,7 @@ async fn run(case: Case) -> Vec<usize> {
                 );
                 cfg.peers = peers.clone();
                 cfg.mesh_socket = Some(sockets[usize::from(pp)].clone());
-                cfg.token = Some(SECRET.to_vec());
+                cfg.token = Some(Secret::new(SECRET));
                 cfg.connect_timeout = Duration::from_secs(10);
                 starts.push(tokio::spawn(PrefillEngine::start(cfg, Pool::Owned(buf))));
             }
@@ -306,7 +307,7 @@ async fn a_prefill_rank_that_writes_nothing_into_a_decode_rank_is_refused() {
     let mut cfg = DecodeConfig::new(LAYERS, PAGE_TOKENS, layout.clone(), 1);
     cfg.tp = case.tp(0, 2);
     cfg.prefill_tp = Some(4);
-    cfg.token = Some(SECRET.to_vec());
+    cfg.token = Some(Secret::new(SECRET));
     let pool =
         Pool::Owned(HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).unwrap());
     let d = DecodeEngine::start(cfg, pool).await.unwrap();
@@ -314,7 +315,7 @@ async fn a_prefill_rank_that_writes_nothing_into_a_decode_rank_is_refused() {
     let layout = case.layout(4, 0, LAYERS);
     let mut cfg = PrefillConfig::new(d.local_addr(), 0, 1, LAYERS, PAGE_TOKENS, layout.clone());
     cfg.tp = case.tp(3, 4);
-    cfg.token = Some(SECRET.to_vec());
+    cfg.token = Some(Secret::new(SECRET));
     cfg.connect_timeout = Duration::from_secs(3);
     let pool =
         Pool::Owned(HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).unwrap());

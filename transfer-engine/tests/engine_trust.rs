@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
+use transfer_engine::control::Secret;
 use transfer_engine::control::{FrameDecoder, Msg};
 use transfer_engine::core::RequestId;
 use transfer_engine::core::planner::{KvLayout, RegionKind};
@@ -73,7 +74,7 @@ fn faulty(name: &str) -> (BackendConfig, Arc<Mutex<Option<Arc<FaultTransport>>>>
 
 async fn decode(secret: Option<&[u8]>, pp: u16) -> DecodeEngine {
     let mut cfg = DecodeConfig::new(LAYERS, PAGE_TOKENS, layout(), pp);
-    cfg.token = secret.map(<[u8]>::to_vec);
+    cfg.token = secret.map(Secret::new);
     cfg.abort_ack_timeout = Duration::from_millis(300);
     DecodeEngine::start(cfg, pool()).await.unwrap()
 }
@@ -85,7 +86,7 @@ async fn prefill(
     let mut cfg = PrefillConfig::new(d.local_addr(), 0, 1, LAYERS, PAGE_TOKENS, layout());
     let (backend, slot) = faulty("trust-prefill");
     cfg.backend = backend;
-    cfg.token = secret.map(<[u8]>::to_vec);
+    cfg.token = secret.map(Secret::new);
     cfg.connect_timeout = Duration::from_secs(3);
     let p = PrefillEngine::start(cfg, pool()).await?;
     let t = slot.lock().unwrap().clone().unwrap();
@@ -229,7 +230,7 @@ async fn a_decode_layout_that_the_hello_cannot_describe_is_refused() {
     l.base_offset = 4096;
     l.buffer_len += 4096;
     let mut cfg = DecodeConfig::new(LAYERS, PAGE_TOKENS, l.clone(), 1);
-    cfg.token = Some(SECRET.to_vec());
+    cfg.token = Some(Secret::new(SECRET));
     let buf = HostBuffer::new(l.buffer_len as usize, HostOptions::default()).unwrap();
     match DecodeEngine::start(cfg, Pool::Owned(buf)).await {
         Err(EngineError::Config(m)) => assert!(m.contains("packed"), "{m}"),
@@ -407,4 +408,29 @@ async fn an_external_ranks_pages_stay_quarantined_until_the_server_confirms() {
         late.bind_external_rank(0, Sender::Key(78), &layout()),
         Err(EngineError::Shutdown)
     ));
+}
+
+/// A configuration printed with `{:?}` (into a log, a panic message) never shows its secret, in any
+/// rendering of its bytes.
+#[test]
+fn configs_never_print_their_secret() {
+    let addr = "127.0.0.1:1".parse().unwrap();
+    let mut p = PrefillConfig::new(addr, 0, 1, LAYERS, PAGE_TOKENS, layout());
+    p.token = Some(Secret::new(SECRET));
+    let mut d = DecodeConfig::new(LAYERS, PAGE_TOKENS, layout(), 1);
+    d.token = Some(Secret::new(SECRET));
+    let text = String::from_utf8_lossy(SECRET).into_owned();
+    let bytes = format!("{SECRET:?}");
+    let numbers = bytes.trim_matches(['[', ']']).to_string();
+    for printed in [
+        format!("{p:?}"),
+        format!("{d:?}"),
+        format!("{p:#?}"),
+        format!("{d:#?}"),
+    ] {
+        assert!(printed.contains("<redacted>"), "{printed}");
+        for secret in [&text, &bytes, &numbers] {
+            assert!(!printed.contains(secret.as_str()), "{printed}");
+        }
+    }
 }

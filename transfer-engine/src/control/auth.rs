@@ -50,11 +50,6 @@ impl Secret {
         Self::new(&[])
     }
 
-    /// From an optional configured secret.
-    pub fn from_config(bytes: Option<&[u8]>) -> Self {
-        Self::new(bytes.unwrap_or_default())
-    }
-
     /// Whether this is the empty secret that everyone holds.
     pub fn is_none(&self) -> bool {
         self.empty

@@ -62,7 +62,7 @@ pub struct DecodeConfig {
     /// anything but a challenge (see `control`'s handshake). `None` means the empty secret, which
     /// any peer can prove: a warning is logged at start, since any process that reaches the
     /// control port can then write into the pool.
-    pub token: Option<Vec<u8>>,
+    pub token: Option<crate::control::Secret>,
     /// Verify each chunk's checksum against the bytes in the pool before counting it.
     pub verify_checksums: bool,
     /// Tracker settings.
@@ -619,7 +619,11 @@ impl DecodeEngine {
             )));
         }
         cfg.tp.validate(&cfg.layout)?;
-        if cfg.token.as_ref().is_none_or(Vec::is_empty) {
+        if cfg
+            .token
+            .as_ref()
+            .is_none_or(crate::control::Secret::is_none)
+        {
             tracing::warn!(
                 listen = %cfg.listen,
                 "no shared secret configured: any process that reaches the control port can write into the KV pool"
@@ -667,7 +671,10 @@ impl DecodeEngine {
         }
         let inner = Arc::new(Inner {
             state: Mutex::new(state),
-            secret: crate::control::Secret::from_config(cfg.token.as_deref()),
+            secret: cfg
+                .token
+                .clone()
+                .unwrap_or_else(crate::control::Secret::none),
             cfg,
             counters: Counters::default(),
             timer: Arc::new(tokio::sync::Notify::new()),

@@ -68,7 +68,7 @@ pub struct PrefillConfig {
     /// The deployment's shared secret: the decode side and the PP peers must prove they hold it
     /// before this rank sends them anything else (see `control`'s handshake). `None` means the
     /// empty secret, which any peer can prove; a warning is logged at start.
-    pub token: Option<Vec<u8>>,
+    pub token: Option<Secret>,
     /// Send a checksum of each chunk's bytes (the decode side verifies it).
     pub checksums: bool,
     /// Vote board settings (the rank and size are taken from this config).
@@ -494,7 +494,7 @@ impl PrefillEngine {
             (None, true) => Some(Listener::bind(cfg.peers[usize::from(cfg.pp_rank)]).await?),
         };
 
-        let secret = Secret::from_config(cfg.token.as_deref());
+        let secret = cfg.token.clone().unwrap_or_else(Secret::none);
         if secret.is_none() {
             tracing::warn!(
                 pp_rank = cfg.pp_rank,

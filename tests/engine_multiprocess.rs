@@ -355,3 +355,94 @@ fn a_killed_kvbench_leaves_no_role_process_behind() {
     }
     assert!(left.is_empty(), "role processes {left:?} outlived kvbench");
 }
+
+/// CPU time (user + system) of process `pid` so far, in clock ticks (`/proc/PID/stat`).
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = read(&std::path::PathBuf::from(format!("/proc/{pid}/stat")));
+    let after = stat.rsplit(')').next().unwrap_or_default();
+    let f: Vec<&str> = after.split_whitespace().collect();
+    // Fields 14 and 15 of the line; `after` starts at field 3.
+    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+}
+
+/// A decode whose descriptor table is full (its limit lowered to a few above what it holds, then a
+/// flood of connections) fails every accept; it pauses instead of spinning, so it takes little CPU,
+/// and once the flood is gone it admits a real prefill and the run completes.
+#[test]
+fn a_full_descriptor_table_pauses_accepts_and_recovers() {
+    let mut kids = Children::new("fdlimit");
+    let addr = free_addrs(1).unwrap()[0];
+    let mut workload: Vec<String> = WORKLOAD.iter().map(|s| s.to_string()).collect();
+    let at = workload.iter().position(|a| a == "--pp").unwrap();
+    workload[at + 1] = "1".into();
+    workload.extend(["--backend".into(), "ucx".into()]);
+    let mut args: Vec<String> = vec!["decode".into(), "--listen".into(), addr.to_string()];
+    args.extend(workload.iter().cloned());
+    kids.spawn("decode", &[], &args, &[]);
+    assert!(
+        kids.wait_stderr(0, Instant::now() + DECODE_BOUND, |e| e
+            .contains("listening on")),
+        "decode did not listen\n{}",
+        kids.logs()
+    );
+    let pid = kids.procs[0].1.id();
+    let open = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count();
+    let limit = |soft: &str| {
+        let ok = std::process::Command::new("prlimit")
+            .args(["--pid", &pid.to_string(), &format!("--nofile={soft}:")])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "prlimit failed");
+    };
+    let before = read(&std::path::PathBuf::from(format!("/proc/{pid}/limits")));
+    let soft = before
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .and_then(|l| l.split_whitespace().nth(3))
+        .unwrap()
+        .to_string();
+    limit(&(open + 4).to_string());
+    let flood: Vec<std::net::TcpStream> = (0..32)
+        .filter_map(|_| std::net::TcpStream::connect(addr).ok())
+        .collect();
+    assert!(flood.len() >= 16, "only {} connections", flood.len());
+    std::thread::sleep(Duration::from_millis(500));
+    let (t0, c0) = (Instant::now(), cpu_ticks(pid));
+    std::thread::sleep(Duration::from_secs(2));
+    let ticks = cpu_ticks(pid) - c0;
+    let secs = t0.elapsed().as_secs_f64();
+    // SAFETY: sysconf(3) with a valid name has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let share = ticks as f64 / hz / secs;
+    assert!(
+        kids.stderr(0).contains("accept failed; pausing"),
+        "the flood never filled the descriptor table\n{}",
+        kids.logs()
+    );
+    assert!(
+        share < 0.25,
+        "decode took {:.0} % of a core while its accepts failed",
+        share * 100.0
+    );
+    drop(flood);
+    limit(&soft);
+    let mut prefill: Vec<String> = vec!["prefill".into(), "--connect".into(), addr.to_string()];
+    prefill.extend(["--pp-rank", "0", "--pp-size", "1"].map(String::from));
+    prefill.extend(workload.iter().cloned());
+    kids.spawn("prefill", &[], &prefill, &[]);
+    let Some(status) = kids.wait(0, Instant::now() + DECODE_BOUND) else {
+        panic!("decode did not finish after the flood\n{}", kids.logs());
+    };
+    assert!(
+        status.success(),
+        "decode exited with {status}\n{}",
+        kids.logs()
+    );
+    println!(
+        "decode took {:.1} % of a core while its accepts failed",
+        share * 100.0
+    );
+}

@@ -64,7 +64,8 @@ pub enum Find {
 const DISCOVERY_WAIT: Duration = Duration::from_secs(120);
 
 /// Runs the decode role and returns its report. Only prefill processes holding `token` (the
-/// shared secret; `None` admits anyone) are let in.
+/// shared secret; `None` admits anyone) are let in. `heartbeat` replaces the engine's default
+/// interval.
 ///
 /// # Errors
 /// Engine failures, as text.
@@ -74,6 +75,7 @@ pub async fn run_decode(
     backend: BackendKind,
     token: Option<Vec<u8>>,
     stamps: Option<&Path>,
+    heartbeat: Option<Duration>,
 ) -> Result<Report, String> {
     let pages = w.pages();
     let decode_pages = pages * w.concurrency.max(1);
@@ -93,6 +95,9 @@ pub async fn run_decode(
     cfg.backend = BackendConfig::default_for(backend, "decode");
     cfg.verify_checksums = w.checksums;
     cfg.token = token.as_deref().map(Secret::new);
+    if let Some(h) = heartbeat {
+        cfg.heartbeat = Some(h);
+    }
     let pool = w
         .decode_pool
         .pool(layout.buffer_len)
@@ -338,7 +343,7 @@ fn complete_latencies(completed: &HashMap<u64, u128>, last: &HashMap<u64, u128>)
 }
 
 /// Runs one prefill rank until the decode process closes, presenting `token` (the shared secret, if
-/// any) to its peers.
+/// any) to its peers; `heartbeat` replaces the engine's default interval.
 ///
 /// # Errors
 /// Engine failures, as text.
@@ -349,6 +354,7 @@ pub async fn run_prefill(
     backend: BackendKind,
     token: Option<Vec<u8>>,
     stamps: Option<&Path>,
+    heartbeat: Option<Duration>,
 ) -> Result<(), String> {
     let ranks = ranks_of(w)?;
     let range = ranks
@@ -387,6 +393,9 @@ pub async fn run_prefill(
     cfg.checksums = w.checksums;
     cfg.connect_timeout = Duration::from_secs(60);
     cfg.token = token.as_deref().map(Secret::new);
+    if let Some(h) = heartbeat {
+        cfg.heartbeat = Some(h);
+    }
     let buf = HostBuffer::new(
         layout.buffer_len as usize,
         HostOptions {

@@ -173,6 +173,10 @@ struct Opts {
     /// `--processes` makes one by itself.
     #[arg(long, global = true)]
     stamps: Option<PathBuf>,
+    /// `decode` and `prefill`: seconds between heartbeats on every control connection (default 5);
+    /// a peer silent for three intervals is declared lost.
+    #[arg(long, global = true)]
+    heartbeat: Option<f64>,
     /// `decode` and `prefill`: find each other through etcd at these endpoints (comma-separated
     /// `http://host:port`) instead of `--listen`/`--connect`/`--peers`. With `--processes`,
     /// `auto` starts a local etcd server (Debian's `etcd`) for the run.
@@ -615,6 +619,16 @@ fn main() -> ExitCode {
         }
         return rt.block_on(run_tp(&cli.opts, &w));
     }
+    let heartbeat = match cli.opts.heartbeat {
+        None => None,
+        Some(h) if h.is_finite() && (0.01..=3600.0).contains(&h) => {
+            Some(Duration::from_secs_f64(h))
+        }
+        Some(h) => {
+            eprintln!("kvbench: --heartbeat {h} must be 0.01 to 3600 seconds");
+            return ExitCode::FAILURE;
+        }
+    };
     let result = match cli.role {
         None => rt.block_on(run_local(&cli.opts, &w)),
         Some(Role::Decode { listen }) => rt
@@ -630,6 +644,7 @@ fn main() -> ExitCode {
                     cli.opts.backends()[0],
                     token,
                     cli.opts.stamps.as_deref(),
+                    heartbeat,
                 )
                 .await
             })
@@ -662,6 +677,7 @@ fn main() -> ExitCode {
                     cli.opts.backends()[0],
                     token,
                     cli.opts.stamps.as_deref(),
+                    heartbeat,
                 )
                 .await
             })

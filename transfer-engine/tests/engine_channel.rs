@@ -341,6 +341,36 @@ async fn a_rank_behind_a_silent_link_is_lost_within_three_intervals_and_its_new_
     d.shutdown(BOUND).await;
 }
 
+/// Sides configured with different heartbeat intervals, or one with none, never take each other for
+/// silent: each waits three of the interval the other announced in its Hello. Idle for ten of the
+/// shorter interval, both links stay up and a request then completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sides_with_different_heartbeat_intervals_never_take_each_other_for_silent() {
+    let short = Duration::from_millis(100);
+    for (decode_beat, prefill_beat) in [
+        (Some(short), None),
+        (Some(short), Some(short * 10)),
+        (None, Some(short)),
+    ] {
+        let d = decode_with(decode_beat).await;
+        let p = prefill_with(d.local_addr(), prefill_beat).await;
+        bounded(d.wait_for_ranks(BOUND)).await.unwrap();
+        tokio::time::sleep(short * 10).await;
+        let what = format!("decode {decode_beat:?}, prefill {prefill_beat:?}");
+        assert_eq!(d.stats().connected_ranks, 1, "{what}: {:?}", d.stats());
+        assert_eq!(d.stats().silent, 0, "{what}: {:?}", d.stats());
+        assert_eq!(p.stats().decodes, 1, "{what}: {:?}", p.stats());
+        let (r, src, dst) = (RequestId(20), [0, 1, 2, 3], [4, 5, 6, 7]);
+        let done = d.expect(r, PROMPT, CHUNK, dst.to_vec(), BOUND).unwrap();
+        assert_eq!(bounded(p.next_request()).await.unwrap().request, r);
+        bounded(send(&p, r, &src)).await.unwrap();
+        assert_eq!(bounded(done).await, Outcome::Complete, "{what}");
+        assert!(landed(&d, &src, &dst), "{what}");
+        drop(p);
+        d.shutdown(BOUND).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_over_the_handshake_bound_are_closed_and_the_engine_serves_afterwards() {
     use transfer_engine::engine::MAX_PENDING_HANDSHAKES;

@@ -145,6 +145,11 @@ pub struct Hello {
     /// and every PP rank of one pipeline carries the same name. Empty for a decode's Hello and
     /// for the decode engine's default instance.
     pub instance: String,
+    /// Milliseconds between the heartbeats the sender sends on this connection, 0 if it sends none
+    /// (protocol version 8). The receiver declares the sender lost after
+    /// [`SILENT_INTERVALS`](crate::engine::SILENT_INTERVALS) of the sender's own interval, so sides
+    /// configured with different intervals never take each other for silent.
+    pub heartbeat_ms: u32,
 }
 
 impl Hello {
@@ -168,7 +173,26 @@ impl Hello {
             notify_key: 0,
             incarnation: 0,
             instance: String::new(),
+            heartbeat_ms: 0,
         }
+    }
+
+    /// Sets the interval of the heartbeats the sender sends (`None`: it sends none). Intervals
+    /// round up to whole milliseconds.
+    #[must_use]
+    pub fn with_heartbeat(mut self, every: Option<std::time::Duration>) -> Self {
+        self.heartbeat_ms = every.map_or(0, |d| {
+            u32::try_from(d.as_micros().div_ceil(1000))
+                .unwrap_or(u32::MAX)
+                .max(1)
+        });
+        self
+    }
+
+    /// The interval of the sender's heartbeats, `None` if it sends none.
+    pub fn heartbeat(&self) -> Option<std::time::Duration> {
+        (self.heartbeat_ms > 0)
+            .then(|| std::time::Duration::from_millis(u64::from(self.heartbeat_ms)))
     }
 
     /// Sets the prefill instance the sender belongs to.

@@ -2128,7 +2128,8 @@ fn local_hello(inner: &Inner) -> Result<Hello, EngineError> {
     // A decode has no PP rank of its own; the size is the default instance's (at least 1, which
     // a Hello must carry).
     .with_pp(0, cfg.pp_size.max(1))
-    .with_tp(cfg.tp.rank, cfg.tp.size);
+    .with_tp(cfg.tp.rank, cfg.tp.size)
+    .with_heartbeat(cfg.heartbeat);
     Ok(hello)
 }
 
@@ -2289,15 +2290,9 @@ async fn serve_rank(
     let heartbeat = i.cfg.heartbeat;
     drop(i);
     let write_task = tokio::spawn(super::write_loop(writer, rx, heartbeat));
-    let end = read_loop(
-        &inner,
-        reader,
-        session,
-        rank,
-        peer,
-        super::silence_bound(heartbeat),
-    )
-    .await;
+    // Three of the rank's own intervals, as its Hello announced them.
+    let silence = super::silence_bound(remote.heartbeat());
+    let end = read_loop(&inner, reader, session, rank, peer, silence).await;
     write_task.abort();
     if let Some(i) = inner.upgrade() {
         i.peer_lost(session, rank, peer, &sender, end);

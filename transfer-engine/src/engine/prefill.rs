@@ -261,6 +261,9 @@ struct Link {
     /// Bytes of decode's layout: `dst_seg` covers it when decode's pool is one registration.
     dst_whole: u64,
     writer: mpsc::UnboundedSender<Msg>,
+    /// How long decode may stay silent before the link is lost: three of the heartbeat intervals
+    /// its Hello announced (our own for a decode outside our control plane).
+    silence: Option<Duration>,
 }
 
 struct LinkState {
@@ -517,7 +520,8 @@ impl PrefillEngine {
         .with_pp(cfg.pp_rank, cfg.pp_size)
         .with_tp(cfg.tp.rank, cfg.tp.size)
         .with_incarnation(cfg.incarnation)
-        .with_instance(cfg.instance.clone());
+        .with_instance(cfg.instance.clone())
+        .with_heartbeat(cfg.heartbeat);
         hello.notify_key = notify_key;
         let (conn, link) = match external {
             None => {
@@ -1483,9 +1487,7 @@ async fn decode_read_loop(
     mut reader: control::ControlReader,
     incoming: mpsc::UnboundedSender<IncomingRequest>,
 ) {
-    let silence = inner
-        .upgrade()
-        .and_then(|i| super::silence_bound(i.cfg.heartbeat));
+    let silence = link.silence;
     loop {
         let msg = match reader.recv_within(silence).await {
             Ok(Some(m)) => m,
@@ -1642,6 +1644,7 @@ fn plan_link(
             metadata: &remote.backend.worker_or_agent,
             regions,
             tp: (remote.tp_rank, remote.tp_size),
+            heartbeat: remote.heartbeat(),
         },
         writer,
     )
@@ -1667,6 +1670,7 @@ fn external_link(
             metadata: &x.metadata,
             regions: vec![x.region],
             tp: (cfg.tp.rank, cfg.tp.size),
+            heartbeat: cfg.heartbeat,
         },
         writer,
     )
@@ -1681,6 +1685,8 @@ struct Target<'a> {
     regions: Vec<crate::transport::RemoteRegion>,
     /// Decode's TP rank and size.
     tp: (u16, u16),
+    /// Decode's heartbeat interval.
+    heartbeat: Option<Duration>,
 }
 
 fn link_to(
@@ -1727,6 +1733,7 @@ fn link_to(
         dst_seg,
         dst_whole: t.dst.buffer_len,
         writer,
+        silence: super::silence_bound(t.heartbeat),
     })
 }
 
@@ -1887,7 +1894,8 @@ fn attach_peer(
     }
     inner.mesh_changed.send_modify(|n| *n += 1);
     let write = tokio::spawn(super::write_loop(writer, rx, inner.cfg.heartbeat));
-    let silence = super::silence_bound(inner.cfg.heartbeat);
+    // Three of the peer's own intervals, as its Hello announced them.
+    let silence = super::silence_bound(hello.heartbeat());
     let weak = Arc::downgrade(inner);
     let hello = hello.clone();
     let read = tokio::spawn(async move {

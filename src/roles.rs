@@ -24,8 +24,44 @@ use transfer_engine::engine::{
 use transfer_engine::mem::{HostBuffer, HostOptions};
 use transfer_engine::transport::BackendKind;
 
-/// How long a request waits for its slot's quarantined pages before the run gives up.
+/// How long a request waits for its slot's quarantined pages before the run gives up (once the
+/// spare slots are taken).
 const QUARANTINE_WAIT: Duration = Duration::from_secs(60);
+
+/// Where each of the run's `--concurrency` slots keeps its pages in decode's pool. The pool holds as
+/// many spare slots again: a slot whose pages stay quarantined (its request failed without every
+/// rank's confirmation, as for a rank behind a half-open link, which may still be writing) moves to
+/// a spare, as a server's allocator would hand out other pages, and the held pages are never used
+/// again in the run.
+struct Slots {
+    w: Workload,
+    /// Physical slot of each logical one, and the spares not taken yet.
+    state: Mutex<(Vec<u32>, Vec<u32>)>,
+}
+
+impl Slots {
+    fn new(w: &Workload) -> Self {
+        let n = w.concurrency.max(1);
+        Slots {
+            w: w.clone(),
+            state: Mutex::new(((0..n).collect(), (n..2 * n).rev().collect())),
+        }
+    }
+
+    /// The pages of logical slot `slot` now.
+    fn pages(&self, slot: u32) -> Vec<u32> {
+        let at = lock(&self.state).0[slot as usize];
+        self.w.dst_pages(at)
+    }
+
+    /// Moves `slot` to a spare; its new pages, or `None` when no spare is left.
+    fn replace(&self, slot: u32) -> Option<Vec<u32>> {
+        let mut st = lock(&self.state);
+        let spare = st.1.pop()?;
+        st.0[slot as usize] = spare;
+        Some(self.w.dst_pages(spare))
+    }
+}
 
 /// Set in the id of every request the decode process will check: a prefill process learns nothing
 /// else about a request, and writes the pattern (which costs as much as the transfer) only for
@@ -78,7 +114,8 @@ pub async fn run_decode(
     heartbeat: Option<Duration>,
 ) -> Result<Report, String> {
     let pages = w.pages();
-    let decode_pages = pages * w.concurrency.max(1);
+    // Each slot and a spare for it (see `Slots`).
+    let decode_pages = pages * w.concurrency.max(1) * 2;
     let layout = KvLayout::packed(
         0,
         w.shape.layers,
@@ -143,6 +180,8 @@ pub async fn run_decode(
     // When each request completed, on the wall clock: matched after the run against the instants the
     // prefill processes stamped their last writes at.
     let completed: Arc<Mutex<HashMap<u64, u128>>> = Arc::default();
+    let slots = Arc::new(Slots::new(w));
+    let layout = Arc::new(layout);
     let on = |e: Event<'_>| match e {
         Event::Ended {
             request,
@@ -169,13 +208,25 @@ pub async fn run_decode(
             let t0 = Instant::now();
             let decode = decode.clone();
             let completed = completed.clone();
-            let dst = w.dst_pages(slot);
+            let mut dst = slots.pages(slot);
+            let (slots, layout) = (slots.clone(), layout.clone());
             let (prompt, chunk, timeout) = (w.prompt_tokens, w.chunk_tokens, w.request_timeout);
             Ok(async move {
                 // A slot whose last request failed without every rank's confirmation is quarantined:
-                // wait (bounded) until its pages are released rather than fail the run.
+                // it moves to a spare slot (poisoned first, as the drive poisoned this one), or,
+                // with none left, waits (bounded) until its pages are released rather than fail
+                // the run.
                 let fut = loop {
                     match decode.expect(request, prompt, chunk, dst.clone(), timeout) {
+                        Err(EngineError::PageHeld { by, .. }) if let Some(spare) = slots.replace(slot) => {
+                            eprintln!(
+                                "kvbench decode: pages of request {} stay quarantined; slot {slot} moves to spare pages",
+                                by.0
+                            );
+                            verify::poison(&layout, &spare, |at, b| decode.write_pool(at, b))
+                                .map_err(|e| e.to_string())?;
+                            dst = spare;
+                        }
                         Err(EngineError::PageHeld { by, .. }) => {
                             eprintln!(
                                 "kvbench decode: waiting for quarantined pages of request {}",
@@ -211,13 +262,13 @@ pub async fn run_decode(
             })
         },
         |_, slot| {
-            verify::poison(&layout, &w.dst_pages(slot), |at, b| {
+            verify::poison(&layout, &slots.pages(slot), |at, b| {
                 decode.write_pool(at, b)
             })
             .map_err(|e| e.to_string())
         },
         |request, slot| {
-            verify::check(&layout, &ranks, request, &w.dst_pages(slot), |at, b| {
+            verify::check(&layout, &ranks, request, &slots.pages(slot), |at, b| {
                 decode.read_pool(at, b)
             })
         },

@@ -696,3 +696,122 @@ fn partition_fails_affected_requests_within_bound_then_heals() {
         started.elapsed()
     );
 }
+
+/// The half-open workload: `RESTARTABLE`'s stream at PP 1, with heartbeats every 0.5 s.
+const HALF_OPEN_HEARTBEAT_S: f64 = 0.5;
+
+fn half_open_workload() -> Vec<String> {
+    let mut w = strings(RESTARTABLE);
+    let at = w.iter().position(|a| a == "--pp").unwrap();
+    w[at + 1] = "1".into();
+    w.extend(["--heartbeat".into(), HALF_OPEN_HEARTBEAT_S.to_string()]);
+    w
+}
+
+/// A prefill rank's host vanishes without a word: its veth drops every packet from then on (a
+/// half-open link: no FIN, no RST, both TCP connections stay established). Decode declares the rank
+/// lost within three heartbeat intervals (and the slack of a loaded two-core host), frees its slot,
+/// and a replacement start of the rank (on another "host": decode's namespace) is admitted and
+/// serves: the run's last wave verifies, and every failure happened while the rank was away.
+///
+/// Fails where namespaces or iptables cannot be used, unless [`SKIP_NETNS`] asks to skip it.
+#[test]
+fn a_half_open_rank_is_lost_within_three_heartbeats_and_replaced() {
+    const NAME: &str = "a_half_open_rank_is_lost_within_three_heartbeats_and_replaced";
+    if netns_skip_requested(NAME) {
+        return;
+    }
+    let mut guard = Netns { names: Vec::new() };
+    let (dns, pns) = two_hosts(&mut guard).unwrap_or_else(|reason| cannot_run(NAME, &reason));
+    if let Err(reason) = run_cmd("ip", &["netns", "exec", &pns, "iptables", "-L", "-n"]) {
+        cannot_run(NAME, &format!("iptables unusable in a namespace: {reason}"));
+    }
+    let mut kids = Children::new("half-open");
+    let workload = half_open_workload();
+    let decode = "10.77.0.1:47100";
+    let json = kids.dir.join("decode.json");
+    let mut dargs = strings(&["decode", "--listen", decode]);
+    dargs.extend(workload.iter().cloned());
+    dargs.extend(["--json".into(), json.display().to_string()]);
+    let started = Instant::now();
+    let denv = [("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "kvxd")];
+    kids.spawn("decode", &["ip", "netns", "exec", &dns], &dargs, &denv);
+    let mut pargs = strings(&[
+        "prefill",
+        "--connect",
+        decode,
+        "--pp-rank",
+        "0",
+        "--pp-size",
+        "1",
+    ]);
+    pargs.extend(workload.iter().cloned());
+    let penv = [("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "kvxp")];
+    kids.spawn("prefill", &["ip", "netns", "exec", &pns], &pargs, &penv);
+    assert!(
+        kids.wait_stderr(0, started + UP_BOUND, |e| connected_ranks(e) == 1),
+        "decode did not see the rank connect within {UP_BOUND:?}\n{}",
+        kids.logs()
+    );
+    std::thread::sleep(RUN_BEFORE_KILL);
+    partition_rules(&pns, "kvxp", "-A").unwrap_or_else(|e| cannot_run(NAME, &e));
+    let cut = Instant::now();
+    let lost_bound = Duration::from_secs_f64(HALF_OPEN_HEARTBEAT_S * 3.0) + Duration::from_secs(2);
+    assert!(
+        kids.wait_stderr(0, cut + lost_bound, |e| without_colors(e)
+            .contains("prefill rank lost rank=0")),
+        "decode did not declare the half-open rank lost within {lost_bound:?}\n{}",
+        kids.logs()
+    );
+    let lost_after = cut.elapsed();
+    // The replacement: a new start of rank 0 on decode's side of the partition.
+    let renv = [("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "kvxd")];
+    kids.spawn(
+        "prefill-again",
+        &["ip", "netns", "exec", &dns],
+        &pargs,
+        &renv,
+    );
+    assert!(
+        kids.wait_stderr(0, Instant::now() + UP_BOUND, |e| without_colors(e)
+            .contains("prefill rank rejoined rank=0")),
+        "decode did not admit the replacement within {UP_BOUND:?}\n{}",
+        kids.logs()
+    );
+    let replaced_after = cut.elapsed();
+    let run: u64 = RESTART_RUN.parse().unwrap();
+    let Some(status) = kids.wait(0, started + Duration::from_secs(run) + DECODE_EXIT_BOUND) else {
+        panic!("decode did not finish its run\n{}", kids.logs());
+    };
+    let report: serde_json::Value = serde_json::from_str(&read(&json))
+        .unwrap_or_else(|e| panic!("decode wrote no report ({e})\n{}", kids.logs()));
+    let r = &report[0];
+    let n = |k: &str| r[k].as_u64().unwrap_or_else(|| panic!("no {k} in {r}"));
+    assert!(
+        status.success(),
+        "decode exited with {status}: failures outside the rank's absence?\n{r}\n{}",
+        kids.logs()
+    );
+    assert_eq!(n("failed"), n("failed_during_absence"), "{r}");
+    assert!(n("completed_after_last_failure") >= 4, "{r}");
+    assert_eq!(r["verified"], serde_json::Value::Bool(true), "{r}");
+    // The replacement exits cleanly when decode closes the run.
+    let Some(status) = kids.wait(2, Instant::now() + PREFILL_EXIT_BOUND) else {
+        panic!(
+            "the replacement did not exit after the run\n{}",
+            kids.logs()
+        );
+    };
+    assert!(
+        status.success(),
+        "the replacement exited with {status}\n{}",
+        kids.logs()
+    );
+    eprintln!(
+        "half-open rank lost {lost_after:?} after its link went dark (heartbeat \
+         {HALF_OPEN_HEARTBEAT_S} s), replaced {replaced_after:?} after; {} requests, {} failed \
+         during the absence",
+        n("requests"),
+        n("failed")
+    );
+}

@@ -337,8 +337,16 @@ async fn a_rank_behind_a_silent_link_is_lost_within_three_intervals_and_its_new_
     bounded(send(&p2, r2, &src)).await.unwrap();
     assert_eq!(bounded(done).await, Outcome::Complete);
     assert!(landed(&d, &src, &dst2));
+    // The new start closes cleanly: that confirms its own writes, not the silent start's.
+    drop(p2);
+    while d.stats().connected_ranks != 0 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(d.quarantined(), vec![r], "{:?}", d.stats());
     eprintln!("declared lost {lost_after:?} after the link went silent (heartbeat {beat:?})");
-    d.shutdown(BOUND).await;
+    // The silent start may still write: the pool is not handed back.
+    let report = d.shutdown(BOUND).await;
+    assert!(!report.pool_freed, "{report:?}");
 }
 
 /// Sides configured with different heartbeat intervals, or one with none, never take each other for

@@ -464,11 +464,14 @@ impl AuxStore {
 struct Unacked {
     /// The instance whose ranks are named.
     session: SessionId,
-    /// Connected ranks whose confirmation (AbortAck, or their connection ending) the outcome waits for.
-    ranks: Vec<u16>,
-    /// External ranks, which cannot confirm by themselves: the pages stay quarantined until the
-    /// server confirms for them (`confirm_stopped`).
-    external: Vec<u16>,
+    /// Connected ranks whose confirmation (AbortAck, or their connection ending) the outcome waits
+    /// for, each with the connection that must confirm: a later start of the rank knows nothing of
+    /// the earlier one's writes and confirms nothing for it.
+    ranks: Vec<(u16, PeerId)>,
+    /// Ranks that cannot confirm by themselves: the pages stay quarantined until the server
+    /// confirms for them (`confirm_stopped`), or, for an evicted rank (`Some` of its connection),
+    /// until that connection ends with its writes over.
+    external: Vec<(u16, Option<PeerId>)>,
     /// `None` once the outcome was handed out (the request is quarantined).
     outcome: Option<Outcome>,
     deadline: Instant,
@@ -488,7 +491,8 @@ pub struct ShutdownReport {
     /// rather than freed.
     pub unconfirmed: Vec<(String, u16)>,
     /// Whether the pool will be freed when the last handle to the engine is dropped: every rank
-    /// confirmed or is gone, and [`DecodeEngine::backend_info`] never handed the pool out of band.
+    /// confirmed or is gone, no request is quarantined (a rank cut by tampering or silence may still
+    /// write into its pages), and [`DecodeEngine::backend_info`] never handed the pool out of band.
     pub pool_freed: bool,
 }
 
@@ -1111,7 +1115,7 @@ impl DecodeEngine {
     pub fn confirm_stopped(&self, rank: u16, request: RequestId) {
         let mut st = self.inner.lock();
         if let Some(session) = st.unacked.get(&request).map(|u| u.session) {
-            self.inner.acked(&mut st, session, request, rank);
+            self.inner.acked(&mut st, session, request, rank, None);
         }
     }
 
@@ -1225,13 +1229,17 @@ impl DecodeEngine {
             }
         }
         let out_of_band = self.inner.exported_out_of_band.load(Ordering::Acquire);
-        let pool_freed = unconfirmed.is_empty() && !out_of_band;
+        // A request still held (quarantined) waits for a rank that may still write into its pages:
+        // one whose connection was cut by tampering or silence, or that never confirmed.
+        let quarantined = !self.inner.lock().unacked.is_empty();
+        let pool_freed = unconfirmed.is_empty() && !out_of_band && !quarantined;
         if pool_freed {
             self.inner.pool_safe.store(true, Ordering::Release);
         } else {
             tracing::warn!(
                 ?unconfirmed,
-                "ranks did not confirm shutdown: the KV pool will be leaked"
+                quarantined,
+                "ranks did not confirm shutdown, or requests stay quarantined: the KV pool will be leaked"
             );
         }
         ShutdownReport {
@@ -1693,15 +1701,15 @@ impl Inner {
                         .unwrap_or_default();
                     for (rank, r) in conns.iter().enumerate() {
                         match r {
-                            Some(r) if r.external => external.push(rank as u16),
+                            Some(r) if r.external => external.push((rank as u16, None)),
                             // An evicted rank (lease ended: stopped or dead) is told, but the
                             // outcome does not wait for it; its pages do, as for an external one.
                             Some(r) if r.evicted => {
                                 let _ = r.writer.send(msg.clone());
-                                external.push(rank as u16);
+                                external.push((rank as u16, Some(r.peer)));
                             }
                             Some(r) if r.writer.send(msg.clone()).is_ok() => {
-                                ranks.push(rank as u16)
+                                ranks.push((rank as u16, r.peer))
                             }
                             _ => {}
                         }
@@ -1858,9 +1866,16 @@ impl Inner {
         h.finish() == sum
     }
 
-    /// `rank`'s writes for `request` are over (it acknowledged the Abort, it is gone, or the server
-    /// confirmed for it).
-    fn acked(&self, st: &mut State, session: SessionId, request: RequestId, rank: u16) {
+    /// `rank`'s writes for `request` are over: connection `from` of it acknowledged the Abort or is
+    /// gone, or (`None`) the server confirmed for the rank.
+    fn acked(
+        &self,
+        st: &mut State,
+        session: SessionId,
+        request: RequestId,
+        rank: u16,
+        from: Option<PeerId>,
+    ) {
         let Some(u) = st
             .unacked
             .get_mut(&request)
@@ -1868,8 +1883,9 @@ impl Inner {
         else {
             return;
         };
-        u.ranks.retain(|&r| r != rank);
-        u.external.retain(|&r| r != rank);
+        let confirms = |r: u16, p: Option<PeerId>| r == rank && from.is_none_or(|f| p == Some(f));
+        u.ranks.retain(|&(r, p)| !confirms(r, Some(p)));
+        u.external.retain(|&(r, p)| !confirms(r, p));
         if u.ranks.is_empty()
             && let Some(outcome) = u.outcome.take()
             && let Some(w) = st.waiters.remove(&request)
@@ -2027,12 +2043,12 @@ impl Inner {
             .filter(|(_, u)| {
                 !tampered
                     && u.session == session
-                    && (u.ranks.contains(&rank) || u.external.contains(&rank))
+                    && (u.ranks.contains(&(rank, peer)) || u.external.contains(&(rank, Some(peer))))
             })
             .map(|(r, _)| *r)
             .collect();
         for request in waiting {
-            self.acked(&mut st, session, request, rank);
+            self.acked(&mut st, session, request, rank, Some(peer));
         }
         st.forget_if_left(session);
     }
@@ -2389,7 +2405,7 @@ async fn read_loop(
             }
             Msg::AbortAck(a) => {
                 let mut st = i.lock();
-                i.acked(&mut st, session, RequestId(a.request), rank);
+                i.acked(&mut st, session, RequestId(a.request), rank, Some(peer));
             }
             Msg::Aux(a) if a.data.len() <= control::MAX_AUX_LEN => {
                 i.lock().aux.put((RequestId(a.request), rank), a.data);

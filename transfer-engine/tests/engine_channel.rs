@@ -141,8 +141,19 @@ async fn prefill(decode: SocketAddr) -> PrefillEngine {
 }
 
 async fn prefill_with(decode: SocketAddr, heartbeat: Option<Duration>) -> PrefillEngine {
+    prefill_start(decode, heartbeat, None).await.unwrap()
+}
+
+async fn prefill_start(
+    decode: SocketAddr,
+    heartbeat: Option<Duration>,
+    incarnation: Option<u64>,
+) -> Result<PrefillEngine, EngineError> {
     let mut cfg = PrefillConfig::new(decode, 0, 1, LAYERS, PAGE_TOKENS, layout());
     cfg.heartbeat = heartbeat;
+    if let Some(n) = incarnation {
+        cfg.incarnation = n;
+    }
     cfg.engine_id = PREFILL_ID.into();
     cfg.token = Some(Secret::new(SECRET));
     cfg.connect_timeout = Duration::from_secs(5);
@@ -157,7 +168,7 @@ async fn prefill_with(decode: SocketAddr, heartbeat: Option<Duration>) -> Prefil
             i % PAGE_BYTES,
         );
     }
-    PrefillEngine::start(cfg, Pool::Owned(b)).await.unwrap()
+    PrefillEngine::start(cfg, Pool::Owned(b)).await
 }
 
 fn landed(d: &DecodeEngine, src: &[u32], dst: &[u32]) -> bool {
@@ -377,6 +388,45 @@ async fn sides_with_different_heartbeat_intervals_never_take_each_other_for_sile
         drop(p);
         d.shutdown(BOUND).await;
     }
+}
+
+/// An evicted start (its lease ended while its connection stays up, as for a process that is
+/// stopped) gives its slot to a later start of the rank at once: the later one is admitted and
+/// serves, and the evicted one's connection is cut. (Before, the later start was refused as long as
+/// the evicted connection stayed up.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_later_start_takes_the_slot_of_an_evicted_one_whose_connection_is_cut() {
+    let d = decode().await;
+    let beat = Some(Duration::from_secs(5));
+    let p = prefill_start(d.local_addr(), beat, Some(100))
+        .await
+        .unwrap();
+    bounded(d.wait_for_ranks(BOUND)).await.unwrap();
+    assert!(d.evict(0, 100));
+    let started = tokio::time::Instant::now();
+    let p2 = prefill_start(d.local_addr(), beat, Some(200))
+        .await
+        .unwrap();
+    let admitted_after = started.elapsed();
+    bounded(d.wait_for_ranks(BOUND)).await.unwrap();
+    while p.stats().decodes != 0 {
+        assert!(
+            started.elapsed() < BOUND,
+            "the evicted start's connection stayed up"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(d.stats().connected_ranks, 1, "{:?}", d.stats());
+    assert_eq!(d.stats().rejoins, 1, "{:?}", d.stats());
+    let (r, src, dst) = (RequestId(30), [0, 1, 2, 3], [4, 5, 6, 7]);
+    let done = d.expect(r, PROMPT, CHUNK, dst.to_vec(), BOUND).unwrap();
+    assert_eq!(bounded(p2.next_request()).await.unwrap().request, r);
+    bounded(send(&p2, r, &src)).await.unwrap();
+    assert_eq!(bounded(done).await, Outcome::Complete);
+    assert!(landed(&d, &src, &dst));
+    eprintln!("a later start took the evicted start's slot {admitted_after:?} after it asked");
+    drop((p, p2));
+    d.shutdown(BOUND).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

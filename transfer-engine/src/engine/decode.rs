@@ -32,7 +32,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{Notify, mpsc, oneshot, watch};
 
 /// Settings of a [`DecodeEngine`].
 #[derive(Debug, Clone)]
@@ -198,14 +198,24 @@ struct RankConn {
     /// The start of the rank this connection belongs to.
     incarnation: u64,
     /// An outside liveness signal (its etcd lease ended) says this start is gone while its
-    /// connection is up: no requests go to it until it is readmitted.
+    /// connection is up: no requests go to it until it is readmitted, and a later start of the
+    /// rank takes its slot (its connection is then cut).
     evicted: bool,
+    /// Cuts the connection (its read loop ends) when a later start takes the slot of this evicted
+    /// one.
+    cut: Arc<Notify>,
 }
 
 impl RankConn {
     /// Whether requests go to this rank.
     fn serving(&self) -> bool {
         self.ready && !self.evicted
+    }
+
+    /// Whether a start with `incarnation` may take this connection's slot: this start was
+    /// evicted (it is gone, or stopped with its sockets open) and the other is a later one.
+    fn replaceable_by(&self, incarnation: u64) -> bool {
+        self.evicted && !self.external && self.incarnation < incarnation
     }
 }
 
@@ -1317,7 +1327,10 @@ impl DecodeEngine {
     /// confirmation), every rank is told, and requests wait for the rank as for an absent one.
     /// Its connection stays open: a stopped process may still write when it resumes, so the
     /// failed requests' pages stay quarantined until it confirms (its AbortAck) or its connection
-    /// ends. Returns whether the rank was evicted now.
+    /// ends, and the same start may be readmitted. A later start of the rank is admitted at once in
+    /// its place: the evicted start's connection is then cut, and its failed requests' pages stay
+    /// quarantined for good (nothing of it can confirm any more). Returns whether the rank was
+    /// evicted now.
     pub fn evict(&self, rank: u16, incarnation: u64) -> bool {
         self.evict_in(DEFAULT_INSTANCE, rank, incarnation)
     }
@@ -1520,6 +1533,7 @@ impl DecodeEngine {
                 ready: true,
                 incarnation: 0,
                 evicted: false,
+                cut: Arc::new(Notify::new()),
             });
             absence_ends(s, now);
         }
@@ -2220,7 +2234,9 @@ async fn serve_rank(
         let slot = s
             .slot(remote.pp_rank, j)
             .ok_or_else(|| RejectReason::PpMismatch("PP rank out of range".into()))?;
-        let busy = s.rank(slot).is_some();
+        let busy = s
+            .rank(slot)
+            .is_some_and(|r| !r.replaceable_by(remote.incarnation));
         s.incarnations
             .check(slot, remote.incarnation, busy)
             .map_err(RejectReason::from)?;
@@ -2256,20 +2272,24 @@ async fn serve_rank(
     let rank = slot;
     let (reader, writer) = conn.into_split();
     let (tx, rx) = mpsc::unbounded_channel();
+    let cut = Arc::new(Notify::new());
     let peer = {
         let mut st = i.lock();
         let sender_free = !st.senders.contains_key(&sender);
         let peer = PeerId(st.next_peer);
         // The session may have been removed, or the slot taken, since the handshake's check.
+        let mut replaced = None;
         let admitted = st
             .sessions
             .get_mut(&session)
             .filter(|s| !s.leaving && sender_free)
             .and_then(|s| {
-                let busy = s.rank(rank).is_some();
+                let busy = s
+                    .rank(rank)
+                    .is_some_and(|r| !r.replaceable_by(remote.incarnation));
                 let previous = s.incarnations.admit(rank, remote.incarnation, busy).ok()?;
                 s.closed_ranks.remove(&rank);
-                s.ranks[usize::from(rank)] = Some(RankConn {
+                replaced = s.ranks[usize::from(rank)].replace(RankConn {
                     peer,
                     writer: tx,
                     planner,
@@ -2277,9 +2297,23 @@ async fn serve_rank(
                     ready: false,
                     incarnation: remote.incarnation,
                     evicted: false,
+                    cut: cut.clone(),
                 });
                 Some(previous)
             });
+        if let Some(old) = replaced {
+            // An evicted start whose slot this later one took: its connection is cut, and its
+            // failed requests' pages stay quarantined (it may be stopped, not dead, and write when it
+            // resumes), since nothing of it counts as confirmed any more.
+            st.senders.retain(|_, (_, _, p)| *p != old.peer);
+            old.cut.notify_one();
+            tracing::warn!(
+                rank,
+                instance = %remote.instance,
+                incarnation = old.incarnation,
+                "an evicted start's slot taken by a later one: its connection is cut"
+            );
+        }
         let Some(previous) = admitted else {
             // Lost a race with another connection for the same rank or sender.
             i.counters
@@ -2308,7 +2342,7 @@ async fn serve_rank(
     let write_task = tokio::spawn(super::write_loop(writer, rx, heartbeat));
     // Three of the rank's own intervals, as its Hello announced them.
     let silence = super::silence_bound(remote.heartbeat());
-    let end = read_loop(&inner, reader, session, rank, peer, silence).await;
+    let end = read_loop(&inner, reader, session, rank, peer, silence, cut).await;
     write_task.abort();
     if let Some(i) = inner.upgrade() {
         i.peer_lost(session, rank, peer, &sender, end);
@@ -2325,6 +2359,7 @@ enum End {
     /// The channel refused a record (a changed or forged byte on the way), or the rank sent
     /// nothing for three heartbeat intervals: its process may be alive and still writing, so its
     /// requests' pages are not handed back (quarantined until [`DecodeEngine::confirm_stopped`]).
+    /// Also a connection cut because a later start took the slot of its evicted one.
     Tampered,
 }
 
@@ -2336,9 +2371,14 @@ async fn read_loop(
     rank: u16,
     peer: PeerId,
     silence: Option<Duration>,
+    cut: Arc<Notify>,
 ) -> End {
     loop {
-        let msg = match reader.recv_within(silence).await {
+        let got = tokio::select! {
+            got = reader.recv_within(silence) => got,
+            () = cut.notified() => return End::Tampered,
+        };
+        let msg = match got {
             Ok(Some(m)) => m,
             Ok(None) => return End::Lost,
             Err(e @ control::ControlError::Silent { .. }) => {

@@ -408,3 +408,55 @@ async fn no_request_starts_while_a_vote_mesh_link_is_down() {
     assert_landed(&d, &src, &dst2);
     d.shutdown(BOUND).await;
 }
+
+/// PP ranks whose layer ranges would leave layers of the model unwritten are refused at the
+/// handshake, with a message naming the ranges: rank 0 holding layers 0..1 and rank 1 layers 2..4
+/// leave layer 1 to nobody (before, both were admitted and a request completed with layer 1 never
+/// written).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ranks_whose_layers_leave_a_gap_are_refused() {
+    let d = decode().await;
+    let (sockets, peers) = common::mesh_sockets(PP);
+    let mut starts = Vec::new();
+    for (rank, layers) in [(0u16, 0..1u32), (1, 2..4)] {
+        let layout = KvLayout::packed(
+            layers.start,
+            layers.len() as u32,
+            RegionKind::Fused,
+            PAGE_BYTES,
+            PREFILL_PAGES,
+        );
+        let buf = HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).unwrap();
+        let mut cfg = PrefillConfig::new(
+            d.local_addr(),
+            rank,
+            PP,
+            LAYERS,
+            PAGE_TOKENS,
+            layout.clone(),
+        );
+        cfg.engine_id = format!("gap-{rank}");
+        cfg.peers = peers.clone();
+        cfg.mesh_socket = Some(sockets[usize::from(rank)].clone());
+        cfg.token = Some(Secret::new(SECRET));
+        cfg.connect_timeout = Duration::from_secs(2);
+        starts.push(tokio::spawn(PrefillEngine::start(cfg, Pool::Owned(buf))));
+    }
+    let mut refused = Vec::new();
+    let mut admitted = Vec::new();
+    for s in starts {
+        match s.await.unwrap() {
+            Ok(p) => admitted.push(p),
+            Err(e) => refused.push(e.to_string()),
+        }
+    }
+    assert!(
+        refused
+            .iter()
+            .any(|e| e.contains("consecutive layer ranges")),
+        "a gap between the ranks' layers was admitted: refused {refused:?}"
+    );
+    assert!(d.wait_for_ranks(Duration::from_millis(300)).await.is_err());
+    drop(admitted);
+    d.shutdown(BOUND).await;
+}

@@ -210,15 +210,20 @@ async fn an_unauthenticated_client_gets_only_a_challenge_and_a_wrong_secret_bind
 async fn a_sender_is_bound_once() {
     let _s = serial().await;
     let d = decode(None, 2).await;
-    d.bind_external_rank(0, Sender::Key(5), &layout()).unwrap();
-    match d.bind_external_rank(1, Sender::Key(5), &layout()) {
+    // Each of the two PP ranks holds its half of the layers.
+    let half = |rank: u32| {
+        let n = LAYERS / 2;
+        KvLayout::packed(rank * n, n, RegionKind::Fused, PAGE_BYTES, PAGES)
+    };
+    d.bind_external_rank(0, Sender::Key(5), &half(0)).unwrap();
+    match d.bind_external_rank(1, Sender::Key(5), &half(1)) {
         Err(EngineError::SenderTaken { rank: 0, .. }) => {}
         other => panic!("{other:?}"),
     }
     let name = Sender::Agent("agent-a".into());
-    d.bind_external_rank(1, name.clone(), &layout()).unwrap();
+    d.bind_external_rank(1, name.clone(), &half(1)).unwrap();
     assert!(matches!(
-        d.bind_external_rank(1, name, &layout()),
+        d.bind_external_rank(1, name, &half(1)),
         Err(EngineError::SenderTaken { rank: 1, .. })
     ));
 }

@@ -204,6 +204,8 @@ struct RankConn {
     /// Cuts the connection (its read loop ends) when a later start takes the slot of this evicted
     /// one.
     cut: Arc<Notify>,
+    /// The layers it writes.
+    layers: std::ops::Range<u32>,
 }
 
 impl RankConn {
@@ -286,6 +288,56 @@ impl Session {
     }
 
     /// Slot of PP rank `pp_rank`'s `j`-th source.
+    /// Whether a rank in `slot` writing `layers` keeps the PP ranks' layers a tiling of the model's
+    /// `total`: rank 0 starts at layer 0, the last rank ends at `total`, and each rank starts where
+    /// the one before it ends (TP sources of one PP rank hold the same layers). Checked against the
+    /// ranks connected now, so once every rank is there no layer of the model is left unwritten
+    /// (a request would otherwise complete with those layers never written) and none is written
+    /// twice.
+    fn layers_fit(
+        &self,
+        slot: u16,
+        layers: &std::ops::Range<u32>,
+        total: u32,
+    ) -> Result<(), String> {
+        let fan = (self.sources.len() as u16).max(1);
+        let pp = slot / fan;
+        if pp == 0 && layers.start != 0 {
+            return Err(format!(
+                "PP rank 0 holds layers {layers:?}: layers 0..{} would never be written",
+                layers.start
+            ));
+        }
+        if pp + 1 == self.pp_size && layers.end != total {
+            return Err(format!(
+                "the last PP rank, {pp}, holds layers {layers:?} of {total}: layers {}..{total} would never be written",
+                layers.end
+            ));
+        }
+        for (other, r) in self.ranks.iter().enumerate() {
+            let Some(r) = r else { continue };
+            let other = other as u16;
+            if other == slot {
+                continue;
+            }
+            let op = other / fan;
+            let fits = match op.cmp(&pp) {
+                std::cmp::Ordering::Equal => r.layers == *layers,
+                std::cmp::Ordering::Less if op + 1 == pp => r.layers.end == layers.start,
+                std::cmp::Ordering::Less => r.layers.end <= layers.start,
+                std::cmp::Ordering::Greater if pp + 1 == op => layers.end == r.layers.start,
+                std::cmp::Ordering::Greater => layers.end <= r.layers.start,
+            };
+            if !fits {
+                return Err(format!(
+                    "PP rank {pp} holds layers {layers:?}, but PP rank {op} holds {:?}: the ranks must hold consecutive layer ranges, each starting where the one before ends",
+                    r.layers
+                ));
+            }
+        }
+        Ok(())
+    }
+
     fn slot(&self, pp_rank: u16, j: usize) -> Option<u16> {
         if pp_rank >= self.pp_size || j >= self.sources.len() {
             return None;
@@ -1507,9 +1559,15 @@ impl DecodeEngine {
         let id = st
             .session_named(DEFAULT_INSTANCE)
             .ok_or_else(|| unknown_instance(DEFAULT_INSTANCE))?;
-        match st.sessions.get(&id).map(|s| s.ranks.get(usize::from(rank))) {
-            Some(Some(None)) => {}
-            Some(Some(Some(_))) => {
+        match st
+            .sessions
+            .get(&id)
+            .map(|s| (s.ranks.get(usize::from(rank)), s))
+        {
+            Some((Some(None), s)) => s
+                .layers_fit(rank, &src.layers(), self.inner.cfg.total_layers)
+                .map_err(EngineError::Config)?,
+            Some((Some(Some(_)), _)) => {
                 return Err(EngineError::Config(format!("rank {rank} is already bound")));
             }
             _ => {
@@ -1534,6 +1592,7 @@ impl DecodeEngine {
                 incarnation: 0,
                 evicted: false,
                 cut: Arc::new(Notify::new()),
+                layers: src.layers(),
             });
             absence_ends(s, now);
         }
@@ -2234,6 +2293,8 @@ async fn serve_rank(
         let slot = s
             .slot(remote.pp_rank, j)
             .ok_or_else(|| RejectReason::PpMismatch("PP rank out of range".into()))?;
+        s.layers_fit(slot, &src.layers(), i.cfg.total_layers)
+            .map_err(RejectReason::LayoutMismatch)?;
         let busy = s
             .rank(slot)
             .is_some_and(|r| !r.replaceable_by(remote.incarnation));
@@ -2279,6 +2340,12 @@ async fn serve_rank(
         let peer = PeerId(st.next_peer);
         // The session may have been removed, or the slot taken, since the handshake's check.
         let mut replaced = None;
+        let layers = remote.layout.first_layer
+            ..remote
+                .layout
+                .first_layer
+                .saturating_add(remote.layout.layers);
+        let total = i.cfg.total_layers;
         let admitted = st
             .sessions
             .get_mut(&session)
@@ -2287,6 +2354,8 @@ async fn serve_rank(
                 let busy = s
                     .rank(rank)
                     .is_some_and(|r| !r.replaceable_by(remote.incarnation));
+                // A neighbour may have arrived since the handshake's check.
+                s.layers_fit(rank, &layers, total).ok()?;
                 let previous = s.incarnations.admit(rank, remote.incarnation, busy).ok()?;
                 s.closed_ranks.remove(&rank);
                 replaced = s.ranks[usize::from(rank)].replace(RankConn {
@@ -2298,6 +2367,7 @@ async fn serve_rank(
                     incarnation: remote.incarnation,
                     evicted: false,
                     cut: cut.clone(),
+                    layers: layers.clone(),
                 });
                 Some(previous)
             });

@@ -15,6 +15,20 @@ pub struct EtcdServer {
     peer_port: u16,
     binary: PathBuf,
     log: PathBuf,
+    /// With TLS: the server's certificate, its key, and the CA its clients' certificates must
+    /// chain to; and the plain-HTTP port its health is read on.
+    tls: Option<(Tls, u16)>,
+}
+
+/// PEM files of an etcd server that speaks TLS and asks every client for a certificate.
+#[derive(Debug, Clone)]
+pub struct Tls {
+    /// The server's certificate.
+    pub cert: PathBuf,
+    /// Its key.
+    pub key: PathBuf,
+    /// The CA clients' certificates must chain to.
+    pub client_ca: PathBuf,
 }
 
 /// How long a start may take before it counts as failed.
@@ -27,10 +41,23 @@ impl EtcdServer {
     /// # Errors
     /// No binary, no free ports, or no answer within 20 s.
     pub fn start() -> Result<Self, String> {
+        Self::start_with(None)
+    }
+
+    /// [`start`](Self::start) with TLS on the client port (`https://`), every client asked for a
+    /// certificate that chains to `tls.client_ca`.
+    ///
+    /// # Errors
+    /// As [`start`](Self::start).
+    pub fn start_tls(tls: Tls) -> Result<Self, String> {
+        Self::start_with(Some(tls))
+    }
+
+    fn start_with(tls: Option<Tls>) -> Result<Self, String> {
         let binary = std::env::var_os("KVX_ETCD")
             .map(PathBuf::from)
             .unwrap_or_else(|| PathBuf::from("etcd"));
-        let ports = crate::cluster::free_addrs(2).map_err(|e| format!("no free ports: {e}"))?;
+        let ports = crate::cluster::free_addrs(3).map_err(|e| format!("no free ports: {e}"))?;
         let data = std::env::temp_dir().join(format!(
             "kvx-etcd-{}-{}",
             std::process::id(),
@@ -44,14 +71,21 @@ impl EtcdServer {
             client_port: ports[0].port(),
             peer_port: ports[1].port(),
             binary,
+            tls: tls.map(|t| (t, ports[2].port())),
         };
         s.resume()?;
         Ok(s)
     }
 
-    /// The client URL, `http://127.0.0.1:<port>`.
+    /// The client URL, `http://127.0.0.1:<port>` (`https://` with TLS).
     pub fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.client_port)
+    }
+
+    /// The server process's id, while it runs (for tests that stop it with SIGSTOP).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
     }
 
     /// The server's log so far.
@@ -79,7 +113,7 @@ impl EtcdServer {
     /// It does not start or answer within 20 s.
     pub fn resume(&mut self) -> Result<(), String> {
         self.stop();
-        let client = format!("http://127.0.0.1:{}", self.client_port);
+        let client = self.url();
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -97,6 +131,20 @@ impl EtcdServer {
             .args(["--listen-peer-urls", &peer])
             .args(["--initial-advertise-peer-urls", &peer])
             .args(["--initial-cluster", &format!("kvx={peer}")])
+            .args(match &self.tls {
+                Some((t, metrics)) => vec![
+                    "--cert-file".into(),
+                    t.cert.clone().into_os_string(),
+                    "--key-file".into(),
+                    t.key.clone().into_os_string(),
+                    "--trusted-ca-file".into(),
+                    t.client_ca.clone().into_os_string(),
+                    "--client-cert-auth".into(),
+                    "--listen-metrics-urls".into(),
+                    format!("http://127.0.0.1:{metrics}").into(),
+                ],
+                None => Vec::new(),
+            })
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log2)
@@ -109,7 +157,11 @@ impl EtcdServer {
             })?;
         self.child = Some(child);
         let deadline = Instant::now() + START_BOUND;
-        let health = format!("127.0.0.1:{}", self.client_port);
+        // Without TLS the client port answers plain HTTP; with it, the metrics port does.
+        let health = format!(
+            "127.0.0.1:{}",
+            self.tls.as_ref().map_or(self.client_port, |(_, m)| *m)
+        );
         loop {
             // etcd answers plain HTTP on its client port: /health says it has a leader.
             if let Ok(body) = http_get(&health, "/health")

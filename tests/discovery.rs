@@ -432,3 +432,238 @@ async fn two_prefill_instances_and_one_decode_share_a_cluster_name() {
         }
     }
 }
+
+fn signal(server: &EtcdServer, sig: &str) {
+    let pid = server.pid().unwrap().to_string();
+    let ok = std::process::Command::new("kill")
+        .args([sig, &pid])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill {sig} {pid}");
+}
+
+async fn until(what: &str, bound: Duration, cond: impl Fn() -> bool) -> Duration {
+    let t0 = Instant::now();
+    while !cond() {
+        assert!(t0.elapsed() < bound, "{what}: not within {bound:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    t0.elapsed()
+}
+
+/// An etcd that stops answering without closing anything (SIGSTOP: its sockets stay open) is
+/// noticed by a directory within two of its liveness bounds (`is_live` turns false); once etcd
+/// answers again the directory lists afresh and follows new records.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_directory_notices_a_silent_etcd_and_follows_again_when_it_answers() {
+    let server = EtcdServer::start().unwrap();
+    let mut c = cfg(&server, "silent", 30);
+    c.watch_liveness = Duration::from_millis(300);
+    let dir = Directory::open(&c).await.unwrap();
+    assert!(dir.is_live());
+    signal(&server, "-STOP");
+    let noticed = until("the silent etcd noticed", BOUND, || !dir.is_live()).await;
+    // Two bounds of silence, and the slack of a busy host.
+    assert!(
+        noticed <= Duration::from_millis(600) + Duration::from_secs(2),
+        "{noticed:?}"
+    );
+    signal(&server, "-CONT");
+    until("the directory following again", BOUND, || dir.is_live()).await;
+    let _reg = Registration::register(&c, record(RecordRole::Decode, 0, 4000, 1))
+        .await
+        .unwrap();
+    until("the new record seen", BOUND, || dir.records().len() == 1).await;
+    eprintln!("a silent etcd noticed after {noticed:?} (liveness bound 300 ms)");
+}
+
+/// An engine that starts before etcd waits for it (within `start_deadline`) instead of failing;
+/// with no deadline it fails at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registration_waits_for_an_etcd_that_comes_up_later() {
+    let mut server = EtcdServer::start().unwrap();
+    let mut c = cfg(&server, "later", 30);
+    server.stop();
+    c.start_deadline = Duration::ZERO;
+    assert!(
+        Registration::register(&c, record(RecordRole::Decode, 0, 4000, 1))
+            .await
+            .is_err()
+    );
+    c.start_deadline = Duration::from_secs(30);
+    let up = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(1500));
+        server.resume().unwrap();
+        server
+    });
+    let t0 = Instant::now();
+    let reg = Registration::register(&c, record(RecordRole::Decode, 0, 4000, 1))
+        .await
+        .unwrap();
+    let waited = t0.elapsed();
+    let server = up.join().unwrap();
+    assert!(waited >= Duration::from_millis(1400), "{waited:?}");
+    let dir = Directory::open(&c).await.unwrap();
+    assert_eq!(dir.records().len(), 1);
+    drop((reg, server));
+    eprintln!("registered {waited:?} after it started, once etcd came up");
+}
+
+/// With authentication enabled in etcd, only the configured user gets in: without credentials a
+/// registration is refused, with a wrong password it is refused at once (not retried until the
+/// start deadline), with the right ones it registers and a directory reads it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_etcd_with_authentication_admits_only_its_user() {
+    use transfer_engine::discovery::EtcdUser;
+    let server = EtcdServer::start().unwrap();
+    let mut admin = etcd_client::Client::connect([server.url()], None)
+        .await
+        .unwrap();
+    admin.role_add("root").await.unwrap();
+    admin.user_add("root", "root-pw", None).await.unwrap();
+    admin.user_grant_role("root", "root").await.unwrap();
+    admin.auth_enable().await.unwrap();
+    let mut c = cfg(&server, "auth", 30);
+    let rec = record(RecordRole::Decode, 0, 4000, 1);
+    assert!(Registration::register(&c, rec.clone()).await.is_err());
+    c.user = Some(EtcdUser {
+        name: "root".into(),
+        password: "wrong".into(),
+    });
+    let t0 = Instant::now();
+    assert!(Registration::register(&c, rec.clone()).await.is_err());
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    c.user = Some(EtcdUser {
+        name: "root".into(),
+        password: "root-pw".into(),
+    });
+    assert!(!format!("{c:?}").contains("root-pw"), "{c:?}");
+    let _reg = Registration::register(&c, rec).await.unwrap();
+    let dir = Directory::open(&c).await.unwrap();
+    assert_eq!(dir.records().len(), 1);
+}
+
+/// A CA, and a certificate it signed for `name` (for 127.0.0.1), in `dir`, made with `openssl`.
+fn signed(dir: &std::path::Path, name: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .expect("openssl runs");
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    if !dir.join("ca.pem").exists() {
+        run(&[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.pem",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=kvx-test-ca",
+        ]);
+    }
+    let (key, csr, pem) = (
+        format!("{name}.key"),
+        format!("{name}.csr"),
+        format!("{name}.pem"),
+    );
+    run(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        &key,
+        "-out",
+        &csr,
+        "-subj",
+        &format!("/CN={name}"),
+    ]);
+    std::fs::write(
+        dir.join(format!("{name}.ext")),
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\n",
+    )
+    .unwrap();
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        &csr,
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        &pem,
+        "-days",
+        "1",
+        "-extfile",
+        &format!("{name}.ext"),
+    ]);
+    (dir.join(pem), dir.join(key))
+}
+
+/// Over TLS with client certificates, only a client that trusts etcd's CA and shows a certificate
+/// etcd trusts gets in: plain HTTP, TLS without a client certificate, and TLS with a certificate of
+/// another CA are all refused; the right settings register and read records.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_over_tls_admits_only_a_client_with_a_trusted_certificate() {
+    use transfer_engine::discovery::EtcdTls;
+    let dir = std::env::temp_dir().join(format!("kvx-etcd-tls-{}", std::process::id()));
+    let other = dir.join("other");
+    std::fs::create_dir_all(&other).unwrap();
+    let (server_cert, server_key) = signed(&dir, "server");
+    let (client_cert, client_key) = signed(&dir, "client");
+    let (stranger_cert, stranger_key) = signed(&other, "stranger");
+    let server = EtcdServer::start_tls(kvbench::etcd_server::Tls {
+        cert: server_cert,
+        key: server_key,
+        client_ca: dir.join("ca.pem"),
+    })
+    .unwrap();
+    assert!(server.url().starts_with("https://"));
+    let rec = record(RecordRole::Decode, 0, 4000, 1);
+    let mut c = cfg(&server, "tls", 30);
+    c.start_deadline = Duration::ZERO;
+    let plain = {
+        let mut p = c.clone();
+        p.endpoints = vec![server.url().replace("https://", "http://")];
+        p
+    };
+    assert!(Registration::register(&plain, rec.clone()).await.is_err());
+    c.tls = Some(EtcdTls {
+        ca: dir.join("ca.pem"),
+        identity: None,
+        domain: None,
+    });
+    assert!(Registration::register(&c, rec.clone()).await.is_err());
+    c.tls = Some(EtcdTls {
+        ca: dir.join("ca.pem"),
+        identity: Some((stranger_cert, stranger_key)),
+        domain: None,
+    });
+    assert!(Registration::register(&c, rec.clone()).await.is_err());
+    c.tls = Some(EtcdTls {
+        ca: dir.join("ca.pem"),
+        identity: Some((client_cert, client_key)),
+        domain: None,
+    });
+    let _reg = Registration::register(&c, rec).await.unwrap();
+    let dir_ = Directory::open(&c).await.unwrap();
+    assert_eq!(dir_.records().len(), 1);
+    let _ = std::fs::remove_dir_all(&dir);
+}

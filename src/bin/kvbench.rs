@@ -189,6 +189,21 @@ struct Opts {
     /// within it.
     #[arg(long, default_value_t = 5.0, global = true)]
     lease_ttl: f64,
+    /// With `--etcd`: the etcd user (an etcd with authentication enabled); its password comes from
+    /// the `KVX_ETCD_PASSWORD` environment variable.
+    #[arg(long, global = true)]
+    etcd_user: Option<String>,
+    /// With `--etcd` over `https://`: the PEM file of the certificate authority that signed etcd's
+    /// certificate.
+    #[arg(long, global = true)]
+    etcd_ca: Option<PathBuf>,
+    /// With `--etcd-ca`: this process's certificate and key (PEM), for an etcd that asks clients
+    /// for one.
+    #[arg(long, global = true, requires = "etcd_key")]
+    etcd_cert: Option<PathBuf>,
+    /// The key of `--etcd-cert`.
+    #[arg(long, global = true, requires = "etcd_cert")]
+    etcd_key: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -321,6 +336,25 @@ impl Opts {
         cfg.endpoints = urls.split(',').map(str::to_string).collect();
         cfg.lease_ttl = Duration::from_secs_f64(self.lease_ttl);
         cfg.prefix().map_err(|e| e.to_string())?;
+        if let Some(name) = &self.etcd_user {
+            let password = std::env::var("KVX_ETCD_PASSWORD")
+                .map_err(|_| "--etcd-user needs KVX_ETCD_PASSWORD".to_string())?;
+            cfg.user = Some(transfer_engine::discovery::EtcdUser {
+                name: name.clone(),
+                password,
+            });
+        }
+        match (&self.etcd_ca, &self.etcd_cert, &self.etcd_key) {
+            (Some(ca), cert, key) => {
+                cfg.tls = Some(transfer_engine::discovery::EtcdTls {
+                    ca: ca.clone(),
+                    identity: cert.clone().zip(key.clone()),
+                    domain: None,
+                });
+            }
+            (None, None, None) => {}
+            (None, _, _) => return Err("--etcd-cert and --etcd-key need --etcd-ca".into()),
+        }
         Ok(Some(cfg))
     }
 

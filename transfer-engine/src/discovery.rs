@@ -29,7 +29,7 @@ use tokio::sync::watch;
 /// Where the cluster's records live.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EtcdConfig {
-    /// etcd endpoints, as `http://host:port`.
+    /// etcd endpoints, as `http://host:port` (or `https://` with [`tls`](Self::tls)).
     pub endpoints: Vec<String>,
     /// The cluster name: records live under `kvx/<cluster>/`, so clusters under different names
     /// never see each other. Non-empty, without `/`.
@@ -38,6 +38,48 @@ pub struct EtcdConfig {
     /// this, and the engine renews it every third of it. At least one second (etcd counts in
     /// seconds).
     pub lease_ttl: Duration,
+    /// How long the first contact with etcd is tried again, with pauses growing from 100 ms to
+    /// 2 s, before a registration or directory fails to start (etcd may come up after the
+    /// engines). Zero tries once.
+    pub start_deadline: Duration,
+    /// Name and password, for an etcd with authentication enabled.
+    pub user: Option<EtcdUser>,
+    /// TLS to etcd (`https://` endpoints).
+    pub tls: Option<EtcdTls>,
+    /// Bound on a directory's silence: a watch that brings nothing for this long is asked for a
+    /// progress notification, and one that then brings nothing for as long again means etcd is
+    /// unreachable or stopped: the directory says so ([`Directory::is_live`]), connects again and
+    /// lists afresh.
+    pub watch_liveness: Duration,
+}
+
+/// etcd credentials. `Debug` never shows the password.
+#[derive(Clone, PartialEq, Eq)]
+pub struct EtcdUser {
+    /// User name.
+    pub name: String,
+    /// Password.
+    pub password: String,
+}
+
+impl std::fmt::Debug for EtcdUser {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdUser")
+            .field("name", &self.name)
+            .field("password", &"<redacted>")
+            .finish()
+    }
+}
+
+/// TLS settings for etcd, as PEM files.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EtcdTls {
+    /// The certificate authority that signed etcd's certificate.
+    pub ca: std::path::PathBuf,
+    /// This client's certificate and key, for an etcd that asks for one (`--client-cert-auth`).
+    pub identity: Option<(std::path::PathBuf, std::path::PathBuf)>,
+    /// The name etcd's certificate carries, when it is not the endpoint's host.
+    pub domain: Option<String>,
 }
 
 impl EtcdConfig {
@@ -47,6 +89,10 @@ impl EtcdConfig {
             endpoints: vec![endpoint.into()],
             cluster: cluster.into(),
             lease_ttl: Duration::from_secs(5),
+            start_deadline: Duration::from_secs(30),
+            user: None,
+            tls: None,
+            watch_liveness: Duration::from_secs(5),
         }
     }
 
@@ -66,12 +112,54 @@ impl EtcdConfig {
     }
 
     async fn connect(&self) -> Result<etcd_client::Client, DiscoveryError> {
-        let options = etcd_client::ConnectOptions::new()
+        let mut options = etcd_client::ConnectOptions::new()
             .with_connect_timeout(Duration::from_secs(2))
             .with_timeout(Duration::from_secs(5));
+        if let Some(u) = &self.user {
+            options = options.with_user(u.name.clone(), u.password.clone());
+        }
+        if let Some(t) = &self.tls {
+            let read = |p: &std::path::Path| {
+                std::fs::read(p).map_err(|e| DiscoveryError::Tls(format!("{}: {e}", p.display())))
+            };
+            let mut tls = etcd_client::TlsOptions::new()
+                .ca_certificate(etcd_client::Certificate::from_pem(read(&t.ca)?));
+            if let Some((cert, key)) = &t.identity {
+                tls = tls.identity(etcd_client::Identity::from_pem(read(cert)?, read(key)?));
+            }
+            if let Some(d) = &t.domain {
+                tls = tls.domain_name(d.clone());
+            }
+            options = options.with_tls(tls);
+        }
         etcd_client::Client::connect(&self.endpoints, Some(options))
             .await
             .map_err(DiscoveryError::from)
+    }
+
+    /// [`connect`](Self::connect), tried again until [`start_deadline`](Self::start_deadline);
+    /// then the last error.
+    async fn connect_at_start(&self) -> Result<etcd_client::Client, DiscoveryError> {
+        let deadline = tokio::time::Instant::now() + self.start_deadline;
+        let mut pause = Duration::from_millis(100);
+        loop {
+            // The client connects lazily: its first call is what reaches etcd.
+            let reached = match self.connect().await {
+                Ok(mut c) => c.status().await.map(|_| c).map_err(DiscoveryError::from),
+                Err(e) => Err(e),
+            };
+            match reached {
+                Ok(c) => return Ok(c),
+                // Refused credentials or unreadable certificates do not get better by waiting.
+                Err(e) if e.is_refusal() => return Err(e),
+                Err(e) if tokio::time::Instant::now() + pause > deadline => return Err(e),
+                Err(e) => {
+                    tracing::info!(error = %e, ?pause, "etcd not reachable yet; trying again");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(2));
+                }
+            }
+        }
     }
 }
 
@@ -88,6 +176,9 @@ pub enum DiscoveryError {
     /// etcd refused or could not be reached.
     #[error("etcd: {0}")]
     Etcd(#[from] etcd_client::Error),
+    /// A TLS file that cannot be read.
+    #[error("etcd TLS: {0}")]
+    Tls(String),
     /// A record that does not parse (written by something else under our prefix).
     #[error("record {key}: {reason}")]
     BadRecord {
@@ -110,6 +201,22 @@ pub enum DiscoveryError {
         /// Ours.
         ours: u64,
     },
+}
+
+impl DiscoveryError {
+    /// Whether etcd answered and refused us (credentials, permissions), or our TLS files cannot be
+    /// read: trying again does not help.
+    fn is_refusal(&self) -> bool {
+        // gRPC status codes (a wire fact): 3 INVALID_ARGUMENT (etcd's "authentication failed"),
+        // 7 PERMISSION_DENIED, 16 UNAUTHENTICATED.
+        match self {
+            DiscoveryError::Tls(_) => true,
+            DiscoveryError::Etcd(etcd_client::Error::GRpcStatus(s)) => {
+                matches!(s.code() as i32, 3 | 7 | 16)
+            }
+            _ => false,
+        }
+    }
 }
 
 impl From<DiscoveryError> for EngineError {
@@ -247,7 +354,7 @@ impl Registration {
             key: key.clone(),
             reason: e.to_string(),
         })?;
-        let mut client = cfg.connect().await?;
+        let mut client = cfg.connect_at_start().await?;
         let mine = Owned {
             key,
             value,
@@ -478,6 +585,8 @@ pub struct Directory {
     records: Arc<Mutex<HashMap<String, EngineRecord>>>,
     changed: watch::Receiver<u64>,
     events: tokio::sync::broadcast::Sender<DirectoryEvent>,
+    /// Whether the watch follows etcd now (see [`EtcdConfig::watch_liveness`]).
+    live: Arc<std::sync::atomic::AtomicBool>,
     _task: Arc<AbortOnDrop>,
 }
 
@@ -497,26 +606,38 @@ impl Directory {
     /// etcd unreachable, or a bad cluster name.
     pub async fn open(cfg: &EtcdConfig) -> Result<Self, DiscoveryError> {
         let prefix = cfg.prefix()?;
-        let mut client = cfg.connect().await?;
+        let mut client = cfg.connect_at_start().await?;
         let records: Arc<Mutex<HashMap<String, EngineRecord>>> = Arc::default();
         let (ctx, crx) = watch::channel(0u64);
         let (events, _) = tokio::sync::broadcast::channel(1024);
         let rev = list(&mut client, &prefix, &records, &events).await?;
+        let live = Arc::new(std::sync::atomic::AtomicBool::new(true));
         let task = tokio::spawn(follow(
             cfg.clone(),
             client,
             prefix,
             rev,
-            records.clone(),
-            ctx,
-            events.clone(),
+            Follow {
+                records: records.clone(),
+                changed: ctx,
+                events: events.clone(),
+                live: live.clone(),
+            },
         ));
         Ok(Directory {
             records,
             changed: crx,
             events,
+            live,
             _task: Arc::new(AbortOnDrop(task)),
         })
+    }
+
+    /// Whether the directory follows etcd now: false from the moment its watch went silent past
+    /// [`EtcdConfig::watch_liveness`] (or broke) until it has connected again and listed afresh.
+    /// Meanwhile its records are the last ones it saw.
+    pub fn is_live(&self) -> bool {
+        self.live.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Every record now.
@@ -633,22 +754,52 @@ async fn list(
     Ok(rev)
 }
 
+/// What a directory's follower updates.
+struct Follow {
+    records: Arc<Mutex<HashMap<String, EngineRecord>>>,
+    changed: watch::Sender<u64>,
+    events: tokio::sync::broadcast::Sender<DirectoryEvent>,
+    live: Arc<std::sync::atomic::AtomicBool>,
+}
+
 async fn follow(
     cfg: EtcdConfig,
     mut client: etcd_client::Client,
     prefix: String,
     mut rev: i64,
-    records: Arc<Mutex<HashMap<String, EngineRecord>>>,
-    changed: watch::Sender<u64>,
-    events: tokio::sync::broadcast::Sender<DirectoryEvent>,
+    f: Follow,
 ) {
+    use std::sync::atomic::Ordering;
+    let bound = cfg.watch_liveness.max(Duration::from_millis(10));
     loop {
         let opts = etcd_client::WatchOptions::new()
             .with_prefix()
             .with_prev_key()
+            .with_progress_notify()
             .with_start_revision(rev + 1);
         if let Ok(mut stream) = client.watch(prefix.as_str(), Some(opts)).await {
-            while let Ok(Some(resp)) = stream.message().await {
+            // Whether a progress notification was asked for and has not come yet.
+            let mut asked = false;
+            loop {
+                let resp = match tokio::time::timeout(bound, stream.message()).await {
+                    Ok(Ok(Some(resp))) => resp,
+                    Ok(_) => break,
+                    Err(_) if asked => {
+                        tracing::warn!(
+                            silent = ?bound * 2,
+                            "etcd watch silent past its bound: connecting again"
+                        );
+                        break;
+                    }
+                    Err(_) => {
+                        asked = true;
+                        if stream.request_progress().await.is_err() {
+                            break;
+                        }
+                        continue;
+                    }
+                };
+                asked = false;
                 if resp.canceled() {
                     break;
                 }
@@ -662,34 +813,39 @@ async fn follow(
                     match ev.event_type() {
                         etcd_client::EventType::Put => match parse(&key, kv.value()) {
                             Ok(r) => {
-                                lock(&records).insert(key, r.clone());
-                                let _ = events.send(DirectoryEvent::Put(r));
+                                lock(&f.records).insert(key, r.clone());
+                                let _ = f.events.send(DirectoryEvent::Put(r));
                             }
                             Err(e) => tracing::warn!(error = %e, "ignoring a record"),
                         },
                         etcd_client::EventType::Delete => {
-                            let old = lock(&records)
+                            let old = lock(&f.records)
                                 .remove(&key)
                                 .or_else(|| ev.prev_kv().and_then(|p| parse(&key, p.value()).ok()));
                             if let Some(r) = old {
-                                let _ = events.send(DirectoryEvent::Deleted(r));
+                                let _ = f.events.send(DirectoryEvent::Deleted(r));
                             }
                         }
                     }
                 }
-                changed.send_modify(|n| *n += 1);
+                if !resp.events().is_empty() {
+                    f.changed.send_modify(|n| *n += 1);
+                }
             }
         }
-        // etcd went away (or compacted past us): connect again and list afresh.
+        // etcd went away, went silent, or compacted past us: connect again and list afresh.
+        f.live.store(false, Ordering::Release);
+        f.changed.send_modify(|n| *n += 1);
         loop {
             tokio::time::sleep(Duration::from_millis(500)).await;
             let Ok(mut c) = cfg.connect().await else {
                 continue;
             };
-            if let Ok(r) = list(&mut c, &prefix, &records, &events).await {
+            if let Ok(r) = list(&mut c, &prefix, &f.records, &f.events).await {
                 rev = r;
                 client = c;
-                changed.send_modify(|n| *n += 1);
+                f.live.store(true, Ordering::Release);
+                f.changed.send_modify(|n| *n += 1);
                 break;
             }
         }

@@ -287,7 +287,6 @@ impl Session {
         }
     }
 
-    /// Slot of PP rank `pp_rank`'s `j`-th source.
     /// Whether a rank in `slot` writing `layers` keeps the PP ranks' layers a tiling of the model's
     /// `total`: rank 0 starts at layer 0, the last rank ends at `total`, and each rank starts where
     /// the one before it ends (TP sources of one PP rank hold the same layers). Checked against the
@@ -338,6 +337,7 @@ impl Session {
         Ok(())
     }
 
+    /// Slot of PP rank `pp_rank`'s `j`-th source.
     fn slot(&self, pp_rank: u16, j: usize) -> Option<u16> {
         if pp_rank >= self.pp_size || j >= self.sources.len() {
             return None;

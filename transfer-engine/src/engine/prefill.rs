@@ -84,8 +84,9 @@ pub struct PrefillConfig {
     /// (an address picked as free can be gone by then); with a socket its port is held throughout.
     pub mesh_socket: Option<Arc<MeshSocket>>,
     /// This start of the rank, carried in its Hello: decode and the PP peers never admit a smaller
-    /// one for the rank again (see [`crate::core::membership`]). [`PrefillConfig::new`] takes the
-    /// clock's nanoseconds since the Unix epoch, so a restarted process gets a larger one.
+    /// one for the rank again (see [`crate::core::membership`]). [`PrefillConfig::new`] draws it
+    /// with [`fresh_incarnation`](super::fresh_incarnation), so a restarted process on the same
+    /// host gets a larger one, even after the host's clock stepped back.
     pub incarnation: u64,
     /// Interval of the heartbeats sent on every control connection (to each decode, to each PP
     /// peer); a peer that sends nothing for [`SILENT_INTERVALS`](super::SILENT_INTERVALS) of them is

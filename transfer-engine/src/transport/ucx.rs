@@ -93,8 +93,7 @@ fn mapped(rkey: ffi::ucp_rkey_h, addr: u64, len: u64, before: &[(u64, u64)]) -> 
         return ptr::null_mut();
     }
     // Map every page now, so the first writes do not fault page by page; a region whose pages cannot
-    // be had (its segment is on a full mount) is written through puts, whose failure is an error
-    // status rather than a SIGBUS here.
+    // be had is left to UCX's puts rather than written by our copies.
     if let Err(e) = populate(local.cast(), len) {
         tracing::warn!(addr, len, error = %e, "cannot map a peer's region; using puts");
         return ptr::null_mut();

@@ -516,6 +516,18 @@ fn completed(stderr: &str) -> usize {
         .count()
 }
 
+/// [`two_hosts`] for test `name`, with iptables (binary, kernel support) probed in both namespaces
+/// before anything runs; the test fails where either cannot be had.
+fn hosts_with_iptables(name: &str, guard: &mut Netns) -> (String, String) {
+    let (dns, pns) = two_hosts(guard).unwrap_or_else(|reason| cannot_run(name, &reason));
+    for ns in [&dns, &pns] {
+        if let Err(reason) = run_cmd("ip", &["netns", "exec", ns, "iptables", "-L", "-n"]) {
+            cannot_run(name, &format!("iptables unusable in a namespace: {reason}"));
+        }
+    }
+    (dns, pns)
+}
+
 /// `iptables` rules in namespace `ns` dropping everything in and out of `dev` (`-A` adds, `-D` deletes).
 fn partition_rules(ns: &str, dev: &str, op: &str) -> Result<(), String> {
     for (chain, dir) in [("INPUT", "-i"), ("OUTPUT", "-o")] {
@@ -548,11 +560,7 @@ fn partition_fails_affected_requests_within_bound_then_heals() {
         return;
     }
     let mut guard = Netns { names: Vec::new() };
-    let (dns, pns) = two_hosts(&mut guard).unwrap_or_else(|reason| cannot_run(NAME, &reason));
-    // Probe iptables (binary, kernel support) in the decode namespace before anything runs.
-    if let Err(reason) = run_cmd("ip", &["netns", "exec", &dns, "iptables", "-L", "-n"]) {
-        cannot_run(NAME, &format!("iptables unusable in a namespace: {reason}"));
-    }
+    let (dns, pns) = hosts_with_iptables(NAME, &mut guard);
     // Declared after the guard, so dropped (children killed and reaped) before the namespaces go
     // (and the rules with them).
     let mut kids = Children::new("partition");
@@ -722,10 +730,7 @@ fn a_half_open_rank_is_lost_within_three_heartbeats_and_replaced() {
         return;
     }
     let mut guard = Netns { names: Vec::new() };
-    let (dns, pns) = two_hosts(&mut guard).unwrap_or_else(|reason| cannot_run(NAME, &reason));
-    if let Err(reason) = run_cmd("ip", &["netns", "exec", &pns, "iptables", "-L", "-n"]) {
-        cannot_run(NAME, &format!("iptables unusable in a namespace: {reason}"));
-    }
+    let (dns, pns) = hosts_with_iptables(NAME, &mut guard);
     let mut kids = Children::new("half-open");
     let workload = half_open_workload();
     let decode = "10.77.0.1:47100";

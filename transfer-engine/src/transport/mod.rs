@@ -516,11 +516,6 @@ impl Drop for Registration {
         if written {
             return leak(pool, "a peer that was given it may still write into it");
         }
-        if first == TransportError::Shutdown {
-            // The transport's close kept the registration (and any memory it allocated): asking
-            // again cannot succeed.
-            return leak(pool, "its transport is shut down");
-        }
         // The usual cause is that the last handle to an engine went away inside one of the
         // transport's own callbacks, on its progress thread, which cannot answer itself. A helper
         // thread asks again once the callback has returned, and frees the memory only if that works.

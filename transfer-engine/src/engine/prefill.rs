@@ -1470,11 +1470,17 @@ impl Inner {
             *ok = false;
         }
         if st.announced && was {
-            tracing::warn!(
-                pp_rank = self.cfg.pp_rank,
-                peer = rank,
-                "vote mesh link lost: decodes told NotReady"
-            );
+            // At the end of a run every decode is closing this rank and its peers alike: their
+            // links going is no news then.
+            if st.links.values().any(|l| !l.closed) {
+                tracing::warn!(
+                    pp_rank = self.cfg.pp_rank,
+                    peer = rank,
+                    "vote mesh link lost: decodes told NotReady"
+                );
+            } else {
+                tracing::debug!(pp_rank = self.cfg.pp_rank, peer = rank, "vote mesh link closed");
+            }
             st.tell_decodes(&Msg::NotReady);
         }
         let _ = st.board.handle_peer_lost(Instant::now(), rank);

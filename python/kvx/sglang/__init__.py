@@ -13,7 +13,8 @@ subclass SGLang's own bases, so Python refuses any abstract method left out.
   itself, started with the first and each later one added to it);
 - ``sender`` / ``receiver``: one request on a prefill / decode rank.
 
-Settings (environment): ``KVX_SECRET`` / ``KVX_SECRET_FILE`` (the deployment's shared secret),
+Settings (environment): ``KVX_SECRET`` / ``KVX_SECRET_FILE`` (the deployment's shared secret; a file
+others may read, or an empty setting, is refused),
 ``KVX_BACKEND`` (``ucx``, default, or ``nixl``), ``KVX_CHUNK_TOKENS`` (decode's chunk size in tokens,
 rounded to pages; default 1024), ``KVX_REQUEST_TIMEOUT`` (seconds; default SGLang's
 ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``), ``KVX_DEVICE`` (``cpu`` or ``cuda:N``; default

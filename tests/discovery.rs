@@ -667,3 +667,43 @@ async fn etcd_over_tls_admits_only_a_client_with_a_trusted_certificate() {
     assert_eq!(dir_.records().len(), 1);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// When a decode's directory events were missed (its queue overflowed), reconciling with the
+/// records as they stand evicts a connected rank whose record is gone (its lease ended, the
+/// deletion unseen) and leaves a registered one alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconciling_a_decode_evicts_a_connected_rank_whose_record_is_gone() {
+    use transfer_engine::core::planner::{KvLayout, RegionKind};
+    use transfer_engine::discovery::reconcile_decode;
+    use transfer_engine::engine::{DecodeConfig, DecodeEngine, Pool, PrefillConfig, PrefillEngine};
+    use transfer_engine::mem::{HostBuffer, HostOptions};
+    let server = EtcdServer::start().unwrap();
+    let c = cfg(&server, "reconcile", 30);
+    let layout = KvLayout::packed(0, 2, RegionKind::Fused, 256, 8);
+    let buf = || HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).unwrap();
+    let decode = DecodeEngine::start(
+        DecodeConfig::new(2, 16, layout.clone(), 1),
+        Pool::Owned(buf()),
+    )
+    .await
+    .unwrap();
+    let mut pcfg = PrefillConfig::new(decode.local_addr(), 0, 1, 2, 16, layout.clone());
+    pcfg.incarnation = 77;
+    let _prefill = PrefillEngine::start(pcfg, Pool::Owned(buf()))
+        .await
+        .unwrap();
+    decode.wait_for_ranks(BOUND).await.unwrap();
+    let mut rec = record(RecordRole::Prefill, 0, 4001, 77);
+    rec.pp_size = 1;
+    let reg = Registration::register(&c, rec).await.unwrap();
+    let dir = Directory::open(&c).await.unwrap();
+    assert_eq!(reconcile_decode(&decode, &dir, 0), 0);
+    assert_eq!(decode.connected_ranks(), vec![(String::new(), 0, 77)]);
+    reg.revoke().await.unwrap();
+    until("the record gone from the directory", BOUND, || {
+        dir.records().is_empty()
+    })
+    .await;
+    assert_eq!(reconcile_decode(&decode, &dir, 0), 1);
+    assert!(decode.connected_ranks().is_empty());
+}

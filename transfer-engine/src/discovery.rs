@@ -852,6 +852,43 @@ async fn follow(
     }
 }
 
+/// Brings decode `engine` (TP rank `tp_rank`) in line with `directory`'s records as they stand, for
+/// when its events were missed (the directory's event queue overflowed): an evicted rank whose
+/// start registered again is readmitted, and a connected rank whose record is gone (its lease
+/// ended, the deletion unseen) is evicted. Nothing is evicted while the directory does not follow
+/// etcd ([`Directory::is_live`]): its records may be stale then. Returns how many ranks were
+/// evicted.
+pub fn reconcile_decode(engine: &DecodeEngine, directory: &Directory, tp_rank: u16) -> usize {
+    let records: Vec<EngineRecord> = directory
+        .records()
+        .into_iter()
+        .filter(|r| r.role == RecordRole::Prefill && r.tp_rank == tp_rank)
+        .collect();
+    for r in &records {
+        engine.readmit_in(&r.instance, r.pp_rank, r.incarnation);
+    }
+    if !directory.is_live() {
+        return 0;
+    }
+    let mut evicted = 0;
+    for (instance, rank, incarnation) in engine.connected_ranks() {
+        // A start is known by its incarnation (its slot may differ from its PP rank where several
+        // prefill TP ranks write into this decode TP rank).
+        let registered = records
+            .iter()
+            .any(|r| r.instance == instance && r.incarnation == incarnation);
+        if !registered && engine.evict_in(&instance, rank, incarnation) {
+            tracing::warn!(
+                rank,
+                incarnation,
+                "prefill rank's record is gone while it is connected: evicted"
+            );
+            evicted += 1;
+        }
+    }
+    evicted
+}
+
 /// Follows `directory` for decode `engine` (TP rank `tp_rank`): a prefill rank whose record is
 /// deleted while that start of it is connected is evicted (its lease expired: the process died or
 /// is stopped), and readmitted if the same start registers again. Runs until the engine is
@@ -862,15 +899,8 @@ pub async fn watch_decode(engine: DecodeEngine, directory: Directory, tp_rank: u
         let ev = match events.recv().await {
             Ok(ev) => ev,
             Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
-                // A missed put may have been a rank registering again: readmit whoever is there
-                // (a no-op for a rank not evicted). A missed deletion goes unseen: that rank is
-                // then caught by its control connection or by its requests' deadlines.
-                tracing::warn!(missed = n, "directory events missed");
-                for r in directory.records() {
-                    if r.role == RecordRole::Prefill && r.tp_rank == tp_rank {
-                        engine.readmit_in(&r.instance, r.pp_rank, r.incarnation);
-                    }
-                }
+                tracing::warn!(missed = n, "directory events missed: reconciling");
+                reconcile_decode(&engine, &directory, tp_rank);
                 continue;
             }
             Err(tokio::sync::broadcast::error::RecvError::Closed) => return,

@@ -951,6 +951,25 @@ impl DecodeEngine {
         out
     }
 
+    /// Every prefill rank connected now over a control connection and not evicted, as
+    /// `(instance, rank, incarnation)`: what an outside liveness signal may find gone.
+    pub fn connected_ranks(&self) -> Vec<(String, u16, u64)> {
+        let st = self.inner.lock();
+        let mut out: Vec<(String, u16, u64)> = st
+            .sessions
+            .values()
+            .flat_map(|s| {
+                s.ranks.iter().enumerate().filter_map(|(rank, r)| {
+                    r.as_ref()
+                        .filter(|r| !r.external && !r.evicted)
+                        .map(|r| (s.name.clone(), rank as u16, r.incarnation))
+                })
+            })
+            .collect();
+        out.sort();
+        out
+    }
+
     /// Asks every prefill rank for `request`'s KV, to be written into `dst_pages` of the pool (one
     /// page index per page of the prompt), and returns a future that resolves once the request is
     /// complete or failed. `timeout` bounds the whole transfer.

@@ -1479,7 +1479,11 @@ impl Inner {
                     "vote mesh link lost: decodes told NotReady"
                 );
             } else {
-                tracing::debug!(pp_rank = self.cfg.pp_rank, peer = rank, "vote mesh link closed");
+                tracing::debug!(
+                    pp_rank = self.cfg.pp_rank,
+                    peer = rank,
+                    "vote mesh link closed"
+                );
             }
             st.tell_decodes(&Msg::NotReady);
         }

@@ -2090,6 +2090,9 @@ impl Inner {
     fn peer_lost(&self, session: SessionId, rank: u16, peer: PeerId, sender: &Sender, end: End) {
         let closed = end == End::Closed;
         let tampered = end == End::Tampered;
+        // One instant for the failures and the absence they belong to: a request that failed here
+        // ended inside the absence, whenever its waiter reads the clock.
+        let now = Instant::now();
         let mut st = self.lock();
         let mut name = String::new();
         if tampered {
@@ -2103,7 +2106,7 @@ impl Inner {
             {
                 r.evicted = true;
             }
-            let _ = st.tracker.handle_peer_lost(Instant::now(), peer);
+            let _ = st.tracker.handle_peer_lost(now, peer);
             self.drain(&mut st);
         }
         if let Some(s) = st.sessions.get_mut(&session) {
@@ -2113,13 +2116,13 @@ impl Inner {
             }
             if s.rank(rank).is_some_and(|r| r.peer == peer) {
                 s.ranks[usize::from(rank)] = None;
-                absence_begins(s, Instant::now());
+                absence_begins(s, now);
                 st.senders.remove(sender);
                 // Always a change: `shutdown` waits on it for every rank's slot to clear.
                 self.changed.send_modify(|n| *n += 1);
             }
         }
-        let failed = st.tracker.handle_peer_lost(Instant::now(), peer);
+        let failed = st.tracker.handle_peer_lost(now, peer);
         if closed && (st.closing || st.sessions.get(&session).is_some_and(|s| s.leaving)) {
             tracing::info!(rank, instance = %name, "prefill rank closed");
         } else {

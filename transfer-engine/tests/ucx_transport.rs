@@ -467,3 +467,86 @@ fn a_senders_progress_thread_lowers_its_priority_at_its_first_post() {
     // SAFETY: the only peer given `dst`, `tx`, disconnected after its one post ended.
     unsafe { dst.assume_quiesced() };
 }
+
+/// An idle receiver that sleeps on UCX's event fd is woken by what arrives, not by a timer: with
+/// its sleep bounded only at 30 s, each chunk posted after the receiver fell asleep (into private
+/// memory, through puts, and into memory UCX allocated, through direct copies) is seen within the
+/// bound below, and a call into its thread (a registration) is answered while it sleeps. With the
+/// event fd not armed or not polled, each would wait out the 30 s.
+#[test]
+fn an_idle_receiver_is_woken_by_arriving_notifications_and_by_calls() {
+    let len = 1 << 20;
+    let asleep = Duration::from_secs(30);
+    let seen: Seen = Arc::default();
+    let s = seen.clone();
+    let sink: Sink = Arc::new(move |ev| {
+        if let Incoming::Notification { sender, bytes } = ev {
+            s.lock().unwrap().push((sender, bytes.to_vec(), true));
+        }
+    });
+    let config = UcxConfig {
+        events: true,
+        event_timeout: asleep,
+        spin: Duration::ZERO,
+        // Without events, the idle thread would nap this long: a missed wake-up shows as a wait.
+        min_sleep: asleep,
+        max_sleep: asleep,
+        ..UcxConfig::default()
+    };
+    let rx_t: Arc<dyn Transport> = Arc::new(UcxTransport::new(config, sink).unwrap());
+    let tx_t = transport(noop_sink());
+    let private = Registration::new(&rx_t, host(len)).unwrap();
+    let shared = Registration::new(&rx_t, Pool::Shared(len as u64)).unwrap();
+    let src = Registration::new(&tx_t, host(len)).unwrap();
+    let peer = tx_t
+        .connect(
+            &rx_t.metadata().unwrap(),
+            &[private.remote().clone(), shared.remote().clone()],
+            7,
+        )
+        .unwrap();
+    // Well under the 30 s a missed wake-up costs, well over a loaded host's scheduling delays.
+    let woken_within = Duration::from_secs(3);
+    for (round, remote) in [(1u8, 0u32), (2, 1), (3, 0), (4, 1)] {
+        // Long enough for the receiver's thread to be asleep in poll(2).
+        std::thread::sleep(Duration::from_millis(300));
+        let t0 = std::time::Instant::now();
+        let writes = vec![WriteOp {
+            local: src.id(),
+            local_offset: 0,
+            remote,
+            remote_offset: 4096,
+            len: 64 << 10,
+        }];
+        let (done, done_rx) = wait_done();
+        tx_t.post(peer, writes, vec![round; 3], done);
+        done_rx.recv_timeout(BOUND).unwrap().unwrap();
+        while seen.lock().unwrap().len() < usize::from(round) {
+            assert!(
+                t0.elapsed() < woken_within,
+                "notification {round} not seen within {woken_within:?}: the sleeping receiver \
+                 was not woken by it"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(
+            seen.lock().unwrap()[usize::from(round) - 1].1,
+            vec![round; 3]
+        );
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let t0 = std::time::Instant::now();
+    let extra = Registration::new(&rx_t, host(4096)).unwrap();
+    assert!(
+        t0.elapsed() < woken_within,
+        "a registration waited {:?} for the sleeping thread",
+        t0.elapsed()
+    );
+    drop(extra);
+    tx_t.disconnect(peer);
+    // SAFETY: the only peer given these regions, `tx_t`, disconnected after its posts ended.
+    unsafe {
+        private.assume_quiesced();
+        shared.assume_quiesced();
+    }
+}

@@ -1,8 +1,14 @@
 //! What both backends' progress threads share: their counters, and the handshake that lets the thread
 //! sleep when idle while the threads queueing commands wake it only when it really sleeps (a busy
 //! engine pays no system call per command).
+//!
+//! A thread sleeps in one of two ways: parked for a timed nap ([`Shared::sleep`]), or in `poll(2)`
+//! on its library's event fd beside a doorbell, an eventfd that command senders write
+//! ([`Shared::sleep_on`]): then it wakes when data arrives, not when a timer says so.
 
 use super::TransportStats;
+use rustix::event::{EventfdFlags, PollFd, PollFlags, Timespec};
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::Thread;
@@ -28,7 +34,20 @@ pub(crate) struct Shared {
     sleeping: AtomicBool,
     active: AtomicBool,
     thread: OnceLock<Thread>,
+    /// The eventfd that wakes a thread sleeping in [`sleep_on`](Self::sleep_on); set once, by
+    /// [`open_doorbell`](Self::open_doorbell), on threads that sleep that way.
+    doorbell: OnceLock<OwnedFd>,
     pub(crate) counters: Counters,
+}
+
+/// How a [`Shared::sleep_on`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Woken {
+    /// The library's fd, the doorbell, or the timeout ended the sleep, or there was no need to
+    /// sleep (a command queued, the library not armed because events were pending).
+    Ok,
+    /// `poll(2)` failed with something other than an interruption: the caller naps instead.
+    Failed,
 }
 
 impl Shared {
@@ -45,14 +64,34 @@ impl Shared {
             .is_some_and(|t| t.id() == std::thread::current().id())
     }
 
+    /// Gives the thread a doorbell, so that [`sleep_on`](Self::sleep_on) can be woken by commands.
+    /// Called by the progress thread before it first sleeps that way.
+    ///
+    /// # Errors
+    /// The eventfd could not be made (the caller sleeps with timed naps instead).
+    pub(crate) fn open_doorbell(&self) -> std::io::Result<()> {
+        if self.doorbell.get().is_none() {
+            let fd = rustix::event::eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?;
+            let _ = self.doorbell.set(fd);
+        }
+        Ok(())
+    }
+
     /// Wakes the progress thread if it sleeps. Called after queueing a command.
     pub(crate) fn ring(&self) {
-        // Pairs with the fence in `sleep`: either the thread sees the command before it sleeps, or we
-        // see it asleep and unpark it (an unpark before its park makes that park return at once).
+        // Pairs with the fence in `sleep` and `sleep_on`: either the thread sees the command before
+        // it sleeps, or we see it asleep and wake it (an unpark before its park makes that park
+        // return at once; a doorbell rung before its poll leaves the eventfd readable).
         std::sync::atomic::fence(Ordering::SeqCst);
-        if self.sleeping.load(Ordering::SeqCst)
-            && let Some(t) = self.thread.get()
-        {
+        if !self.sleeping.load(Ordering::SeqCst) {
+            return;
+        }
+        if let Some(bell) = self.doorbell.get() {
+            // An eventfd adds what is written; a full counter (never, at one per command) or any
+            // other failure leaves the thread to its sleep's timeout.
+            let _ = rustix::io::write(bell, &1u64.to_ne_bytes());
+        }
+        if let Some(t) = self.thread.get() {
             t.unpark();
         }
     }
@@ -65,6 +104,44 @@ impl Shared {
             std::thread::park_timeout(nap);
         }
         self.sleeping.store(false, Ordering::SeqCst);
+    }
+
+    /// Sleeps the progress thread until `fd` (the library's event fd) is readable, a command rings
+    /// the doorbell, or `timeout` passes; not at all if `pending` says a command is queued, or if
+    /// `arm` (which tells the library to signal `fd` on its next event) says events are already
+    /// there. Needs [`open_doorbell`](Self::open_doorbell) first.
+    pub(crate) fn sleep_on(
+        &self,
+        fd: BorrowedFd<'_>,
+        timeout: Duration,
+        pending: impl FnOnce() -> bool,
+        arm: impl FnOnce() -> bool,
+    ) -> Woken {
+        let Some(bell) = self.doorbell.get() else {
+            return Woken::Failed;
+        };
+        self.sleeping.store(true, Ordering::SeqCst);
+        std::sync::atomic::fence(Ordering::SeqCst);
+        let mut woken = Woken::Ok;
+        if !pending() && arm() {
+            let mut fds = [
+                PollFd::new(&fd, PollFlags::IN),
+                PollFd::new(bell, PollFlags::IN),
+            ];
+            let t = Timespec {
+                tv_sec: i64::try_from(timeout.as_secs()).unwrap_or(i64::MAX),
+                tv_nsec: i64::from(timeout.subsec_nanos()),
+            };
+            match rustix::event::poll(&mut fds, Some(&t)) {
+                Ok(_) | Err(rustix::io::Errno::INTR) => {}
+                Err(_) => woken = Woken::Failed,
+            }
+        }
+        self.sleeping.store(false, Ordering::SeqCst);
+        // Empties the doorbell (nonblocking: nothing to read is fine), so the next poll waits again.
+        let mut buf = [0u8; 8];
+        let _ = rustix::io::read(bell, &mut buf);
+        woken
     }
 
     /// Records the owner's hint (see `Transport::set_active`), waking the thread when it turns on.

@@ -12,16 +12,16 @@
 //! right there, fenced before the flush; any other write is a `ucp_put_nbx` whose request is freed at
 //! once (UCX completes it on its own).
 //!
-//! Idle, the thread spins for [`UcxConfig::spin`] and then parks, woken by command senders only when
-//! it is asleep (a busy engine pays no system call per command), for a time that grows from
-//! [`UcxConfig::min_sleep`] to [`UcxConfig::max_sleep`] so that incoming notifications are still
-//! polled. While the owner expects notifications (`Transport::set_active`) every nap is
-//! [`UcxConfig::min_sleep`]: a thread that sleeps briefly is woken ahead of busy threads, while one
-//! that polls and yields the core waits behind every busy thread's time slice (`kvbench`'s last
-//! write to Complete p50 fell from 170 to 660 µs to 46 to 60 µs on two cores). The worker's own event
-//! fd is not used: asking UCX for `UCP_FEATURE_WAKEUP` excludes the shared-memory zero-copy
-//! transport (cma), which has no event fd, and puts into private memory then fall back to emulation
-//! over TCP, five times slower.
+//! Idle, the thread spins for [`UcxConfig::spin`] and then sleeps. With [`UcxConfig::events`] (the
+//! default) it sleeps in `poll(2)` on the worker's event fd (`UCP_FEATURE_WAKEUP`,
+//! `ucp_worker_get_efd`, armed by `ucp_worker_arm`) beside a doorbell that command senders ring
+//! only while it sleeps, so an arriving notification or put wakes it, and an engine waiting for
+//! chunks costs no CPU while it waits. While its own writes are in flight it naps instead, as
+//! without events: it parks for a time that grows from [`UcxConfig::min_sleep`] to
+//! [`UcxConfig::max_sleep`], every nap [`UcxConfig::min_sleep`] while the owner expects
+//! notifications (`Transport::set_active`). Asking UCX for wake-ups keeps its shared-memory
+//! zero-copy transport (cma) for puts here (UCX 1.23: `UCX_PROTO_INFO=y` shows cma for
+//! `ucp_put*` either way).
 //!
 //! This is the only module of the crate that calls UCX.
 
@@ -281,6 +281,12 @@ pub struct UcxConfig {
     /// The nice value the progress thread takes when it posts its first write (see
     /// [`lower_thread_priority`]); 0 leaves it as it is.
     pub sender_nice: i32,
+    /// Sleep on UCX's event fd when idle, woken by arriving data (on by default); off, the idle
+    /// thread naps between polls (see the module's documentation).
+    pub events: bool,
+    /// With [`events`](Self::events): the longest sleep, after which UCX is progressed anyway (its
+    /// own timers).
+    pub event_timeout: Duration,
 }
 
 impl Default for UcxConfig {
@@ -294,6 +300,8 @@ impl Default for UcxConfig {
             tcp_native_put: true,
             direct_copy: true,
             sender_nice: SENDER_NICE,
+            events: true,
+            event_timeout: Duration::from_millis(100),
         }
     }
 }
@@ -662,6 +670,9 @@ struct Worker {
     spin: Duration,
     min_sleep: Duration,
     max_sleep: Duration,
+    /// The worker's event fd, where the thread sleeps when idle (see [`UcxConfig::events`]).
+    efd: Option<std::os::fd::RawFd>,
+    event_timeout: Duration,
     peer_error_handling: bool,
     direct_copy: bool,
     sender_nice: i32,
@@ -772,7 +783,12 @@ impl Worker {
                 | ffi::ucp_params_field::UCP_PARAM_FIELD_MT_WORKERS_SHARED)
                 .0 as u64,
             features: (ffi::ucp_feature::UCP_FEATURE_RMA | ffi::ucp_feature::UCP_FEATURE_AM).0
-                as u64,
+                as u64
+                | if config.events {
+                    ffi::ucp_feature::UCP_FEATURE_WAKEUP.0 as u64
+                } else {
+                    0
+                },
             mt_workers_shared: 0,
             ..Default::default()
         };
@@ -828,6 +844,11 @@ impl Worker {
             unsafe { ffi::ucp_cleanup(ctx) };
             return Err(e);
         }
+        let efd = if config.events {
+            Self::event_fd(worker, &shared)
+        } else {
+            None
+        };
         let am_arg = Box::into_raw(Box::new(AmArg {
             sink: sink.clone(),
             shared: shared.clone(),
@@ -838,6 +859,8 @@ impl Worker {
             spin: config.spin,
             min_sleep: config.min_sleep,
             max_sleep: config.max_sleep,
+            efd,
+            event_timeout: config.event_timeout,
             peer_error_handling: config.peer_error_handling,
             direct_copy: config.direct_copy,
             sender_nice: config.sender_nice,
@@ -865,6 +888,24 @@ impl Worker {
         unsafe { ffi::ucp_worker_set_am_recv_handler(w.worker, &handler) }
             .result("ucp_worker_set_am_recv_handler")?;
         Ok(w)
+    }
+
+    /// The worker's event fd, with the doorbell that wakes the thread from it; `None` (the thread
+    /// then naps) if either cannot be had.
+    fn event_fd(worker: ffi::ucp_worker_h, shared: &Shared) -> Option<std::os::fd::RawFd> {
+        let mut fd: std::os::fd::RawFd = -1;
+        // SAFETY: worker is live and was created on a context with UCP_FEATURE_WAKEUP; fd is an
+        // out pointer. UCX owns the fd, which stays open until the worker is destroyed.
+        let st = unsafe { ffi::ucp_worker_get_efd(worker, &mut fd) };
+        if let Err(e) = st.result("ucp_worker_get_efd") {
+            tracing::warn!(error = %e, "no UCX event fd: the idle progress thread naps instead");
+            return None;
+        }
+        if let Err(e) = shared.open_doorbell() {
+            tracing::warn!(error = %e, "no eventfd: the idle progress thread naps instead");
+            return None;
+        }
+        Some(fd)
     }
 
     fn address(&mut self) -> Result<Vec<u8>, TransportError> {
@@ -902,6 +943,15 @@ impl Worker {
                 nap = self.min_sleep;
                 continue;
             }
+            let ours_in_flight = self.shared.counters.in_flight.load(Ordering::Relaxed) > 0
+                || !self.closes.is_empty();
+            // With nothing of ours in flight, spin, then sleep until something arrives.
+            if let Some(efd) = self.efd
+                && !ours_in_flight
+                && (last_busy.elapsed() < self.spin || self.sleep_on_events(rx, efd))
+            {
+                continue;
+            }
             if self.shared.is_active() {
                 // Traffic is expected: keep polling, but let the threads that produce it run.
                 self.sleep(rx, self.min_sleep);
@@ -915,6 +965,33 @@ impl Worker {
     /// Sleeps up to `nap`, or until a command arrives.
     fn sleep(&mut self, rx: &chan::Receiver<Cmd>, nap: Duration) {
         self.shared.sleep(nap, || !rx.is_empty());
+    }
+
+    /// Sleeps on the worker's event fd until data arrives, a command is queued, or
+    /// [`UcxConfig::event_timeout`] passes. Returns false if it could not (the caller naps).
+    fn sleep_on_events(&mut self, rx: &chan::Receiver<Cmd>, efd: std::os::fd::RawFd) -> bool {
+        let worker = self.worker;
+        // SAFETY: UCX keeps the worker's event fd open until the worker is destroyed, which happens
+        // on this thread after the loop ends; the borrow ends with this call.
+        let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(efd) };
+        let mut arm_failed = false;
+        let woken = self.shared.sleep_on(
+            fd,
+            self.event_timeout,
+            || !rx.is_empty(),
+            || {
+                // SAFETY: the worker is live and used only by this thread, which progressed it
+                // until it reported nothing more (ucp_worker_arm's precondition).
+                let st = unsafe { ffi::ucp_worker_arm(worker) };
+                // BUSY: events arrived since the last progress; progress again before sleeping.
+                if !st.is_ok() && st != ffi::ucs_status_t::UCS_ERR_BUSY {
+                    tracing::warn!(status = st.0, "ucp_worker_arm failed: napping instead");
+                    arm_failed = true;
+                }
+                st.is_ok()
+            },
+        );
+        woken == super::progress::Woken::Ok && !arm_failed
     }
 
     fn drain_events(&mut self) -> bool {

@@ -17,9 +17,10 @@
 //! turn, and keeps polling while idle: it spins for [`NixlConfig::spin`] after the last event, then
 //! parks for a time growing from [`NixlConfig::min_sleep`] to [`NixlConfig::max_sleep`]. NIXL gives
 //! no event fd to wake on, so the sleep is bounded; command senders unpark the thread only when it is
-//! asleep, so a busy engine pays no system call per command. While requests are in flight, or while
-//! the owner says notifications are expected (`Transport::set_active`), every nap is
-//! [`NixlConfig::min_sleep`], because their completion is only seen by polling.
+//! asleep, so a busy engine pays no system call per command. While requests of ours are in flight,
+//! every nap is [`NixlConfig::min_sleep`], because their completion is only seen by polling; while
+//! the owner says notifications are expected (`Transport::set_active`), naps grow only to
+//! [`NixlConfig::expecting_max_sleep`].
 //!
 //! NIXL's metadata carries the agent's registrations, so a peer must fetch [`Transport::metadata`]
 //! after registering the regions it will be written into; [`Transport::connect`] checks that the
@@ -63,6 +64,10 @@ pub struct NixlConfig {
     /// Longest sleep of an idle progress thread: the worst extra latency an idle transport adds to a
     /// notification or to a peer's connection setup.
     pub max_sleep: Duration,
+    /// Longest sleep while the owner expects notifications and no transfer of ours is in flight:
+    /// naps grow from [`min_sleep`](Self::min_sleep) to this while nothing arrives, so an engine that
+    /// waits for a prefill's compute does not poll NIXL tens of thousands of times a second.
+    pub expecting_max_sleep: Duration,
     /// Parameters of the UCX backend that replace the plugin's defaults (for instance
     /// `("num_workers", "2")`).
     pub backend_params: Vec<(String, String)>,
@@ -92,6 +97,7 @@ impl Default for NixlConfig {
             spin: Duration::from_micros(200),
             min_sleep: Duration::from_micros(20),
             max_sleep: Duration::from_millis(1),
+            expecting_max_sleep: Duration::from_micros(100),
             backend_params: Vec::new(),
             sender_nice: super::ucx::SENDER_NICE,
         }
@@ -507,6 +513,7 @@ struct Worker {
     spin: Duration,
     min_sleep: Duration,
     max_sleep: Duration,
+    expecting_max_sleep: Duration,
     sender_nice: i32,
     /// Whether `sender_nice` was applied (at the first post).
     reniced: bool,
@@ -545,6 +552,7 @@ impl Worker {
             spin: config.spin,
             min_sleep: config.min_sleep.max(Duration::from_micros(1)),
             max_sleep: config.max_sleep.max(config.min_sleep),
+            expecting_max_sleep: config.expecting_max_sleep.max(config.min_sleep),
             sender_nice: config.sender_nice,
             reniced: false,
             sink,
@@ -575,14 +583,21 @@ impl Worker {
             if last_busy.elapsed() < self.spin {
                 continue;
             }
-            if self.active.is_empty() && !self.shared.is_active() {
-                self.sleep(rx, nap);
-                nap = (nap * 2).min(self.max_sleep);
-            } else {
-                // A completion (or an expected notification) is only seen by polling: poll again
-                // after the shortest nap, which (unlike yielding) lets the thread back on a busy
-                // core ahead of the threads that keep it busy.
+            if !self.active.is_empty() {
+                // A completion is only seen by polling: poll again after the shortest nap, which
+                // (unlike yielding) lets the thread back on a busy core ahead of the threads that
+                // keep it busy.
                 self.sleep(rx, self.min_sleep);
+            } else {
+                // Idle, or waiting for notifications (only seen by polling too): naps grow while
+                // nothing arrives, less far while notifications are expected.
+                let cap = if self.shared.is_active() {
+                    self.expecting_max_sleep
+                } else {
+                    self.max_sleep
+                };
+                self.sleep(rx, nap.min(cap));
+                nap = (nap * 2).min(cap);
             }
         }
     }

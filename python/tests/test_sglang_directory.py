@@ -50,6 +50,33 @@ def raw(method, url, body=None, headers=None):
 RANK = {"tp_rank": 0, "pp_rank": 0, "pp_size": 1, "first_layer": 0, "num_layers": 2}
 
 
+
+def test_a_prefill_rank_waits_for_decode_announcements_in_one_long_poll(directory):
+    """An idle prefill rank asks for new decode engines once per long poll, not in a loop: the
+    GET waits until an announcement arrives and answers at once when one does."""
+    import threading
+
+    from kvx.sglang.directory import http
+
+    url = f"http://127.0.0.1:{directory.port}"
+    # Nothing announced: the poll waits out its `wait`.
+    t0 = time.monotonic()
+    got = http("GET", f"{url}/kvx/decode?since=0&wait=0.5", timeout=5, key=SECRET)
+    assert got["decodes"] == [] and time.monotonic() - t0 >= 0.45
+    announced = {"decode_id": "d0", "tp_rank": 0, "address": "127.0.0.1:1", "total_layers": 2,
+                 "instance": "x"}
+    threading.Timer(0.3, lambda: http("PUT", f"{url}/kvx/decode", announced, key=SECRET)).start()
+    t0 = time.monotonic()
+    got = http("GET", f"{url}/kvx/decode?since=0&wait=20", timeout=25, key=SECRET)
+    waited = time.monotonic() - t0
+    assert got["decodes"] == [announced]
+    assert 0.25 <= waited < 5, f"the long poll answered after {waited:.2f} s"
+    # Already there: no wait.
+    t0 = time.monotonic()
+    assert http("GET", f"{url}/kvx/decode?since=0&wait=20", timeout=25,
+                key=SECRET)["decodes"] == [announced]
+    assert time.monotonic() - t0 < 2
+
 def test_the_directory_serves_only_callers_that_prove_the_secret(directory):
     from kvx.sglang.directory import http, sign
 

@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 MAX_SKEW_S = 120
 MAX_BODY = 1 << 20
+# The longest a GET of /kvx/decode waits for a new announcement (its `wait` parameter).
+MAX_WAIT_S = 30.0
 
 
 def _mac(key: bytes, stamp: str, method: str, path: str, body: bytes) -> str:
@@ -88,6 +90,8 @@ class KvxBootstrapServer(BaseKVBootstrapServer):
         self._prefill: dict = {}  # "tp/pp" -> info
         self._decodes: list = []  # announcements, in order
         self._mesh: dict = {}  # tp -> {pp: addr}
+        # Wakes the prefill ranks' long polls of /kvx/decode when a decode announces itself.
+        self._announced = threading.Condition(self._lock)
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -128,7 +132,13 @@ class KvxBootstrapServer(BaseKVBootstrapServer):
                             return self._reply(200, {"instance": server.instance,
                                                      "ranks": list(server._prefill.values())})
                         if u.path == "/kvx/decode":
+                            # A long poll: answers once there is an announcement after `since`,
+                            # or after `wait` seconds (at most MAX_WAIT_S) with none.
                             since = int(q.get("since", 0))
+                            wait = min(float(q.get("wait", 0)), MAX_WAIT_S)
+                            if wait > 0:
+                                server._announced.wait_for(
+                                    lambda: len(server._decodes) > since, timeout=wait)
                             return self._reply(200, {"instance": server.instance,
                                                      "decodes": server._decodes[since:]})
                         if u.path == "/kvx/mesh":
@@ -157,6 +167,7 @@ class KvxBootstrapServer(BaseKVBootstrapServer):
                         elif u.path == "/kvx/decode":
                             if not any(d["decode_id"] == b["decode_id"] for d in server._decodes):
                                 server._decodes.append(b)
+                                server._announced.notify_all()
                         elif u.path == "/kvx/mesh":
                             key = int(b["tp_rank"])
                             server._mesh.setdefault(key, {})[str(int(b["pp_rank"]))] = str(b["addr"])

@@ -31,6 +31,9 @@ from .directory import http
 
 logger = logging.getLogger(__name__)
 
+# How long one long poll of the directory for new decode engines waits.
+DECODE_POLL_S = 10.0
+
 
 class _Pool:
     """A rank's KV pool as kvx sees it, from SGLang's KVArgs."""
@@ -203,17 +206,22 @@ class KvxKVManager(BaseKVManager):
         threading.Thread(target=self._watch_decodes, daemon=True, name="kvx-watch").start()
 
     def _watch_decodes(self):
+        """Serves each decode engine announced in the directory, waiting for announcements in a
+        long poll (an idle prefill rank asks once every ``DECODE_POLL_S``)."""
         seen = 0
         while not self._closed.is_set():
             try:
-                got = self._get(f"{self.bootstrap_url}/kvx/decode?since={seen}")["decodes"]
+                got = self._get(f"{self.bootstrap_url}/kvx/decode?since={seen}"
+                                f"&wait={DECODE_POLL_S}", timeout=DECODE_POLL_S + 5)["decodes"]
             except OSError:
-                got = []
-            for d in got:
+                got = None
+            for d in got or []:
                 seen += 1
                 if int(d.get("tp_rank", -1)) == self.tp_rank:
                     threading.Thread(target=self._serve, args=(d,), daemon=True).start()
-            self._closed.wait(0.05)
+            if got is None:
+                # The directory is not up (yet) or went away: ask again soon, not in a hot loop.
+                self._closed.wait(0.2)
 
     def _serve(self, d: dict):
         """Serves the decode engine `d` announced: the rank's one PrefillEngine starts with the first

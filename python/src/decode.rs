@@ -311,6 +311,7 @@ impl DecodeEngine {
                 ("refused", s.refused),
                 ("checksum_mismatch", s.checksum_mismatch),
                 ("in_flight", s.in_flight),
+                ("requests", s.requests),
                 ("instances", s.instances),
                 ("connected_ranks", s.connected_ranks),
                 ("awaiting_abort_ack", s.awaiting_abort_ack),

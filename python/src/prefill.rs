@@ -502,6 +502,7 @@ impl PrefillEngine {
                 ("decided_completed", s.decided_completed),
                 ("decided_failed", s.decided_failed),
                 ("undecided", s.undecided),
+                ("requests", s.requests),
                 ("rejected_requests", s.rejected_requests),
                 ("registered_bytes", s.registered_bytes),
                 ("writes", s.writes),

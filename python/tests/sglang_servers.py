@@ -186,6 +186,26 @@ def body(input_ids, max_new_tokens, **extra):
         "temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}, **extra}
 
 
+def http_stream(url, body, timeout=60.0):
+    """A streaming POST (``"stream": true``): ``(status, seconds to the first output token, last
+    output)``, timed from the call; never raises on an HTTP error status."""
+    req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
+                                 method="POST", headers={"Content-Type": "application/json"})
+    start, first, last = time.monotonic(), None, None
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status = r.status
+            for line in r:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                last = json.loads(line[len(b"data: "):])
+                if first is None and last.get("output_ids"):
+                    first = time.monotonic() - start
+    except urllib.error.HTTPError as e:
+        return e.code, None, e.read().decode(errors="replace")
+    return status, first, last
+
+
 def generate(server, input_ids, max_new_tokens, timeout=120):
     status, out = http("POST", f"{server.url}/generate", body(input_ids, max_new_tokens),
                        timeout=timeout)
@@ -194,17 +214,22 @@ def generate(server, input_ids, max_new_tokens, timeout=120):
 
 
 def pair_generate(prefill, decode, bootstrap_port, input_ids, max_new_tokens, room, timeout=120,
-                  **extra):
+                  stream=False, **extra):
     """One request through a disaggregated pair, as SGLang's load balancer sends it. Returns
     ``{"prefill": (status, reply), "decode": (status, reply), "seconds": wall time}``; a call
-    that got no answer (connection refused or reset) has status None."""
+    that got no answer (connection refused or reset) has status None. With ``stream``, decode's
+    answer is streamed and ``"ttft"`` is the time to its first output token (None if none came)."""
     b = body(input_ids, max_new_tokens, bootstrap_host="127.0.0.1",
              bootstrap_port=bootstrap_port, bootstrap_room=room, **extra)
     got = {}
 
     def call(role, server):
         try:
-            got[role] = http("POST", f"{server.url}/generate", b, timeout=timeout)
+            if stream and role == "decode":
+                status, got["ttft"], last = http_stream(f"{server.url}/generate", b, timeout)
+                got[role] = (status, last)
+            else:
+                got[role] = http("POST", f"{server.url}/generate", b, timeout=timeout)
         except OSError as e:
             got[role] = (None, repr(e))
 

@@ -132,7 +132,10 @@ def servers(model, logs, prompts):
                    # SGLang reuses a failed room's pages after this, acknowledged or not: short
                    # here, so a test sees whether kvx's rooms wait for kvx's decision instead.
                    "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT":
-                       str(RELEASE_TIMEOUT_S)}
+                       str(RELEASE_TIMEOUT_S),
+                   # Each manager logs what it holds per room every second (the last test
+                   # reads it).
+                   "KVX_STATE_LOG_S": "1"}
             # The UCX pair's decode runs two TokenizerWorker processes, which resolve the transfer
             # backend without loading plugins (kvx.sglang.http_app).
             # The NIXL pair's decode keeps a radix cache of its own: a prompt it saw before moves
@@ -373,3 +376,36 @@ def test_a_killed_decode_fails_prefills_requests(servers, prompts):
     after = run_prompts(pair, prompts[:4], [rng.randrange(1 << 62) for _ in range(4)], 2)
     check(pair, normal, prompts[:4], after, "after decode's restart")
     assert_clean_logs(pair)
+
+
+def last_state(server):
+    """The last ``kvx: state`` line in `server`'s log (its one scheduler rank's manager), or None if
+    it logged none."""
+    import json
+    import re
+
+    found = re.findall(r"kvx: state (\{[^\n]*\})", server.log_path.read_text())
+    return json.loads(found[-1]) if found else None
+
+
+def test_per_room_state_is_back_to_zero_after_the_faults(servers):
+    """After every request above (aborted, failed by a killed or stopped server, corrupted, or
+    complete), each kvx server's managers and engines hold nothing per room any more: SGLang
+    cleared its senders and receivers, kvx released every request and every quarantined room."""
+    _, pairs = servers
+    kvx_servers = [s for p in pairs.values() for s in p.servers()]
+    deadline = time.monotonic() + FAULT_BOUND_S
+    while True:
+        states = {s.name: last_state(s) for s in kvx_servers}
+        held = {name: {k: v for k, v in (st or {"no state logged": 1}).items() if v}
+                for name, st in states.items()}
+        held = {name: h for name, h in held.items() if h}
+        if not held:
+            break
+        assert time.monotonic() < deadline, f"per-room state left after the faults: {held}"
+        time.sleep(1)
+    # Prefill servers logged a prefill manager's state, decode servers a decode manager's.
+    assert all("allocations" in states[s.name] for p in pairs.values()
+               for s in (p.prefill, p.prefill2) if s), states
+    assert all("rooms" in states[s.name] for p in pairs.values()
+               for s in (p.decode, p.decode2) if s), states

@@ -13,6 +13,7 @@ rejoin their session."""
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import math
 import os
@@ -174,6 +175,33 @@ class KvxKVManager(BaseKVManager):
             self.id = f"{os.getpid()}-{self.tp_rank}-{id(self):x}"
             _release_failed_rooms_on_kvx_decision()
             threading.Thread(target=self._heartbeat, daemon=True, name="kvx-heartbeat").start()
+        if settings.state_log_interval() is not None:
+            threading.Thread(target=self._log_state, daemon=True, name="kvx-state").start()
+
+    def state(self) -> dict:
+        """What this rank holds per room, in the manager and in its engine: every count is back to
+        zero once its rooms are over, failed ones included (SGLang cleared them, kvx released
+        their pages)."""
+        with self._lock:
+            if self.disaggregation_mode == DisaggregationMode.PREFILL:
+                held = {"allocations": len(self._allocations)}
+                engine, keys = self._prefill, ("requests", "undecided")
+            else:
+                held = {"rooms": len(self._rooms), "quarantined_rooms": len(self._quarantined)}
+                engine = self._engine
+                keys = ("requests", "in_flight", "awaiting_abort_ack", "quarantined")
+        if engine is not None:
+            stats = engine.stats()
+            held.update({f"engine_{k}": stats[k] for k in keys})
+        return held
+
+    def _log_state(self):
+        interval = settings.state_log_interval()
+        while not self._closed.wait(interval):
+            try:
+                logger.info("kvx: state %s", json.dumps(self.state(), sort_keys=True))
+            except kvx.KvxError as e:  # a closed engine
+                logger.info("kvx: state unavailable: %s", e)
 
     def _get(self, url: str, timeout: float = 5.0):
         return http("GET", url, timeout=timeout, key=self.secret)

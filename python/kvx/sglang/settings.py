@@ -86,6 +86,13 @@ def heartbeat() -> "tuple[float, int]":
             max(int(_sglang_env("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", 2)), 1))
 
 
+def state_log_interval() -> Optional[float]:
+    """``KVX_STATE_LOG_S``: every that many seconds each manager logs what it holds per room
+    (``kvx: state {...}``); unset or 0, never."""
+    v = os.environ.get("KVX_STATE_LOG_S")
+    return float(v) if v and float(v) > 0 else None
+
+
 def local_ip() -> str:
     """The address this host's engines listen on and publish: SGLang's own choice for its transfer
     backends (``SGLANG_HOST_IP`` / ``HOST_IP``, else the host's routable address), never a

@@ -165,6 +165,9 @@ pub struct DecodeStats {
     pub checksum_mismatch: u64,
     /// Requests still tracked.
     pub in_flight: u64,
+    /// Requests the engine keeps anything of: expected and not over, or over with a rank's
+    /// acknowledgement still awaited.
+    pub requests: u64,
     /// Prefill instances the engine serves (added and not yet forgotten).
     pub instances: u64,
     /// Prefill ranks connected now, over every instance.
@@ -1334,7 +1337,7 @@ impl DecodeEngine {
     /// Counters.
     pub fn stats(&self) -> DecodeStats {
         let c = &self.inner.counters;
-        let (in_flight, awaiting_abort_ack, quarantined, instances, connected_ranks) = {
+        let (in_flight, requests, awaiting_abort_ack, quarantined, instances, connected_ranks) = {
             let st = self.inner.lock();
             let held = st.unacked.values().filter(|u| u.outcome.is_some()).count() as u64;
             let quarantined = st.unacked.len() as u64 - held;
@@ -1346,6 +1349,7 @@ impl DecodeEngine {
                 .sum();
             (
                 st.tracker.in_flight() as u64,
+                st.requests.len() as u64,
                 held,
                 quarantined,
                 instances,
@@ -1370,6 +1374,7 @@ impl DecodeEngine {
             refused_connections: c.refused_connections.load(Ordering::Relaxed),
             checksum_mismatch: c.checksum_mismatch.load(Ordering::Relaxed),
             in_flight,
+            requests,
             instances,
             connected_ranks,
             awaiting_abort_ack,

@@ -232,6 +232,9 @@ pub struct PrefillStats {
     pub decided_failed: u64,
     /// Requests still undecided.
     pub undecided: u64,
+    /// Requests this rank holds: allocated by a decode and not yet released
+    /// ([`PrefillEngine::release`]), decided or not.
+    pub requests: u64,
     /// Transfer requests rejected (bad pages, duplicates).
     pub rejected_requests: u64,
     /// Bytes registered by the transport.
@@ -1058,10 +1061,14 @@ impl PrefillEngine {
     /// Counters.
     pub fn stats(&self) -> PrefillStats {
         let c = &self.inner.counters;
-        let (undecided, decodes) = {
+        let (undecided, decodes, requests) = {
             let st = lock(&self.inner.state);
             let open = st.links.values().filter(|l| !l.closed).count();
-            (st.board.undecided() as u64, open as u64)
+            (
+                st.board.undecided() as u64,
+                open as u64,
+                st.requests.len() as u64,
+            )
         };
         PrefillStats {
             chunks: c.chunks.load(Ordering::Relaxed),
@@ -1070,6 +1077,7 @@ impl PrefillEngine {
             decided_completed: c.decided_completed.load(Ordering::Relaxed),
             decided_failed: c.decided_failed.load(Ordering::Relaxed),
             undecided,
+            requests,
             rejected_requests: c.rejected.load(Ordering::Relaxed),
             registered_bytes: self.inner.transport.stats().registered_bytes,
             writes: c.writes.load(Ordering::Relaxed),

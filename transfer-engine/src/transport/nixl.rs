@@ -97,7 +97,7 @@ impl Default for NixlConfig {
             spin: Duration::from_micros(200),
             min_sleep: Duration::from_micros(20),
             max_sleep: Duration::from_millis(1),
-            expecting_max_sleep: Duration::from_micros(100),
+            expecting_max_sleep: Duration::from_micros(250),
             backend_params: Vec::new(),
             sender_nice: super::ucx::SENDER_NICE,
         }

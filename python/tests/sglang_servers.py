@@ -32,6 +32,13 @@ CPU_SHIMS = str(HERE / "sglang_cpu")
 PAGE_SIZE = 16
 CHUNKED_PREFILL = 64
 
+# What SGLang's CPU engine needs to run several ranks in one server (--tp-size or --pp-size 2):
+# its PP and TP groups make a NCCL communicator unless loading libnccl fails (this torch is a CUDA
+# build, whose NCCL loads and then refuses the CPU device), and it binds each rank to a NUMA node
+# unless told which cores each rank takes.
+MULTI_RANK_ENV = {"SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2",
+                  "SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+
 MODEL_SCRIPT = r"""
 import json, os, sys
 out = sys.argv[1]

@@ -5,7 +5,8 @@ the same check fails for the one request whose moved KV had one byte corrupted o
 (``KVX_TEST_CORRUPT_ROOM``), so the check reads the moved pages.
 
 The UCX pair's decode runs two TokenizerWorker processes (``--tokenizer-worker-num 2``). The NIXL
-pair's decode serves a second prefill server too, through the same kvx engine.
+pair's decode serves a second prefill server too, through the same kvx engine: a pipeline of two
+PP ranks.
 
 Requests go to the pair as SGLang's own load balancer sends them (``sglang_servers.pair_generate``).
 Prompts run from 1 token to 792 (13 chunks of SGLang's chunked prefill of 64 at page size 16), one
@@ -61,13 +62,15 @@ class Pair:
             "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", backend,
             "--disaggregation-decode-retraction-backup", "cpu_tensor", *decode_args], env)
         # A second prefill server (its port and bootstrap port) beside the first, for the same
-        # decode server, as a load balancer with several prefill servers uses it.
+        # decode server, as a load balancer with several prefill servers uses it; a pipeline of
+        # two PP ranks (S.MULTI_RANK_ENV lets SGLang's CPU engine run several ranks).
         self.prefill2 = None
         if second_prefill is not None:
             port, self.bootstrap_port2 = second_prefill
             self.prefill2 = S.Server(f"{name}-prefill2", model, port, logs, [
                 "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", backend,
-                "--disaggregation-bootstrap-port", str(self.bootstrap_port2)], env)
+                "--disaggregation-bootstrap-port", str(self.bootstrap_port2), "--pp-size", "2"],
+                {**env, **S.MULTI_RANK_ENV})
         # A second decode server (its port) for the same prefill server.
         self.decode2 = None
         if second_decode is not None:
@@ -177,6 +180,23 @@ def test_a_kvx_pair_answers_like_one_server(backend, servers, prompts):
         "a corrupted page did not change decode's tokens: the check does not read moved KV")
     after = run_prompts(pair, prompts[:3], [rng.randrange(1 << 62) for _ in range(3)], 1)
     check(pair, normal, prompts[:3], after, f"{backend}, after the corrupted request")
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_a_pipeline_of_two_pp_ranks_answers_like_one_server(concurrency, servers, prompts):
+    """The NIXL pair's second prefill server runs two PP ranks (``--pp-size 2``: each rank writes
+    its layers into decode's pages, the request completes once both delivered every chunk):
+    decode's tokens equal the normal server's for every prompt, one at a time and four at a
+    time."""
+    normal, pairs = servers
+    pair = pairs["nixl"]
+    rng = random.Random(f"pp2-{concurrency}")
+    rooms = [rng.randrange(1 << 62) for _ in prompts]
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(pair.generate2, prompts, rooms))
+    check(pair, normal, prompts, results, f"PP 2 prefill, concurrency {concurrency}")
+    text = pair.prefill2.log_path.read_text()
+    assert text.count("kvx: prefill engine started (TP 0, PP ") == 2, pair.prefill2.log()
 
 
 def test_one_decode_server_serves_two_prefill_servers(servers, prompts):

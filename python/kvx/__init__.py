@@ -15,6 +15,8 @@ from ._kvx import (
     Outcome,
     Pending,
     PrefillEngine,
+    tp_sources,
+    tp_targets,
     version,
 )
 from .errors import (
@@ -54,5 +56,7 @@ __all__ = [
     "TransferFailed",
     "TransportError",
     "UnknownRequest",
+    "tp_sources",
+    "tp_targets",
     "version",
 ]

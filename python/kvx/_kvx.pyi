@@ -6,6 +6,7 @@ from typing import Any, Callable, Literal, Protocol, final
 from typing_extensions import Buffer
 
 Backend = Literal["ucx", "nixl"]
+TpMode = Literal["identical", "replicated", "head_sliced"]
 FailureCode = Literal[
     "unspecified", "write_failed", "aborted", "timeout", "peer_lost", "out_of_resources", "internal"
 ]
@@ -21,12 +22,25 @@ class _Tensor(Protocol):
 Memory = Buffer | _Tensor | tuple[int, int] | list[tuple[int, int]]
 
 def version() -> str: ...
+def tp_sources(prefill_tp: int, decode_tp: int, kv_heads: int, decode_rank: int) -> list[int]: ...
+def tp_targets(prefill_tp: int, decode_tp: int, kv_heads: int, prefill_rank: int) -> list[int]: ...
 
 @final
 class Layout:
     def __init__(
-        self, *, first_layer: int, num_layers: int, page_bytes: int, num_pages: int, split_kv: bool = False
+        self,
+        *,
+        first_layer: int,
+        num_layers: int,
+        page_bytes: int,
+        num_pages: int,
+        split_kv: bool = False,
+        heads: int = 0,
+        head_bytes: int = 0,
+        head_major: bool = False,
     ) -> None: ...
+    @property
+    def heads(self) -> int: ...
     @property
     def buffer_len(self) -> int: ...
     @property
@@ -103,6 +117,10 @@ class DecodeEngine:
         handshake_timeout: float = 10.0,
         rank_wait: float = 10.0,
         heartbeat: float | None = 5.0,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        tp_mode: TpMode = "identical",
+        kv_heads: int = 0,
     ) -> None: ...
     @property
     def address(self) -> str: ...
@@ -167,6 +185,10 @@ class PrefillEngine:
         instance: str = "",
         keep_open: bool = False,
         heartbeat: float | None = 5.0,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        tp_mode: TpMode = "identical",
+        kv_heads: int = 0,
     ) -> None: ...
     @staticmethod
     def external(

@@ -56,12 +56,16 @@ impl DecodeEngine {
     /// up to `rank_wait` seconds (at most its own timeout) for it, then fails with
     /// `TransferFailed(reason="rank_unavailable")`. Every rank connection carries a heartbeat each
     /// way every `heartbeat` seconds; a rank silent for three of them is lost (`None`: no
-    /// heartbeats).
+    /// heartbeats). `tp_rank`/`tp_size` are this decode rank's TP place; `tp_mode` says how prefill
+    /// TP ranks map onto it (`"identical"`, `"replicated"` for MLA, `"head_sliced"` with the model's
+    /// `kv_heads` and a `layout` with head geometry), and `add_instance`'s `tp_size` each prefill
+    /// instance's TP size.
     #[new]
     #[pyo3(signature = (
         *, layout, total_layers, page_tokens, pp_size, memory, listen = "127.0.0.1:0",
         secret = None, backend = "ucx", engine_id = None, device = "cpu", checksums = false,
         abort_ack_timeout = 5.0, handshake_timeout = 10.0, rank_wait = 10.0, heartbeat = Some(5.0),
+        tp_rank = 0, tp_size = 1, tp_mode = "identical", kv_heads = 0,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -81,7 +85,12 @@ impl DecodeEngine {
         handshake_timeout: f64,
         rank_wait: f64,
         heartbeat: Option<f64>,
+        tp_rank: u16,
+        tp_size: u16,
+        tp_mode: &str,
+        kv_heads: u32,
     ) -> PyResult<Self> {
+        let tp = crate::tp_config(tp_rank, tp_size, tp_mode, kv_heads)?;
         let listen: SocketAddr = listen
             .parse()
             .map_err(|e| errors::config(format!("listen address {listen:?}: {e}")))?;
@@ -109,6 +118,7 @@ impl DecodeEngine {
         cfg.handshake_timeout = seconds("handshake_timeout", handshake_timeout)?;
         cfg.rank_wait = seconds("rank_wait", rank_wait)?;
         cfg.heartbeat = heartbeat.map(|h| seconds("heartbeat", h)).transpose()?;
+        cfg.tp = tp;
         let pool_len = mem.len();
         let pools = mem.into_pools();
         let rt = runtime()?;

@@ -15,8 +15,9 @@ mod prefill;
 use pyo3::prelude::*;
 use std::sync::OnceLock;
 use std::time::Duration;
-use transfer_engine::core::planner::{KvLayout, RegionKind};
+use transfer_engine::core::planner::{HeadLayout, HeadOrder, KvLayout, RegionKind};
 use transfer_engine::engine::BackendConfig;
+use transfer_engine::engine::TpConfig;
 use transfer_engine::transport::BackendKind;
 
 /// The process's engine runtime, started on first use.
@@ -59,6 +60,34 @@ fn backend(name: &str, engine: &str) -> PyResult<BackendConfig> {
     Ok(BackendConfig::default_for(kind, engine))
 }
 
+/// A side's TP rank and size, how the two sides' TP ranks map (`"identical"`, `"replicated"`: MLA,
+/// every rank holds the whole latent; `"head_sliced"`: MHA/GQA heads split over the ranks) and the
+/// model's KV heads (for `"head_sliced"`).
+fn tp_config(rank: u16, size: u16, mode: &str, kv_heads: u32) -> PyResult<TpConfig> {
+    use transfer_engine::control::TpMode;
+    let mode = match mode {
+        "identical" => TpMode::Identical,
+        "replicated" => TpMode::Replicated,
+        "head_sliced" => TpMode::HeadSliced,
+        other => {
+            return Err(errors::config(format!(
+                "tp_mode must be \"identical\", \"replicated\" or \"head_sliced\", not {other:?}"
+            )));
+        }
+    };
+    if rank >= size {
+        return Err(errors::config(format!(
+            "TP rank {rank} is not below TP size {size}"
+        )));
+    }
+    Ok(TpConfig {
+        rank,
+        size,
+        mode,
+        kv_heads,
+    })
+}
+
 /// A secret from Python: bytes, or text (its UTF-8 bytes); `None` for none. An empty one is refused:
 /// it would turn authentication off while looking configured.
 fn secret(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<transfer_engine::control::Secret>> {
@@ -89,14 +118,25 @@ struct Layout {
 
 #[pymethods]
 impl Layout {
+    /// `heads` (KV heads this TP rank holds) and `head_bytes` (one head of one token) describe a
+    /// page's heads, for head-sliced TP (`tp_mode="head_sliced"` on the engines); a page is then
+    /// `page_bytes / (heads * head_bytes)` tokens, token-major (`[token][head]`, as SGLang and
+    /// vLLM keep them) unless `head_major`.
     #[new]
-    #[pyo3(signature = (*, first_layer, num_layers, page_bytes, num_pages, split_kv = false))]
+    #[pyo3(signature = (
+        *, first_layer, num_layers, page_bytes, num_pages, split_kv = false, heads = 0,
+        head_bytes = 0, head_major = false,
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         first_layer: u32,
         num_layers: u32,
         page_bytes: u64,
         num_pages: u32,
         split_kv: bool,
+        heads: u32,
+        head_bytes: u64,
+        head_major: bool,
     ) -> PyResult<Self> {
         if num_layers == 0 || page_bytes == 0 || num_pages == 0 {
             return Err(errors::config(
@@ -108,11 +148,38 @@ impl Layout {
         } else {
             RegionKind::Fused
         };
-        let inner = KvLayout::packed(first_layer, num_layers, regions, page_bytes, num_pages);
+        let mut inner = KvLayout::packed(first_layer, num_layers, regions, page_bytes, num_pages);
         if inner.buffer_len == u64::MAX {
             return Err(errors::config("the layout's size overflows 64 bits"));
         }
+        if heads > 0 || head_bytes > 0 {
+            let token_bytes = u64::from(heads).saturating_mul(head_bytes);
+            if token_bytes == 0 || page_bytes % token_bytes != 0 {
+                return Err(errors::config(format!(
+                    "a page of {page_bytes} bytes is not a whole number of tokens of {heads} \
+                     heads of {head_bytes} bytes"
+                )));
+            }
+            let page_tokens = u32::try_from(page_bytes / token_bytes)
+                .map_err(|_| errors::config("too many tokens per page"))?;
+            inner = inner.with_heads(HeadLayout {
+                num_heads: heads,
+                head_bytes,
+                page_tokens,
+                order: if head_major {
+                    HeadOrder::HeadMajor
+                } else {
+                    HeadOrder::TokenMajor
+                },
+            });
+        }
         Ok(Layout { inner })
+    }
+
+    /// KV heads per page this TP rank holds (0 when the layout has no head geometry).
+    #[getter]
+    fn heads(&self) -> u32 {
+        self.inner.heads.map_or(0, |h| h.num_heads)
     }
 
     /// Bytes the pool must hold.
@@ -176,14 +243,57 @@ impl Layout {
     fn __repr__(&self) -> String {
         let l = &self.inner;
         format!(
-            "Layout(first_layer={}, num_layers={}, page_bytes={}, num_pages={}, split_kv={})",
+            "Layout(first_layer={}, num_layers={}, page_bytes={}, num_pages={}, split_kv={}{})",
             l.first_layer,
             l.num_layers,
             l.page_bytes,
             l.num_pages,
-            if self.split_kv() { "True" } else { "False" }
+            if self.split_kv() { "True" } else { "False" },
+            l.heads.map_or(String::new(), |h| format!(
+                ", heads={}, head_bytes={}{}",
+                h.num_heads,
+                h.head_bytes,
+                if h.order == HeadOrder::HeadMajor {
+                    ", head_major=True"
+                } else {
+                    ""
+                }
+            ))
         )
     }
+}
+
+/// The prefill TP ranks (of `prefill_tp`) that write into decode TP rank `decode_rank` (of
+/// `decode_tp`), in the order the decode rank numbers them: heads sliced over the ranks when
+/// `kv_heads` (the model's KV heads) is positive, whole pages from one rank (MLA) when it is 0.
+#[pyfunction]
+fn tp_sources(
+    prefill_tp: u32,
+    decode_tp: u32,
+    kv_heads: u32,
+    decode_rank: u32,
+) -> PyResult<Vec<u32>> {
+    use transfer_engine::core::topology::{TpShape, sources};
+    let shape = |tp_size| TpShape { tp_size, kv_heads };
+    sources(shape(prefill_tp), shape(decode_tp), decode_rank)
+        .map(|v| v.into_iter().map(|s| s.prefill_rank).collect())
+        .map_err(|e| errors::config(format!("TP topology: {e}")))
+}
+
+/// The decode TP ranks (of `decode_tp`) that prefill TP rank `prefill_rank` (of `prefill_tp`) writes
+/// into, as [`tp_sources`] maps them.
+#[pyfunction]
+fn tp_targets(
+    prefill_tp: u32,
+    decode_tp: u32,
+    kv_heads: u32,
+    prefill_rank: u32,
+) -> PyResult<Vec<u32>> {
+    use transfer_engine::core::topology::{TpShape, targets};
+    let shape = |tp_size| TpShape { tp_size, kv_heads };
+    targets(shape(prefill_tp), shape(decode_tp), prefill_rank)
+        .map(|v| v.into_iter().map(|(d, _)| d).collect())
+        .map_err(|e| errors::config(format!("TP topology: {e}")))
 }
 
 /// The version of the engine this module was built from.
@@ -195,6 +305,8 @@ fn version() -> &'static str {
 #[pymodule]
 fn _kvx(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Layout>()?;
+    m.add_function(wrap_pyfunction!(tp_sources, m)?)?;
+    m.add_function(wrap_pyfunction!(tp_targets, m)?)?;
     m.add_class::<decode::DecodeEngine>()?;
     m.add_class::<prefill::PrefillEngine>()?;
     m.add_class::<prefill::IncomingRequest>()?;

@@ -135,13 +135,15 @@ impl PrefillEngine {
     /// engines are served with `add_decode`; `keep_open` keeps the rank serving once every decode
     /// closed (otherwise it closes with its last one). Every control connection carries a
     /// heartbeat each way every `heartbeat` seconds; a peer silent for three of them is lost
-    /// (`None`: no heartbeats).
+    /// (`None`: no heartbeats). `tp_rank`/`tp_size` are this rank's TP place and `tp_mode` how it
+    /// maps onto decode's TP ranks (as `DecodeEngine`'s); each decode engine it links to must be
+    /// one this rank writes into.
     #[new]
     #[pyo3(signature = (
         *, decode, pp_rank, pp_size, layout, total_layers, page_tokens, memory, peers = Vec::new(),
         mesh_socket = None, secret = None, backend = "ucx", engine_id = None, device = "cpu", checksums = false,
         connect_timeout = 60.0, request_wait = 10.0, instance = String::new(), keep_open = false,
-        heartbeat = Some(5.0),
+        heartbeat = Some(5.0), tp_rank = 0, tp_size = 1, tp_mode = "identical", kv_heads = 0,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -165,7 +167,12 @@ impl PrefillEngine {
         instance: String,
         keep_open: bool,
         heartbeat: Option<f64>,
+        tp_rank: u16,
+        tp_size: u16,
+        tp_mode: &str,
+        kv_heads: u32,
     ) -> PyResult<Self> {
+        let tp = crate::tp_config(tp_rank, tp_size, tp_mode, kv_heads)?;
         let decode = addr("decode address", decode)?;
         let (mut cfg, mem) = config(
             decode,
@@ -187,6 +194,7 @@ impl PrefillEngine {
         )?;
         cfg.instance = instance;
         cfg.keep_open = keep_open;
+        cfg.tp = tp;
         cfg.heartbeat = heartbeat.map(|h| seconds("heartbeat", h)).transpose()?;
         let pools = mem.into_pools();
         let rt = runtime()?;

@@ -96,6 +96,9 @@ class Pool:
         a.aux_data_lens = [b.nbytes for b in self.aux]
         a.aux_item_lens = [b.shape[1] for b in self.aux]
         a.page_size = page_size
+        if self.regions == 2:
+            # SGLang's MHA pools carry their heads: four per rank here, of equal bytes.
+            a.kv_head_num = a.total_kv_head_num = 4
         a.prefill_start_layer = self.first
         a.gpu_id = 0
         a.ib_device = ""

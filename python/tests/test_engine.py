@@ -476,3 +476,70 @@ def test_a_closed_rank_keeps_its_source_memory_while_a_posted_chunk_may_read_it(
         assert gone() is None, "the source array outlived every handle to its engine"
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1)])
+def test_head_sliced_tp_writes_each_head_from_the_rank_that_holds_it(backend, prefill_tp,
+                                                                     decode_tp):
+    """Prefill TP 2 into decode TP 1 (GQA, 2 KV heads, token-major pages as SGLang keeps them):
+    each decode page's token rows hold head 0 from prefill TP rank 0 and head 1 from rank 1, byte
+    for byte, on poisoned pages; one engine per side, the decode serving the instance's two TP
+    ranks as its sources."""
+    layers, page_tokens, head_bytes, kv_heads = 2, 16, 64, 2
+    secret = b"tp-test-secret"
+    dheads = kv_heads // decode_tp
+    dlayout = kvx.Layout(first_layer=0, num_layers=layers, page_bytes=page_tokens * dheads * head_bytes,
+                         num_pages=16, split_kv=True, heads=dheads, head_bytes=head_bytes)
+    dmem = np.full(dlayout.buffer_len, POISON, dtype=np.uint8)
+    decode = kvx.DecodeEngine(layout=dlayout, total_layers=layers, page_tokens=page_tokens,
+                              pp_size=0, memory=dmem, secret=secret, backend=backend,
+                              tp_rank=0, tp_size=decode_tp, tp_mode="head_sliced",
+                              kv_heads=kv_heads)
+    decode.add_instance("p", 1, tp_size=prefill_tp)
+    pheads = kv_heads // prefill_tp
+    playout = kvx.Layout(first_layer=0, num_layers=layers,
+                         page_bytes=page_tokens * pheads * head_bytes, num_pages=16, split_kv=True,
+                         heads=pheads, head_bytes=head_bytes)
+    pmems = [np.zeros(playout.buffer_len, dtype=np.uint8) for _ in range(prefill_tp)]
+    ranks = []
+    try:
+        ranks = [kvx.PrefillEngine(decode=decode.address, pp_rank=0, pp_size=1, layout=playout,
+                                   total_layers=layers, page_tokens=page_tokens, memory=pmems[r],
+                                   secret=secret, backend=backend, instance="p", tp_rank=r,
+                                   tp_size=prefill_tp, tp_mode="head_sliced", kv_heads=kv_heads,
+                                   engine_id=f"tp-prefill-{r}-{backend}")
+                 for r in range(prefill_tp)]
+        decode.wait_for_ranks(10, instance="p")
+        src, dst = [1, 2, 3], [7, 4, 9]
+        # Each prefill rank's pages: a pattern unique to its rank, layer, region and page.
+        for r, mem in enumerate(pmems):
+            for layer in range(layers):
+                for region in range(2):
+                    for i, p in enumerate(src):
+                        at = playout.offset(layer, p, region)
+                        mem[at:at + playout.page_bytes] = pattern(71, r, layer * 2 + region, i,
+                                                                  playout.page_bytes)
+        pending = decode.expect(71, 48, 16, dst, timeout=10, instance="p")
+        for p in ranks:
+            req = p.next_request(10)
+            assert req.request == 71, req
+            for c in range(req.chunks):
+                p.send_chunk(71, c, src, c + 1 == req.chunks)
+        assert pending.wait(10).complete
+        bad = []
+        for layer in range(layers):
+            for region in range(2):
+                for i, p in enumerate(dst):
+                    at = dlayout.offset(layer, p, region)
+                    page = dmem[at:at + dlayout.page_bytes].reshape(page_tokens, dheads, head_bytes)
+                    for h in range(kv_heads):
+                        r = h // pheads
+                        want = pattern(71, r, layer * 2 + region, i, playout.page_bytes).reshape(
+                            page_tokens, pheads, head_bytes)[:, h % pheads]
+                        if not np.array_equal(page[:, h], want):
+                            bad.append((layer, region, p, h))
+        assert bad == [], bad
+    finally:
+        for p in ranks:
+            p.close()
+        decode.shutdown(5)

@@ -4,9 +4,10 @@ one normal server of the same model does, token for token, with both servers ans
 the same check fails for the one request whose moved KV had one byte corrupted on decode
 (``KVX_TEST_CORRUPT_ROOM``), so the check reads the moved pages.
 
-The UCX pair's decode runs two TokenizerWorker processes (``--tokenizer-worker-num 2``). The NIXL
-pair's decode serves a second prefill server too, through the same kvx engine: a pipeline of two
-PP ranks.
+The UCX pair's prefill is a pipeline of two PP ranks (``--pp-size 2``), and its decode runs two
+TokenizerWorker processes (``--tokenizer-worker-num 2``). The NIXL pair's decode serves a second
+prefill server too, through the same kvx engine: one of two TP ranks (``--tp-size 2``) whose
+heads both land in the decode's one rank.
 
 Requests go to the pair as SGLang's own load balancer sends them (``sglang_servers.pair_generate``).
 Prompts run from 1 token to 792 (13 chunks of SGLang's chunked prefill of 64 at page size 16), one
@@ -53,24 +54,25 @@ class Pair:
     """A prefill and a decode server on one transfer backend."""
 
     def __init__(self, name, model, logs, backend, env, three_ports, decode_args=(),
-                 second_prefill=None, second_decode=None):
+                 second_prefill=None, second_decode=None, prefill_args=(), prefill2_args=()):
         prefill_port, decode_port, self.bootstrap_port = three_ports
+        # Servers of several ranks (PP or TP 2) need S.MULTI_RANK_ENV on SGLang's CPU engine.
         self.prefill = S.Server(f"{name}-prefill", model, prefill_port, logs, [
             "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", backend,
-            "--disaggregation-bootstrap-port", str(self.bootstrap_port)], env)
+            "--disaggregation-bootstrap-port", str(self.bootstrap_port), *prefill_args],
+            {**env, **S.MULTI_RANK_ENV} if prefill_args else env)
         self.decode = S.Server(f"{name}-decode", model, decode_port, logs, [
             "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", backend,
             "--disaggregation-decode-retraction-backup", "cpu_tensor", *decode_args], env)
         # A second prefill server (its port and bootstrap port) beside the first, for the same
-        # decode server, as a load balancer with several prefill servers uses it; a pipeline of
-        # two PP ranks (S.MULTI_RANK_ENV lets SGLang's CPU engine run several ranks).
+        # decode server, as a load balancer with several prefill servers uses it.
         self.prefill2 = None
         if second_prefill is not None:
             port, self.bootstrap_port2 = second_prefill
             self.prefill2 = S.Server(f"{name}-prefill2", model, port, logs, [
                 "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", backend,
-                "--disaggregation-bootstrap-port", str(self.bootstrap_port2), "--pp-size", "2"],
-                {**env, **S.MULTI_RANK_ENV})
+                "--disaggregation-bootstrap-port", str(self.bootstrap_port2), *prefill2_args],
+                {**env, **S.MULTI_RANK_ENV} if prefill2_args else env)
         # A second decode server (its port) for the same prefill server.
         self.decode2 = None
         if second_decode is not None:
@@ -145,11 +147,16 @@ def servers(model, logs, prompts):
             # only the pages after its cached prefix (decode_prefix_len).
             decode_args = ["--tokenizer-worker-num", "2"] if backend == "ucx" else [
                 "--disaggregation-decode-enable-radix-cache"]
-            # The NIXL pair has a second prefill server, the UCX pair a second decode server.
+            # The UCX pair's prefill is a pipeline of two PP ranks, and it has a second decode
+            # server. The NIXL pair has a second prefill server of two TP ranks, whose heads both
+            # land in its decode's one rank.
             second = (free.pop(), free.pop()) if backend == "nixl" else None
             decode2 = free.pop() if backend == "ucx" else None
-            pairs[backend] = Pair(f"kvx-{backend}", model, logs, "kvx", env,
-                                  [free.pop() for _ in range(3)], decode_args, second, decode2)
+            pairs[backend] = Pair(
+                f"kvx-{backend}", model, logs, "kvx", env, [free.pop() for _ in range(3)],
+                decode_args, second, decode2,
+                prefill_args=["--pp-size", "2"] if backend == "ucx" else [],
+                prefill2_args=["--tp-size", "2"] if backend == "nixl" else [])
         S.start_all([normal] + [s for p in pairs.values() for s in p.servers()])
         normal.expected = [S.generate(normal, p, NEW_TOKENS) for p in prompts]
         yield normal, pairs
@@ -183,20 +190,21 @@ def test_a_kvx_pair_answers_like_one_server(backend, servers, prompts):
 
 
 @pytest.mark.parametrize("concurrency", [1, 4])
-def test_a_pipeline_of_two_pp_ranks_answers_like_one_server(concurrency, servers, prompts):
-    """The NIXL pair's second prefill server runs two PP ranks (``--pp-size 2``: each rank writes
-    its layers into decode's pages, the request completes once both delivered every chunk):
-    decode's tokens equal the normal server's for every prompt, one at a time and four at a
-    time."""
+def test_two_prefill_tp_ranks_into_one_decode_rank_answer_like_one_server(concurrency, servers,
+                                                                        prompts):
+    """The NIXL pair's second prefill server runs two TP ranks (``--tp-size 2``), its decode one:
+    each prefill rank writes its KV head into decode's token rows, and decode's tokens equal the
+    normal server's for every prompt, one at a time and four at a time."""
     normal, pairs = servers
     pair = pairs["nixl"]
-    rng = random.Random(f"pp2-{concurrency}")
+    rng = random.Random(f"tp2-{concurrency}")
     rooms = [rng.randrange(1 << 62) for _ in prompts]
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(pair.generate2, prompts, rooms))
-    check(pair, normal, prompts, results, f"PP 2 prefill, concurrency {concurrency}")
+    check(pair, normal, prompts, results, f"TP 2 prefill into TP 1, concurrency {concurrency}")
     text = pair.prefill2.log_path.read_text()
-    assert text.count("kvx: prefill engine started (TP 0, PP ") == 2, pair.prefill2.log()
+    for rank in (0, 1):
+        assert f"kvx: prefill engine started (TP {rank}, PP 0)" in text, pair.prefill2.log()
 
 
 def test_one_decode_server_serves_two_prefill_servers(servers, prompts):
@@ -236,9 +244,11 @@ def test_one_prefill_server_serves_two_decode_servers(servers, prompts):
             lambda i: (pair.generate if i % 2 == 0 else pair.generate_d2)(prompts[i], rooms[i]),
             range(len(prompts))))
     check(pair, normal, prompts, results, "one prefill server into two decodes")
+    # One engine per scheduler rank (the prefill is a pipeline of two PP ranks), each serving the
+    # second decode server too.
     text = pair.prefill.log_path.read_text()
-    assert text.count("kvx: prefill engine started") == 1, pair.prefill.log()
-    assert text.count("serves decode ") == 1, pair.prefill.log()
+    assert text.count("kvx: prefill engine started") == 2, pair.prefill.log()
+    assert text.count("serves decode ") == 2, pair.prefill.log()
     assert "kvx: decode engine started" in pair.decode2.log_path.read_text(), pair.decode2.log()
     assert_clean_logs(pair)
 

@@ -39,7 +39,7 @@ DECODE_POLL_S = 10.0
 class _Pool:
     """A rank's KV pool as kvx sees it, from SGLang's KVArgs."""
 
-    def __init__(self, args: KVArgs, is_mla: bool, first_layer: int):
+    def __init__(self, args: KVArgs, is_mla: bool, first_layer: int, heads=None):
         ptrs, lens, items = list(args.kv_data_ptrs), list(args.kv_data_lens), list(args.kv_item_lens)
         if not ptrs or len(ptrs) != len(lens) or len(lens) != len(items):
             raise kvx.ConfigError("kvx: KVArgs has no KV buffers, or mismatched lists")
@@ -54,8 +54,26 @@ class _Pool:
         self.split = split
         self.first_layer = first_layer
         self.memory = [(p, n) for p, n in zip(ptrs, lens)]
+        # MHA/GQA pages are [token][head][head_dim], SGLang's token-major layout: heads are sliced
+        # over TP ranks (replicated where the model has fewer KV heads than ranks). MLA's latent is
+        # whole on every rank.
+        # `heads`: (per rank, model) where KVArgs does not carry them.
+        per_rank, total = heads or (getattr(args, "kv_head_num", 0),
+                                    getattr(args, "total_kv_head_num", 0))
+        self.heads = 0 if is_mla else int(per_rank or 0)
+        self.kv_heads = 0 if is_mla else int(total or 0)
+        page_size = int(args.page_size)
+        self.head_bytes = 0
+        if self.heads:
+            if self.page_bytes % (page_size * self.heads):
+                raise kvx.ConfigError(f"kvx: a page of {self.page_bytes} bytes is not {page_size} "
+                                      f"tokens of {self.heads} heads")
+            self.head_bytes = self.page_bytes // (page_size * self.heads)
+        # Without head counts (SGLang gives them for every MHA pool) pages map whole, rank to rank.
+        self.tp_mode = "replicated" if is_mla else ("head_sliced" if self.heads else "identical")
         self.layout = kvx.Layout(first_layer=first_layer, num_layers=self.num_layers,
-                                 page_bytes=self.page_bytes, num_pages=self.num_pages, split_kv=split)
+                                 page_bytes=self.page_bytes, num_pages=self.num_pages, split_kv=split,
+                                 heads=self.heads, head_bytes=self.head_bytes)
 
 
 def _refuse_unsupported(args: KVArgs, server_args, mode=None) -> None:
@@ -76,13 +94,23 @@ def _refuse_unsupported(args: KVArgs, server_args, mode=None) -> None:
 
 def _refuse_other_layout(mine: dict, theirs: dict, addr: str) -> None:
     """A prefill instance whose ranks kvx cannot map onto this decode rank fails each request at
-    once, naming what differs (kvx maps identical TP and page size only, so far)."""
-    for key, what in (("tp_size", "TP size"), ("page_size", "page size"),
-                      ("page_bytes", "bytes per page"), ("split_kv", "K/V split")):
+    once, naming what differs. Prefill TP may be larger than decode's (several prefill ranks write
+    a decode rank's heads); page sizes and per-head bytes must agree."""
+    for key, what in (("page_size", "page size"), ("head_bytes", "bytes per head and token"),
+                      ("kv_heads", "model KV heads"), ("split_kv", "K/V split")):
         if key in theirs and theirs[key] != mine[key]:
             raise kvx.ConfigError(
                 f"kvx: prefill instance {addr} has {what} {theirs[key]}, this decode "
-                f"{mine[key]}: kvx maps identical TP and pages only, so far")
+                f"{mine[key]}: kvx does not map that, so far")
+    if not mine["kv_heads"] and theirs.get("page_bytes", mine["page_bytes"]) != mine["page_bytes"]:
+        raise kvx.ConfigError(f"kvx: prefill instance {addr} has {theirs['page_bytes']} bytes per "
+                              f"page, this decode {mine['page_bytes']}")
+    ptp, dtp = int(theirs.get("tp_size", mine["tp_size"])), mine["tp_size"]
+    if dtp > ptp:
+        raise kvx.ConfigError(
+            f"kvx: prefill instance {addr} has TP size {ptp}, this decode {dtp}: kvx maps a "
+            "prefill TP at least decode's, so far (one prefill rank into several decode ranks "
+            "is not wired yet)")
 
 
 def _release_failed_rooms_on_kvx_decision() -> None:
@@ -163,9 +191,13 @@ class KvxKVManager(BaseKVManager):
             self._registered = False
             self.register_to_bootstrap()
         else:
-            self.pool = _Pool(args, self.is_mla_backend, 0)
+            heads = None
+            if not self.is_mla_backend and not getattr(args, "kv_head_num", 0):
+                heads = settings.model_kv_heads(server_args, self.tp_size)
+            self.pool = _Pool(args, self.is_mla_backend, 0, heads)
             self._engine: Optional[kvx.DecodeEngine] = None  # every prefill instance's sessions
             self._pp: dict = {}  # bootstrap_addr (the instance's name) -> its PP size
+            self._fan_in: dict = {}  # bootstrap_addr -> prefill TP ranks writing into this rank
             self._instances: dict = {}  # bootstrap_addr -> directory instance we announced to
             self._misses: dict = {}  # bootstrap_addr -> heartbeats missed in a row
             self._rooms: dict = {}  # room -> DecodeEngine
@@ -219,7 +251,8 @@ class KvxKVManager(BaseKVManager):
                 "pp_size": self.pp_size,
                 "first_layer": self.pool.first_layer, "num_layers": self.pool.num_layers,
                 "page_size": self.page_size, "page_bytes": self.pool.page_bytes,
-                "split_kv": self.pool.split, "backend": self.backend}
+                "split_kv": self.pool.split, "backend": self.backend,
+                "kv_heads": self.pool.kv_heads, "head_bytes": self.pool.head_bytes}
         deadline = time.monotonic() + settings.bootstrap_timeout()
         while True:
             try:
@@ -245,11 +278,22 @@ class KvxKVManager(BaseKVManager):
                 got = None
             for d in got or []:
                 seen += 1
-                if int(d.get("tp_rank", -1)) == self.tp_rank:
+                if self._writes_into(d):
                     threading.Thread(target=self._serve, args=(d,), daemon=True).start()
             if got is None:
                 # The directory is not up (yet) or went away: ask again soon, not in a hot loop.
                 self._closed.wait(0.2)
+
+    def _writes_into(self, d: dict) -> bool:
+        """Whether this prefill rank writes into the decode rank `d` announced (its TP rank holds
+        heads, or for MLA the latent, that decode rank takes from this one)."""
+        try:
+            return self.tp_rank in kvx.tp_sources(self.tp_size, int(d.get("tp_size", self.tp_size)),
+                                                  self.pool.kv_heads, int(d["tp_rank"]))
+        except (kvx.ConfigError, KeyError, ValueError) as e:
+            logger.error("kvx: decode %s cannot be mapped onto this prefill: %s",
+                         d.get("decode_id"), e)
+            return False
 
     def _serve(self, d: dict):
         """Serves the decode engine `d` announced: the rank's one PrefillEngine starts with the first
@@ -298,6 +342,8 @@ class KvxKVManager(BaseKVManager):
             page_tokens=self.page_size, memory=self.pool.memory, peers=peers,
             mesh_socket=mesh_socket, instance=self._instance, keep_open=True,
             secret=self.secret, backend=self.backend, device=self.device,
+            tp_rank=self.tp_rank, tp_size=self.tp_size, tp_mode=self.pool.tp_mode,
+            kv_heads=self.pool.kv_heads,
             engine_id=f"sglang-prefill-{self.tp_rank}-{self.pp_rank}-{os.getpid()}")
         logger.info("kvx: prefill engine started (TP %d, PP %d): one engine for every decode",
                     self.tp_rank, self.pp_rank)
@@ -348,7 +394,8 @@ class KvxKVManager(BaseKVManager):
             pp_size=0, memory=self.pool.memory,
             listen=f"{settings.url_host(self.local_ip)}:0",
             secret=self.secret, backend=self.backend, device=self.device,
-            engine_id=f"sglang-decode-{self.id}")
+            engine_id=f"sglang-decode-{self.id}", tp_rank=self.tp_rank, tp_size=self.tp_size,
+            tp_mode=self.pool.tp_mode, kv_heads=self.pool.kv_heads)
         with self._lock:
             if self._engine is None:
                 self._engine = e
@@ -368,27 +415,50 @@ class KvxKVManager(BaseKVManager):
         url = f"http://{bootstrap_addr}"
         got = self._get(f"{url}/kvx/prefill")
         if got["ranks"]:
-            _refuse_other_layout({"tp_size": self.tp_size, "page_size": self.page_size,
-                                  "page_bytes": self.pool.page_bytes, "split_kv": self.pool.split},
-                                 got["ranks"][0], bootstrap_addr)
-        mine = [r for r in got["ranks"] if int(r["tp_rank"]) == self.tp_rank]
+            _refuse_other_layout(self._layout_info(), got["ranks"][0], bootstrap_addr)
+        mine = self._sources(got["ranks"])
         if not mine:
-            raise kvx.ConfigError(f"kvx: no prefill rank of TP rank {self.tp_rank} at {bootstrap_addr}")
+            raise kvx.ConfigError(f"kvx: no prefill rank writes into TP rank {self.tp_rank} at "
+                                  f"{bootstrap_addr}")
         pp_size = int(mine[0]["pp_size"])
+        prefill_tp = int(mine[0].get("tp_size", self.tp_size))
         e = self._decode()
-        e.add_instance(bootstrap_addr, pp_size)
+        e.add_instance(bootstrap_addr, pp_size, tp_size=prefill_tp)
         with self._lock:
             if bootstrap_addr in self._pp:  # another receiver won the race
                 return e
             self._pp[bootstrap_addr] = pp_size
+            self._fan_in[bootstrap_addr] = len(mine) // max(pp_size, 1)
         logger.info("kvx: decode engine serves prefill instance %s (PP size %d)", bootstrap_addr,
                     pp_size)
         self._announce(bootstrap_addr, got["instance"])
         return e
 
+    def _layout_info(self) -> dict:
+        """What a prefill instance must match to be mapped onto this decode rank."""
+        return {"tp_size": self.tp_size, "page_size": self.page_size,
+                "page_bytes": self.pool.page_bytes, "split_kv": self.pool.split,
+                "kv_heads": self.pool.kv_heads, "head_bytes": self.pool.head_bytes}
+
+    def _sources(self, ranks: list) -> list:
+        """The registered prefill ranks that write into this decode rank (every PP rank of each
+        TP rank that holds heads, or the latent, this rank takes)."""
+        if not ranks:
+            return []
+        prefill_tp = int(ranks[0].get("tp_size", self.tp_size))
+        writers = set(kvx.tp_sources(prefill_tp, self.tp_size, self.pool.kv_heads, self.tp_rank))
+        return [r for r in ranks if int(r["tp_rank"]) in writers]
+
+    def aux_slot(self, bootstrap_addr: str) -> int:
+        """The rank slot whose metadata row decode reads for a request of that instance: the
+        first source of the last PP rank (every source of it sends the same row)."""
+        pp, fan_in = self._pp.get(bootstrap_addr, 1), self._fan_in.get(bootstrap_addr, 1)
+        return (pp - 1) * fan_in
+
     def _announce(self, bootstrap_addr: str, instance: str) -> None:
         self._put(f"http://{bootstrap_addr}/kvx/decode", {
             "decode_id": f"{self.id}-{bootstrap_addr}", "tp_rank": self.tp_rank,
+            "tp_size": self.tp_size,
             "address": self._decode().address, "total_layers": self.pool.num_layers,
             "instance": bootstrap_addr})
         with self._lock:
@@ -419,8 +489,7 @@ class KvxKVManager(BaseKVManager):
                             self._instances[addr] = None
                     continue
                 if got.get("instance") != known:
-                    pp = [int(r["pp_size"]) for r in got.get("ranks", [])
-                          if int(r["tp_rank"]) == self.tp_rank]
+                    pp = [int(r["pp_size"]) for r in self._sources(got.get("ranks", []))]
                     if pp and pp[0] != self._pp.get(addr):
                         logger.error("kvx: prefill instance %s came back with PP size %d, not %d: "
                                      "not served", addr, pp[0], self._pp.get(addr))
@@ -441,13 +510,16 @@ class KvxKVManager(BaseKVManager):
             ranks = self._get(f"http://{bootstrap_addr}/kvx/prefill", timeout=1.0)["ranks"]
         except OSError:
             return False
-        if ranks and int(ranks[0].get("tp_size", self.tp_size)) != self.tp_size:
+        try:
+            if ranks:
+                _refuse_other_layout(self._layout_info(), ranks[0], bootstrap_addr)
+            mine = self._sources(ranks)
+            writers = len({int(r["tp_rank"]) for r in mine})
+        except kvx.ConfigError:
             # kvx cannot map it: the instance is reported there, and each receiver fails at once
-            # naming the TP sizes (decode_engine), rather than waiting for ranks that never come.
-            mine = ranks
-        else:
-            mine = [r for r in ranks if int(r["tp_rank"]) == self.tp_rank]
-        if not mine or len(mine) < int(mine[0]["pp_size"]):
+            # naming what differs (decode_engine), rather than waiting for ranks that never come.
+            mine, writers = ranks, 0
+        if not mine or (writers and len(mine) < int(mine[0]["pp_size"]) * writers):
             return False
         self.prefill_info_table[bootstrap_addr] = types.SimpleNamespace(
             dp_size=1, follow_bootstrap_room=True, pp_size=int(mine[0]["pp_size"]))

@@ -92,7 +92,7 @@ class KvxKVReceiver(BaseKVReceiver):
         if outcome.complete:
             if self.kv_mgr.aux and self.aux_index is not None:
                 # The last PP rank's metadata row (its first output token) must be in place too.
-                last_rank = self.kv_mgr._pp.get(self.bootstrap_addr, 1) - 1
+                last_rank = self.kv_mgr.aux_slot(self.bootstrap_addr)
                 data = self.engine.aux(self.bootstrap_room, last_rank)
                 if data is None:
                     now = time.monotonic()

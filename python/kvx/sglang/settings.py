@@ -86,6 +86,15 @@ def heartbeat() -> "tuple[float, int]":
             max(int(_sglang_env("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", 2)), 1))
 
 
+def model_kv_heads(server_args, tp_size: int) -> "tuple[int, int]":
+    """(KV heads per TP rank, KV heads of the model) by SGLang's own model config: what SGLang's
+    decode leaves out of ``KVArgs`` (it fills them in only for its staging buffers)."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    config = ModelConfig.from_server_args(server_args)
+    return config.get_num_kv_heads(tp_size), config.get_total_num_kv_heads()
+
+
 def state_log_interval() -> Optional[float]:
     """``KVX_STATE_LOG_S``: every that many seconds each manager logs what it holds per room
     (``kvx: state {...}``); unset or 0, never."""

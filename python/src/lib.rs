@@ -154,7 +154,7 @@ impl Layout {
         }
         if heads > 0 || head_bytes > 0 {
             let token_bytes = u64::from(heads).saturating_mul(head_bytes);
-            if token_bytes == 0 || page_bytes % token_bytes != 0 {
+            if token_bytes == 0 || !page_bytes.is_multiple_of(token_bytes) {
                 return Err(errors::config(format!(
                     "a page of {page_bytes} bytes is not a whole number of tokens of {heads} \
                      heads of {head_bytes} bytes"

@@ -415,12 +415,12 @@ fn pp_peers_accept_each_other() {
 #[test]
 fn version_mismatch() {
     let mut p = prefill_hello(0, 1);
-    p.protocol_version = 9;
+    p.protocol_version = PROTOCOL_VERSION + 1;
     assert_eq!(
         reject(&decode_hello(), &p),
         RejectReason::VersionMismatch {
             local: PROTOCOL_VERSION,
-            remote: 9
+            remote: PROTOCOL_VERSION + 1
         }
     );
 }

@@ -438,7 +438,7 @@ async fn ranks_whose_layers_leave_a_gap_are_refused() {
         cfg.peers = peers.clone();
         cfg.mesh_socket = Some(sockets[usize::from(rank)].clone());
         cfg.token = Some(Secret::new(SECRET));
-        cfg.connect_timeout = Duration::from_secs(2);
+        cfg.connect_timeout = Duration::from_secs(10);
         starts.push(tokio::spawn(PrefillEngine::start(cfg, Pool::Owned(buf))));
     }
     let mut refused = Vec::new();

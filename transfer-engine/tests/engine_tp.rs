@@ -1,7 +1,8 @@
 //! Different TP sizes on the two sides, over real loopback UCX: prefill TP 4 into decode TP 2 and
 //! 2 into 4 (heads sliced), GQA with fewer KV heads than decode ranks (replicas), and MLA (whole
 //! latent pages), all at PP 2. Every decode TP rank is one engine; every prefill (PP, TP) rank runs
-//! one engine per decode rank it writes into. Each byte of every decode rank's pages is checked
+//! one engine per decode rank it writes into, or (where the decode ranks name their instance) one
+//! engine for all of them. Each byte of every decode rank's pages is checked
 //! against the head it must hold, on poisoned pages; every wait is bounded.
 #![allow(clippy::unwrap_used)]
 
@@ -39,6 +40,16 @@ struct Case {
     decode_tp: u16,
     /// Model KV heads; 0 for MLA.
     kv_heads: u32,
+}
+
+/// How prefill ranks that write into several decode ranks are run.
+#[derive(Clone, Copy, PartialEq)]
+enum Engines {
+    /// One engine per (prefill rank, decode rank it writes into).
+    PerTarget,
+    /// One engine per prefill rank, serving every decode rank it writes into (the decode ranks
+    /// name their instance, so their allocations of one request are one request there).
+    PerRank,
 }
 
 impl Case {
@@ -110,6 +121,10 @@ impl Case {
 }
 
 async fn run(case: Case) -> Vec<usize> {
+    run_with(case, Engines::PerTarget).await
+}
+
+async fn run_with(case: Case, engines: Engines) -> Vec<usize> {
     let request = RequestId(77);
     // Decode TP ranks: one engine each, poisoned pools.
     let mut decodes = Vec::new();
@@ -119,20 +134,33 @@ async fn run(case: Case) -> Vec<usize> {
         cfg.tp = case.tp(rank, case.decode_tp);
         cfg.prefill_tp = Some(case.prefill_tp);
         cfg.token = Some(Secret::new(SECRET));
+        if engines == Engines::PerRank {
+            cfg.instance = "decode-server".into();
+        }
         let mut b = HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).unwrap();
         b.as_mut_slice().fill(POISON);
         decodes.push(DecodeEngine::start(cfg, Pool::Owned(b)).await.unwrap());
     }
-    // Prefill (TP rank, decode rank) pairs, each a pipeline of PP ranks with its own mesh.
+    // Prefill pipelines of PP ranks, each with its own mesh: one per (TP rank, decode rank it
+    // writes into), or one per TP rank serving all of them.
     let mut starts = Vec::new();
+    let mut more: Vec<Vec<SocketAddr>> = Vec::new();
     for t in 0..case.prefill_tp {
-        let targets = topology::targets(
+        let targets: Vec<SocketAddr> = topology::targets(
             case.shape(case.prefill_tp),
             case.shape(case.decode_tp),
             u32::from(t),
         )
-        .unwrap();
-        for (d, _) in targets {
+        .unwrap()
+        .into_iter()
+        .map(|(d, _)| decodes[d as usize].local_addr())
+        .collect();
+        let pipelines: Vec<(SocketAddr, Vec<SocketAddr>)> = match engines {
+            Engines::PerTarget => targets.iter().map(|&d| (d, Vec::new())).collect(),
+            Engines::PerRank => vec![(targets[0], targets[1..].to_vec())],
+        };
+        for (first, rest) in pipelines {
+            let d = first;
             let mut peers = Vec::new();
             let mut sockets = Vec::new();
             for _ in 0..PP {
@@ -165,14 +193,7 @@ async fn run(case: Case) -> Vec<usize> {
                         }
                     }
                 }
-                let mut cfg = PrefillConfig::new(
-                    decodes[usize::from(d as u16)].local_addr(),
-                    pp,
-                    PP,
-                    LAYERS,
-                    PAGE_TOKENS,
-                    layout,
-                );
+                let mut cfg = PrefillConfig::new(d, pp, PP, LAYERS, PAGE_TOKENS, layout);
                 cfg.tp = case.tp(t, case.prefill_tp);
                 cfg.engine_id = format!("p{pp}-t{t}-d{d}");
                 cfg.backend = transfer_engine::engine::BackendConfig::default_for(
@@ -184,12 +205,21 @@ async fn run(case: Case) -> Vec<usize> {
                 cfg.token = Some(Secret::new(SECRET));
                 cfg.connect_timeout = Duration::from_secs(10);
                 starts.push(tokio::spawn(PrefillEngine::start(cfg, Pool::Owned(buf))));
+                more.push(rest.clone());
             }
         }
     }
     let mut prefills = Vec::new();
-    for s in starts {
-        prefills.push(s.await.unwrap().unwrap());
+    for (s, rest) in starts.into_iter().zip(more) {
+        let p = s.await.unwrap().unwrap();
+        for d in rest {
+            p.add_decode(d).await.unwrap();
+        }
+        prefills.push(p);
+    }
+    if engines == Engines::PerRank {
+        // One engine per prefill (PP, TP) rank, whatever it writes into.
+        assert_eq!(prefills.len(), usize::from(case.prefill_tp * PP));
     }
     let mut outcomes = Vec::new();
     for d in &decodes {
@@ -296,6 +326,33 @@ async fn mla_latent_pages_go_whole_to_every_decode_rank() {
     );
 }
 
+/// Prefill TP smaller than decode's, each prefill rank one engine: decode ranks that share a
+/// request's id (they all allocate it) are one request on the rank, written into each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_prefill_engine_per_rank_writes_into_every_decode_rank_of_a_request() {
+    for case in [
+        Case {
+            prefill_tp: 2,
+            decode_tp: 4,
+            kv_heads: 8,
+        },
+        // Replicas: every decode rank holds one of the 2 heads, from the one prefill rank.
+        Case {
+            prefill_tp: 1,
+            decode_tp: 4,
+            kv_heads: 2,
+        },
+        Case {
+            prefill_tp: 2,
+            decode_tp: 4,
+            kv_heads: 0,
+        },
+    ] {
+        let fan_in = run_with(case, Engines::PerRank).await;
+        assert_eq!(fan_in, vec![usize::from(PP); 4]);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefill_rank_that_writes_nothing_into_a_decode_rank_is_refused() {
     let case = Case {
@@ -323,4 +380,106 @@ async fn a_prefill_rank_that_writes_nothing_into_a_decode_rank_is_refused() {
     assert!(matches!(err, EngineError::Control(_)), "{err}");
     assert!(err.to_string().contains("writes nothing"), "{err}");
     d.shutdown(BOUND).await;
+}
+
+/// A request one prefill engine writes into two decode ranks of one instance fails as a whole:
+/// one decode rank's abort reaches the other decode rank through the prefill rank at once (not by
+/// its timeout), the rank's decision is failed, and the next request completes on both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_decode_ranks_abort_fails_the_request_on_every_decode_rank() {
+    let case = Case {
+        prefill_tp: 1,
+        decode_tp: 2,
+        kv_heads: 2,
+    };
+    let mut decodes = Vec::new();
+    for rank in 0..2 {
+        let layout = case.layout(2, 0, LAYERS);
+        let mut cfg = DecodeConfig::new(LAYERS, PAGE_TOKENS, layout.clone(), 1);
+        cfg.tp = case.tp(rank, 2);
+        cfg.prefill_tp = Some(1);
+        cfg.instance = "decode-server".into();
+        cfg.token = Some(Secret::new(SECRET));
+        let pool = Pool::Owned(
+            HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).unwrap(),
+        );
+        decodes.push(DecodeEngine::start(cfg, pool).await.unwrap());
+    }
+    let layout = case.layout(1, 0, LAYERS);
+    let mut cfg = PrefillConfig::new(
+        decodes[0].local_addr(),
+        0,
+        1,
+        LAYERS,
+        PAGE_TOKENS,
+        layout.clone(),
+    );
+    cfg.tp = case.tp(0, 1);
+    cfg.token = Some(Secret::new(SECRET));
+    let pool =
+        Pool::Owned(HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).unwrap());
+    let p = PrefillEngine::start(cfg, pool).await.unwrap();
+    p.add_decode(decodes[1].local_addr()).await.unwrap();
+    for d in &decodes {
+        d.wait_for_ranks(BOUND).await.unwrap();
+    }
+    let long = Duration::from_secs(60);
+    let a = decodes[0]
+        .expect(RequestId(5), PROMPT, CHUNK, DST.to_vec(), long)
+        .unwrap();
+    let b = decodes[1]
+        .expect(RequestId(5), PROMPT, CHUNK, DST.to_vec(), long)
+        .unwrap();
+    // Served once, when both allocations came.
+    let got = tokio::time::timeout(BOUND, p.next_request())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(got.request, RequestId(5));
+    decodes[0].abort(RequestId(5));
+    let started = std::time::Instant::now();
+    for o in [a, b] {
+        let outcome = tokio::time::timeout(BOUND, o).await.unwrap();
+        assert!(matches!(outcome, Outcome::Failed(_)), "{outcome:?}");
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "the other decode rank learnt of the abort by its timeout"
+    );
+    assert!(matches!(
+        tokio::time::timeout(BOUND, p.decided(RequestId(5)))
+            .await
+            .unwrap(),
+        transfer_engine::core::vote::Decision::Failed { .. }
+    ));
+    p.release(RequestId(5));
+    // The next request goes to both and completes.
+    let outs: Vec<_> = decodes
+        .iter()
+        .map(|d| {
+            d.expect(RequestId(6), PROMPT, CHUNK, DST.to_vec(), BOUND)
+                .unwrap()
+        })
+        .collect();
+    let got = tokio::time::timeout(BOUND, p.next_request())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(got.request, RequestId(6));
+    let chunks = PROMPT.div_ceil(CHUNK);
+    for c in 0..chunks {
+        p.send_chunk(RequestId(6), c, &SRC, c + 1 == chunks)
+            .await
+            .unwrap();
+    }
+    for o in outs {
+        assert_eq!(
+            tokio::time::timeout(BOUND, o).await.unwrap(),
+            Outcome::Complete
+        );
+    }
+    assert_eq!(p.stats().requests, 1, "request 6 is held until released");
+    for d in decodes {
+        d.shutdown(BOUND).await;
+    }
 }

@@ -140,10 +140,12 @@ pub struct Hello {
     /// (see [`crate::core::membership`]). A peer never admits an incarnation below the last one it
     /// admitted for that rank, so an older start cannot bind again.
     pub incarnation: u64,
-    /// The prefill instance (one PP pipeline) the sender belongs to, as the decode side named it
-    /// when it added the instance (protocol version 6): one decode engine serves many instances,
-    /// and every PP rank of one pipeline carries the same name. Empty for a decode's Hello and
-    /// for the decode engine's default instance.
+    /// A prefill's Hello: the prefill instance (one PP pipeline) the sender belongs to, as the
+    /// decode side named it when it added the instance (protocol version 6): one decode engine
+    /// serves many instances, and every PP rank of one pipeline carries the same name; empty for
+    /// the decode engine's default instance. A decode's Hello: the decode instance (server) the
+    /// sending TP rank belongs to (protocol version 9), which its other TP ranks name alike;
+    /// empty when it names none.
     pub instance: String,
     /// Milliseconds between the heartbeats the sender sends on this connection, 0 if it sends none
     /// (protocol version 8). The receiver declares the sender lost after

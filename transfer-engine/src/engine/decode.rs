@@ -58,6 +58,12 @@ pub struct DecodeConfig {
     pub tp: TpConfig,
     /// The default instance's TP size; `None`: the same as this side's.
     pub prefill_tp: Option<u16>,
+    /// The decode instance (server) this TP rank belongs to, carried in its Hello: every TP rank
+    /// of one decode server names the same one, so a prefill rank that writes into several of
+    /// them (prefill TP smaller than decode's) serves their allocations of one request as one
+    /// request, from its one engine. Empty: none (such a prefill rank refuses the second
+    /// allocation of a request id).
+    pub instance: String,
     /// The deployment's shared secret: a prefill must prove it holds it before this side sends
     /// anything but a challenge (see `control`'s handshake). `None` means the empty secret, which
     /// any peer can prove: a warning is logged at start, since any process that reaches the
@@ -97,6 +103,7 @@ impl DecodeConfig {
             pp_size,
             tp: TpConfig::default(),
             prefill_tp: None,
+            instance: String::new(),
             token: None,
             verify_checksums: true,
             tracker: TrackerConfig::default(),
@@ -2246,7 +2253,10 @@ fn local_hello(inner: &Inner) -> Result<Hello, EngineError> {
     .with_pp(0, cfg.pp_size.max(1))
     .with_tp(cfg.tp.rank, cfg.tp.size)
     .with_heartbeat(cfg.heartbeat);
-    Ok(hello)
+    Ok(Hello {
+        instance: cfg.instance.clone(),
+        ..hello
+    })
 }
 
 async fn serve_rank(

@@ -291,6 +291,25 @@ impl TpConfig {
         .map_err(|e| EngineError::Config(format!("TP topology: {e}")))
     }
 
+    /// How many decode TP ranks (of `decode_size`) prefill TP rank `prefill_rank` writes into.
+    fn target_count(
+        &self,
+        prefill_size: u16,
+        decode_size: u16,
+        prefill_rank: u16,
+    ) -> Result<usize, EngineError> {
+        if self.mode == control::TpMode::Identical {
+            return Ok(1);
+        }
+        crate::core::topology::targets(
+            self.shape(prefill_size),
+            self.shape(decode_size),
+            u32::from(prefill_rank),
+        )
+        .map(|t| t.len())
+        .map_err(|e| EngineError::Config(format!("TP topology: {e}")))
+    }
+
     /// The mapping of `source`'s writes into decode rank `decode_rank`.
     fn mapping(
         &self,

@@ -268,6 +268,14 @@ struct Link {
     /// How long decode may stay silent before the link is lost: three of the heartbeat intervals
     /// its Hello announced (our own for a decode outside our control plane).
     silence: Option<Duration>,
+    /// The decode instance (server) this decode TP rank belongs to, as its Hello names it; empty
+    /// when it names none. Allocations of one request from decode ranks of one named instance
+    /// are one request here, written into each of them (see [`ReqState`]).
+    decode_instance: String,
+    /// Decode's TP rank and size.
+    decode_tp: (u16, u16),
+    /// How many of its instance's decode TP ranks this rank writes into (1 without a name).
+    fan_out: usize,
 }
 
 struct LinkState {
@@ -280,20 +288,58 @@ struct LinkState {
     close_pending: bool,
 }
 
-struct ReqState {
+/// What one decode TP rank asked of a request: its pages, and this rank's chunks into them.
+struct Leg {
     link: Arc<Link>,
-    geometry: ChunkGeometry,
     dst_pages: Arc<Vec<u32>>,
-    failed: Option<FailureCode>,
-    voted: bool,
-    /// Chunks posted and not yet over: writes that may still land in decode's pages.
+    /// Chunks posted to it and not yet over: writes that may still land in its pages.
     posted: u32,
-    /// Decode aborted the request while chunks were posted: acknowledge once they are over.
+    /// Its decode aborted the request while chunks were posted: acknowledge once they are over.
     ack_pending: bool,
     /// Chunks whose writes and notification completed, one bit per chunk id.
     done: Vec<u64>,
     /// How many bits of `done` are set.
     done_count: u64,
+}
+
+/// A request on this rank: one leg per decode TP rank it writes into (one, unless this rank's
+/// heads go to several decode ranks of one instance, which all allocate the same request id).
+struct ReqState {
+    geometry: ChunkGeometry,
+    legs: Vec<Leg>,
+    /// Legs the request has once every allocation came.
+    expected: usize,
+    failed: Option<FailureCode>,
+    voted: bool,
+}
+
+impl ReqState {
+    /// Every allocation came: chunks may go.
+    fn ready(&self) -> bool {
+        self.legs.len() >= self.expected
+    }
+
+    fn leg_mut(&mut self, link: LinkId) -> Option<&mut Leg> {
+        self.legs.iter_mut().find(|l| l.link.id == link)
+    }
+
+    fn has_leg(&self, link: LinkId) -> bool {
+        self.legs.iter().any(|l| l.link.id == link)
+    }
+
+    /// Chunks posted and not yet over, on every leg.
+    fn posted(&self) -> u32 {
+        self.legs.iter().map(|l| l.posted).sum()
+    }
+
+    /// Every chunk of every leg is over.
+    fn complete(&self) -> bool {
+        self.ready()
+            && self
+                .legs
+                .iter()
+                .all(|l| l.done_count == self.geometry.num_chunks())
+    }
 }
 
 struct State {
@@ -788,6 +834,7 @@ impl PrefillEngine {
                     deadline_ms: 0,
                 },
             )
+            .map(|_| ())
             .map_err(|reason| {
                 EngineError::Config(format!("request {} refused: {reason}", request.0))
             })
@@ -838,20 +885,7 @@ impl PrefillEngine {
         last: bool,
     ) -> Result<(), EngineError> {
         let inner = &self.inner;
-        let (geometry, dst_pages, link) = inner.wait_for_request(request).await?;
-        let mut plan: Vec<Write> = Vec::new();
-        link.planner
-            .plan_chunk(
-                &geometry,
-                u64::from(chunk),
-                src_pages,
-                &dst_pages,
-                &mut plan,
-            )
-            .map_err(|source| EngineError::Plan {
-                request: Some(request),
-                source,
-            })?;
+        let (geometry, legs) = inner.wait_for_request(request).await?;
         let status = if last {
             let count = geometry.num_chunks() as u32;
             if chunk + 1 != count {
@@ -863,59 +897,12 @@ impl PrefillEngine {
         } else {
             ChunkStatus::More
         };
-        let mut n = ChunkNotification::new(request, link.notify_rank, chunk, status);
-        if inner.cfg.checksums && inner.pool.desc().is_some_and(|d| d.kind() == MemKind::Host) {
-            let mut h = ChunkHasher::new();
-            for w in &plan {
-                // The planner bounds-checked every range against the layout, which fits the pool.
-                inner
-                    .pool
-                    .read_pieces(w.src_offset, w.len, |b| h.update(b))?;
-            }
-            n = n.with_checksum(h.finish());
+        let mut posts = Vec::with_capacity(legs.len());
+        for (link, dst_pages) in &legs {
+            posts.push(inner.plan_leg(
+                request, chunk, status, &geometry, link, dst_pages, src_pages,
+            )?);
         }
-        let mut writes: Vec<WriteOp> = Vec::with_capacity(plan.len());
-        match (inner.pool.single(), link.dst_seg >= link.dst_whole) {
-            // One registration on each side (the usual pools): the plan's offsets are the writes'.
-            (Some(local), true) => writes.extend(plan.iter().map(|w| WriteOp {
-                local: local.id(),
-                local_offset: w.src_offset,
-                remote: 0,
-                remote_offset: w.dst_offset,
-                len: w.len,
-            })),
-            _ => {
-                let src_seg = inner.pool.segment_len();
-                for w in &plan {
-                    // Pieces that lie in one segment on both sides.
-                    for (si, soff, n, pos) in super::pools::split(w.src_offset, w.len, src_seg) {
-                        let local = inner.pool.id(si).ok_or_else(|| {
-                            EngineError::Config(format!(
-                                "write at {} is outside the pool",
-                                w.src_offset
-                            ))
-                        })?;
-                        for (di, doff, m, p) in
-                            super::pools::split(w.dst_offset + pos, n, link.dst_seg)
-                        {
-                            writes.push(WriteOp {
-                                local,
-                                local_offset: soff + p,
-                                remote: u32::try_from(di).map_err(|_| {
-                                    EngineError::Config("decode region index overflows".into())
-                                })?,
-                                remote_offset: doff,
-                                len: m,
-                            });
-                        }
-                    }
-                }
-            }
-        }
-        let bytes: u64 = plan.iter().map(|w| w.len).sum();
-        let (tx, rx) = oneshot::channel();
-        let weak = Arc::downgrade(inner);
-        let link_id = link.id;
         let span = tracing::trace_span!(
             "chunk",
             request = request.0,
@@ -930,10 +917,18 @@ impl PrefillEngine {
             if st.closed {
                 return Err(EngineError::Shutdown);
             }
-            let open = st.links.get(&link.id).is_some_and(|l| !l.closed);
+            let open = legs
+                .iter()
+                .all(|(l, _)| st.links.get(&l.id).is_some_and(|l| !l.closed));
             match st.requests.get_mut(&request) {
-                Some(r) if r.failed.is_none() && !r.voted && open => r.posted += 1,
-                // Its decode is gone; the request fails with it (its read loop is on the way).
+                Some(r) if r.failed.is_none() && !r.voted && open => {
+                    for (link, _) in &legs {
+                        if let Some(leg) = r.leg_mut(link.id) {
+                            leg.posted += 1;
+                        }
+                    }
+                }
+                // A decode of it is gone; the request fails with it (its read loop is on the way).
                 Some(r) if r.failed.is_none() && !r.voted => {
                     return Err(EngineError::RequestFailed {
                         request,
@@ -952,41 +947,49 @@ impl PrefillEngine {
                 }
                 None => return Err(EngineError::UnknownRequest(request)),
             }
-            if let Some(l) = st.links.get_mut(&link.id) {
-                l.posted += 1;
+            for (link, _) in &legs {
+                if let Some(l) = st.links.get_mut(&link.id) {
+                    l.posted += 1;
+                }
             }
         }
-        inner
-            .counters
-            .writes
-            .fetch_add(writes.len() as u64, Ordering::Relaxed);
-        inner.transport.post(
-            link.peer,
-            writes,
-            match inner.cfg.notify_format {
-                NotifyFormat::SglangText => n
-                    .encode_text(TextForm::WithPpRank)
-                    .map(String::into_bytes)
-                    .unwrap_or_else(|_| n.encode().to_vec()),
-                _ => n.encode().to_vec(),
-            },
-            Box::new(move |res: Result<(), TransportError>| {
-                // Runs on the transport's progress thread: the vote is cast right here.
-                if let Some(inner) = weak.upgrade() {
-                    inner.chunk_done(link_id, request, chunk, last, bytes, &res);
-                }
-                let _ = tx.send(res);
-            }),
-        );
-        match rx.await {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(source)) => Err(EngineError::Write {
-                request,
-                chunk,
-                source,
-            }),
-            Err(_) => Err(EngineError::Shutdown),
+        let mut waits = Vec::with_capacity(posts.len());
+        for ((link, _), post) in legs.iter().zip(posts) {
+            inner
+                .counters
+                .writes
+                .fetch_add(post.writes.len() as u64, Ordering::Relaxed);
+            let (tx, rx) = oneshot::channel();
+            let weak = Arc::downgrade(inner);
+            let (link_id, bytes) = (link.id, post.bytes);
+            inner.transport.post(
+                link.peer,
+                post.writes,
+                post.notification,
+                Box::new(move |res: Result<(), TransportError>| {
+                    // Runs on the transport's progress thread: the vote is cast right here.
+                    if let Some(inner) = weak.upgrade() {
+                        inner.chunk_done(link_id, request, chunk, last, bytes, &res);
+                    }
+                    let _ = tx.send(res);
+                }),
+            );
+            waits.push(rx);
         }
+        let mut first_error = None;
+        for rx in waits {
+            let err = match rx.await {
+                Ok(Ok(())) => continue,
+                Ok(Err(source)) => EngineError::Write {
+                    request,
+                    chunk,
+                    source,
+                },
+                Err(_) => EngineError::Shutdown,
+            };
+            first_error.get_or_insert(err);
+        }
+        first_error.map_or(Ok(()), Err)
     }
 
     /// Sends the decode engine of `request` a small payload beside the pages (at most
@@ -1005,17 +1008,21 @@ impl PrefillEngine {
                 control::MAX_AUX_LEN
             )));
         }
-        let link = lock(&self.inner.state)
+        let links: Vec<Arc<Link>> = lock(&self.inner.state)
             .requests
             .get(&request)
-            .map(|r| r.link.clone())
+            .map(|r| r.legs.iter().map(|l| l.link.clone()).collect())
             .ok_or(EngineError::UnknownRequest(request))?;
-        link.writer
-            .send(Msg::Aux(control::AuxData {
-                request: request.0,
-                data,
-            }))
-            .map_err(|_| EngineError::Shutdown)
+        // Every decode rank the request goes to reads the payload.
+        for link in links {
+            link.writer
+                .send(Msg::Aux(control::AuxData {
+                    request: request.0,
+                    data: data.clone(),
+                }))
+                .map_err(|_| EngineError::Shutdown)?;
+        }
+        Ok(())
     }
 
     /// Fails `request` from this rank: tells the decode side (a FAILURE notification) and votes failed.
@@ -1093,38 +1100,127 @@ impl PrefillEngine {
     }
 }
 
+/// One leg's share of a chunk, planned: the writes, the notification that follows them, and the
+/// bytes they move.
+struct LegPost {
+    writes: Vec<WriteOp>,
+    notification: Vec<u8>,
+    bytes: u64,
+}
+
 impl Inner {
+    /// Plans chunk `chunk` of `request` into one decode rank (`link`, whose pages are `dst_pages`).
+    #[allow(clippy::too_many_arguments)]
+    fn plan_leg(
+        &self,
+        request: RequestId,
+        chunk: u32,
+        status: ChunkStatus,
+        geometry: &ChunkGeometry,
+        link: &Link,
+        dst_pages: &[u32],
+        src_pages: &[u32],
+    ) -> Result<LegPost, EngineError> {
+        let mut plan: Vec<Write> = Vec::new();
+        link.planner
+            .plan_chunk(geometry, u64::from(chunk), src_pages, dst_pages, &mut plan)
+            .map_err(|source| EngineError::Plan {
+                request: Some(request),
+                source,
+            })?;
+        let mut n = ChunkNotification::new(request, link.notify_rank, chunk, status);
+        if self.cfg.checksums && self.pool.desc().is_some_and(|d| d.kind() == MemKind::Host) {
+            let mut h = ChunkHasher::new();
+            for w in &plan {
+                // The planner bounds-checked every range against the layout, which fits the pool.
+                self.pool
+                    .read_pieces(w.src_offset, w.len, |b| h.update(b))?;
+            }
+            n = n.with_checksum(h.finish());
+        }
+        let mut writes: Vec<WriteOp> = Vec::with_capacity(plan.len());
+        match (self.pool.single(), link.dst_seg >= link.dst_whole) {
+            // One registration on each side (the usual pools): the plan's offsets are the writes'.
+            (Some(local), true) => writes.extend(plan.iter().map(|w| WriteOp {
+                local: local.id(),
+                local_offset: w.src_offset,
+                remote: 0,
+                remote_offset: w.dst_offset,
+                len: w.len,
+            })),
+            _ => {
+                let src_seg = self.pool.segment_len();
+                for w in &plan {
+                    // Pieces that lie in one segment on both sides.
+                    for (si, soff, n, pos) in super::pools::split(w.src_offset, w.len, src_seg) {
+                        let local = self.pool.id(si).ok_or_else(|| {
+                            EngineError::Config(format!(
+                                "write at {} is outside the pool",
+                                w.src_offset
+                            ))
+                        })?;
+                        for (di, doff, m, p) in
+                            super::pools::split(w.dst_offset + pos, n, link.dst_seg)
+                        {
+                            writes.push(WriteOp {
+                                local,
+                                local_offset: soff + p,
+                                remote: u32::try_from(di).map_err(|_| {
+                                    EngineError::Config("decode region index overflows".into())
+                                })?,
+                                remote_offset: doff,
+                                len: m,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        let notification = match self.cfg.notify_format {
+            NotifyFormat::SglangText => n
+                .encode_text(TextForm::WithPpRank)
+                .map(String::into_bytes)
+                .unwrap_or_else(|_| n.encode().to_vec()),
+            _ => n.encode().to_vec(),
+        };
+        Ok(LegPost {
+            writes,
+            notification,
+            bytes: plan.iter().map(|w| w.len).sum(),
+        })
+    }
+
+    /// The request's geometry and legs, once every decode rank it goes to sent its allocation
+    /// (waiting up to `request_wait` for them).
     async fn wait_for_request(
         &self,
         request: RequestId,
-    ) -> Result<(ChunkGeometry, Arc<Vec<u32>>, Arc<Link>), EngineError> {
-        let rx = {
-            let mut st = lock(&self.state);
-            if let Some(r) = st.requests.get(&request) {
-                if let Some(code) = r.failed {
-                    return Err(EngineError::RequestFailed { request, code });
-                }
-                return Ok((r.geometry, r.dst_pages.clone(), r.link.clone()));
-            }
-            let (tx, rx) = oneshot::channel();
-            st.arrivals.entry(request).or_default().push(tx);
-            rx
-        };
-        match tokio::time::timeout(self.cfg.request_wait, rx).await {
-            Ok(Ok(())) => {
-                let st = lock(&self.state);
-                match st.requests.get(&request) {
-                    Some(r) if r.failed.is_none() => {
-                        Ok((r.geometry, r.dst_pages.clone(), r.link.clone()))
+    ) -> Result<(ChunkGeometry, Vec<(Arc<Link>, Arc<Vec<u32>>)>), EngineError> {
+        let deadline = tokio::time::Instant::now() + self.cfg.request_wait;
+        loop {
+            let rx = {
+                let mut st = lock(&self.state);
+                if let Some(r) = st.requests.get(&request) {
+                    if let Some(code) = r.failed {
+                        return Err(EngineError::RequestFailed { request, code });
                     }
-                    Some(r) => Err(EngineError::RequestFailed {
-                        request,
-                        code: r.failed.unwrap_or(FailureCode::Aborted),
-                    }),
-                    None => Err(EngineError::UnknownRequest(request)),
+                    if r.ready() {
+                        let legs = r
+                            .legs
+                            .iter()
+                            .map(|l| (l.link.clone(), l.dst_pages.clone()))
+                            .collect();
+                        return Ok((r.geometry, legs));
+                    }
                 }
+                let (tx, rx) = oneshot::channel();
+                st.arrivals.entry(request).or_default().push(tx);
+                rx
+            };
+            match tokio::time::timeout_at(deadline, rx).await {
+                Ok(Ok(())) => {}
+                _ => return Err(EngineError::UnknownRequest(request)),
             }
-            _ => Err(EngineError::UnknownRequest(request)),
         }
     }
 
@@ -1151,23 +1247,23 @@ impl Inner {
                 }
                 None => false,
             };
-            let ack = match st.requests.get_mut(&request) {
-                Some(r) => {
-                    r.posted = r.posted.saturating_sub(1);
+            let ack = match st.requests.get_mut(&request).and_then(|r| r.leg_mut(link)) {
+                Some(leg) => {
+                    leg.posted = leg.posted.saturating_sub(1);
                     if res.is_ok() {
                         let (word, bit) = (chunk as usize / 64, 1u64 << (chunk % 64));
-                        if let Some(w) = r.done.get_mut(word)
+                        if let Some(w) = leg.done.get_mut(word)
                             && *w & bit == 0
                         {
                             *w |= bit;
-                            r.done_count += 1;
+                            leg.done_count += 1;
                         }
                     }
-                    let ack = r.posted == 0 && r.ack_pending;
+                    let ack = leg.posted == 0 && leg.ack_pending;
                     if ack {
-                        r.ack_pending = false;
+                        leg.ack_pending = false;
                     }
-                    ack.then(|| r.link.clone())
+                    ack.then(|| leg.link.clone())
                 }
                 None => None,
             };
@@ -1231,7 +1327,7 @@ impl Inner {
             match st.requests.get_mut(&request) {
                 Some(r) if r.failed.is_none() => {
                     r.failed = Some(code);
-                    vec![r.link.clone()]
+                    r.legs.iter().map(|l| l.link.clone()).collect()
                 }
                 Some(_) => Vec::new(),
                 None => st
@@ -1242,10 +1338,15 @@ impl Inner {
                     .collect(),
             }
         };
+        self.tell_failed(request, code, &to);
+        self.settle_vote(request, Some(Vote::Failed(code)));
+    }
+
+    /// Tells each decode in `to` that `request` failed here, at once, not by timeout: on the data
+    /// plane (ordered after this rank's earlier chunks) and on the control plane (which still works
+    /// when the data plane does not); whichever arrives second changes nothing.
+    fn tell_failed(&self, request: RequestId, code: FailureCode, to: &[Arc<Link>]) {
         for link in to {
-            // The decode side learns at once, not by timeout: on the data plane (ordered after this
-            // rank's earlier chunks) and on the control plane (which still works when the data plane
-            // does not); whichever arrives second changes nothing.
             let _ = link.writer.send(Msg::Abort(control::Abort {
                 request: request.0,
                 reason: code.raw(),
@@ -1255,7 +1356,6 @@ impl Inner {
             self.transport
                 .post(link.peer, Vec::new(), n.encode().to_vec(), Box::new(|_| {}));
         }
-        self.settle_vote(request, Some(Vote::Failed(code)));
     }
 
     /// Casts this rank's vote on `request` once it is terminal here (failed, or every one of its
@@ -1265,11 +1365,11 @@ impl Inner {
     fn settle_vote(&self, request: RequestId, unknown: Option<Vote>) {
         let mut st = lock(&self.state);
         let vote = match st.requests.get_mut(&request) {
-            Some(r) if r.voted || r.posted > 0 => return,
+            Some(r) if r.voted || r.posted() > 0 => return,
             Some(r) => {
                 let v = match r.failed {
                     Some(code) => Some(Vote::Failed(code)),
-                    None if r.done_count == r.geometry.num_chunks() => Some(Vote::Completed),
+                    None if r.complete() => Some(Vote::Completed),
                     None => None,
                 };
                 r.voted = v.is_some();
@@ -1312,10 +1412,12 @@ impl Inner {
         }
     }
 
+    /// Records a decode's allocation; true when it was the request's last one (the request is
+    /// ready to be served).
     fn on_transfer_request(&self, link: &Arc<Link>, req: control::TransferRequest) -> bool {
         let request = req.request;
         match self.accept_request(link, req) {
-            Ok(()) => true,
+            Ok(ready) => ready,
             Err(reason) => {
                 let _ = link
                     .writer
@@ -1328,12 +1430,16 @@ impl Inner {
         }
     }
 
-    /// Validates and records a page allocation, waking `send_chunk`s waiting for it.
+    /// Validates and records a page allocation, waking `send_chunk`s waiting for it. Another
+    /// decode rank's allocation of a request already known joins it as one more leg where both
+    /// name the same decode instance, this rank writes into several of its ranks, and the request
+    /// still waits for one of them; any other repeat is refused. Returns whether the request is
+    /// now ready (every allocation came).
     fn accept_request(
         &self,
         link: &Arc<Link>,
         req: control::TransferRequest,
-    ) -> Result<(), control::TransferRejectReason> {
+    ) -> Result<bool, control::TransferRejectReason> {
         let request = RequestId(req.request);
         let geometry = ChunkGeometry::after_prefix(
             u64::from(req.prompt_tokens),
@@ -1352,29 +1458,49 @@ impl Inner {
         let mut st = lock(&self.state);
         let open = st.links.get(&link.id).is_some_and(|l| !l.closed);
         let reason = match (geometry, check) {
-            (Ok(g), Some(Ok(()))) if open && !st.requests.contains_key(&request) => {
-                st.requests.insert(
-                    request,
-                    ReqState {
-                        link: link.clone(),
-                        geometry: g,
-                        dst_pages: Arc::new(req.dst_pages),
-                        failed: None,
-                        voted: false,
-                        posted: 0,
-                        ack_pending: false,
-                        done: vec![0; g.num_chunks().div_ceil(64) as usize],
-                        done_count: 0,
-                    },
-                );
-                for w in st.arrivals.remove(&request).unwrap_or_default() {
-                    let _ = w.send(());
+            (Ok(g), Some(Ok(()))) if open => {
+                let leg = Leg {
+                    link: link.clone(),
+                    dst_pages: Arc::new(req.dst_pages),
+                    posted: 0,
+                    ack_pending: false,
+                    done: vec![0; g.num_chunks().div_ceil(64) as usize],
+                    done_count: 0,
+                };
+                let accepted = match st.requests.get_mut(&request) {
+                    None => {
+                        let r = ReqState {
+                            geometry: g,
+                            legs: vec![leg],
+                            expected: link.fan_out.max(1),
+                            failed: None,
+                            voted: false,
+                        };
+                        let ready = r.ready();
+                        st.requests.insert(request, r);
+                        Some((ready, None))
+                    }
+                    Some(r) if joins(r, link, &g) => {
+                        r.legs.push(leg);
+                        Some((r.ready(), r.failed))
+                    }
+                    Some(_) => None,
+                };
+                if let Some((ready, failed)) = accepted {
+                    for w in st.arrivals.remove(&request).unwrap_or_default() {
+                        let _ = w.send(());
+                    }
+                    drop(st);
+                    if let Some(code) = failed {
+                        // It failed before this decode rank's allocation came: tell it at once.
+                        self.tell_failed(request, code, std::slice::from_ref(link));
+                    }
+                    return Ok(ready && failed.is_none());
                 }
-                return Ok(());
+                control::TransferRejectReason::DuplicateRequest {
+                    request: req.request,
+                }
             }
-            (Ok(_), Some(Ok(()))) if open => control::TransferRejectReason::DuplicateRequest {
-                request: req.request,
-            },
             (Ok(_), Some(Ok(()))) => {
                 control::TransferRejectReason::Invalid("this decode's connection closed".into())
             }
@@ -1389,13 +1515,14 @@ impl Inner {
     }
 
     /// Decode `from` abandoned `request`: post nothing more for it, acknowledge once every chunk
-    /// already posted is over (so decode may reuse the pages), and vote failed. An abort of a
-    /// request another decode owns is counted and dropped.
+    /// already posted into `from` is over (so decode may reuse the pages), tell the request's other
+    /// decode ranks, and vote failed. An abort of a request another decode owns is counted and
+    /// dropped.
     fn on_abort(&self, from: &Arc<Link>, request: RequestId, code: FailureCode) {
-        let ack_now = {
+        let (ack_now, others) = {
             let mut st = lock(&self.state);
             match st.requests.get_mut(&request) {
-                Some(r) if r.link.id != from.id => {
+                Some(r) if !r.has_leg(from.id) => {
                     drop(st);
                     self.counters.refused.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(
@@ -1406,18 +1533,35 @@ impl Inner {
                     return;
                 }
                 Some(r) => {
-                    if r.failed.is_none() {
+                    let newly = r.failed.is_none();
+                    if newly {
                         r.failed = Some(code);
                     }
-                    r.ack_pending = r.posted > 0;
-                    r.posted == 0
+                    let others: Vec<Arc<Link>> = if newly {
+                        r.legs
+                            .iter()
+                            .filter(|l| l.link.id != from.id)
+                            .map(|l| l.link.clone())
+                            .collect()
+                    } else {
+                        Vec::new()
+                    };
+                    let ack_now = match r.leg_mut(from.id) {
+                        Some(leg) => {
+                            leg.ack_pending = leg.posted > 0;
+                            leg.posted == 0
+                        }
+                        None => true,
+                    };
+                    (ack_now, others)
                 }
-                None => true,
+                None => (true, Vec::new()),
             }
         };
         if ack_now {
             Self::ack_abort(from, request);
         }
+        self.tell_failed(request, code, &others);
         self.settle_vote(request, Some(Vote::Failed(code)));
     }
 
@@ -1500,6 +1644,21 @@ impl Inner {
     }
 }
 
+/// Whether `link`'s allocation of a request already known is one more leg of it: another TP rank
+/// of the same named decode instance (same TP size), which this rank writes into too, for the
+/// same prompt, while the request still waits for one of its legs and is not over.
+fn joins(r: &ReqState, link: &Link, geometry: &ChunkGeometry) -> bool {
+    !link.decode_instance.is_empty()
+        && !r.voted
+        && !r.ready()
+        && r.geometry == *geometry
+        && r.legs.iter().all(|l| {
+            l.link.decode_instance == link.decode_instance
+                && l.link.decode_tp.1 == link.decode_tp.1
+                && l.link.decode_tp.0 != link.decode_tp.0
+        })
+}
+
 async fn decode_read_loop(
     inner: Weak<Inner>,
     link: Arc<Link>,
@@ -1548,7 +1707,7 @@ async fn decode_read_loop(
             }
             st.requests
                 .iter()
-                .filter(|(_, r)| !r.voted && r.link.id == link.id)
+                .filter(|(_, r)| !r.voted && r.has_leg(link.id))
                 .map(|(k, _)| *k)
                 .collect()
         };
@@ -1664,6 +1823,7 @@ fn plan_link(
             regions,
             tp: (remote.tp_rank, remote.tp_size),
             heartbeat: remote.heartbeat(),
+            instance: remote.instance.clone(),
         },
         writer,
     )
@@ -1690,6 +1850,7 @@ fn external_link(
             regions: vec![x.region],
             tp: (cfg.tp.rank, cfg.tp.size),
             heartbeat: cfg.heartbeat,
+            instance: String::new(),
         },
         writer,
     )
@@ -1706,6 +1867,8 @@ struct Target<'a> {
     tp: (u16, u16),
     /// Decode's heartbeat interval.
     heartbeat: Option<Duration>,
+    /// The decode instance it belongs to, as its Hello names it.
+    instance: String,
 }
 
 fn link_to(
@@ -1742,6 +1905,12 @@ fn link_to(
         t.regions.len(),
         t.regions.iter().map(|r| r.len).min().unwrap_or(0),
     )?;
+    // Its instance's other TP ranks that this rank writes into allocate the same requests.
+    let fan_out = if t.instance.is_empty() {
+        1
+    } else {
+        cfg.tp.target_count(cfg.tp.size, decode_size, cfg.tp.rank)?
+    };
     let peer = transport.connect(t.metadata, &t.regions, notify_key)?;
     Ok(Link {
         id: t.id,
@@ -1753,6 +1922,9 @@ fn link_to(
         dst_whole: t.dst.buffer_len,
         writer,
         silence: super::silence_bound(t.heartbeat),
+        decode_instance: t.instance,
+        decode_tp: (decode_rank, decode_size),
+        fan_out,
     })
 }
 

@@ -459,3 +459,58 @@ async fn ranks_whose_layers_leave_a_gap_are_refused() {
     drop(admitted);
     d.shutdown(BOUND).await;
 }
+
+/// Decodes linked at once, from several threads (as the decode ranks of one server announce
+/// themselves together), each get a link of their own: a rank ends with one link per decode, and
+/// a request of every decode lands in its pool. (With the link id read and the link inserted in two
+/// steps, two concurrent calls took the same id and the second link replaced the first.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn decodes_linked_concurrently_each_get_their_own_link() {
+    const MORE: usize = 6;
+    let first = decode().await;
+    let ranks = pipeline(&first, &[], false).await;
+    let mut more = Vec::new();
+    for _ in 0..MORE {
+        more.push(decode().await);
+    }
+    let mut adds = Vec::new();
+    for r in &ranks {
+        for d in &more {
+            let (r, addr) = (r.clone(), d.local_addr());
+            adds.push(tokio::spawn(async move { r.add_decode(addr).await }));
+        }
+    }
+    for a in adds {
+        bounded(a).await.unwrap().unwrap();
+    }
+    for (n, r) in ranks.iter().enumerate() {
+        let mut ids: Vec<LinkId> = r.decodes().into_iter().map(|(id, _)| id).collect();
+        ids.sort();
+        ids.dedup();
+        assert_eq!(
+            ids.len(),
+            MORE + 1,
+            "rank {n} holds links {:?}",
+            r.decodes()
+        );
+    }
+    for d in &more {
+        d.wait_for_ranks(BOUND).await.unwrap();
+    }
+    let src: Vec<u32> = (0..PROMPT.div_ceil(PAGE_TOKENS)).collect();
+    for (n, d) in more.iter().enumerate() {
+        let request = RequestId(700 + n as u64);
+        let dst: Vec<u32> = src.iter().map(|p| p + 8 * (n as u32 % 4)).collect();
+        let done = d.expect(request, PROMPT, CHUNK, dst.clone(), LONG).unwrap();
+        for r in &ranks {
+            assert_eq!(bounded(r.next_request()).await.unwrap().request, request);
+        }
+        send_all(&ranks, request, &src).await;
+        assert_eq!(bounded(done).await, Outcome::Complete);
+        assert_landed(d, &src, &dst);
+    }
+    for d in more {
+        d.shutdown(BOUND).await;
+    }
+    first.shutdown(BOUND).await;
+}

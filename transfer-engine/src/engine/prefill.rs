@@ -726,7 +726,14 @@ impl PrefillEngine {
         let (conn, remote) =
             connect_taken(addr, &inner.hello, &inner.secret, deadline, "decode").await?;
         let (writer, rx) = mpsc::unbounded_channel();
-        let id = LinkId(lock(&inner.state).next_link);
+        // The id is taken now, under the lock: concurrent calls (one per decode rank, say) each
+        // get their own, and none overwrites another's link when it is inserted.
+        let id = {
+            let mut st = lock(&inner.state);
+            let id = LinkId(st.next_link);
+            st.next_link = st.next_link.saturating_add(1);
+            id
+        };
         let link = Arc::new(plan_link(
             &inner.cfg,
             &inner.transport,
@@ -740,7 +747,6 @@ impl PrefillEngine {
             let mut st = lock(&inner.state);
             match (st.closed, st.incoming.clone()) {
                 (false, Some(incoming)) => {
-                    st.next_link = st.next_link.max(id.0.saturating_add(1));
                     st.links.insert(
                         id,
                         LinkState {

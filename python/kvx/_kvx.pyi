@@ -121,6 +121,7 @@ class DecodeEngine:
         tp_size: int = 1,
         tp_mode: TpMode = "identical",
         kv_heads: int = 0,
+        decode_instance: str = "",
     ) -> None: ...
     @property
     def address(self) -> str: ...

@@ -59,13 +59,16 @@ impl DecodeEngine {
     /// heartbeats). `tp_rank`/`tp_size` are this decode rank's TP place; `tp_mode` says how prefill
     /// TP ranks map onto it (`"identical"`, `"replicated"` for MLA, `"head_sliced"` with the model's
     /// `kv_heads` and a `layout` with head geometry), and `add_instance`'s `tp_size` each prefill
-    /// instance's TP size.
+    /// instance's TP size. `decode_instance` names the decode server this rank belongs to, alike
+    /// on all its TP ranks: a prefill rank that writes into several of them (prefill TP smaller
+    /// than decode's) then serves their allocations of one request as one, from its one engine.
     #[new]
     #[pyo3(signature = (
         *, layout, total_layers, page_tokens, pp_size, memory, listen = "127.0.0.1:0",
         secret = None, backend = "ucx", engine_id = None, device = "cpu", checksums = false,
         abort_ack_timeout = 5.0, handshake_timeout = 10.0, rank_wait = 10.0, heartbeat = Some(5.0),
         tp_rank = 0, tp_size = 1, tp_mode = "identical", kv_heads = 0,
+        decode_instance = String::new(),
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -89,6 +92,7 @@ impl DecodeEngine {
         tp_size: u16,
         tp_mode: &str,
         kv_heads: u32,
+        decode_instance: String,
     ) -> PyResult<Self> {
         let tp = crate::tp_config(tp_rank, tp_size, tp_mode, kv_heads)?;
         let listen: SocketAddr = listen
@@ -119,6 +123,7 @@ impl DecodeEngine {
         cfg.rank_wait = seconds("rank_wait", rank_wait)?;
         cfg.heartbeat = heartbeat.map(|h| seconds("heartbeat", h)).transpose()?;
         cfg.tp = tp;
+        cfg.instance = decode_instance;
         let pool_len = mem.len();
         let pools = mem.into_pools();
         let rt = runtime()?;

@@ -146,12 +146,10 @@ def test_state_beside_the_kv_pages_is_refused_at_start():
         _refuse_unsupported(args, server_args, DisaggregationMode.PREFILL)
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp,decode_rank", [(1, 2, 1)])
-def test_a_tp_size_kvx_cannot_map_fails_each_request_at_once(directory, prefill_tp, decode_tp,
-                                                             decode_rank):
-    """A prefill instance of a smaller TP size than decode's (not wired yet): decode's scheduler
-    is told the instance is there, and the receiver fails at once naming both sizes, instead of
-    waiting out the bootstrap timeout for ranks that never come."""
+def test_a_layout_kvx_cannot_map_fails_each_request_at_once(directory):
+    """A prefill instance whose pages kvx cannot map onto this decode (another page size):
+    decode's scheduler is told the instance is there, and the receiver fails at once naming both
+    values, instead of waiting out the bootstrap timeout for ranks that never come."""
     import types
 
     import kvx
@@ -162,18 +160,18 @@ def test_a_tp_size_kvx_cannot_map_fails_each_request_at_once(directory, prefill_
     KVX = utils.TransferBackend("kvx")
     shape = R.SHAPES["gqa"]
 
-    def args(role, tp):
-        return types.SimpleNamespace(pp_size=1, tp_size=tp, host="127.0.0.1",
+    def args():
+        return types.SimpleNamespace(pp_size=1, tp_size=1, host="127.0.0.1",
                                      disaggregation_bootstrap_port=directory.port)
 
     manager = utils.get_kv_class(KVX, utils.KVClassType.MANAGER)
     pool = R.Pool(shape, 0, shape["layers"], 16)
-    prefill = manager(pool.kv_args(shape["page"], 0), utils.DisaggregationMode.PREFILL,
-                      args("prefill", prefill_tp), False)
+    prefill = manager(pool.kv_args(shape["page"], 0), utils.DisaggregationMode.PREFILL, args(),
+                      False)
     dpool = R.Pool(shape, 0, shape["layers"], 16)
-    dargs = dpool.kv_args(shape["page"], 0)
-    dargs.engine_rank = decode_rank
-    decode = manager(dargs, utils.DisaggregationMode.DECODE, args("decode", decode_tp), False)
+    # The same bytes per page, read as pages of twice the tokens of half the heads' bytes.
+    decode = manager(dpool.kv_args(2 * shape["page"], 0), utils.DisaggregationMode.DECODE, args(),
+                     False)
     try:
         addr = f"127.0.0.1:{directory.port}"
         assert decode.try_ensure_parallel_info(addr)
@@ -181,7 +179,8 @@ def test_a_tp_size_kvx_cannot_map_fails_each_request_at_once(directory, prefill_
             mgr=decode, bootstrap_addr=addr, bootstrap_room=7)
         receiver.init(0)
         assert receiver.poll() == KVPoll.Failed
-        with pytest.raises(kvx.ConfigError, match=f"TP size {prefill_tp}, this decode {decode_tp}"):
+        with pytest.raises(kvx.ConfigError, match=f"page size {shape['page']}, this decode "
+                                                  f"{2 * shape['page']}"):
             receiver.failure_exception()
     finally:
         decode.close()

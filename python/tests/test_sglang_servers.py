@@ -4,8 +4,9 @@ one normal server of the same model does, token for token, with both servers ans
 the same check fails for the one request whose moved KV had one byte corrupted on decode
 (``KVX_TEST_CORRUPT_ROOM``), so the check reads the moved pages.
 
-The UCX pair's prefill is a pipeline of two PP ranks (``--pp-size 2``), and its decode runs two
-TokenizerWorker processes (``--tokenizer-worker-num 2``). The NIXL pair's decode serves a second
+The UCX pair's prefill is a pipeline of two PP ranks (``--pp-size 2``), its decode runs two
+TokenizerWorker processes (``--tokenizer-worker-num 2``), and its second decode server two TP ranks
+(``--tp-size 2``), each taking one of the two KV heads from the prefill's one TP rank. The NIXL pair's decode serves a second
 prefill server too, through the same kvx engine: one of two TP ranks (``--tp-size 2``) whose
 heads both land in the decode's one rank.
 
@@ -54,7 +55,8 @@ class Pair:
     """A prefill and a decode server on one transfer backend."""
 
     def __init__(self, name, model, logs, backend, env, three_ports, decode_args=(),
-                 second_prefill=None, second_decode=None, prefill_args=(), prefill2_args=()):
+                 second_prefill=None, second_decode=None, prefill_args=(), prefill2_args=(),
+                 decode2_args=()):
         prefill_port, decode_port, self.bootstrap_port = three_ports
         # Servers of several ranks (PP or TP 2) need S.MULTI_RANK_ENV on SGLang's CPU engine.
         self.prefill = S.Server(f"{name}-prefill", model, prefill_port, logs, [
@@ -78,7 +80,8 @@ class Pair:
         if second_decode is not None:
             self.decode2 = S.Server(f"{name}-decode2", model, second_decode, logs, [
                 "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", backend,
-                "--disaggregation-decode-retraction-backup", "cpu_tensor"], env)
+                "--disaggregation-decode-retraction-backup", "cpu_tensor", *decode2_args],
+                {**env, **S.MULTI_RANK_ENV} if decode2_args else env)
 
     def servers(self):
         return [self.prefill, self.decode] + [s for s in (self.prefill2, self.decode2) if s]
@@ -148,15 +151,17 @@ def servers(model, logs, prompts):
             decode_args = ["--tokenizer-worker-num", "2"] if backend == "ucx" else [
                 "--disaggregation-decode-enable-radix-cache"]
             # The UCX pair's prefill is a pipeline of two PP ranks, and it has a second decode
-            # server. The NIXL pair has a second prefill server of two TP ranks, whose heads both
-            # land in its decode's one rank.
+            # server of two TP ranks, each taking one of the prefill rank's two KV heads. The NIXL
+            # pair has a second prefill server of two TP ranks, whose heads both land in its
+            # decode's one rank.
             second = (free.pop(), free.pop()) if backend == "nixl" else None
             decode2 = free.pop() if backend == "ucx" else None
             pairs[backend] = Pair(
                 f"kvx-{backend}", model, logs, "kvx", env, [free.pop() for _ in range(3)],
                 decode_args, second, decode2,
                 prefill_args=["--pp-size", "2"] if backend == "ucx" else [],
-                prefill2_args=["--tp-size", "2"] if backend == "nixl" else [])
+                prefill2_args=["--tp-size", "2"] if backend == "nixl" else [],
+                decode2_args=["--tp-size", "2"] if backend == "ucx" else [])
         S.start_all([normal] + [s for p in pairs.values() for s in p.servers()])
         normal.expected = [S.generate(normal, p, NEW_TOKENS) for p in prompts]
         yield normal, pairs
@@ -230,6 +235,22 @@ def test_one_decode_server_serves_two_prefill_servers(servers, prompts):
     assert_clean_logs(pair)
 
 
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_one_prefill_rank_into_two_decode_tp_ranks_answers_like_one_server(concurrency, servers,
+                                                                          prompts):
+    """The UCX pair's second decode server runs two TP ranks (``--tp-size 2``), its prefill one
+    (in each of its two PP ranks): each prefill rank writes one KV head into each decode rank,
+    from its one engine, and decode's tokens equal the normal server's for every prompt, one at
+    a time and four at a time."""
+    normal, pairs = servers
+    pair = pairs["ucx"]
+    rng = random.Random(f"decode-tp2-{concurrency}")
+    rooms = [rng.randrange(1 << 62) for _ in prompts]
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(pair.generate_d2, prompts, rooms))
+    check(pair, normal, prompts, results, f"TP 1 prefill into TP 2, concurrency {concurrency}")
+
+
 def test_one_prefill_server_serves_two_decode_servers(servers, prompts):
     """Requests of one prefill server go to two decode servers (alternately, four at a time):
     every answer is the normal server's, and the prefill scheduler rank serves both decode servers
@@ -245,10 +266,10 @@ def test_one_prefill_server_serves_two_decode_servers(servers, prompts):
             range(len(prompts))))
     check(pair, normal, prompts, results, "one prefill server into two decodes")
     # One engine per scheduler rank (the prefill is a pipeline of two PP ranks), each serving the
-    # second decode server too.
+    # other decode server's ranks too (three decode ranks in all: one, and two TP ranks).
     text = pair.prefill.log_path.read_text()
     assert text.count("kvx: prefill engine started") == 2, pair.prefill.log()
-    assert text.count("serves decode ") == 2, pair.prefill.log()
+    assert text.count("serves decode ") == 2 * 2, pair.prefill.log()
     assert "kvx: decode engine started" in pair.decode2.log_path.read_text(), pair.decode2.log()
     assert_clean_logs(pair)
 

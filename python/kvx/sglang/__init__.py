@@ -28,8 +28,7 @@ A rank's KV buffers (one per layer, then per K and V, in SGLang's order) are reg
 (``aux_index``: the first output token, logprobs...) travel on kvx's control connection
 (``send_aux``) before the last chunk. A decode-side radix cache's prefix (``decode_prefix_len``) travels
 with the page allocation. Limits: models with state beside their KV pages (Mamba, SWA, DSA...)
-are refused at start; a prefill TP size at least decode's (heads sliced over the ranks); one decode
-PP rank.
+are refused at start; one decode PP rank. TP sizes may differ (heads sliced over the ranks).
 """
 
 from __future__ import annotations

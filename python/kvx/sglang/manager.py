@@ -94,8 +94,8 @@ def _refuse_unsupported(args: KVArgs, server_args, mode=None) -> None:
 
 def _refuse_other_layout(mine: dict, theirs: dict, addr: str) -> None:
     """A prefill instance whose ranks kvx cannot map onto this decode rank fails each request at
-    once, naming what differs. Prefill TP may be larger than decode's (several prefill ranks write
-    a decode rank's heads); page sizes and per-head bytes must agree."""
+    once, naming what differs. TP sizes may differ (heads are sliced over the ranks, MLA's latent
+    is whole on each); page sizes and per-head bytes must agree."""
     for key, what in (("page_size", "page size"), ("head_bytes", "bytes per head and token"),
                       ("kv_heads", "model KV heads"), ("split_kv", "K/V split")):
         if key in theirs and theirs[key] != mine[key]:
@@ -105,12 +105,6 @@ def _refuse_other_layout(mine: dict, theirs: dict, addr: str) -> None:
     if not mine["kv_heads"] and theirs.get("page_bytes", mine["page_bytes"]) != mine["page_bytes"]:
         raise kvx.ConfigError(f"kvx: prefill instance {addr} has {theirs['page_bytes']} bytes per "
                               f"page, this decode {mine['page_bytes']}")
-    ptp, dtp = int(theirs.get("tp_size", mine["tp_size"])), mine["tp_size"]
-    if dtp > ptp:
-        raise kvx.ConfigError(
-            f"kvx: prefill instance {addr} has TP size {ptp}, this decode {dtp}: kvx maps a "
-            "prefill TP at least decode's, so far (one prefill rank into several decode ranks "
-            "is not wired yet)")
 
 
 def _release_failed_rooms_on_kvx_decision() -> None:
@@ -395,7 +389,11 @@ class KvxKVManager(BaseKVManager):
             listen=f"{settings.url_host(self.local_ip)}:0",
             secret=self.secret, backend=self.backend, device=self.device,
             engine_id=f"sglang-decode-{self.id}", tp_rank=self.tp_rank, tp_size=self.tp_size,
-            tp_mode=self.pool.tp_mode, kv_heads=self.pool.kv_heads)
+            tp_mode=self.pool.tp_mode, kv_heads=self.pool.kv_heads,
+            # Alike on every TP rank of this server: a prefill rank writing into several of them
+            # serves a request's allocations as one.
+            decode_instance=f"sglang-decode-{settings.url_host(self.local_ip)}:"
+                            f"{getattr(self.server_args, 'port', 0)}")
         with self._lock:
             if self._engine is None:
                 self._engine = e

@@ -50,6 +50,7 @@ fn datapath(c: &mut Criterion) {
             decode_pool: kvbench::cluster::PoolKind::Shared,
             prefill_instances: 1,
             decode_instances: 1,
+            metrics: None,
         };
         let page_kib = shape(page_tokens).page_bytes() / 1024;
         g.throughput(Throughput::Bytes(

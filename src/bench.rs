@@ -66,6 +66,8 @@ pub struct Workload {
     /// Decode engines (each with a pool of its own), every prefill rank serving all of them from
     /// its one engine; destination slots go to them in turn after the prefill instances.
     pub decode_instances: u16,
+    /// Where every engine of the run serves its Prometheus metrics, if anywhere.
+    pub metrics: Option<std::net::SocketAddr>,
 }
 
 impl Workload {
@@ -452,6 +454,7 @@ pub async fn run_workload(
         backend,
         checksums: w.checksums,
         decode_pool: w.decode_pool,
+        metrics: w.metrics,
     };
     let instances = w.prefill_instances.max(1);
     let decodes = w.decode_instances.max(1);

@@ -82,6 +82,8 @@ pub struct ClusterSpec {
     pub checksums: bool,
     /// Where the pools come from (decode's and, for `Shared`, the prefill ranks' too).
     pub decode_pool: PoolKind,
+    /// Where every engine of the cluster serves its Prometheus metrics, if anywhere.
+    pub metrics: Option<std::net::SocketAddr>,
 }
 
 /// Where a cluster's pools come from.
@@ -307,6 +309,7 @@ impl Cluster {
             dcfg.backend = backend(None, &name);
             dcfg.verify_checksums = spec.checksums;
             dcfg.token = Some(Secret::new(&secret));
+            dcfg.metrics = spec.metrics;
             let dpool = spec
                 .decode_pool
                 .pool(dst_layout.buffer_len)
@@ -412,6 +415,7 @@ impl Cluster {
             cfg.mesh_socket = sockets.get(usize::from(rank)).cloned();
             cfg.checksums = spec.checksums;
             cfg.token = Some(Secret::new(secret));
+            cfg.metrics = spec.metrics;
             let buf = spec
                 .decode_pool
                 .pool(layout.buffer_len)

@@ -135,6 +135,7 @@ pub async fn run_decode(
     if let Some(h) = heartbeat {
         cfg.heartbeat = Some(h);
     }
+    cfg.metrics = w.metrics;
     let pool = w
         .decode_pool
         .pool(layout.buffer_len)
@@ -447,6 +448,7 @@ pub async fn run_prefill(
     if let Some(h) = heartbeat {
         cfg.heartbeat = Some(h);
     }
+    cfg.metrics = w.metrics;
     let buf = HostBuffer::new(
         layout.buffer_len as usize,
         HostOptions {

@@ -48,6 +48,7 @@ async fn start(shape: Shape, backend: BackendKind) -> Arc<Cluster> {
         backend,
         checksums: true,
         decode_pool: PoolKind::Shared,
+        metrics: None,
     };
     let c = timeout(Duration::from_secs(30), Cluster::start(spec))
         .await

@@ -20,6 +20,7 @@ fn spec(shape: Shape, backend: BackendKind) -> ClusterSpec {
         backend,
         checksums: true,
         decode_pool: PoolKind::Shared,
+        metrics: None,
     }
 }
 
@@ -126,6 +127,7 @@ async fn grid(backend: BackendKind, instances: u16, decodes: u16) {
         decode_pool: PoolKind::Shared,
         prefill_instances: instances,
         decode_instances: decodes,
+        metrics: None,
     };
     let r = tokio::time::timeout(Duration::from_secs(120), run_workload(&w, backend, None))
         .await

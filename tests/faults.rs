@@ -83,6 +83,7 @@ async fn try_start() -> Result<Faulty, EngineError> {
         backend: BackendKind::Ucx,
         checksums: true,
         decode_pool: PoolKind::Shared,
+        metrics: None,
     };
     let (mut dslot, mut slots) = (None, Vec::new());
     let c = Cluster::start_with(spec, |rank, name| {

@@ -114,6 +114,7 @@ fn spec() -> ClusterSpec {
         backend: BackendKind::Ucx,
         checksums: true,
         decode_pool: PoolKind::Shared,
+        metrics: None,
     }
 }
 

@@ -43,6 +43,7 @@ async fn rank_rejoins(backend: BackendKind) {
         backend,
         checksums: true,
         decode_pool: PoolKind::Shared,
+        metrics: None,
     };
     let mut c = timeout(BOUND, Cluster::start(spec)).await.unwrap().unwrap();
     let first = c.prefill[2].incarnation();

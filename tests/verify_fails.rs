@@ -45,6 +45,7 @@ async fn start(checksums: bool) -> Faulty {
         backend: BackendKind::Ucx,
         checksums,
         decode_pool: PoolKind::Shared,
+        metrics: None,
     };
     let mut slots: Vec<Arc<OnceLock<Arc<FaultTransport>>>> = Vec::new();
     let c = tokio::time::timeout(

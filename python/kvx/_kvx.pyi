@@ -122,9 +122,12 @@ class DecodeEngine:
         tp_mode: TpMode = "identical",
         kv_heads: int = 0,
         decode_instance: str = "",
+        metrics: str | None = None,
     ) -> None: ...
     @property
     def address(self) -> str: ...
+    @property
+    def metrics_address(self) -> str | None: ...
     @property
     def pool_len(self) -> int: ...
     def wait_for_ranks(self, timeout: float = 60.0, instance: str = "") -> None: ...
@@ -190,7 +193,10 @@ class PrefillEngine:
         tp_size: int = 1,
         tp_mode: TpMode = "identical",
         kv_heads: int = 0,
+        metrics: str | None = None,
     ) -> None: ...
+    @property
+    def metrics_address(self) -> str | None: ...
     @staticmethod
     def external(
         *,

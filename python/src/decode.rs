@@ -68,7 +68,7 @@ impl DecodeEngine {
         secret = None, backend = "ucx", engine_id = None, device = "cpu", checksums = false,
         abort_ack_timeout = 5.0, handshake_timeout = 10.0, rank_wait = 10.0, heartbeat = Some(5.0),
         tp_rank = 0, tp_size = 1, tp_mode = "identical", kv_heads = 0,
-        decode_instance = String::new(),
+        decode_instance = String::new(), metrics = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -93,6 +93,7 @@ impl DecodeEngine {
         tp_mode: &str,
         kv_heads: u32,
         decode_instance: String,
+        metrics: Option<&str>,
     ) -> PyResult<Self> {
         let tp = crate::tp_config(tp_rank, tp_size, tp_mode, kv_heads)?;
         let listen: SocketAddr = listen
@@ -124,6 +125,12 @@ impl DecodeEngine {
         cfg.heartbeat = heartbeat.map(|h| seconds("heartbeat", h)).transpose()?;
         cfg.tp = tp;
         cfg.instance = decode_instance;
+        cfg.metrics = metrics
+            .map(|m| {
+                m.parse()
+                    .map_err(|e| errors::config(format!("metrics address {m:?}: {e}")))
+            })
+            .transpose()?;
         let pool_len = mem.len();
         let pools = mem.into_pools();
         let rt = runtime()?;
@@ -142,6 +149,13 @@ impl DecodeEngine {
     #[getter]
     fn address(&self) -> &str {
         &self.address
+    }
+
+    /// The address of the Prometheus endpoint this engine reports to (`"ip:port"`, the bound
+    /// port where `metrics` asked for port 0), or None without one.
+    #[getter]
+    fn metrics_address(&self) -> PyResult<Option<String>> {
+        Ok(self.engine()?.metrics_addr().map(|a| a.to_string()))
     }
 
     /// Waits (interpreter detached) until every PP rank of `instance` (the default one unless

@@ -144,6 +144,7 @@ impl PrefillEngine {
         mesh_socket = None, secret = None, backend = "ucx", engine_id = None, device = "cpu", checksums = false,
         connect_timeout = 60.0, request_wait = 10.0, instance = String::new(), keep_open = false,
         heartbeat = Some(5.0), tp_rank = 0, tp_size = 1, tp_mode = "identical", kv_heads = 0,
+        metrics = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -171,9 +172,11 @@ impl PrefillEngine {
         tp_size: u16,
         tp_mode: &str,
         kv_heads: u32,
+        metrics: Option<&str>,
     ) -> PyResult<Self> {
         let tp = crate::tp_config(tp_rank, tp_size, tp_mode, kv_heads)?;
         let decode = addr("decode address", decode)?;
+        let metrics = metrics.map(|m| addr("metrics address", m)).transpose()?;
         let (mut cfg, mem) = config(
             decode,
             pp_rank,
@@ -196,6 +199,7 @@ impl PrefillEngine {
         cfg.keep_open = keep_open;
         cfg.tp = tp;
         cfg.heartbeat = heartbeat.map(|h| seconds("heartbeat", h)).transpose()?;
+        cfg.metrics = metrics;
         let pools = mem.into_pools();
         let rt = runtime()?;
         let engine = py
@@ -355,6 +359,13 @@ impl PrefillEngine {
 
     /// The next page allocation decode sent, waiting up to `timeout` seconds (for ever with `None`;
     /// interpreter detached); `None` if none came by then, or once decode closed (see `closed`).
+    /// The address of the Prometheus endpoint this rank reports to (`"ip:port"`, the bound port
+    /// where `metrics` asked for port 0), or None without one.
+    #[getter]
+    fn metrics_address(&self) -> PyResult<Option<String>> {
+        Ok(self.engine()?.metrics_addr().map(|a| a.to_string()))
+    }
+
     #[pyo3(signature = (timeout = None))]
     fn next_request(
         &self,

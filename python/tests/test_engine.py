@@ -543,3 +543,41 @@ def test_head_sliced_tp_writes_each_head_from_the_rank_that_holds_it(backend, pr
         for p in ranks:
             p.close()
         decode.shutdown(5)
+
+
+def test_a_scrape_of_the_metrics_endpoint_counts_the_requests(backend):
+    """An engine given `metrics` serves Prometheus text on it: after two completed requests and
+    one aborted, the decode's counters there say so."""
+    import urllib.request
+
+    c = Cluster(backend, metrics="127.0.0.1:0")
+    try:
+        addr = c.decode.metrics_address
+        assert addr and not addr.endswith(":0"), addr
+        src = list(range(4))
+        for n, request in enumerate([21, 22]):
+            dst = [8 * n + i for i in range(4)]
+            c.prepare(request, src, dst)
+            pending = c.decode.expect(request, 64, 32, dst, timeout=10)
+            c.send_all(request, src)
+            assert pending.wait(10).complete
+        pending = c.decode.expect(23, 64, 32, [40, 41, 42, 43], timeout=10)
+        c.decode.abort(23)
+        assert not pending.wait(10).complete
+        with urllib.request.urlopen(f"http://{addr}/metrics", timeout=10) as r:
+            assert r.status == 200
+            text = r.read().decode()
+
+        def value(name, *labels):
+            rows = [l for l in text.splitlines()
+                    if l.startswith(name + "{") and 'role="decode"' in l
+                    and all(x in l for x in labels)]
+            assert len(rows) == 1, (name, labels, text)
+            return float(rows[0].rsplit(" ", 1)[1])
+
+        assert value("kvx_requests_total", 'outcome="complete"') == 2
+        assert value("kvx_requests_total", 'cause="aborted"') == 1
+        assert value("kvx_request_duration_seconds_count", 'outcome="complete"') == 2
+        assert value("kvx_registrations", f'backend="{backend}"') == 1
+    finally:
+        c.close()

@@ -177,6 +177,10 @@ struct Opts {
     /// a peer silent for three intervals is declared lost.
     #[arg(long, global = true)]
     heartbeat: Option<f64>,
+    /// Serve Prometheus metrics (`GET /metrics`, OpenMetrics text) of every engine of this process
+    /// on this address while it runs. With `--processes`, the decode process serves it.
+    #[arg(long, global = true)]
+    metrics: Option<std::net::SocketAddr>,
     /// `decode` and `prefill`: find each other through etcd at these endpoints (comma-separated
     /// `http://host:port`) instead of `--listen`/`--connect`/`--peers`. With `--processes`,
     /// `auto` starts a local etcd server (Debian's `etcd`) for the run.
@@ -315,6 +319,7 @@ impl Opts {
             },
             prefill_instances: self.prefill_instances.max(1),
             decode_instances: self.decode_instances.max(1),
+            metrics: self.metrics,
         })
     }
 
@@ -897,12 +902,18 @@ fn run_processes(opts: &Opts, w: &Workload) -> ExitCode {
     while let Some(a) = args.next() {
         match a.as_str() {
             "--processes" => {}
-            "--backend" | "--stamps" | "--etcd" | "--cluster" => {
+            "--backend" | "--stamps" | "--etcd" | "--cluster" | "--metrics" => {
                 let _ = args.next();
             }
-            _ if ["--backend=", "--stamps=", "--etcd=", "--cluster="]
-                .iter()
-                .any(|p| a.starts_with(p)) => {}
+            _ if [
+                "--backend=",
+                "--stamps=",
+                "--etcd=",
+                "--cluster=",
+                "--metrics=",
+            ]
+            .iter()
+            .any(|p| a.starts_with(p)) => {}
             _ => passed.push(a),
         }
     }
@@ -963,11 +974,14 @@ fn run_processes(opts: &Opts, w: &Workload) -> ExitCode {
             }
             c
         };
-        let decode_args = if etcd.is_some() {
+        let mut decode_args = if etcd.is_some() {
             vec!["decode".into()]
         } else {
             vec!["decode".into(), "--listen".into(), addrs[0].to_string()]
         };
+        if let Some(m) = opts.metrics {
+            decode_args.extend(["--metrics".into(), m.to_string()]);
+        }
         let mut decode = match role(decode_args).spawn() {
             Ok(c) => c,
             Err(e) => {

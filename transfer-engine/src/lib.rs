@@ -11,4 +11,5 @@ pub mod core;
 pub mod discovery;
 pub mod engine;
 pub mod mem;
+pub mod metrics;
 pub mod transport;

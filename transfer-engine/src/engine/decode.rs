@@ -88,6 +88,10 @@ pub struct DecodeConfig {
     /// requests failed, their pages held: it may still be writing). `None`: no heartbeats, and a
     /// silent rank is noticed only by TCP keepalive.
     pub heartbeat: Option<Duration>,
+    /// Serve Prometheus metrics of this engine on this address (`GET /metrics`); engines of one
+    /// process naming the same address share one endpoint (see [`crate::metrics`]). `None` (the
+    /// default): no endpoint.
+    pub metrics: Option<SocketAddr>,
 }
 
 impl DecodeConfig {
@@ -111,6 +115,7 @@ impl DecodeConfig {
             abort_ack_timeout: Duration::from_secs(5),
             rank_wait: Duration::from_secs(10),
             heartbeat: Some(super::DEFAULT_HEARTBEAT),
+            metrics: None,
         }
     }
 }
@@ -238,6 +243,8 @@ struct ReqInfo {
     dst_pages: Arc<Vec<u32>>,
     /// Tokens before the moved ones that this side already holds (told to the ranks).
     prefix_tokens: u32,
+    /// When `expect` took it (the start of its duration in the metrics).
+    started: Instant,
 }
 
 /// A prefill instance's key in the engine's state; callers name instances by string.
@@ -568,7 +575,6 @@ pub struct ShutdownReport {
     pub pool_freed: bool,
 }
 
-#[derive(Default)]
 struct Counters {
     completed: AtomicU64,
     failed: AtomicU64,
@@ -585,6 +591,44 @@ struct Counters {
     abort_ack_timeouts: AtomicU64,
     auth_failures: AtomicU64,
     handshake_failures: AtomicU64,
+    /// Seconds from `expect` to the outcome, of requests that completed and that failed.
+    seconds_complete: prometheus_client::metrics::histogram::Histogram,
+    seconds_failed: prometheus_client::metrics::histogram::Histogram,
+}
+
+impl Default for Counters {
+    fn default() -> Self {
+        Counters {
+            completed: AtomicU64::default(),
+            failed: AtomicU64::default(),
+            failed_by: Default::default(),
+            rejoins: AtomicU64::default(),
+            malformed: AtomicU64::default(),
+            unknown_sender: AtomicU64::default(),
+            refused: AtomicU64::default(),
+            tampered: AtomicU64::default(),
+            silent: AtomicU64::default(),
+            refused_connections: AtomicU64::default(),
+            checksum_mismatch: AtomicU64::default(),
+            abort_ack_timeouts: AtomicU64::default(),
+            auth_failures: AtomicU64::default(),
+            handshake_failures: AtomicU64::default(),
+            seconds_complete: crate::metrics::seconds_histogram(),
+            seconds_failed: crate::metrics::seconds_histogram(),
+        }
+    }
+}
+
+impl Counters {
+    /// Records a request's duration from `expect` to its outcome.
+    fn observe(&self, complete: bool, started: Instant) {
+        let h = if complete {
+            &self.seconds_complete
+        } else {
+            &self.seconds_failed
+        };
+        h.observe(started.elapsed().as_secs_f64());
+    }
 }
 
 struct Inner {
@@ -605,6 +649,8 @@ struct Inner {
     /// Every peer that could write into the pool confirmed it stopped (`shutdown`): the pool may be
     /// freed.
     pool_safe: AtomicBool,
+    /// This engine's place in the process's metrics endpoint, if `cfg.metrics` asked for one.
+    metrics: std::sync::OnceLock<crate::metrics::Joined>,
 }
 
 impl Drop for Inner {
@@ -619,6 +665,215 @@ impl Drop for Inner {
                     "decode engine dropped without a shutdown that every rank confirmed: its KV pool is leaked if a peer could know it"
                 );
             }
+        }
+    }
+}
+
+impl Inner {
+    /// The counters and state sizes [`DecodeEngine::stats`] reports.
+    fn stats(&self) -> DecodeStats {
+        let c = &self.counters;
+        let (in_flight, requests, awaiting_abort_ack, quarantined, instances, connected_ranks) = {
+            let st = self.lock();
+            let held = st.unacked.values().filter(|u| u.outcome.is_some()).count() as u64;
+            let quarantined = st.unacked.len() as u64 - held;
+            let instances = st.sessions.values().filter(|s| !s.leaving).count() as u64;
+            let connected = st
+                .sessions
+                .values()
+                .map(|s| s.ranks.iter().flatten().count() as u64)
+                .sum();
+            (
+                st.tracker.in_flight() as u64,
+                st.requests.len() as u64,
+                held,
+                quarantined,
+                instances,
+                connected,
+            )
+        };
+        DecodeStats {
+            completed: c.completed.load(Ordering::Relaxed),
+            failed: c.failed.load(Ordering::Relaxed),
+            failed_aborted: c.failed_by[0].load(Ordering::Relaxed),
+            failed_timeout: c.failed_by[1].load(Ordering::Relaxed),
+            failed_peer_failed: c.failed_by[2].load(Ordering::Relaxed),
+            failed_peer_lost: c.failed_by[3].load(Ordering::Relaxed),
+            failed_violation: c.failed_by[4].load(Ordering::Relaxed),
+            failed_rank_unavailable: c.failed_by[5].load(Ordering::Relaxed),
+            rejoins: c.rejoins.load(Ordering::Relaxed),
+            malformed: c.malformed.load(Ordering::Relaxed),
+            unknown_sender: c.unknown_sender.load(Ordering::Relaxed),
+            refused: c.refused.load(Ordering::Relaxed),
+            tampered: c.tampered.load(Ordering::Relaxed),
+            silent: c.silent.load(Ordering::Relaxed),
+            refused_connections: c.refused_connections.load(Ordering::Relaxed),
+            checksum_mismatch: c.checksum_mismatch.load(Ordering::Relaxed),
+            in_flight,
+            requests,
+            instances,
+            connected_ranks,
+            awaiting_abort_ack,
+            abort_ack_timeouts: c.abort_ack_timeouts.load(Ordering::Relaxed),
+            quarantined,
+            auth_failures: c.auth_failures.load(Ordering::Relaxed),
+            handshake_failures: c.handshake_failures.load(Ordering::Relaxed),
+            registered_bytes: self
+                .transport
+                .get()
+                .map(|t| t.stats().registered_bytes)
+                .unwrap_or(0),
+            registrations: self.transport.get().map(|t| t.stats().regions).unwrap_or(0),
+        }
+    }
+}
+
+impl crate::metrics::Source for Inner {
+    fn collect(&self, out: &mut crate::metrics::Samples) {
+        use crate::metrics::Value::{Counter, Gauge, Histogram};
+        let s = self.stats();
+        let base = || {
+            vec![
+                ("role", "decode".to_string()),
+                ("engine", self.cfg.engine_id.clone()),
+                ("backend", self.cfg.backend.kind().to_string()),
+            ]
+        };
+        let with = |k: &'static str, v: &str| {
+            let mut l = base();
+            l.push((k, v.to_string()));
+            l
+        };
+        let c = &self.counters;
+        out.add(
+            "kvx_requests",
+            "Requests that ended, by outcome and, for failures, cause",
+            with("outcome", "complete"),
+            Counter(s.completed),
+        );
+        for (cause, n) in [
+            ("aborted", s.failed_aborted),
+            ("timeout", s.failed_timeout),
+            ("peer_failed", s.failed_peer_failed),
+            ("peer_lost", s.failed_peer_lost),
+            ("violation", s.failed_violation),
+            ("rank_unavailable", s.failed_rank_unavailable),
+        ] {
+            let mut l = with("outcome", "failed");
+            l.push(("cause", cause.to_string()));
+            out.add("kvx_requests", "", l, Counter(n));
+        }
+        out.add(
+            "kvx_request_duration_seconds",
+            "Seconds from expect to the request's outcome",
+            with("outcome", "complete"),
+            Histogram(c.seconds_complete.clone()),
+        );
+        out.add(
+            "kvx_request_duration_seconds",
+            "",
+            with("outcome", "failed"),
+            Histogram(c.seconds_failed.clone()),
+        );
+        let gauge = |n: u64| Gauge(i64::try_from(n).unwrap_or(i64::MAX));
+        for (name, help, v) in [
+            (
+                "kvx_requests_in_flight",
+                "Requests expected and not yet decided",
+                s.in_flight,
+            ),
+            (
+                "kvx_requests_held",
+                "Requests whose pages this engine holds",
+                s.requests,
+            ),
+            (
+                "kvx_requests_quarantined",
+                "Ended requests whose pages stay held until every rank confirms it stopped writing",
+                s.quarantined,
+            ),
+            (
+                "kvx_requests_awaiting_abort_ack",
+                "Failed requests whose outcome waits for the ranks' acknowledgement",
+                s.awaiting_abort_ack,
+            ),
+            ("kvx_instances", "Prefill instances served", s.instances),
+            (
+                "kvx_connected_ranks",
+                "Prefill ranks connected",
+                s.connected_ranks,
+            ),
+            (
+                "kvx_registered_bytes",
+                "Bytes registered with the transport",
+                s.registered_bytes,
+            ),
+            (
+                "kvx_registrations",
+                "Memory registrations of this engine",
+                s.registrations,
+            ),
+        ] {
+            out.add(name, help, base(), gauge(v));
+        }
+        for (name, help, v) in [
+            (
+                "kvx_rank_rejoins",
+                "Ranks admitted again after their connection ended",
+                s.rejoins,
+            ),
+            (
+                "kvx_notifications_malformed",
+                "Notifications that did not decode",
+                s.malformed,
+            ),
+            (
+                "kvx_notifications_unknown_sender",
+                "Notifications from a sender no rank is bound to",
+                s.unknown_sender,
+            ),
+            (
+                "kvx_notifications_refused",
+                "Notifications the tracker refused",
+                s.refused,
+            ),
+            (
+                "kvx_channel_refused",
+                "Rank connections closed because the channel refused a record",
+                s.tampered,
+            ),
+            (
+                "kvx_heartbeat_losses",
+                "Rank connections lost after three missed heartbeat intervals",
+                s.silent,
+            ),
+            (
+                "kvx_connections_refused",
+                "Connections closed on arrival: too many handshakes in progress",
+                s.refused_connections,
+            ),
+            (
+                "kvx_checksum_mismatches",
+                "Chunks whose checksum did not match",
+                s.checksum_mismatch,
+            ),
+            (
+                "kvx_abort_ack_timeouts",
+                "Aborts no rank acknowledged in time",
+                s.abort_ack_timeouts,
+            ),
+            (
+                "kvx_auth_failures",
+                "Handshakes that failed authentication",
+                s.auth_failures,
+            ),
+            (
+                "kvx_handshake_failures",
+                "Handshakes that failed otherwise",
+                s.handshake_failures,
+            ),
+        ] {
+            out.add(name, help, base(), Counter(v));
         }
     }
 }
@@ -759,6 +1014,7 @@ impl DecodeEngine {
             pool: std::sync::OnceLock::new(),
             exported_out_of_band: AtomicBool::new(false),
             pool_safe: AtomicBool::new(false),
+            metrics: std::sync::OnceLock::new(),
         });
         let weak = Arc::downgrade(&inner);
         let sink: Sink = Arc::new(move |ev| {
@@ -773,6 +1029,13 @@ impl DecodeEngine {
             inner.cfg.layout.buffer_len,
         )?);
         let _ = inner.transport.set(transport);
+        if let Some(addr) = inner.cfg.metrics {
+            let source: std::sync::Weak<dyn crate::metrics::Source> = Arc::downgrade(&inner) as _;
+            let joined = crate::metrics::join(addr, source)
+                .await
+                .map_err(|e| EngineError::Config(format!("metrics endpoint on {addr}: {e}")))?;
+            let _ = inner.metrics.set(joined);
+        }
         let listener = Listener::bind(inner.cfg.listen).await?;
         let local_addr = listener.local_addr();
         let accept = tokio::spawn(accept_loop(Arc::downgrade(&inner), listener));
@@ -1128,6 +1391,7 @@ impl DecodeEngine {
                     geometry,
                     dst_pages: Arc::new(dst_pages),
                     prefix_tokens,
+                    started: now,
                 },
             );
             st.waiters.insert(request, tx);
@@ -1343,65 +1607,13 @@ impl DecodeEngine {
 
     /// Counters.
     pub fn stats(&self) -> DecodeStats {
-        let c = &self.inner.counters;
-        let (in_flight, requests, awaiting_abort_ack, quarantined, instances, connected_ranks) = {
-            let st = self.inner.lock();
-            let held = st.unacked.values().filter(|u| u.outcome.is_some()).count() as u64;
-            let quarantined = st.unacked.len() as u64 - held;
-            let instances = st.sessions.values().filter(|s| !s.leaving).count() as u64;
-            let connected = st
-                .sessions
-                .values()
-                .map(|s| s.ranks.iter().flatten().count() as u64)
-                .sum();
-            (
-                st.tracker.in_flight() as u64,
-                st.requests.len() as u64,
-                held,
-                quarantined,
-                instances,
-                connected,
-            )
-        };
-        DecodeStats {
-            completed: c.completed.load(Ordering::Relaxed),
-            failed: c.failed.load(Ordering::Relaxed),
-            failed_aborted: c.failed_by[0].load(Ordering::Relaxed),
-            failed_timeout: c.failed_by[1].load(Ordering::Relaxed),
-            failed_peer_failed: c.failed_by[2].load(Ordering::Relaxed),
-            failed_peer_lost: c.failed_by[3].load(Ordering::Relaxed),
-            failed_violation: c.failed_by[4].load(Ordering::Relaxed),
-            failed_rank_unavailable: c.failed_by[5].load(Ordering::Relaxed),
-            rejoins: c.rejoins.load(Ordering::Relaxed),
-            malformed: c.malformed.load(Ordering::Relaxed),
-            unknown_sender: c.unknown_sender.load(Ordering::Relaxed),
-            refused: c.refused.load(Ordering::Relaxed),
-            tampered: c.tampered.load(Ordering::Relaxed),
-            silent: c.silent.load(Ordering::Relaxed),
-            refused_connections: c.refused_connections.load(Ordering::Relaxed),
-            checksum_mismatch: c.checksum_mismatch.load(Ordering::Relaxed),
-            in_flight,
-            requests,
-            instances,
-            connected_ranks,
-            awaiting_abort_ack,
-            abort_ack_timeouts: c.abort_ack_timeouts.load(Ordering::Relaxed),
-            quarantined,
-            auth_failures: c.auth_failures.load(Ordering::Relaxed),
-            handshake_failures: c.handshake_failures.load(Ordering::Relaxed),
-            registered_bytes: self
-                .inner
-                .transport
-                .get()
-                .map(|t| t.stats().registered_bytes)
-                .unwrap_or(0),
-            registrations: self
-                .inner
-                .transport
-                .get()
-                .map(|t| t.stats().regions)
-                .unwrap_or(0),
-        }
+        self.inner.stats()
+    }
+
+    /// The address of the metrics endpoint this engine reports to, if its config asked for one
+    /// (the bound port where it asked for port 0).
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.inner.metrics.get().map(crate::metrics::Joined::addr)
     }
 
     /// An outside liveness signal says that start `incarnation` of `rank` is gone (its etcd lease
@@ -1691,6 +1903,9 @@ impl Inner {
 
     /// Ends a request that no rank was asked for (parked): its pages are free at once.
     fn fail_unlaunched(&self, st: &mut State, request: RequestId, reason: FailureReason) {
+        if let Some(info) = st.requests.get(&request) {
+            self.counters.observe(false, info.started);
+        }
         self.counters.failed.fetch_add(1, Ordering::Relaxed);
         self.counters.failed_by[reason_index(reason)].fetch_add(1, Ordering::Relaxed);
         tracing::info!(
@@ -1766,6 +1981,13 @@ impl Inner {
     /// Hands every terminal event to its waiter, and tells every rank about each failure.
     fn drain(&self, st: &mut State) {
         while let Some(ev) = st.tracker.poll_event() {
+            let (id, complete) = match &ev {
+                TrackerEvent::Complete { request } => (*request, true),
+                TrackerEvent::Failed { request, .. } => (*request, false),
+            };
+            if let Some(info) = st.requests.get(&id) {
+                self.counters.observe(complete, info.started);
+            }
             let (request, outcome) = match ev {
                 TrackerEvent::Complete { request } => {
                     self.counters.completed.fetch_add(1, Ordering::Relaxed);

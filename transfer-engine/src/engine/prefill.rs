@@ -92,6 +92,10 @@ pub struct PrefillConfig {
     /// peer); a peer that sends nothing for [`SILENT_INTERVALS`](super::SILENT_INTERVALS) of them is
     /// declared lost. `None`: no heartbeats (TCP keepalive still runs).
     pub heartbeat: Option<Duration>,
+    /// Serve Prometheus metrics of this engine on this address (`GET /metrics`); engines of one
+    /// process naming the same address share one endpoint (see [`crate::metrics`]). `None` (the
+    /// default): no endpoint.
+    pub metrics: Option<SocketAddr>,
 }
 
 /// A listening socket for a rank's vote mesh, bound before the rank starts: bind it with port 0,
@@ -192,6 +196,7 @@ impl PrefillConfig {
             mesh_socket: None,
             incarnation: super::fresh_incarnation(),
             heartbeat: Some(super::DEFAULT_HEARTBEAT),
+            metrics: None,
         }
     }
 }
@@ -396,6 +401,9 @@ struct Counters {
     writes: AtomicU64,
     refused: AtomicU64,
     refused_connections: AtomicU64,
+    /// Bytes of completed chunks by decode (control address), for the metrics: one entry per
+    /// decode this rank ever wrote into.
+    bytes_by_peer: Mutex<std::collections::BTreeMap<SocketAddr, u64>>,
 }
 
 struct Inner {
@@ -414,6 +422,151 @@ struct Inner {
     mesh_tasks: TaskGuard,
     /// Where each PP peer's vote mesh listens now (a restarted peer may listen elsewhere).
     peer_addrs: Mutex<Vec<SocketAddr>>,
+    /// This engine's place in the process's metrics endpoint, if `cfg.metrics` asked for one.
+    metrics: std::sync::OnceLock<crate::metrics::Joined>,
+}
+
+impl Inner {
+    /// The counters and state sizes [`PrefillEngine::stats`] reports.
+    fn stats(&self) -> PrefillStats {
+        let c = &self.counters;
+        let (undecided, decodes, requests) = {
+            let st = lock(&self.state);
+            let open = st.links.values().filter(|l| !l.closed).count();
+            (
+                st.board.undecided() as u64,
+                open as u64,
+                st.requests.len() as u64,
+            )
+        };
+        PrefillStats {
+            chunks: c.chunks.load(Ordering::Relaxed),
+            bytes: c.bytes.load(Ordering::Relaxed),
+            failed_chunks: c.failed_chunks.load(Ordering::Relaxed),
+            decided_completed: c.decided_completed.load(Ordering::Relaxed),
+            decided_failed: c.decided_failed.load(Ordering::Relaxed),
+            undecided,
+            requests,
+            rejected_requests: c.rejected.load(Ordering::Relaxed),
+            registered_bytes: self.transport.stats().registered_bytes,
+            writes: c.writes.load(Ordering::Relaxed),
+            decodes,
+            refused: c.refused.load(Ordering::Relaxed),
+            refused_connections: c.refused_connections.load(Ordering::Relaxed),
+        }
+    }
+}
+
+impl crate::metrics::Source for Inner {
+    fn collect(&self, out: &mut crate::metrics::Samples) {
+        use crate::metrics::Value::{Counter, Gauge};
+        let s = self.stats();
+        let base = || {
+            vec![
+                ("role", "prefill".to_string()),
+                ("engine", self.cfg.engine_id.clone()),
+                ("backend", self.cfg.backend.kind().to_string()),
+            ]
+        };
+        let with = |k: &'static str, v: &str| {
+            let mut l = base();
+            l.push((k, v.to_string()));
+            l
+        };
+        for (peer, bytes) in self
+            .counters
+            .bytes_by_peer
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+        {
+            out.add(
+                "kvx_written_bytes",
+                "Bytes of completed chunks written into each decode",
+                with("peer", &peer.to_string()),
+                Counter(*bytes),
+            );
+        }
+        out.add(
+            "kvx_chunks",
+            "Chunks by outcome",
+            with("outcome", "complete"),
+            Counter(s.chunks),
+        );
+        out.add(
+            "kvx_chunks",
+            "",
+            with("outcome", "failed"),
+            Counter(s.failed_chunks),
+        );
+        out.add(
+            "kvx_writes",
+            "Writes posted (after coalescing and splitting)",
+            base(),
+            Counter(s.writes),
+        );
+        out.add(
+            "kvx_requests_decided",
+            "Requests decided by the PP vote, by decision",
+            with("decision", "complete"),
+            Counter(s.decided_completed),
+        );
+        out.add(
+            "kvx_requests_decided",
+            "",
+            with("decision", "failed"),
+            Counter(s.decided_failed),
+        );
+        out.add(
+            "kvx_requests_rejected",
+            "Transfer requests rejected (bad pages, duplicates)",
+            base(),
+            Counter(s.rejected_requests),
+        );
+        out.add(
+            "kvx_messages_refused",
+            "Control messages about a request another decode owns",
+            base(),
+            Counter(s.refused),
+        );
+        out.add(
+            "kvx_connections_refused",
+            "Connections closed on arrival: too many handshakes in progress",
+            base(),
+            Counter(s.refused_connections),
+        );
+        let gauge = |n: u64| Gauge(i64::try_from(n).unwrap_or(i64::MAX));
+        out.add(
+            "kvx_requests_undecided",
+            "Requests not yet decided",
+            base(),
+            gauge(s.undecided),
+        );
+        out.add(
+            "kvx_requests_held",
+            "Requests this rank holds",
+            base(),
+            gauge(s.requests),
+        );
+        out.add(
+            "kvx_registered_bytes",
+            "Bytes registered with the transport",
+            base(),
+            gauge(s.registered_bytes),
+        );
+        out.add(
+            "kvx_registrations",
+            "Memory registrations of this engine",
+            base(),
+            gauge(self.transport.stats().regions),
+        );
+        out.add(
+            "kvx_decodes",
+            "Decode engines linked now",
+            base(),
+            gauge(s.decodes),
+        );
+    }
 }
 
 /// One prefill PP rank. Cheap to clone.
@@ -640,7 +793,15 @@ impl PrefillEngine {
             mesh_changed: tokio::sync::watch::channel(0).0,
             mesh_tasks: TaskGuard(Mutex::new(Vec::new())),
             peer_addrs: Mutex::new(cfg_peers),
+            metrics: std::sync::OnceLock::new(),
         });
+        if let Some(addr) = inner.cfg.metrics {
+            let source: std::sync::Weak<dyn crate::metrics::Source> = Arc::downgrade(&inner) as _;
+            let joined = crate::metrics::join(addr, source)
+                .await
+                .map_err(|e| EngineError::Config(format!("metrics endpoint on {addr}: {e}")))?;
+            let _ = inner.metrics.set(joined);
+        }
         let mut tasks = Vec::new();
         if let Some((conn, rx)) = conn {
             let (reader, writer) = conn.into_split();
@@ -1073,31 +1234,13 @@ impl PrefillEngine {
 
     /// Counters.
     pub fn stats(&self) -> PrefillStats {
-        let c = &self.inner.counters;
-        let (undecided, decodes, requests) = {
-            let st = lock(&self.inner.state);
-            let open = st.links.values().filter(|l| !l.closed).count();
-            (
-                st.board.undecided() as u64,
-                open as u64,
-                st.requests.len() as u64,
-            )
-        };
-        PrefillStats {
-            chunks: c.chunks.load(Ordering::Relaxed),
-            bytes: c.bytes.load(Ordering::Relaxed),
-            failed_chunks: c.failed_chunks.load(Ordering::Relaxed),
-            decided_completed: c.decided_completed.load(Ordering::Relaxed),
-            decided_failed: c.decided_failed.load(Ordering::Relaxed),
-            undecided,
-            requests,
-            rejected_requests: c.rejected.load(Ordering::Relaxed),
-            registered_bytes: self.inner.transport.stats().registered_bytes,
-            writes: c.writes.load(Ordering::Relaxed),
-            decodes,
-            refused: c.refused.load(Ordering::Relaxed),
-            refused_connections: c.refused_connections.load(Ordering::Relaxed),
-        }
+        self.inner.stats()
+    }
+
+    /// The address of the metrics endpoint this engine reports to, if its config asked for one
+    /// (the bound port where it asked for port 0).
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.inner.metrics.get().map(crate::metrics::Joined::addr)
     }
 
     /// Transport counters (in flight, registered bytes...), for resource checks.
@@ -1240,8 +1383,9 @@ impl Inner {
         bytes: u64,
         res: &Result<(), TransportError>,
     ) {
-        let (ack, close) = {
+        let (ack, close, peer) = {
             let mut st = lock(&self.state);
+            let peer = st.links.get(&link).map(|l| l.link.addr);
             let close = match st.links.get_mut(&link) {
                 Some(l) => {
                     l.posted = l.posted.saturating_sub(1);
@@ -1276,7 +1420,7 @@ impl Inner {
             if last && res.is_ok() {
                 st.last_done_at.record(request, Instant::now());
             }
-            (ack, close)
+            (ack, close, peer)
         };
         if let Some(to) = ack {
             Self::ack_abort(&to, request);
@@ -1285,6 +1429,15 @@ impl Inner {
             Ok(()) => {
                 self.counters.chunks.fetch_add(1, Ordering::Relaxed);
                 self.counters.bytes.fetch_add(bytes, Ordering::Relaxed);
+                if let Some(peer) = peer {
+                    *self
+                        .counters
+                        .bytes_by_peer
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .entry(peer)
+                        .or_default() += bytes;
+                }
                 self.settle_vote(request, None);
             }
             Err(e) => {

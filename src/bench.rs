@@ -185,6 +185,27 @@ pub struct Report {
     pub decodes_per_prefill_rank: u64,
     /// Writes of one request, all ranks, after coalescing.
     pub writes_per_request: u64,
+    /// CPU time (user and system, every thread) of the process that drove the run, in its timed
+    /// windows, per request: every engine of the run in one process; decode's alone with
+    /// `kvbench decode`.
+    pub cpu_us_per_request: f64,
+    /// `kvbench decode` only: the prefill processes' CPU time from their engines' start to their
+    /// end, summed over the ranks, per request of the run (0 where not measured).
+    pub prefill_cpu_us_per_request: f64,
+    /// The decode pool's bytes, and how long registering it took at start (for a pool the
+    /// transport allocates, its allocation and population too).
+    pub decode_pool_bytes: u64,
+    /// Milliseconds to register the decode pool.
+    pub register_ms: f64,
+}
+
+/// CPU time this process used so far, every thread, user and system (`CLOCK_PROCESS_CPUTIME_ID`).
+pub fn cpu_time() -> Duration {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
+    Duration::new(
+        u64::try_from(t.tv_sec).unwrap_or(0),
+        u32::try_from(t.tv_nsec).unwrap_or(0),
+    )
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -241,6 +262,8 @@ pub(crate) struct Tally {
     pub mismatches: u64,
     /// The timed windows, summed: preparing and checking requests are outside them.
     pub timed: Duration,
+    /// CPU time of this whole process (user and system, every thread) in the timed windows.
+    pub cpu: Duration,
 }
 
 impl Tally {
@@ -317,6 +340,10 @@ impl Tally {
             connections_per_decode: 0,
             decodes_per_prefill_rank: 0,
             writes_per_request: w.writes_per_request(),
+            cpu_us_per_request: self.cpu.as_secs_f64() * 1e6 / (self.done.max(1) as f64),
+            prefill_cpu_us_per_request: 0.0,
+            decode_pool_bytes: 0,
+            register_ms: 0.0,
         }
     }
 }
@@ -360,6 +387,7 @@ where
         let more = |issued: u64| issued + held < total || running();
         let mut set = tokio::task::JoinSet::new();
         let t0 = Instant::now();
+        let c0 = cpu_time();
         for slot in 0..slots {
             if !more(issued) {
                 break;
@@ -380,6 +408,7 @@ where
             }
         }
         t.timed += t0.elapsed();
+        t.cpu += cpu_time().saturating_sub(c0);
         if held == 0 {
             return Ok(t);
         }
@@ -402,6 +431,7 @@ where
         }
         let mut set = tokio::task::JoinSet::new();
         let t0 = Instant::now();
+        let c0 = cpu_time();
         for &(slot, request) in &wave {
             let fut = start(request, slot)?;
             set.spawn(async move { (slot, request, fut.await) });
@@ -411,6 +441,7 @@ where
             ended.push(r.map_err(&join_err)?);
         }
         t.timed += t0.elapsed();
+        t.cpu += cpu_time().saturating_sub(c0);
         for (slot, request, ran) in ended {
             let ran = ran?;
             t.record(request, &ran, on, total.max(issued));
@@ -529,6 +560,10 @@ pub async fn run_workload(
         &on,
     )
     .await?;
+    let (pool_bytes, register_ms) = cluster.decodes().next().map_or((0, 0.0), |d| {
+        let s = d.stats();
+        (s.registered_bytes, s.register_micros as f64 / 1e3)
+    });
     // Frees each decode's pool only once every rank confirmed its writes are over.
     for d in cluster.decodes() {
         let closed = d.clone().shutdown(SHUTDOWN).await;
@@ -537,6 +572,8 @@ pub async fn run_workload(
         }
     }
     let mut report = tally.report(w, backend);
+    report.decode_pool_bytes = pool_bytes;
+    report.register_ms = register_ms;
     report.prefill_instances = u64::from(instances);
     report.decode_instances = u64::from(decodes);
     report.registrations_per_process = registrations;

@@ -279,6 +279,7 @@ pub async fn run_decode(
     .await?;
     // Before shutdown, whose closing ranks would count as absences too.
     let away = decode.absences().len().saturating_sub(1);
+    let decode_stats = decode.stats();
     // Revokes the record and lets go of the engine handle its watch held.
     if let Some(m) = membership
         && let Err(e) = m.leave().await
@@ -303,6 +304,17 @@ pub async fn run_decode(
     }
     let mut report = tally.report(w, backend);
     report.baseline = "none (multi-process)".into();
+    report.decode_pool_bytes = decode_stats.registered_bytes;
+    report.register_ms = decode_stats.register_micros as f64 / 1e3;
+    if let Some(dir) = stamps {
+        match prefill_cpu(dir, w.pp) {
+            Ok(cpu) => {
+                report.prefill_cpu_us_per_request =
+                    cpu.as_secs_f64() * 1e6 / (report.requests.max(1) as f64);
+            }
+            Err(e) => eprintln!("kvbench decode: no prefill CPU times: {e}"),
+        }
+    }
     if report.failed > 0 || away > 0 {
         eprintln!(
             "kvbench decode: ranks went away {away} times after the start; {} of {} requests \
@@ -336,6 +348,28 @@ fn wall_ns(t: Instant) -> Option<u128> {
             .ok()?
             .as_nanos(),
     )
+}
+
+/// Where prefill rank `rank` writes its CPU time (nanoseconds) in `dir`.
+fn cpu_file(dir: &Path, rank: u16) -> PathBuf {
+    dir.join(format!("rank-{rank}.cpu"))
+}
+
+/// The prefill ranks' CPU time, summed, from the files they left in `dir` (read after their
+/// stamps, which they write last).
+fn prefill_cpu(dir: &Path, pp: u16) -> Result<Duration, String> {
+    let mut total = Duration::ZERO;
+    for rank in 0..pp {
+        let path = cpu_file(dir, rank);
+        let text =
+            std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let ns: u64 = text
+            .trim()
+            .parse()
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        total += Duration::from_nanos(ns);
+    }
+    Ok(total)
 }
 
 /// Where prefill rank `rank` writes its stamps in `dir`.
@@ -472,6 +506,8 @@ pub async fn run_prefill(
         .await
         .map_err(|e| e.to_string())?;
     let membership = found.map(|(reg, dir)| discovery::join_prefill(&engine, reg, dir, 0));
+    // This process's CPU from here to its end is what serving the run cost it.
+    let cpu0 = crate::bench::cpu_time();
     let layout = Arc::new(layout);
     // Free source slots, taken in the order requests arrive (the same on every rank), so a rank
     // waiting for a slot only ever waits on older requests, which never wait on it.
@@ -498,6 +534,12 @@ pub async fn run_prefill(
         eprintln!("kvbench prefill {rank}: leaving etcd: {e}");
     }
     if let Some(dir) = stamps {
+        // The CPU file first: decode reads it once the stamps file is there.
+        let cpu = crate::bench::cpu_time().saturating_sub(cpu0);
+        let tmp = dir.join(format!(".rank-{rank}.cpu.{}", std::process::id()));
+        std::fs::write(&tmp, format!("{}\n", cpu.as_nanos()))
+            .and_then(|()| std::fs::rename(&tmp, cpu_file(dir, rank)))
+            .map_err(|e| format!("writing CPU time into {}: {e}", dir.display()))?;
         write_stamps(dir, rank, &lock(&last_writes))
             .map_err(|e| format!("writing stamps into {}: {e}", dir.display()))?;
     }

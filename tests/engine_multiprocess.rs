@@ -292,6 +292,20 @@ fn one_command_runs_every_engine_in_its_own_process() {
     let _ = std::fs::remove_file(&json);
     let report: serde_json::Value = serde_json::from_str(&text).unwrap();
     assert_eq!(report[0]["complete_samples"], 4, "{text}");
+    // CPU per request of decode's process and of the prefill processes (from the files they
+    // leave beside their stamps), and the decode pool's registration time, are measured.
+    for key in [
+        "cpu_us_per_request",
+        "prefill_cpu_us_per_request",
+        "register_ms",
+    ] {
+        let v = report[0][key].as_f64().unwrap_or(0.0);
+        assert!(v > 0.0, "{key} = {v} in {text}");
+    }
+    assert!(
+        report[0]["decode_pool_bytes"].as_u64().unwrap_or(0) > 0,
+        "{text}"
+    );
 }
 
 /// A `kvbench --processes` killed by a signal (SIGKILL, which it cannot catch) takes its role

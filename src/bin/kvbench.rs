@@ -499,6 +499,25 @@ fn print_table(w: &Workload, reports: &[Report]) {
             if r.verified { "yes" } else { "no" },
         );
     }
+    for r in reports {
+        let prefill = if r.prefill_cpu_us_per_request > 0.0 {
+            format!(
+                ", the prefill processes {:.0} µs",
+                r.prefill_cpu_us_per_request
+            )
+        } else {
+            String::new()
+        };
+        let gib = r.decode_pool_bytes as f64 / f64::from(1u32 << 30);
+        println!(
+            "{}: CPU per request {:.0} µs in this process's timed windows{prefill}; decode pool of {:.0} MB registered in {:.1} ms ({:.0} ms per GiB)",
+            r.backend,
+            r.cpu_us_per_request,
+            r.decode_pool_bytes as f64 / 1e6,
+            r.register_ms,
+            if gib > 0.0 { r.register_ms / gib } else { 0.0 },
+        );
+    }
 }
 
 /// The raw baselines, measured before the engine runs.

@@ -200,6 +200,9 @@ pub struct DecodeStats {
     pub auth_failures: u64,
     /// Other failed handshakes (mismatched layouts, a rank or sender already bound, timeouts...).
     pub handshake_failures: u64,
+    /// Microseconds registering the pool took at start (for a pool the transport allocates, its
+    /// allocation and population too).
+    pub register_micros: u64,
 }
 
 struct RankConn {
@@ -651,6 +654,8 @@ struct Inner {
     pool_safe: AtomicBool,
     /// This engine's place in the process's metrics endpoint, if `cfg.metrics` asked for one.
     metrics: std::sync::OnceLock<crate::metrics::Joined>,
+    /// How long registering the pool took at start, in microseconds.
+    register_micros: AtomicU64,
 }
 
 impl Drop for Inner {
@@ -718,6 +723,7 @@ impl Inner {
             quarantined,
             auth_failures: c.auth_failures.load(Ordering::Relaxed),
             handshake_failures: c.handshake_failures.load(Ordering::Relaxed),
+            register_micros: self.register_micros.load(Ordering::Relaxed),
             registered_bytes: self
                 .transport
                 .get()
@@ -1015,6 +1021,7 @@ impl DecodeEngine {
             exported_out_of_band: AtomicBool::new(false),
             pool_safe: AtomicBool::new(false),
             metrics: std::sync::OnceLock::new(),
+            register_micros: AtomicU64::new(0),
         });
         let weak = Arc::downgrade(&inner);
         let sink: Sink = Arc::new(move |ev| {
@@ -1023,11 +1030,16 @@ impl DecodeEngine {
             }
         });
         let transport = inner.cfg.backend.build(sink)?;
+        let t0 = Instant::now();
         let _ = inner.pool.set(super::pools::Pools::register(
             &transport,
             pools,
             inner.cfg.layout.buffer_len,
         )?);
+        inner.register_micros.store(
+            u64::try_from(t0.elapsed().as_micros()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
         let _ = inner.transport.set(transport);
         if let Some(addr) = inner.cfg.metrics {
             let source: std::sync::Weak<dyn crate::metrics::Source> = Arc::downgrade(&inner) as _;

@@ -253,6 +253,9 @@ pub struct PrefillStats {
     /// Vote mesh connections closed on arrival because
     /// [`MAX_PENDING_HANDSHAKES`](super::MAX_PENDING_HANDSHAKES) handshakes were in progress.
     pub refused_connections: u64,
+    /// Microseconds registering the pool took at start (for a pool the transport allocates, its
+    /// allocation and population too).
+    pub register_micros: u64,
 }
 
 /// One decode engine this rank writes into: its transport peer, what this rank writes there, the
@@ -424,6 +427,8 @@ struct Inner {
     peer_addrs: Mutex<Vec<SocketAddr>>,
     /// This engine's place in the process's metrics endpoint, if `cfg.metrics` asked for one.
     metrics: std::sync::OnceLock<crate::metrics::Joined>,
+    /// How long registering the pool took at start, in microseconds.
+    register_micros: u64,
 }
 
 impl Inner {
@@ -453,6 +458,7 @@ impl Inner {
             decodes,
             refused: c.refused.load(Ordering::Relaxed),
             refused_connections: c.refused_connections.load(Ordering::Relaxed),
+            register_micros: self.register_micros,
         }
     }
 }
@@ -689,7 +695,9 @@ impl PrefillEngine {
         // Prefill receives no notifications; peer failures surface as failed posts.
         let sink: Sink = Arc::new(|_| {});
         let transport = cfg.backend.build(sink)?;
+        let t0 = Instant::now();
         let pool = super::pools::Pools::register(&transport, pools, cfg.layout.buffer_len)?;
+        let register_micros = u64::try_from(t0.elapsed().as_micros()).unwrap_or(u64::MAX);
         let deadline = tokio::time::Instant::now() + cfg.connect_timeout;
         let notify_key: u64 = rand::random();
 
@@ -794,6 +802,7 @@ impl PrefillEngine {
             mesh_tasks: TaskGuard(Mutex::new(Vec::new())),
             peer_addrs: Mutex::new(cfg_peers),
             metrics: std::sync::OnceLock::new(),
+            register_micros,
         });
         if let Some(addr) = inner.cfg.metrics {
             let source: std::sync::Weak<dyn crate::metrics::Source> = Arc::downgrade(&inner) as _;

@@ -279,6 +279,17 @@ struct Session {
     /// [`DecodeEngine::remove_instance`] was called: no new requests; the session is forgotten
     /// once none of its ranks is connected and none of its requests holds pages.
     leaving: bool,
+    /// Layers claimed by handshakes past their check and not yet admitted or failed: two ranks
+    /// whose layers leave a gap, arriving at once, cannot both pass the check (the later one is
+    /// refused in its handshake, with the reason, instead of cut after it).
+    claims: Vec<Claim>,
+}
+
+/// Layers a rank's handshake claimed for `slot`, until it is admitted or fails.
+struct Claim {
+    id: u64,
+    slot: u16,
+    layers: std::ops::Range<u32>,
 }
 
 impl Session {
@@ -304,6 +315,7 @@ impl Session {
                 until: None,
             }]),
             leaving: false,
+            claims: Vec::new(),
         }
     }
 
@@ -333,24 +345,27 @@ impl Session {
                 layers.end
             ));
         }
-        for (other, r) in self.ranks.iter().enumerate() {
-            let Some(r) = r else { continue };
-            let other = other as u16;
+        let connected = self
+            .ranks
+            .iter()
+            .enumerate()
+            .filter_map(|(other, r)| Some((other as u16, &r.as_ref()?.layers)));
+        let claimed = self.claims.iter().map(|c| (c.slot, &c.layers));
+        for (other, theirs) in connected.chain(claimed) {
             if other == slot {
                 continue;
             }
             let op = other / fan;
             let fits = match op.cmp(&pp) {
-                std::cmp::Ordering::Equal => r.layers == *layers,
-                std::cmp::Ordering::Less if op + 1 == pp => r.layers.end == layers.start,
-                std::cmp::Ordering::Less => r.layers.end <= layers.start,
-                std::cmp::Ordering::Greater if pp + 1 == op => layers.end == r.layers.start,
-                std::cmp::Ordering::Greater => layers.end <= r.layers.start,
+                std::cmp::Ordering::Equal => theirs == layers,
+                std::cmp::Ordering::Less if op + 1 == pp => theirs.end == layers.start,
+                std::cmp::Ordering::Less => theirs.end <= layers.start,
+                std::cmp::Ordering::Greater if pp + 1 == op => layers.end == theirs.start,
+                std::cmp::Ordering::Greater => layers.end <= theirs.start,
             };
             if !fits {
                 return Err(format!(
-                    "PP rank {pp} holds layers {layers:?}, but PP rank {op} holds {:?}: the ranks must hold consecutive layer ranges, each starting where the one before ends",
-                    r.layers
+                    "PP rank {pp} holds layers {layers:?}, but PP rank {op} holds {theirs:?}: the ranks must hold consecutive layer ranges, each starting where the one before ends"
                 ));
             }
         }
@@ -404,6 +419,8 @@ struct State {
     owners: super::Recent<SessionId>,
     senders: HashMap<Sender, (SessionId, u16, PeerId)>,
     next_peer: u64,
+    /// Id of the next handshake's layer [`Claim`].
+    next_claim: u64,
     completed_at: super::Stamps,
     /// Failed requests whose pages wait until the ranks named confirm their writes are over; the
     /// outcome is held until then, or until the deadline, after which the pages are quarantined.
@@ -988,6 +1005,7 @@ impl DecodeEngine {
             owners: super::Recent::default(),
             senders: HashMap::new(),
             next_peer: 1,
+            next_claim: 0,
             completed_at: super::Stamps::default(),
             unacked: HashMap::new(),
             held_pages: HashMap::new(),
@@ -2524,7 +2542,7 @@ async fn serve_rank(
             control::BackendKind::Nixl => Sender::Agent(remote.backend.agent_name.clone()),
             _ => Sender::Key(remote.notify_key),
         };
-        let st = i.lock();
+        let mut st = i.lock();
         if st.closing {
             return Err(RejectReason::Refused("decode is shutting down".into()));
         }
@@ -2575,7 +2593,16 @@ async fn serve_rank(
         if st.senders.contains_key(&sender) {
             return Err(RejectReason::DuplicateSender(format!("{sender:?}")));
         }
-        bound = Some((id, slot, planner, sender));
+        let claim = st.next_claim;
+        st.next_claim += 1;
+        if let Some(s) = st.sessions.get_mut(&id) {
+            s.claims.push(Claim {
+                id: claim,
+                slot,
+                layers: src.layers(),
+            });
+        }
+        bound = Some((id, slot, planner, sender, claim));
         Ok(())
     };
     let secret = match inner.upgrade() {
@@ -2586,7 +2613,12 @@ async fn serve_rank(
     // The handshake is over: its place goes to the next connection.
     drop(place);
     let Some(i) = inner.upgrade() else { return };
-    let (remote, (session, slot, planner, sender)) = match (result, bound) {
+    if let (Err(_), Some((session, _, _, _, claim))) = (&result, &bound) {
+        if let Some(s) = i.lock().sessions.get_mut(session) {
+            s.claims.retain(|c| c.id != *claim);
+        }
+    }
+    let (remote, (session, slot, planner, sender, claim)) = match (result, bound) {
         (Ok(r), Some(b)) => (r, b),
         (Ok(_), None) => return,
         (Err(e), _) => {
@@ -2620,6 +2652,11 @@ async fn serve_rank(
         let admitted = st
             .sessions
             .get_mut(&session)
+            .map(|s| {
+                // The claim ends here: the rank is admitted in its place, or refused.
+                s.claims.retain(|c| c.id != claim);
+                s
+            })
             .filter(|s| !s.leaving && sender_free)
             .and_then(|s| {
                 let busy = s

@@ -2613,10 +2613,10 @@ async fn serve_rank(
     // The handshake is over: its place goes to the next connection.
     drop(place);
     let Some(i) = inner.upgrade() else { return };
-    if let (Err(_), Some((session, _, _, _, claim))) = (&result, &bound) {
-        if let Some(s) = i.lock().sessions.get_mut(session) {
-            s.claims.retain(|c| c.id != *claim);
-        }
+    if let (Err(_), Some((session, _, _, _, claim))) = (&result, &bound)
+        && let Some(s) = i.lock().sessions.get_mut(session)
+    {
+        s.claims.retain(|c| c.id != *claim);
     }
     let (remote, (session, slot, planner, sender, claim)) = match (result, bound) {
         (Ok(r), Some(b)) => (r, b),
@@ -2649,14 +2649,13 @@ async fn serve_rank(
                 .first_layer
                 .saturating_add(remote.layout.layers);
         let total = i.cfg.total_layers;
+        // The claim ends here: the rank is admitted in its place, or refused.
+        if let Some(s) = st.sessions.get_mut(&session) {
+            s.claims.retain(|c| c.id != claim);
+        }
         let admitted = st
             .sessions
             .get_mut(&session)
-            .map(|s| {
-                // The claim ends here: the rank is admitted in its place, or refused.
-                s.claims.retain(|c| c.id != claim);
-                s
-            })
             .filter(|s| !s.leaving && sender_free)
             .and_then(|s| {
                 let busy = s

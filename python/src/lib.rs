@@ -5,6 +5,7 @@
 //! tokio runtime per process; Python callbacks never run on its worker threads (they would block the
 //! engine behind the interpreter lock).
 
+mod channel;
 mod decode;
 mod errors;
 mod held;
@@ -305,6 +306,8 @@ fn version() -> &'static str {
 #[pymodule]
 fn _kvx(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Layout>()?;
+    m.add_class::<channel::ChannelHandshake>()?;
+    m.add_class::<channel::Channel>()?;
     m.add_function(wrap_pyfunction!(tp_sources, m)?)?;
     m.add_function(wrap_pyfunction!(tp_targets, m)?)?;
     m.add_class::<decode::DecodeEngine>()?;

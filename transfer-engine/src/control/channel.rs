@@ -63,6 +63,12 @@ pub enum ChannelError {
     /// A direction ran out of nonces (2^64 records).
     #[error("the connection sent or read every record it may")]
     Exhausted,
+    /// A sealed message ended inside a record (see [`Session::open`]).
+    #[error("a sealed message ends {missing} bytes short of its last record")]
+    Cut {
+        /// Bytes the last record still needed.
+        missing: usize,
+    },
 }
 
 impl From<snow::Error> for ChannelError {
@@ -95,8 +101,24 @@ impl Handshake {
         dialer: &Challenge,
         listener: &Challenge,
     ) -> Result<Self, ChannelError> {
+        Self::labelled(PROLOGUE_LABEL, secret, side, dialer, listener)
+    }
+
+    /// As [`new`](Self::new), for a protocol other than the control connection's: `label` goes
+    /// into the prologue in place of the control connection's, so a handshake of one protocol
+    /// never completes with a peer speaking another, even with the same secret.
+    ///
+    /// # Errors
+    /// The Noise library refused the parameters (not expected).
+    pub fn labelled(
+        label: &[u8],
+        secret: &Secret,
+        side: Side,
+        dialer: &Challenge,
+        listener: &Challenge,
+    ) -> Result<Self, ChannelError> {
         let params: snow::params::NoiseParams = PARAMS.parse()?;
-        let mut prologue = PROLOGUE_LABEL.to_vec();
+        let mut prologue = label.to_vec();
         for c in [dialer, listener] {
             prologue.push(super::auth::role_byte(c.role));
             prologue.push(c.side as u8);
@@ -134,6 +156,16 @@ impl Handshake {
         self.state.read_message(msg, &mut payload) == Ok(0)
     }
 
+    /// Both directions, for a caller that moves whole messages itself, once both handshake
+    /// messages went.
+    ///
+    /// # Errors
+    /// The handshake is not over.
+    pub fn into_session(self) -> Result<Session, ChannelError> {
+        let (sealer, opener) = self.finish()?;
+        Ok(Session { sealer, opener })
+    }
+
     /// The two directions' ciphers, once both messages went.
     pub(crate) fn finish(self) -> Result<(Sealer, Opener), ChannelError> {
         let keys = Arc::new(self.state.into_stateless_transport_mode()?);
@@ -148,6 +180,52 @@ impl Handshake {
                 raw: Vec::new(),
             },
         ))
+    }
+}
+
+/// Both directions of a channel that carries whole messages (a side channel that frames them
+/// itself): each message is sealed into records as the control connection's frames are, and a
+/// sealed message opens only whole, in order, once.
+#[derive(Debug)]
+pub struct Session {
+    sealer: Sealer,
+    opener: Opener,
+}
+
+impl Session {
+    /// `plain`, sealed as the next message of this direction.
+    ///
+    /// # Errors
+    /// The direction ran out of nonces.
+    pub fn seal(&mut self, plain: &[u8]) -> Result<Vec<u8>, ChannelError> {
+        let mut out = Vec::with_capacity(plain.len() + 2 + TAG);
+        self.sealer.seal(plain, &mut out)?;
+        Ok(out)
+    }
+
+    /// The plaintext of the peer's next sealed message. Once a message fails to open, every later
+    /// one fails too.
+    ///
+    /// # Errors
+    /// The bytes were changed, are not the next message, or end inside a record.
+    pub fn open(&mut self, sealed: &[u8]) -> Result<Vec<u8>, ChannelError> {
+        self.opener.raw.extend_from_slice(sealed);
+        let mut plain = Vec::with_capacity(sealed.len());
+        let result = self.opener.open(&mut plain).and_then(|()| {
+            if self.opener.raw.is_empty() {
+                return Ok(());
+            }
+            REFUSED_RECORDS.fetch_add(1, Ordering::Relaxed);
+            Err(ChannelError::Cut {
+                missing: self.opener.read_hint(),
+            })
+        });
+        if result.is_err() {
+            // The message is lost, so no later one is the next: none opens again.
+            self.opener.raw.clear();
+            self.opener.next = u64::MAX;
+        }
+        result.map(|()| plain)
     }
 }
 
@@ -327,6 +405,49 @@ mod tests {
             Err(ChannelError::Tampered { record: 1 })
         ));
         assert_eq!(plain, b"once");
+    }
+
+    fn sessions(label_a: &[u8], label_b: &[u8]) -> Option<(Session, Session)> {
+        let s = Secret::new(b"s");
+        let d = Challenge::fresh(Role::Decode, Side::Dialer);
+        let l = Challenge::fresh(Role::Prefill, Side::Listener);
+        let mut i = Handshake::labelled(label_a, &s, Side::Dialer, &d, &l).unwrap();
+        let mut r = Handshake::labelled(label_b, &s, Side::Listener, &d, &l).unwrap();
+        if !r.read(&i.write().unwrap()) {
+            return None;
+        }
+        if !i.read(&r.write().unwrap()) {
+            return None;
+        }
+        Some((i.into_session().unwrap(), r.into_session().unwrap()))
+    }
+
+    #[test]
+    fn a_session_opens_each_whole_message_once_and_in_order() {
+        let (mut a, mut b) = sessions(b"side", b"side").unwrap();
+        let big: Vec<u8> = (0..150_000u32).map(|i| (i % 253) as u8).collect();
+        let one = a.seal(b"first").unwrap();
+        let two = a.seal(&big).unwrap();
+        assert_eq!(b.open(&one).unwrap(), b"first");
+        assert_eq!(b.open(&two).unwrap(), big);
+        // The other direction has its own keys and count.
+        assert_eq!(a.open(&b.seal(b"back").unwrap()).unwrap(), b"back");
+        // A replay, a message cut short and anything after it fail.
+        assert!(matches!(b.open(&one), Err(ChannelError::Tampered { .. })));
+        let (mut a, mut b) = sessions(b"side", b"side").unwrap();
+        let one = a.seal(b"whole").unwrap();
+        let two = a.seal(b"next").unwrap();
+        assert!(matches!(
+            b.open(&one[..one.len() - 1]),
+            Err(ChannelError::Cut { missing: 1 })
+        ));
+        assert!(b.open(&two).is_err());
+    }
+
+    #[test]
+    fn a_handshake_of_another_protocol_never_completes() {
+        assert!(sessions(b"side", b"side").is_some());
+        assert!(sessions(b"side", PROLOGUE_LABEL).is_none());
     }
 
     #[test]

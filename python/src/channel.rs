@@ -1,0 +1,156 @@
+//! `ChannelHandshake` and `Channel`: the engines' encrypted channel (Noise `NNpsk0` keyed from the
+//! deployment's secret) for Python side channels that move their own messages, such as the
+//! connector's side channel in `kvx.vllm`. No I/O here: Python sends and reads the bytes; these
+//! classes only make and check them.
+
+use crate::errors::{self, ErrInfo};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use transfer_engine::control::channel::{Handshake, Session};
+use transfer_engine::control::{Challenge, Role, Secret, Side};
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn role(name: &str) -> PyResult<Role> {
+    match name {
+        "prefill" => Ok(Role::Prefill),
+        "decode" => Ok(Role::Decode),
+        other => Err(errors::config(format!(
+            "role {other:?}: expected \"prefill\" or \"decode\""
+        ))),
+    }
+}
+
+fn nonce(what: &str, bytes: &[u8]) -> PyResult<[u8; 32]> {
+    bytes
+        .try_into()
+        .map_err(|_| errors::config(format!("{what} has {} bytes, not 32", bytes.len())))
+}
+
+/// One side's half of the handshake: the dialer writes the first message and reads the second,
+/// the listener reads the first and writes the second; then `finish` gives the channel. Both
+/// sides must have exchanged the same two 32-byte nonces (fresh for every connection, sent in
+/// clear before the handshake) and use the same `label` (one per protocol).
+#[pyclass(module = "kvx._kvx", frozen)]
+pub(crate) struct ChannelHandshake {
+    state: Mutex<Option<Handshake>>,
+}
+
+#[pymethods]
+impl ChannelHandshake {
+    #[new]
+    #[pyo3(signature = (secret, side, label, dialer_nonce, listener_nonce, dialer_role = "decode", listener_role = "prefill"))]
+    fn new(
+        secret: Option<&[u8]>,
+        side: &str,
+        label: &str,
+        dialer_nonce: &[u8],
+        listener_nonce: &[u8],
+        dialer_role: &str,
+        listener_role: &str,
+    ) -> PyResult<Self> {
+        let side = match side {
+            "dialer" => Side::Dialer,
+            "listener" => Side::Listener,
+            other => {
+                return Err(errors::config(format!(
+                    "side {other:?}: expected \"dialer\" or \"listener\""
+                )));
+            }
+        };
+        if label.is_empty() {
+            return Err(errors::config("the channel's label is empty"));
+        }
+        let secret = secret.map_or_else(Secret::none, Secret::new);
+        let dialer = Challenge {
+            nonce: nonce("dialer_nonce", dialer_nonce)?,
+            role: role(dialer_role)?,
+            side: Side::Dialer,
+        };
+        let listener = Challenge {
+            nonce: nonce("listener_nonce", listener_nonce)?,
+            role: role(listener_role)?,
+            side: Side::Listener,
+        };
+        let mut prologue = b"kvx/py/".to_vec();
+        prologue.extend_from_slice(label.as_bytes());
+        let hs = Handshake::labelled(&prologue, &secret, side, &dialer, &listener)
+            .map_err(|e| errors::config(format!("channel handshake: {e}")))?;
+        Ok(ChannelHandshake {
+            state: Mutex::new(Some(hs)),
+        })
+    }
+
+    /// This side's next handshake message.
+    fn write<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let mut st = lock(&self.state);
+        let hs = st
+            .as_mut()
+            .ok_or_else(|| protocol("the handshake is over"))?;
+        let msg = hs
+            .write()
+            .map_err(|e| protocol(format!("channel handshake: {e}")))?;
+        Ok(PyBytes::new(py, &msg))
+    }
+
+    /// Reads the peer's handshake message: `False` when it does not prove the secret (or the peer
+    /// saw other nonces, or speaks another protocol); the handshake is then over for good.
+    fn read(&self, msg: &[u8]) -> PyResult<bool> {
+        let mut st = lock(&self.state);
+        let hs = st
+            .as_mut()
+            .ok_or_else(|| protocol("the handshake is over"))?;
+        let ok = hs.read(msg);
+        if !ok {
+            *st = None;
+        }
+        Ok(ok)
+    }
+
+    /// The channel, once both messages went.
+    fn finish(&self) -> PyResult<Channel> {
+        let hs = lock(&self.state)
+            .take()
+            .ok_or_else(|| protocol("the handshake is over"))?;
+        let session = hs
+            .into_session()
+            .map_err(|e| protocol(format!("channel handshake: {e}")))?;
+        Ok(Channel {
+            session: Mutex::new(session),
+        })
+    }
+}
+
+/// Both directions of an encrypted channel: `seal` a message to send, `open` one received. A
+/// message opens only whole, once and in order; once one fails to open, none does again.
+#[pyclass(module = "kvx._kvx", frozen)]
+pub(crate) struct Channel {
+    session: Mutex<Session>,
+}
+
+#[pymethods]
+impl Channel {
+    /// `plain`, sealed as this side's next message.
+    fn seal<'py>(&self, py: Python<'py>, plain: &[u8]) -> PyResult<Bound<'py, PyBytes>> {
+        let sealed = lock(&self.session)
+            .seal(plain)
+            .map_err(|e| protocol(e.to_string()))?;
+        Ok(PyBytes::new(py, &sealed))
+    }
+
+    /// The plaintext of the peer's next message; `kvx.ProtocolError` when the bytes were changed,
+    /// replayed, reordered or cut.
+    fn open<'py>(&self, py: Python<'py>, sealed: &[u8]) -> PyResult<Bound<'py, PyBytes>> {
+        let plain = lock(&self.session)
+            .open(sealed)
+            .map_err(|e| protocol(e.to_string()))?;
+        Ok(PyBytes::new(py, &plain))
+    }
+}
+
+fn protocol(message: impl Into<String>) -> PyErr {
+    ErrInfo::new("ProtocolError", "channel", message).into_pyerr()
+}

@@ -26,6 +26,27 @@ def tp_sources(prefill_tp: int, decode_tp: int, kv_heads: int, decode_rank: int)
 def tp_targets(prefill_tp: int, decode_tp: int, kv_heads: int, prefill_rank: int) -> list[int]: ...
 
 @final
+class ChannelHandshake:
+    """One side of the engines' encrypted channel's handshake (Noise NNpsk0 keyed from the
+    secret), for a side channel that moves its own bytes."""
+    def __init__(
+        self,
+        secret: bytes | None,
+        side: str,
+        label: str,
+        dialer_nonce: bytes,
+        listener_nonce: bytes,
+        dialer_role: str = "decode",
+        listener_role: str = "prefill",
+    ) -> None: ...
+    def write(self) -> bytes: ...
+    def read(self, msg: bytes) -> bool: ...
+    def finish(self) -> Channel: ...
+
+class Channel:
+    def seal(self, plain: bytes) -> bytes: ...
+    def open(self, sealed: bytes) -> bytes: ...
+
 class Layout:
     def __init__(
         self,

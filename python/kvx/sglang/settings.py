@@ -7,6 +7,7 @@ import os
 from typing import Optional
 
 import kvx
+from kvx import _secret
 
 logger = logging.getLogger(__name__)
 
@@ -16,30 +17,8 @@ AUX_WAIT_S = 10.0
 
 def secret() -> Optional[bytes]:
     """The deployment's shared secret (``KVX_SECRET_FILE`` or ``KVX_SECRET``), or None when neither is
-    set. A setting that is there but empty, a file that is empty or that others may read or change,
-    raises: each would turn authentication off, or hand the secret around, while looking
-    configured."""
-    path = os.environ.get("KVX_SECRET_FILE")
-    if path is not None:
-        if not path:
-            raise ValueError("kvx: KVX_SECRET_FILE is set but empty")
-        with open(path, "rb") as f:
-            mode = os.fstat(f.fileno()).st_mode & 0o777
-            if mode & 0o077:
-                raise PermissionError(
-                    f"kvx: KVX_SECRET_FILE {path} has mode {mode:o}: others may read or change the "
-                    "secret; chmod 600 it")
-            key = f.read().rstrip(b"\r\n")
-        if not key:
-            raise ValueError(f"kvx: KVX_SECRET_FILE {path} is empty")
-        return key
-    s = os.environ.get("KVX_SECRET")
-    if s is not None:
-        if not s:
-            raise ValueError("kvx: KVX_SECRET is set but empty")
-        return s.encode()
-    logger.warning("kvx: no KVX_SECRET or KVX_SECRET_FILE: engines and directory accept any peer")
-    return None
+    set; see ``kvx._secret.load``."""
+    return _secret.load(logger)
 
 
 def device(args) -> str:

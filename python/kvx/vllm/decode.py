@@ -1,0 +1,240 @@
+"""The decode side of a ``KvxConnector`` worker: one ``kvx.DecodeEngine`` over the worker's KV cache
+for every prefill instance (each a session of it, named by the instance's engine id), and the
+loads vLLM is waiting for.
+
+A load comes in the step metadata (``recv``): the destination blocks vLLM allocated and the
+prefill request's params. A background thread makes sure the prefill instance's ranks are
+connected (the first time: ``add_instance``, then the side channel's HELLO with this engine's
+address, then ``wait_for_ranks``) and ``expect``s the request; ``get_finished`` reports each
+load once it is over. A load that failed (refused, unreachable prefill, kvx failure, timeout,
+abort) reports its blocks in ``get_block_ids_with_load_errors`` in the same pass as its
+``finished_recving``, so vLLM recomputes or fails it by ``kv_load_failure_policy``; a failed
+load whose blocks kvx keeps quarantined (a prefill rank did not confirm that its writes are
+over) is reported only once kvx released them."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import kvx
+
+from . import sidechannel
+from .pool import Pool
+from .prefill import request_key
+
+logger = logging.getLogger("vllm." + __name__)  # vLLM's handlers and level
+
+
+@dataclass
+class _Load:
+    req_id: str
+    rid: int
+    dst: list
+    prefix_tokens: int
+    remote: Optional[dict]
+    error: Optional[str] = None
+    pending: Any = None
+    aborted: bool = False
+    warned: bool = False
+    checked: bool = False
+    started: float = 0.0
+
+
+class DecodeSide:
+    def __init__(self, *, engine_id: str, tp_rank: int, tp_size: int, host: str,
+                 secret: Optional[bytes], backend: str, compat: dict, request_timeout: float,
+                 handshake_timeout: float):
+        self.engine_id = engine_id
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.host = host
+        self.secret, self.backend = secret, backend
+        self.compat = compat
+        self.request_timeout = request_timeout
+        self.handshake_timeout = handshake_timeout
+        self.pool: Optional[Pool] = None
+        self.engine: Optional[kvx.DecodeEngine] = None
+        self._lock = threading.Lock()
+        self._loads: dict = {}  # vLLM request id -> _Load
+        self._invalid: set = set()
+        self._queue: "queue.Queue" = queue.Queue()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="kvx-vllm-decode")
+
+    def register(self, pool: Pool) -> None:
+        self.pool = pool
+        self.engine = kvx.DecodeEngine(
+            layout=pool.layout, total_layers=pool.first_layer + pool.num_layers,
+            page_tokens=pool.block_size, pp_size=0, memory=pool.memory,
+            listen=f"{self.host}:0", secret=self.secret, backend=self.backend,
+            engine_id=f"vllm-decode-{self.engine_id}-{self.tp_rank}-{os.getpid()}",
+            tp_rank=self.tp_rank, tp_size=self.tp_size, tp_mode="identical",
+            decode_instance=self.engine_id)
+        self._thread.start()
+        logger.info("kvx: decode engine (TP rank %d) listens on %s", self.tp_rank,
+                    self.engine.address)
+
+    # Steps (the model runner's thread).
+
+    def start_load_kv(self, meta) -> None:
+        with self._lock:
+            for req_id, r in meta.recv.items():
+                remote = r.get("remote")
+                rid = request_key(remote["request_id"]) if remote else 0
+                load = _Load(req_id, rid, list(r["dst"]), int(r["prefix_tokens"]), remote,
+                             error=r.get("refused"))
+                self._loads[req_id] = load
+                if load.error is None:
+                    self._queue.put(("load", load))
+                elif remote is not None:
+                    self._queue.put(("release", remote))
+        for rel in meta.release:
+            self._queue.put(("release_many", rel))
+
+    def get_finished(self, finished_req_ids: "set[str]") -> set:
+        done: set = set()
+        with self._lock:
+            for req_id in finished_req_ids:
+                load = self._loads.get(req_id)
+                if load is not None and not load.aborted:
+                    # Finished (aborted) while loading: kvx stops the ranks; the blocks come back
+                    # once no write can land in them.
+                    load.aborted = True
+                    if load.pending is not None and not load.pending.done():
+                        try:
+                            self.engine.abort(load.rid)
+                        except kvx.KvxError:
+                            pass
+            for load in list(self._loads.values()):
+                if load.pending is not None and load.pending.done():
+                    if not load.checked:
+                        load.checked = True
+                        try:
+                            outcome = load.pending.wait(0)
+                            if not outcome.complete:
+                                load.error = f"{outcome.reason}"
+                        except kvx.KvxError as e:
+                            load.error = str(e)
+                    if load.error is None:
+                        logger.debug("kvx: request %s: %d blocks loaded in %.2f ms", load.req_id,
+                                     len(load.dst), 1e3 * (time.monotonic() - load.started))
+                        done.add(load.req_id)
+                        del self._loads[load.req_id]
+                        continue
+                    if self._quarantined(load):
+                        continue
+                elif load.error is None or load.pending is not None:
+                    continue  # still loading, or the thread is still on it
+                # Failed: the blocks hold nothing valid; vLLM recomputes or fails the request.
+                if not load.aborted:
+                    logger.warning("kvx: request %s: KV load failed (%s): %d blocks reported as "
+                                   "load errors", load.req_id, load.error, len(load.dst))
+                self._invalid.update(load.dst)
+                done.add(load.req_id)
+                del self._loads[load.req_id]
+        return done
+
+    def _quarantined(self, load: _Load) -> bool:
+        """Whether kvx still keeps the failed load's blocks: a prefill rank may still write."""
+        try:
+            held = load.rid in self.engine.quarantined() and not self.engine.is_released(load.rid)
+        except kvx.KvxError:
+            return False
+        if held and not load.warned:
+            load.warned = True
+            logger.warning("kvx: request %s: failed, its blocks quarantined until the prefill "
+                           "rank confirms that its writes are over", load.req_id)
+        return held
+
+    def get_block_ids_with_load_errors(self) -> set:
+        with self._lock:
+            out, self._invalid = self._invalid, set()
+        return out
+
+    # The background thread: handshakes and expects, off the model runner's thread.
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            try:
+                kind, item = self._queue.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            try:
+                if kind == "load":
+                    self._start(item)
+                elif kind == "release":
+                    self._release(item["side_channels"], [item["request_id"]])
+                else:
+                    self._release(item["side_channels"], item["requests"])
+            except Exception:  # never lose the thread
+                logger.exception("kvx: decode background step failed")
+
+    def _start(self, load: _Load) -> None:
+        with self._lock:
+            if load.aborted:
+                load.error = "aborted before its transfer started"
+                return
+        remote = load.remote
+        try:
+            self._ensure_session(remote)
+            bs = self.pool.block_size
+            load.started = time.monotonic()
+            pending = self.engine.expect(
+                load.rid, prompt_tokens=len(load.dst) * bs, chunk_tokens=len(load.dst) * bs,
+                dst_pages=load.dst, timeout=self.request_timeout,
+                prefix_tokens=load.prefix_tokens, instance=remote["engine_id"])
+        except Exception as e:  # any failure fails the load, never leaves it waiting
+            with self._lock:
+                load.error = f"{type(e).__name__}: {e}"
+            # The prefill may hold the blocks still: tell it (best effort).
+            self._release(remote["side_channels"], [remote["request_id"]])
+            return
+        with self._lock:
+            load.pending = pending
+            abort = load.aborted
+        if abort:
+            try:
+                self.engine.abort(load.rid)
+            except kvx.KvxError:
+                pass
+
+    def _ensure_session(self, remote: dict) -> None:
+        """The prefill instance's ranks are connected to this engine (announcing it if not)."""
+        instance = remote["engine_id"]
+        try:
+            self.engine.wait_for_ranks(0, instance=instance)
+            return
+        except kvx.KvxError:
+            pass
+        self.engine.add_instance(instance, 1, tp_size=int(remote["tp_size"]))
+        host, _, port = remote["side_channels"][self.tp_rank].rpartition(":")
+        compat = {**self.compat, **self.pool.facts(), "tp_size": self.tp_size,
+                  "tp_rank": self.tp_rank}
+        sidechannel.call(host, int(port), self.secret, {
+            "op": "hello", "decode": self.engine.address, "instance": self.engine_id,
+            "compat": compat}, timeout=self.handshake_timeout)
+        self.engine.wait_for_ranks(self.handshake_timeout, instance=instance)
+        logger.info("kvx: decode engine (TP rank %d) serves prefill instance %s", self.tp_rank,
+                    instance)
+
+    def _release(self, side_channels: list, requests: list) -> None:
+        try:
+            host, _, port = side_channels[self.tp_rank].rpartition(":")
+            sidechannel.call(host, int(port), self.secret, {"op": "release",
+                                                            "requests": list(requests)},
+                             timeout=5.0)
+        except (IndexError, ValueError, sidechannel.SideChannelError) as e:
+            logger.info("kvx: could not tell prefill to release %s: %s", requests, e)
+
+    def close(self) -> None:
+        self._closed.set()
+        if self.engine is not None:
+            try:
+                self.engine.shutdown(5)
+            except kvx.KvxError as e:
+                logger.warning("kvx: decode engine shutdown: %s", e)

@@ -1,0 +1,82 @@
+"""A worker's KV cache as kvx sees it, from the tensors vLLM gives ``register_kv_caches``.
+
+vLLM's CPU attention backend gives each layer a contiguous view ``[num_blocks, kv_heads,
+block_size, 2 * head_size]`` (vLLM 0.32: of one ``[L, B, H, N, C]`` tensor for all layers), K and V
+of a head side by side in a per-ISA arrangement: a block is opaque bytes, the same on both sides
+only when vLLM, dtype, block size and attention ISA agree (the side channel checks that). So a
+kvx page is one vLLM block of one layer (``split_kv=False``), and the pool is the layer views in
+layer order (adjacent ones registered as one region)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import kvx
+
+
+def _layer_index(name: str) -> int:
+    # vLLM's own rule (model_executor.models.utils.extract_layer_index): the one integer in the
+    # dotted name ("model.layers.3.self_attn.attn").
+    found = [int(p) for p in name.split(".") if re.fullmatch(r"\d+", p)]
+    if len(found) != 1:
+        raise kvx.ConfigError(f"kvx: cannot tell the layer of KV cache {name!r}")
+    return found[0]
+
+
+class Pool:
+    """The layout, the memory regions and the facts a peer must match."""
+
+    def __init__(self, kv_caches: "dict[str, Any]", block_size: int, num_blocks: int):
+        by_layer: dict = {}
+        seen_ptrs: set = set()
+        for name, t in kv_caches.items():
+            if isinstance(t, (list, tuple)):
+                raise kvx.ConfigError(
+                    f"kvx: KV cache {name!r} is a list of tensors (a backend that keeps K and V "
+                    "apart): not supported yet")
+            ptr = int(t.data_ptr())
+            if ptr in seen_ptrs:  # KV sharing: two layer names, one tensor
+                continue
+            seen_ptrs.add(ptr)
+            by_layer[_layer_index(name)] = t
+        if not by_layer:
+            raise kvx.ConfigError("kvx: no KV cache tensors to register")
+        layers = sorted(by_layer)
+        if layers != list(range(layers[0], layers[0] + len(layers))):
+            raise kvx.ConfigError(f"kvx: KV cache layers {layers} are not consecutive")
+        tensors = [by_layer[i] for i in layers]
+        first = tensors[0]
+        for t in tensors:
+            # vLLM 0.32 allocates a group's layers as one [L, B, H, N, C] tensor and hands each
+            # layer a view of it: contiguous (and the layers adjacent, one registration) where
+            # L is outermost (LBHNC, the CPU backend's layout); a layout that interleaves layers
+            # within a block (BLHNC, cross-layer blocks) gives views that are not.
+            if not t.is_contiguous():
+                raise kvx.ConfigError("kvx: a layer's KV cache is not contiguous (a layout that "
+                                      "interleaves layers within a block): not supported")
+            if t.shape != first.shape or t.dtype != first.dtype:
+                raise kvx.ConfigError("kvx: KV cache tensors of different shapes or dtypes")
+        if int(first.shape[0]) != int(num_blocks):
+            raise kvx.ConfigError(
+                f"kvx: the KV cache tensor has {first.shape[0]} blocks, vLLM's config "
+                f"{num_blocks}: kernel blocks smaller than vLLM's blocks are not supported")
+        self.block_size = int(block_size)
+        self.num_blocks = int(num_blocks)
+        self.page_bytes = int(first.stride(0)) * int(first.element_size())
+        self.first_layer = layers[0]
+        self.num_layers = len(layers)
+        self.shape = [int(s) for s in first.shape[1:]]
+        self.dtype = str(first.dtype)
+        self.layout = kvx.Layout(first_layer=self.first_layer, num_layers=self.num_layers,
+                                 page_bytes=self.page_bytes, num_pages=self.num_blocks,
+                                 split_kv=False)
+        self.memory = [(int(t.data_ptr()), int(t.numel()) * int(t.element_size()))
+                       for t in tensors]
+        self.tensors = tensors  # kept alive by vLLM; referenced here for the test hook
+
+    def facts(self) -> dict:
+        """What a peer's pool must match, page for page."""
+        return {"block_size": self.block_size, "page_bytes": self.page_bytes,
+                "first_layer": self.first_layer, "num_layers": self.num_layers,
+                "block_shape": self.shape, "dtype": self.dtype}

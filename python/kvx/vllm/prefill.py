@@ -1,0 +1,287 @@
+"""The prefill side of a ``KvxConnector`` worker: the side channel that decodes announce themselves
+on, the one ``kvx.PrefillEngine`` that writes into every decode, and the blocks held for them.
+
+A finished request's blocks come in the step metadata (``send``). Decode's page allocation comes
+through kvx (``next_request``): the serve thread posts the request's blocks after decode's prefix
+as one kvx chunk per allocation chunk, then waits for kvx's decision (every write over, or the
+request failed on both sides) before the request is reported in ``finished_sending`` and vLLM
+may reuse its blocks. A request nobody asked for within its lease is reported then; a decode that
+asks later is failed at once."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import kvx
+
+from .pool import Pool
+from .sidechannel import SideChannelServer
+
+logger = logging.getLogger("vllm." + __name__)  # vLLM's handlers and level
+
+# How long an allocation for a request this worker has not heard of yet waits: the step metadata
+# that carries a finished request's blocks can reach the worker after decode's allocation.
+UNKNOWN_GRACE_S = 10.0
+
+
+def request_key(request_id: str) -> int:
+    """The kvx request id (u64) of a vLLM request id, alike on both sides."""
+    return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(),
+                          "little") & ((1 << 63) - 1)
+
+
+@dataclass
+class _Held:
+    req_id: str
+    rid: int
+    blocks: list
+    deadline: float
+    tag: Optional[str]
+    state: str = "held"  # held -> sending -> (reported) | expired | released
+
+
+class PrefillSide:
+    def __init__(self, *, engine_id: str, tp_rank: int, tp_size: int, host: str, port: int,
+                 secret: Optional[bytes], backend: str, compat: dict):
+        self.engine_id = engine_id
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.host, self.port = host, port
+        self.secret, self.backend = secret, backend
+        self.compat = compat
+        self.pool: Optional[Pool] = None
+        self.engine: Optional[kvx.PrefillEngine] = None
+        self.server: Optional[SideChannelServer] = None
+        self._lock = threading.Lock()
+        self._start_lock = threading.Lock()
+        self._held: dict = {}  # vLLM request id -> _Held
+        self._by_rid: dict = {}  # kvx id -> vLLM request id
+        self._gone: dict = {}  # kvx id -> when its blocks were handed back unsent
+        self._parked: dict = {}  # kvx id -> (IncomingRequest, give-up time)
+        self._done: set = set()  # request ids for the next finished_sending
+        self._closed = threading.Event()
+        self._corrupt_tag = os.environ.get("KVX_TEST_CORRUPT_TAG") or None
+        self._stall_tag = os.environ.get("KVX_TEST_STALL_TAG") or None
+
+    # Start.
+
+    def register(self, pool: Pool) -> None:
+        self.pool = pool
+        self.server = SideChannelServer(self.host, self.port, self.secret, self._on_message)
+        logger.info("kvx: prefill worker (TP rank %d) side channel on %s", self.tp_rank,
+                    self.address)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.server.port}"
+
+    def _on_message(self, msg: dict) -> dict:
+        op = msg.get("op")
+        if op == "hello":
+            return self._on_hello(msg)
+        if op == "release":
+            self._on_release([str(r) for r in msg.get("requests", [])])
+            return {}
+        raise ValueError(f"unknown side-channel op {op!r}")
+
+    def _on_hello(self, msg: dict) -> dict:
+        """A decode worker tells where its engine listens: serve it from this rank's engine."""
+        mine = {**self.compat, **self.pool.facts(), "tp_size": self.tp_size,
+                "tp_rank": self.tp_rank}
+        theirs = msg.get("compat", {})
+        diff = [f"{k}: prefill {mine[k]!r}, decode {theirs.get(k)!r}"
+                for k in sorted(mine) if theirs.get(k) != mine[k]]
+        if diff:
+            raise kvx.ConfigError("kvx: decode's KV cache does not match this prefill's ("
+                                  + "; ".join(diff) + ")")
+        with self._start_lock:
+            if self.engine is None:
+                self.engine = kvx.PrefillEngine(
+                    decode=str(msg["decode"]), pp_rank=0, pp_size=1, layout=self.pool.layout,
+                    total_layers=self.pool.first_layer + self.pool.num_layers,
+                    page_tokens=self.pool.block_size, memory=self.pool.memory,
+                    instance=self.engine_id, keep_open=True, secret=self.secret,
+                    backend=self.backend, tp_rank=self.tp_rank, tp_size=self.tp_size,
+                    tp_mode="identical",
+                    engine_id=f"vllm-prefill-{self.engine_id}-{self.tp_rank}-{os.getpid()}")
+                threading.Thread(target=self._serve, args=(self.engine,), daemon=True,
+                                 name="kvx-vllm-prefill").start()
+                logger.info("kvx: prefill engine started (TP rank %d) for decode %s",
+                            self.tp_rank, msg.get("instance"))
+            else:
+                link = self.engine.add_decode(str(msg["decode"]))
+                logger.info("kvx: prefill engine (TP rank %d) serves decode %s too (link %d)",
+                            self.tp_rank, msg.get("instance"), link)
+        return {"engine_id": self.engine_id, "tp_size": self.tp_size}
+
+    def _on_release(self, req_ids: list) -> None:
+        """Decode gave these requests up before asking for them: their blocks go back."""
+        with self._lock:
+            for req_id in req_ids:
+                h = self._held.get(req_id)
+                if h is not None and h.state == "held":
+                    h.state = "released"
+                    self._hand_back(h)
+
+    def _hand_back(self, h: _Held) -> None:
+        """Holds `_lock`: reports `h` in the next finished_sending, no transfer having started."""
+        self._held.pop(h.req_id, None)
+        self._by_rid.pop(h.rid, None)
+        self._gone[h.rid] = time.monotonic()
+        self._done.add(h.req_id)
+
+    # Steps (the model runner's thread).
+
+    def start_load_kv(self, meta) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for req_id, s in meta.send.items():
+                rid = request_key(req_id)
+                self._held[req_id] = _Held(req_id, rid, list(s["blocks"]),
+                                           now + float(s["lease_s"]), s.get("tag"))
+                self._by_rid[rid] = req_id
+                self._gone.pop(rid, None)
+
+    def get_finished(self) -> set:
+        now = time.monotonic()
+        with self._lock:
+            for h in list(self._held.values()):
+                if h.state == "held" and now > h.deadline:
+                    logger.warning("kvx: request %s: no decode asked for its blocks within the "
+                                   "lease: released", h.req_id)
+                    h.state = "expired"
+                    self._hand_back(h)
+            # A decode asking for a request forgotten here waits UNKNOWN_GRACE_S, then fails.
+            for rid in [r for r, t in self._gone.items() if now - t > 6 * UNKNOWN_GRACE_S]:
+                del self._gone[rid]
+            done, self._done = self._done, set()
+        return done
+
+    # The serve thread.
+
+    def _serve(self, engine: "kvx.PrefillEngine") -> None:
+        while not self._closed.is_set():
+            try:
+                inc = engine.next_request(0.2)
+            except kvx.KvxError as e:
+                logger.warning("kvx: prefill engine stopped serving: %s", e)
+                return
+            if inc is not None:
+                self._take(engine, inc, time.monotonic() + UNKNOWN_GRACE_S)
+            with self._lock:
+                parked = list(self._parked.items())
+            for rid, (waiting, until) in parked:
+                with self._lock:
+                    self._parked.pop(rid, None)
+                self._take(engine, waiting, until)
+            if inc is None and engine.closed:
+                return
+
+    def _take(self, engine, inc, until: float) -> None:
+        rid = int(inc.request)
+        with self._lock:
+            req_id = self._by_rid.get(rid)
+            h = self._held.get(req_id) if req_id is not None else None
+            gone = rid in self._gone
+            if h is None and not gone and time.monotonic() < until:
+                self._parked[rid] = (inc, until)
+                return
+            if h is not None:
+                if h.state != "held":
+                    h = None
+                else:
+                    h.state = "sending"
+        if h is None:
+            logger.warning("kvx: decode asked for request %d, whose blocks this prefill does not "
+                           "hold (%s): failed", rid, "released" if gone else "unknown")
+            self._fail(engine, rid)
+            return
+        self._send(engine, inc, h)
+
+    def _fail(self, engine, rid: int) -> None:
+        try:
+            engine.fail(rid, "aborted")
+            engine.decided(rid).add_done_callback(lambda: self._release_quietly(engine, rid))
+        except kvx.KvxError:
+            pass
+
+    @staticmethod
+    def _release_quietly(engine, rid: int) -> None:
+        try:
+            engine.release(rid)
+        except kvx.KvxError:
+            pass
+
+    def _send(self, engine, inc, h: _Held) -> None:
+        bs = self.pool.block_size
+        rid = h.rid
+        decision = engine.decided(rid)
+        decision.add_done_callback(lambda: self._decided(engine, h, decision))
+        if inc.prefix_tokens % bs:
+            logger.error("kvx: request %s: decode's prefix of %d tokens is not whole blocks",
+                         h.req_id, inc.prefix_tokens)
+            engine.fail(rid, "aborted")
+            return
+        src = h.blocks[inc.prefix_tokens // bs:]
+        want = -(-int(inc.prompt_tokens) // bs)
+        if want > len(src):
+            logger.error("kvx: request %s: decode asks for %d blocks after its prefix, this "
+                         "prefill holds %d", h.req_id, want, len(src))
+            engine.fail(rid, "aborted")
+            return
+        src = src[:want]
+        if self._stall_tag is not None and h.tag == self._stall_tag:
+            logger.warning("kvx: KVX_TEST_STALL_TAG: request %s is never sent", h.req_id)
+            return
+        if self._corrupt_tag is not None and h.tag == self._corrupt_tag:
+            self._corrupt(src[0], h.req_id)
+        try:
+            for c in range(int(inc.chunks)):
+                engine.post_chunk(rid, c, src, c + 1 == int(inc.chunks))
+        except kvx.KvxError as e:
+            logger.warning("kvx: request %s: posting failed: %s", h.req_id, e)
+            try:
+                engine.fail(rid, "write_failed")
+            except kvx.KvxError:
+                pass
+
+    def _corrupt(self, block: int, req_id: str) -> None:
+        """Test only (``KVX_TEST_CORRUPT_TAG``): flips bits in the first 64 bytes of `block` in
+        every layer of this prefill's own cache before it is written, so a test sees that decode's
+        tokens come from the moved bytes."""
+        for ptr, _ in self.pool.memory:
+            buf = (ctypes.c_uint8 * 64).from_address(ptr + block * self.pool.page_bytes)
+            for i in range(64):
+                buf[i] ^= 0x40
+        logger.warning("kvx: KVX_TEST_CORRUPT_TAG: corrupted block %d of request %s", block,
+                       req_id)
+
+    def _decided(self, engine, h: _Held, decision) -> None:
+        """kvx decided: no write of this request can still run; vLLM may reuse its blocks."""
+        try:
+            outcome = decision.wait(0)
+            if not outcome.complete:
+                logger.warning("kvx: request %s failed: %s", h.req_id, outcome.reason)
+        except kvx.KvxError as e:
+            logger.warning("kvx: request %s: no decision: %s", h.req_id, e)
+        self._release_quietly(engine, h.rid)
+        with self._lock:
+            self._held.pop(h.req_id, None)
+            self._by_rid.pop(h.rid, None)
+            self._done.add(h.req_id)
+
+    def close(self) -> None:
+        self._closed.set()
+        if self.server is not None:
+            self.server.close()
+        if self.engine is not None:
+            try:
+                self.engine.close()
+            except kvx.KvxError as e:
+                logger.warning("kvx: closing the prefill engine: %s", e)

@@ -1,0 +1,77 @@
+"""What kvx.vllm reads of ``kv_connector_extra_config`` and the environment.
+
+Keys of ``kv_connector_extra_config`` (each also an environment variable, which the config key
+overrides):
+
+- ``secret_file`` / ``KVX_SECRET_FILE``, else ``KVX_SECRET``: the deployment's shared secret (a
+  file others may read, or an empty setting, is refused);
+- ``backend`` / ``KVX_BACKEND``: ``ucx`` (default) or ``nixl``;
+- ``side_channel_host`` / ``KVX_SIDE_CHANNEL_HOST``: where a prefill worker's side channel listens
+  and decode's engine listens (default ``VLLM_HOST_IP``, else 127.0.0.1);
+- ``side_channel_port`` / ``KVX_SIDE_CHANNEL_PORT``: the prefill side channel's base port (TP rank
+  r listens on base + dp_index * tp_size + r); 0 (default): any free port, published through
+  vLLM's handshake metadata;
+- ``kv_lease_duration`` / ``KVX_LEASE_S``: how long prefill holds a finished request's blocks for
+  a decode that has not asked for them (default 120 s);
+- ``request_timeout`` / ``KVX_REQUEST_TIMEOUT``: how long decode waits for a request's KV once it
+  sent its pages (default 60 s);
+- ``handshake_timeout`` / ``KVX_HANDSHAKE_TIMEOUT``: how long decode waits for a prefill
+  instance's ranks to connect (default 30 s)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional
+
+from kvx import _secret
+
+logger = logging.getLogger("vllm." + __name__)  # vLLM's handlers and level
+
+
+def _get(extra: dict, key: str, env: str, default: Any) -> Any:
+    if key in extra and extra[key] is not None:
+        return extra[key]
+    v = os.environ.get(env)
+    return v if v not in (None, "") else default
+
+
+def secret(extra: dict) -> Optional[bytes]:
+    """The shared secret: the file ``secret_file`` names, else as ``kvx._secret.load`` reads the
+    environment; None (with a warning) when nothing sets one."""
+    path = extra.get("secret_file")
+    return _secret.load(logger, None if path is None else str(path),
+                        "kv_connector_extra_config['secret_file']")
+
+
+def backend(extra: dict) -> str:
+    return str(_get(extra, "backend", "KVX_BACKEND", "ucx"))
+
+
+def host(extra: dict) -> str:
+    h = _get(extra, "side_channel_host", "KVX_SIDE_CHANNEL_HOST", None)
+    if h is None:
+        h = os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
+    return str(h)
+
+
+def side_channel_port(extra: dict) -> int:
+    return int(_get(extra, "side_channel_port", "KVX_SIDE_CHANNEL_PORT", 0))
+
+
+def lease_s(extra: dict) -> float:
+    return float(_get(extra, "kv_lease_duration", "KVX_LEASE_S", 120.0))
+
+
+def request_timeout(extra: dict) -> float:
+    return float(_get(extra, "request_timeout", "KVX_REQUEST_TIMEOUT", 60.0))
+
+
+def handshake_timeout(extra: dict) -> float:
+    return float(_get(extra, "handshake_timeout", "KVX_HANDSHAKE_TIMEOUT", 30.0))
+
+
+def corrupt_request() -> Optional[str]:
+    """Test only: ``KVX_TEST_CORRUPT_REQUEST``, a prefix of the vLLM request ids whose first
+    moved block the prefill side corrupts before writing it (see the worker)."""
+    return os.environ.get("KVX_TEST_CORRUPT_REQUEST") or None

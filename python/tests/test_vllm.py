@@ -1,0 +1,174 @@
+"""kvx.vllm.KvxConnector through real vLLM 0.32 instances on this CPU-only machine: a kvx prefill +
+decode pair answers like one normal instance, token for token (greedy), and so does vLLM's own
+NixlConnector pair on the same prompts; a corrupted moved block changes its request's tokens; a
+prefill killed while decode waits for a request's KV leaves decode recomputing it within a bound,
+never hanging.
+
+Five instances (one normal, a kvx pair, a NixlConnector pair), each a ``vllm.LLM`` in its own
+process group with vLLM's engine core and worker processes (see ``vllm_instances``), start
+together once for the module. Run with the provisioned vLLM (``scripts/provision-vllm``, kvx
+installed into it): ``.deps/vllm/bin/python -m pytest python/tests/test_vllm.py``."""
+
+import threading
+import time
+
+import pytest
+
+# Without vLLM this module fails to import, and the run fails: it never passes silently.
+import vllm  # noqa: F401
+import vllm_instances as V
+
+MAX_TOKENS = 16
+# Prompts of 4 blocks of 32 tokens (the last one partial), and fresh ones for the tests that must
+# move every block (a prompt decode already saw is partly in its prefix cache).
+PROMPTS = V.prompts(8, 100)
+CORRUPT_PROMPTS = V.prompts(4, 130, seed=11)
+KILL_PROMPT = V.prompts(1, 140, seed=13)[0]
+CORRUPT, STALL = "corrupt", "stall"
+# How long decode may take to give up on a killed prefill and answer: the kvx control
+# connection's loss is seen at once, kvx's heartbeat bounds a silent peer at 15 s.
+KILL_BOUND_S = 45
+
+
+class Log:
+    """What an instance logged since the mark."""
+
+    def __init__(self, inst):
+        self.inst, self.at = inst, inst.log_path.stat().st_size
+
+    def text(self):
+        with open(self.inst.log_path, errors="replace") as f:
+            f.seek(self.at)
+            return f.read()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    d = tmp_path_factory.mktemp("vllm")
+    model = V.make_model(d / "model")
+    secret = V.secret_file(d)
+    nixl_p, nixl_d = V.free_ports(2)
+    test_hooks = {"KVX_TEST_CORRUPT_TAG": CORRUPT, "KVX_TEST_STALL_TAG": STALL}
+    made = {}
+    try:
+        # The reference runs its engine in-process (one process instead of three: it only
+        # answers); the pairs run vLLM's default, engine core and worker in processes of their
+        # own, as servers do.
+        made["ref"] = V.Instance("single", model, d, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+        made["kvx_p"] = V.Instance("kvx-prefill", model, d,
+                                   kv=V.kvx_config("kv_producer", secret), env=test_hooks)
+        made["kvx_d"] = V.Instance("kvx-decode", model, d,
+                                   kv=V.kvx_config("kv_consumer", secret))
+        made["nixl_p"] = V.Instance("nixl-prefill", model, d, kv=V.nixl_config("kv_producer"),
+                                    env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(nixl_p),
+                                         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"})
+        made["nixl_d"] = V.Instance("nixl-decode", model, d, kv=V.nixl_config("kv_consumer"),
+                                    env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(nixl_d),
+                                         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"})
+        V.start_all(list(made.values()), timeout=420)
+        ref = made["ref"].generate(PROMPTS + CORRUPT_PROMPTS + [KILL_PROMPT], MAX_TOKENS)
+        tokens = [o["tokens"] for o in ref["outputs"]]
+        made["expected"] = tokens[:len(PROMPTS)]
+        made["expected_corrupt"] = tokens[len(PROMPTS):-1]
+        made["expected_kill"] = tokens[-1]
+        # The reference is only one if it answers alike whatever the batch: asked again, in
+        # another order, it must give the same tokens.
+        again = made["ref"].generate(PROMPTS[::-1], MAX_TOKENS)["outputs"]
+        assert [o["tokens"] for o in again][::-1] == made["expected"]
+        assert all(len(t) == MAX_TOKENS for t in tokens)
+        yield made
+    finally:
+        for inst in made.values():
+            if isinstance(inst, V.Instance):
+                inst.close()
+
+
+def test_a_kvx_pair_answers_like_one_instance(cluster):
+    """Eight prompts of 4 and 5 blocks, prefilled and decoded concurrently: decode loads every
+    block through kvx (no load failure, nothing recomputed) and generates the single instance's
+    tokens."""
+    p_log, d_log = Log(cluster["kvx_p"]), Log(cluster["kvx_d"])
+    p, d = V.pair_generate(cluster["kvx_p"], cluster["kvx_d"], PROMPTS, MAX_TOKENS)
+    for o in p["outputs"]:
+        params = o["kv_transfer_params"]
+        assert params["transfer_mode"] == "kvx_push" and params["do_remote_prefill"], params
+        assert len(params["remote_block_ids"]) >= 4, params
+    got = [o["tokens"] for o in d["outputs"]]
+    assert got == cluster["expected"]
+    assert "KV load failed" not in d_log.text() and "Recovered from KV load failure" \
+        not in d_log.text(), d_log.text()[-4000:]
+    assert "kvx: request" not in p_log.text(), p_log.text()[-4000:]
+
+
+def test_a_nixl_pair_answers_like_one_instance(cluster):
+    """The baseline: vLLM's NixlConnector pair (pull over UCX on loopback) on the same prompts."""
+    d_log = Log(cluster["nixl_d"])
+    p, d = V.pair_generate(cluster["nixl_p"], cluster["nixl_d"], PROMPTS, MAX_TOKENS)
+    assert all(o["kv_transfer_params"].get("remote_block_ids") for o in p["outputs"])
+    assert [o["tokens"] for o in d["outputs"]] == cluster["expected"]
+    assert "Recovered from KV load failure" not in d_log.text(), d_log.text()[-4000:]
+
+
+def test_a_decode_prefix_hit_moves_only_the_blocks_after_it(cluster):
+    """The same prompts again: decode's prefix cache holds their full blocks from the first run,
+    so prefill is asked for the blocks after that prefix only, and must send those (its blocks
+    from the prefix on), not its first ones."""
+    d_log = Log(cluster["kvx_d"])
+    _, d = V.pair_generate(cluster["kvx_p"], cluster["kvx_d"], PROMPTS, MAX_TOKENS)
+    assert [o["tokens"] for o in d["outputs"]] == cluster["expected"]
+    assert "KV load failed" not in d_log.text(), d_log.text()[-4000:]
+
+
+def test_a_corrupted_moved_block_changes_that_requests_tokens(cluster):
+    """The prefill flips bits in the first block it sends of one request (its own copy, just
+    before the write): that request's tokens change, the others' do not. Decode's tokens come
+    from the moved bytes."""
+    tags = [{"kvx_test_tag": CORRUPT} if i == 1 else None for i in range(len(CORRUPT_PROMPTS))]
+    p_log = Log(cluster["kvx_p"])
+    _, d = V.pair_generate(cluster["kvx_p"], cluster["kvx_d"], CORRUPT_PROMPTS, MAX_TOKENS,
+                           extra_params=tags)
+    got = [o["tokens"] for o in d["outputs"]]
+    want = cluster["expected_corrupt"]
+    assert "KVX_TEST_CORRUPT_TAG: corrupted block" in p_log.text()
+    assert got[1] != want[1]
+    assert got[:1] + got[2:] == want[:1] + want[2:]
+
+
+def test_a_prefill_killed_mid_request_leaves_decode_recomputing_within_a_bound(cluster):
+    """The prefill takes decode's page allocation for one request and never writes it (a test
+    hook); it is then killed with its engine core and worker. Decode's kvx engine sees the
+    prefill rank lost and fails the load; vLLM (kv_load_failure_policy=recompute) recomputes the
+    prompt: decode answers the single instance's tokens within the bound, never hangs."""
+    prefill, decode = cluster["kvx_p"], cluster["kvx_d"]
+    p_log, d_log = Log(prefill), Log(decode)
+    prompt = KILL_PROMPT
+    p = prefill.generate([prompt], 1, [{"do_remote_decode": True, "kvx_test_tag": STALL}])
+    params = p["outputs"][0]["kv_transfer_params"]
+    got = {}
+
+    def run_decode():
+        try:
+            got["out"] = decode.generate([prompt], MAX_TOKENS, [params], timeout=KILL_BOUND_S + 30)
+        except AssertionError as e:
+            got["error"] = e
+
+    t = threading.Thread(target=run_decode)
+    t.start()
+    deadline = time.monotonic() + 30
+    while "KVX_TEST_STALL_TAG" not in p_log.text():
+        assert time.monotonic() < deadline, p_log.text()[-4000:]
+        time.sleep(0.1)
+    prefill.kill()
+    killed = time.monotonic()
+    t.join(KILL_BOUND_S + 35)
+    took = time.monotonic() - killed
+    assert "out" in got, got.get("error", "decode never answered")
+    out = got["out"]["outputs"][0]
+    assert took < KILL_BOUND_S, took
+    assert "KV load failed" in d_log.text(), d_log.text()[-4000:]
+    # kv_load_failure_policy="recompute": the request is recomputed, never failed.
+    assert out["finish_reason"] != "error", out
+    assert out["tokens"] == cluster["expected_kill"]
+    # Decode still serves: a plain request after it.
+    again = decode.generate([PROMPTS[0]], MAX_TOKENS)["outputs"][0]["tokens"]
+    assert again == cluster["expected"][0]

@@ -140,6 +140,7 @@ class PrefillSide:
 
     def start_load_kv(self, meta) -> None:
         now = time.monotonic()
+        ready = []
         with self._lock:
             for req_id, s in meta.send.items():
                 rid = request_key(req_id)
@@ -147,6 +148,13 @@ class PrefillSide:
                                            now + float(s["lease_s"]), s.get("tag"))
                 self._by_rid[rid] = req_id
                 self._gone.pop(rid, None)
+                # Decode's allocation came before these blocks did: send it now rather than
+                # when the serve thread next looks (up to its poll interval later).
+                parked = self._parked.pop(rid, None)
+                if parked is not None:
+                    ready.append(parked)
+        for inc, until in ready:
+            self._take(self.engine, inc, until)
 
     def get_finished(self) -> set:
         now = time.monotonic()
@@ -174,11 +182,10 @@ class PrefillSide:
                 return
             if inc is not None:
                 self._take(engine, inc, time.monotonic() + UNKNOWN_GRACE_S)
+            # Each parked allocation is taken once: here, or by start_load_kv when its blocks come.
             with self._lock:
-                parked = list(self._parked.items())
-            for rid, (waiting, until) in parked:
-                with self._lock:
-                    self._parked.pop(rid, None)
+                parked, self._parked = self._parked, {}
+            for waiting, until in parked.values():
                 self._take(engine, waiting, until)
             if inc is None and engine.closed:
                 return

@@ -154,3 +154,36 @@ impl Channel {
 fn protocol(message: impl Into<String>) -> PyErr {
     ErrInfo::new("ProtocolError", "channel", message).into_pyerr()
 }
+
+/// `plain` sealed on its own under a key derived from the secret (`None`: the deployment has
+/// none) and `label`, bound to `aad`: for a message with no connection to run a handshake on (an
+/// HTTP body). Opens with `open_box` and the same three.
+#[pyfunction]
+pub(crate) fn seal_box<'py>(
+    py: Python<'py>,
+    secret: Option<&[u8]>,
+    label: &str,
+    aad: &[u8],
+    plain: &[u8],
+) -> PyResult<Bound<'py, PyBytes>> {
+    let secret = secret.map_or_else(Secret::none, Secret::new);
+    let sealed = transfer_engine::control::channel::seal_box(&secret, label.as_bytes(), aad, plain)
+        .map_err(|e| protocol(e.to_string()))?;
+    Ok(PyBytes::new(py, &sealed))
+}
+
+/// The plaintext of a `seal_box` box; `kvx.ProtocolError` when it does not open (another secret,
+/// label or `aad`, or a changed byte).
+#[pyfunction]
+pub(crate) fn open_box<'py>(
+    py: Python<'py>,
+    secret: Option<&[u8]>,
+    label: &str,
+    aad: &[u8],
+    sealed: &[u8],
+) -> PyResult<Bound<'py, PyBytes>> {
+    let secret = secret.map_or_else(Secret::none, Secret::new);
+    let plain = transfer_engine::control::channel::open_box(&secret, label.as_bytes(), aad, sealed)
+        .map_err(|e| protocol(e.to_string()))?;
+    Ok(PyBytes::new(py, &plain))
+}

@@ -107,6 +107,72 @@ def test_the_directory_serves_only_callers_that_prove_the_secret(directory):
     assert raw("GET", f"{url}/health")[0] == 200
 
 
+class Recorder:
+    """A TCP relay in front of the directory that keeps every byte of every connection."""
+
+    def __init__(self, port):
+        import socket
+        import threading
+
+        self.seen = bytearray()
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.target = port
+
+        def pump(src, dst):
+            try:
+                while data := src.recv(65536):
+                    self.seen += data
+                    dst.sendall(data)
+            except OSError:
+                pass
+            finally:
+                for x in (src, dst):
+                    try:
+                        x.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+
+        def accept():
+            while True:
+                try:
+                    c, _ = self.sock.accept()
+                except OSError:
+                    return
+                d = socket.create_connection(("127.0.0.1", self.target))
+                threading.Thread(target=pump, args=(c, d), daemon=True).start()
+                threading.Thread(target=pump, args=(d, c), daemon=True).start()
+
+        threading.Thread(target=accept, daemon=True).start()
+
+
+def test_no_address_crosses_the_directory_in_clear(directory):
+    """A decode's announcement, a mesh address and the replies that hand them out go through a
+    relay that records them: the addresses are nowhere in its bytes, yet the callers got them. A
+    body signed correctly but not sealed is refused and not stored."""
+    from kvx.sglang.directory import http, sign
+
+    relay = Recorder(directory.port)
+    url = f"http://127.0.0.1:{relay.port}"
+    decode = {"decode_id": "d-1", "addr": "10.11.12.13:40001", "tp_rank": 0}
+    http("PUT", f"{url}/kvx/decode", decode, key=SECRET)
+    http("PUT", f"{url}/kvx/mesh", {"tp_rank": 0, "pp_rank": 1, "addr": "10.11.12.14:40002"},
+         key=SECRET)
+    got = http("GET", f"{url}/kvx/decode?since=0", key=SECRET)
+    assert got["decodes"] == [decode]
+    assert http("GET", f"{url}/kvx/mesh?tp_rank=0", key=SECRET)["mesh"] == {
+        "1": "10.11.12.14:40002"}
+    assert b"/kvx/decode" in relay.seen  # the relay did see the calls
+    for clear in (b"10.11.12.1", b"40001", b"40002", b"decode_id", b"d-1"):
+        assert clear not in relay.seen, clear
+    before = directory.refused
+    body = json.dumps(dict(decode, decode_id="d-2")).encode()
+    status, _ = raw("PUT", f"http://127.0.0.1:{directory.port}/kvx/decode",
+                    dict(decode, decode_id="d-2"), sign(SECRET, "PUT", "/kvx/decode", body))
+    assert status == 400 and directory.refused == before + 1
+    assert http("GET", f"{url}/kvx/decode?since=0", key=SECRET)["decodes"] == [decode]
+
+
 def test_each_start_of_a_directory_has_its_own_instance(monkeypatch):
     monkeypatch.setenv("KVX_SECRET", SECRET.decode())
     from kvx.sglang.directory import KvxBootstrapServer

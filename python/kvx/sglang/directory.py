@@ -5,9 +5,14 @@ address of its ``kvx.DecodeEngine``; each prefill rank publishes the address its
 listens on (one mesh per pipeline, that is per TP rank, for every decode). Those are addresses, so every ``/kvx/``
 request, read or write, proves the deployment's shared secret: an HMAC-SHA256 over a timestamp,
 the method, the path and the body (header ``X-Kvx-Auth: <unix seconds>:<hex>``), checked in
-constant time and refused (401) when wrong, missing or more than ``MAX_SKEW_S`` old. Without a
-secret the directory is open, as the engines are (they warn). Worker addresses, rkeys and agent
-metadata never travel here: only kvx's authenticated control connections carry them.
+constant time and refused (401) when wrong, missing or more than ``MAX_SKEW_S`` old. And no body
+crosses in clear: a request's body and every ``/kvx/`` reply are sealed boxes
+(``kvx._kvx.seal_box``: XChaCha20-Poly1305 under a key derived from the secret), the request's
+bound to its method and path, the reply's to the request's method, path and query and to a fresh
+nonce the caller sends (``X-Kvx-Nonce``), so an old reply does not open as the answer to a new
+request. Without a secret the directory is open, as the engines are (they warn): anyone can then
+open the boxes. Worker addresses, rkeys and agent metadata never travel here: only kvx's
+authenticated control connections carry them.
 
 Every directory draws an ``instance`` token at start: decode tells a prefill instance that
 restarted on the same address from one that stayed up, and announces itself again."""
@@ -27,6 +32,9 @@ from typing import Optional
 from urllib.parse import parse_qs, urlparse
 
 from sglang.srt.disaggregation.base.conn import BaseKVBootstrapServer
+
+from kvx import ProtocolError
+from kvx._kvx import open_box, seal_box
 
 from .settings import secret
 
@@ -65,16 +73,37 @@ def verify(key: Optional[bytes], header: Optional[str], method: str, path: str, 
     return age <= MAX_SKEW_S and hmac.compare_digest(mac, _mac(key, stamp, method, path, body))
 
 
+# The sealed boxes' label: a box of the directory opens nowhere else.
+BOX_LABEL = "sglang-directory/v1"
+
+
+def request_aad(method: str, path: str) -> bytes:
+    return b"request\n" + method.encode() + b"\n" + path.encode()
+
+
+def reply_aad(method: str, path_and_query: str, nonce: str) -> bytes:
+    return b"reply\n" + "\n".join([method, path_and_query, nonce]).encode()
+
+
 def http(method: str, url: str, body: Optional[dict] = None, timeout: float = 5.0,
          key: Optional[bytes] = None):
-    """One signed call to a directory; raises OSError (urllib's errors are OSErrors) on failure."""
-    data = b"" if body is None else json.dumps(body).encode()
-    path = urlparse(url).path
-    headers = {"Content-Type": "application/json", **sign(key, method, path, data)}
+    """One signed, sealed call to a directory; raises OSError (urllib's errors are OSErrors) on
+    failure, ConnectionError when the reply does not open."""
+    u = urlparse(url)
+    data = b"" if body is None else seal_box(key, BOX_LABEL, request_aad(method, u.path),
+                                               json.dumps(body).encode())
+    nonce = secrets.token_hex(16)
+    headers = {"Content-Type": "application/octet-stream", "X-Kvx-Nonce": nonce,
+               **sign(key, method, u.path, data)}
     req = urllib.request.Request(url, data=data if body is not None else None, method=method,
                                  headers=headers)
     with urllib.request.urlopen(req, timeout=timeout) as r:
-        text = r.read()
+        sealed = r.read()
+    target = u.path + (f"?{u.query}" if u.query else "")
+    try:
+        text = open_box(key, BOX_LABEL, reply_aad(method, target, nonce), sealed)
+    except ProtocolError as e:
+        raise ConnectionError(f"the directory's reply to {method} {u.path} did not open: {e}") from e
     return json.loads(text) if text else None
 
 
@@ -100,6 +129,15 @@ class KvxBootstrapServer(BaseKVBootstrapServer):
 
             def _reply(self, code, obj=None):
                 body = b"" if obj is None else json.dumps(obj).encode()
+                self._send(code, body)
+
+            def _sealed(self, method: str, obj) -> None:
+                """A 200 reply to an authentic request, sealed for its caller."""
+                nonce = self.headers.get("X-Kvx-Nonce") or ""
+                aad = reply_aad(method, self.path, nonce)
+                self._send(200, seal_box(server.key, BOX_LABEL, aad, json.dumps(obj).encode()))
+
+            def _send(self, code, body: bytes):
                 try:
                     self.send_response(code)
                     self.send_header("Content-Type", "application/json")
@@ -129,8 +167,8 @@ class KvxBootstrapServer(BaseKVBootstrapServer):
                 try:
                     with server._lock:
                         if u.path == "/kvx/prefill":
-                            return self._reply(200, {"instance": server.instance,
-                                                     "ranks": list(server._prefill.values())})
+                            return self._sealed("GET", {"instance": server.instance,
+                                                        "ranks": list(server._prefill.values())})
                         if u.path == "/kvx/decode":
                             # A long poll: answers once there is an announcement after `since`,
                             # or after `wait` seconds (at most MAX_WAIT_S) with none.
@@ -139,11 +177,11 @@ class KvxBootstrapServer(BaseKVBootstrapServer):
                             if wait > 0:
                                 server._announced.wait_for(
                                     lambda: len(server._decodes) > since, timeout=wait)
-                            return self._reply(200, {"instance": server.instance,
-                                                     "decodes": server._decodes[since:]})
+                            return self._sealed("GET", {"instance": server.instance,
+                                                        "decodes": server._decodes[since:]})
                         if u.path == "/kvx/mesh":
                             key = int(q.get("tp_rank", 0))
-                            return self._reply(200, {"mesh": server._mesh.get(key, {})})
+                            return self._sealed("GET", {"mesh": server._mesh.get(key, {})})
                 except ValueError as e:
                     return self._reply(400, {"error": str(e)})
                 return self._reply(404)
@@ -160,7 +198,13 @@ class KvxBootstrapServer(BaseKVBootstrapServer):
                 if not self._authentic("PUT", u.path, raw):
                     return
                 try:
-                    b = json.loads(raw or b"{}")
+                    plain = open_box(server.key, BOX_LABEL, request_aad("PUT", u.path), raw)
+                except ProtocolError:
+                    with server._lock:
+                        server.refused += 1
+                    return self._reply(400, {"error": "the request's body did not open"})
+                try:
+                    b = json.loads(plain or b"{}")
                     with server._lock:
                         if u.path == "/kvx/prefill":
                             server._prefill[f"{int(b['tp_rank'])}/{int(b['pp_rank'])}"] = b
@@ -173,7 +217,7 @@ class KvxBootstrapServer(BaseKVBootstrapServer):
                             server._mesh.setdefault(key, {})[str(int(b["pp_rank"]))] = str(b["addr"])
                         else:
                             return self._reply(404)
-                    return self._reply(200, {})
+                    return self._sealed("PUT", {})
                 except (KeyError, ValueError, TypeError, AttributeError) as e:
                     return self._reply(400, {"error": str(e)})
 

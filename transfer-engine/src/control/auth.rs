@@ -26,6 +26,8 @@ use super::msg::Role;
 const KEY_CONTEXT: &str = "kvx control plane 2026-12 mutual authentication key v1";
 /// Domain of the channel's pre-shared key, derived from the secret's key.
 const CHANNEL_KEY_LABEL: &[u8] = b"kvx/channel/psk/v1";
+/// Domain of the sealed boxes' keys ([`super::channel::seal_box`]), before the protocol's label.
+const BOX_KEY_LABEL: &[u8] = b"kvx/box/v1/";
 
 /// The shared secret of a deployment. It never leaves the process: only proofs computed from it
 /// do. Its `Debug` never shows it.
@@ -58,6 +60,13 @@ impl Secret {
     /// The channel's pre-shared key (Noise's `psk`), derived from the secret's key.
     pub(crate) fn channel_key(&self) -> [u8; 32] {
         *blake3::keyed_hash(&self.key, CHANNEL_KEY_LABEL).as_bytes()
+    }
+
+    /// The key of the sealed boxes of the protocol named `label`, derived from the secret's key.
+    pub(crate) fn box_key(&self, label: &[u8]) -> [u8; 32] {
+        let mut input = BOX_KEY_LABEL.to_vec();
+        input.extend_from_slice(label);
+        *blake3::keyed_hash(&self.key, &input).as_bytes()
     }
 }
 

@@ -229,6 +229,64 @@ impl Session {
     }
 }
 
+/// Bytes of a sealed box's nonce (XChaCha20-Poly1305).
+const BOX_NONCE: usize = 24;
+
+/// `plain` sealed on its own, for a protocol with no connection to run a handshake on (one HTTP
+/// request or reply): XChaCha20-Poly1305 under a key derived from the secret and `label`, with a
+/// fresh random nonce in front of the ciphertext. `aad` is bound to it unencrypted (what the box
+/// answers, say), so it opens only with the same `aad`. There is no forward secrecy (the key is
+/// the secret's) and no replay protection beyond what the caller binds in `aad`.
+///
+/// # Errors
+/// The cipher refused (not expected).
+pub fn seal_box(
+    secret: &Secret,
+    label: &[u8],
+    aad: &[u8],
+    plain: &[u8],
+) -> Result<Vec<u8>, ChannelError> {
+    use chacha20poly1305::aead::{Aead, KeyInit, Payload};
+    let cipher = chacha20poly1305::XChaCha20Poly1305::new(&secret.box_key(label).into());
+    let nonce: [u8; BOX_NONCE] = rand::random();
+    let sealed = cipher
+        .encrypt(&nonce.into(), Payload { msg: plain, aad })
+        .map_err(|_| ChannelError::Noise("sealing a box failed".into()))?;
+    let mut out = Vec::with_capacity(BOX_NONCE + sealed.len());
+    out.extend_from_slice(&nonce);
+    out.extend_from_slice(&sealed);
+    Ok(out)
+}
+
+/// The plaintext of a box [`seal_box`] made with the same secret, `label` and `aad`.
+///
+/// # Errors
+/// [`ChannelError::Tampered`] when it does not open (another secret, label or `aad`, or a changed
+/// byte), counted in [`refused_records`]; [`ChannelError::Short`] when it is shorter than a nonce
+/// and a tag.
+pub fn open_box(
+    secret: &Secret,
+    label: &[u8],
+    aad: &[u8],
+    sealed: &[u8],
+) -> Result<Vec<u8>, ChannelError> {
+    use chacha20poly1305::aead::{Aead, KeyInit, Payload};
+    if sealed.len() < BOX_NONCE + TAG {
+        return Err(ChannelError::Short { len: sealed.len() });
+    }
+    let (nonce, body) = sealed.split_at(BOX_NONCE);
+    let nonce: [u8; BOX_NONCE] = nonce
+        .try_into()
+        .map_err(|_| ChannelError::Short { len: sealed.len() })?;
+    let cipher = chacha20poly1305::XChaCha20Poly1305::new(&secret.box_key(label).into());
+    cipher
+        .decrypt(&nonce.into(), Payload { msg: body, aad })
+        .map_err(|_| {
+            REFUSED_RECORDS.fetch_add(1, Ordering::Relaxed);
+            ChannelError::Tampered { record: 0 }
+        })
+}
+
 /// Seals what a side sends.
 pub(crate) struct Sealer {
     keys: Arc<snow::StatelessTransportState>,
@@ -442,6 +500,39 @@ mod tests {
             Err(ChannelError::Cut { missing: 1 })
         ));
         assert!(b.open(&two).is_err());
+    }
+
+    #[test]
+    fn a_box_opens_only_with_its_secret_label_and_aad() {
+        let s = Secret::new(b"s");
+        let sealed = seal_box(&s, b"dir", b"GET /x", b"10.0.0.1:5000").unwrap();
+        assert!(!sealed.windows(8).any(|w| w == b"10.0.0.1"));
+        assert_eq!(
+            open_box(&s, b"dir", b"GET /x", &sealed).unwrap(),
+            b"10.0.0.1:5000"
+        );
+        // Two boxes of the same text differ (fresh nonces).
+        assert_ne!(
+            sealed,
+            seal_box(&s, b"dir", b"GET /x", b"10.0.0.1:5000").unwrap()
+        );
+        for (secret, label, aad) in [
+            (Secret::new(b"t"), &b"dir"[..], &b"GET /x"[..]),
+            (s.clone(), b"other", b"GET /x"),
+            (s.clone(), b"dir", b"GET /y"),
+        ] {
+            assert!(matches!(
+                open_box(&secret, label, aad, &sealed),
+                Err(ChannelError::Tampered { .. })
+            ));
+        }
+        let mut flipped = sealed.clone();
+        flipped[30] ^= 1;
+        assert!(open_box(&s, b"dir", b"GET /x", &flipped).is_err());
+        assert!(matches!(
+            open_box(&s, b"dir", b"GET /x", &sealed[..39]),
+            Err(ChannelError::Short { len: 39 })
+        ));
     }
 
     #[test]

@@ -463,6 +463,49 @@ async fn ranks_whose_layers_leave_a_gap_are_refused() {
     d.shutdown(BOUND).await;
 }
 
+/// One decode linked by several calls at once (each decode request's handler asking for its
+/// decode, say) gets one link: every call returns its id, and the decode admits each rank once.
+/// (Without the per-address gate the calls raced past the check for an existing link: the decode
+/// refused the rank's second connection, so some calls failed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_decode_linked_by_calls_at_once_gets_one_link() {
+    const CALLS: usize = 4;
+    let first = decode().await;
+    let ranks = pipeline(&first, &[], false).await;
+    let second = decode().await;
+    let mut adds = Vec::new();
+    for (n, r) in ranks.iter().enumerate() {
+        for _ in 0..CALLS {
+            let (r, addr) = (r.clone(), second.local_addr());
+            adds.push((n, tokio::spawn(async move { r.add_decode(addr).await })));
+        }
+    }
+    let mut ids = vec![Vec::new(); ranks.len()];
+    for (n, a) in adds {
+        ids[n].push(bounded(a).await.unwrap().unwrap());
+    }
+    for (n, r) in ranks.iter().enumerate() {
+        ids[n].dedup();
+        assert_eq!(ids[n].len(), 1, "rank {n} got links {:?}", ids[n]);
+        assert_eq!(r.decodes().len(), 2, "rank {n} holds {:?}", r.decodes());
+    }
+    second.wait_for_ranks(BOUND).await.unwrap();
+    let src: Vec<u32> = (0..PROMPT.div_ceil(PAGE_TOKENS)).collect();
+    let request = RequestId(800);
+    let dst: Vec<u32> = src.iter().map(|p| p + 8).collect();
+    let done = second
+        .expect(request, PROMPT, CHUNK, dst.clone(), LONG)
+        .unwrap();
+    for r in &ranks {
+        assert_eq!(bounded(r.next_request()).await.unwrap().request, request);
+    }
+    send_all(&ranks, request, &src).await;
+    assert_eq!(bounded(done).await, Outcome::Complete);
+    assert_landed(&second, &src, &dst);
+    second.shutdown(BOUND).await;
+    first.shutdown(BOUND).await;
+}
+
 /// Decodes linked at once, from several threads (as the decode ranks of one server announce
 /// themselves together), each get a link of their own: a rank ends with one link per decode, and
 /// a request of every decode lands in its pool. (With the link id read and the link inserted in two

@@ -429,6 +429,10 @@ struct Inner {
     metrics: std::sync::OnceLock<crate::metrics::Joined>,
     /// How long registering the pool took at start, in microseconds.
     register_micros: u64,
+    /// One gate per decode address an `add_decode` is connecting to: calls for one address run
+    /// one after the other, so the later ones find the first one's link. An entry goes when its
+    /// last caller leaves.
+    linking: Mutex<HashMap<SocketAddr, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 impl Inner {
@@ -606,6 +610,15 @@ impl Drop for TaskGuard {
 fn lock_peers(inner: &Inner) -> std::sync::MutexGuard<'_, Vec<SocketAddr>> {
     inner
         .peer_addrs
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn lock_linking(
+    inner: &Inner,
+) -> std::sync::MutexGuard<'_, HashMap<SocketAddr, Arc<tokio::sync::Mutex<()>>>> {
+    inner
+        .linking
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
@@ -803,6 +816,7 @@ impl PrefillEngine {
             peer_addrs: Mutex::new(cfg_peers),
             metrics: std::sync::OnceLock::new(),
             register_micros,
+            linking: Mutex::new(HashMap::new()),
         });
         if let Some(addr) = inner.cfg.metrics {
             let source: std::sync::Weak<dyn crate::metrics::Source> = Arc::downgrade(&inner) as _;
@@ -882,6 +896,21 @@ impl PrefillEngine {
     /// # Cancel safety
     /// Not cancel-safe: dropping it mid-way drops a half-made connection (nothing leaks).
     pub async fn add_decode(&self, addr: SocketAddr) -> Result<LinkId, EngineError> {
+        let gate = lock_linking(&self.inner).entry(addr).or_default().clone();
+        let result = {
+            let _turn = gate.lock().await;
+            self.link_decode(addr).await
+        };
+        let mut linking = lock_linking(&self.inner);
+        // The map's handle and ours: no other caller waits at this gate.
+        if Arc::strong_count(&gate) == 2 {
+            linking.remove(&addr);
+        }
+        result
+    }
+
+    /// [`add_decode`](Self::add_decode), once no other call for `addr` is connecting.
+    async fn link_decode(&self, addr: SocketAddr) -> Result<LinkId, EngineError> {
         let inner = &self.inner;
         {
             let st = lock(&inner.state);

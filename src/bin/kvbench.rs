@@ -11,7 +11,6 @@ use kvbench::bench::{
 };
 use kvbench::cluster::{PoolKind, Shape};
 use kvbench::roles;
-use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -770,6 +769,23 @@ fn main() -> ExitCode {
     }
 }
 
+/// A bar on stderr of one run's requests, drawn only where stderr is a terminal (indicatif draws
+/// nothing elsewhere) and never with `--json`, whose output a program reads.
+fn request_bar(label: &str, quiet: bool) -> indicatif::ProgressBar {
+    use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+    if quiet {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
+    let style =
+        ProgressStyle::with_template("{prefix:>5} [{bar:32}] {pos}/{len} requests, {elapsed}")
+            .map(|s| s.progress_chars("=> "))
+            .unwrap_or_else(|_| ProgressStyle::default_bar());
+    bar.set_style(style);
+    bar.set_prefix(label.to_string());
+    bar
+}
+
 async fn run_local(opts: &Opts, w: &Workload) -> Result<Vec<Report>, String> {
     let b = if opts.no_baseline {
         Baselines::skipped()
@@ -777,19 +793,16 @@ async fn run_local(opts: &Opts, w: &Workload) -> Result<Vec<Report>, String> {
         baselines(w)
     };
     let mut reports = Vec::new();
-    let tty = std::io::stderr().is_terminal();
     for backend in opts.backends() {
-        let progress = move |done: u64, total: u64| {
-            if tty {
-                eprint!("\r{backend}: {done}/{total} requests");
-            }
+        let bar = request_bar(&backend.to_string(), opts.json.is_some());
+        bar.set_length(u64::from(w.requests));
+        let progress = |done: u64, total: u64| {
+            bar.set_length(total);
+            bar.set_position(done);
         };
-        let mut r = run_workload(w, backend, Some(&progress))
-            .await
-            .map_err(|e| format!("{backend}: {e}"))?;
-        if tty {
-            eprintln!();
-        }
+        let r = run_workload(w, backend, Some(&progress)).await;
+        bar.finish();
+        let mut r = r.map_err(|e| format!("{backend}: {e}"))?;
         b.apply(&mut r);
         reports.push(r);
     }

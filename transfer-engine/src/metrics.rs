@@ -64,6 +64,31 @@ impl Samples {
     }
 }
 
+/// The labels every sample of one engine carries (role, engine id, backend).
+pub(crate) struct EngineLabels(Labels);
+
+impl EngineLabels {
+    pub(crate) fn new(role: &str, engine: &str, backend: &str) -> Self {
+        EngineLabels(vec![
+            ("role", role.to_string()),
+            ("engine", engine.to_string()),
+            ("backend", backend.to_string()),
+        ])
+    }
+
+    /// The engine's labels alone.
+    pub(crate) fn base(&self) -> Labels {
+        self.0.clone()
+    }
+
+    /// The engine's labels and `key="value"`.
+    pub(crate) fn with(&self, key: &'static str, value: &str) -> Labels {
+        let mut l = self.0.clone();
+        l.push((key, value.to_string()));
+        l
+    }
+}
+
 /// An engine that reports into scrapes.
 pub(crate) trait Source: Send + Sync {
     /// Adds this engine's samples.

@@ -755,18 +755,13 @@ impl crate::metrics::Source for Inner {
     fn collect(&self, out: &mut crate::metrics::Samples) {
         use crate::metrics::Value::{Counter, Gauge, Histogram};
         let s = self.stats();
-        let base = || {
-            vec![
-                ("role", "decode".to_string()),
-                ("engine", self.cfg.engine_id.clone()),
-                ("backend", self.cfg.backend.kind().to_string()),
-            ]
-        };
-        let with = |k: &'static str, v: &str| {
-            let mut l = base();
-            l.push((k, v.to_string()));
-            l
-        };
+        let labels = crate::metrics::EngineLabels::new(
+            "decode",
+            &self.cfg.engine_id,
+            &self.cfg.backend.kind().to_string(),
+        );
+        let base = || labels.base();
+        let with = |k: &'static str, v: &str| labels.with(k, v);
         let c = &self.counters;
         out.add(
             "kvx_requests",

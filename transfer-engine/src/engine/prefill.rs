@@ -471,18 +471,13 @@ impl crate::metrics::Source for Inner {
     fn collect(&self, out: &mut crate::metrics::Samples) {
         use crate::metrics::Value::{Counter, Gauge};
         let s = self.stats();
-        let base = || {
-            vec![
-                ("role", "prefill".to_string()),
-                ("engine", self.cfg.engine_id.clone()),
-                ("backend", self.cfg.backend.kind().to_string()),
-            ]
-        };
-        let with = |k: &'static str, v: &str| {
-            let mut l = base();
-            l.push((k, v.to_string()));
-            l
-        };
+        let labels = crate::metrics::EngineLabels::new(
+            "prefill",
+            &self.cfg.engine_id,
+            &self.cfg.backend.kind().to_string(),
+        );
+        let base = || labels.base();
+        let with = |k: &'static str, v: &str| labels.with(k, v);
         for (peer, bytes) in self
             .counters
             .bytes_by_peer

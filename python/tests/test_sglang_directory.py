@@ -107,52 +107,15 @@ def test_the_directory_serves_only_callers_that_prove_the_secret(directory):
     assert raw("GET", f"{url}/health")[0] == 200
 
 
-class Recorder:
-    """A TCP relay in front of the directory that keeps every byte of every connection."""
-
-    def __init__(self, port):
-        import socket
-        import threading
-
-        self.seen = bytearray()
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.target = port
-
-        def pump(src, dst):
-            try:
-                while data := src.recv(65536):
-                    self.seen += data
-                    dst.sendall(data)
-            except OSError:
-                pass
-            finally:
-                for x in (src, dst):
-                    try:
-                        x.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
-
-        def accept():
-            while True:
-                try:
-                    c, _ = self.sock.accept()
-                except OSError:
-                    return
-                d = socket.create_connection(("127.0.0.1", self.target))
-                threading.Thread(target=pump, args=(c, d), daemon=True).start()
-                threading.Thread(target=pump, args=(d, c), daemon=True).start()
-
-        threading.Thread(target=accept, daemon=True).start()
-
-
 def test_no_address_crosses_the_directory_in_clear(directory):
     """A decode's announcement, a mesh address and the replies that hand them out go through a
     relay that records them: the addresses are nowhere in its bytes, yet the callers got them. A
     body signed correctly but not sealed is refused and not stored."""
     from kvx.sglang.directory import http, sign
 
-    relay = Recorder(directory.port)
+    from relay import Relay
+
+    relay = Relay(directory.port)
     url = f"http://127.0.0.1:{relay.port}"
     decode = {"decode_id": "d-1", "addr": "10.11.12.13:40001", "tp_rank": 0}
     http("PUT", f"{url}/kvx/decode", decode, key=SECRET)

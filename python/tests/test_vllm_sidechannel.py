@@ -2,57 +2,13 @@
 peer that proves the secret gets an answer, nothing of a message crosses in clear, and a frame
 changed on the way is refused before the handler sees it."""
 
-import socket
-import threading
-
 import pytest
+from relay import Relay
 
 from kvx.vllm import sidechannel
 
 SECRET = b"side channel secret"
 ADDRESS = "10.9.8.7:45678"  # what decode's hello carries: it must never cross in clear
-
-
-class Relay:
-    """A TCP relay between a client and a server that records every byte each way and may flip
-    one byte of the client's n-th frame body on its way (`flip_at`: offset in the stream)."""
-
-    def __init__(self, target_port: int, flip_at=None):
-        self.target = target_port
-        self.flip_at = flip_at
-        self.up, self.down = bytearray(), bytearray()
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self):
-        client, _ = self.sock.accept()
-        server = socket.create_connection(("127.0.0.1", self.target))
-        threading.Thread(target=self._pump, args=(client, server, self.up, True),
-                         daemon=True).start()
-        self._pump(server, client, self.down, False)
-
-    def _pump(self, src, dst, record, flip):
-        try:
-            while True:
-                data = src.recv(65536)
-                if not data:
-                    break
-                data = bytearray(data)
-                if flip and self.flip_at is not None:
-                    at = self.flip_at - len(record)
-                    if 0 <= at < len(data):
-                        data[at] ^= 0x01
-                record += data
-                dst.sendall(bytes(data))
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
 
 @pytest.fixture
@@ -83,7 +39,7 @@ def test_nothing_of_a_message_crosses_in_clear(server):
     msg = {"op": "hello", "decode": ADDRESS, "instance": "decode-A"}
     reply = sidechannel.call("127.0.0.1", relay.port, SECRET, msg, timeout=5)
     assert reply["echo"] == msg and server.calls == [msg]
-    seen = bytes(relay.up) + bytes(relay.down)
+    seen = relay.seen
     assert len(relay.up) > 100 and len(relay.down) > 100
     for clear in (ADDRESS.encode(), b"decode-A", b"hello", b'"op"'):
         assert clear not in seen, clear

@@ -19,7 +19,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -88,23 +87,11 @@ def make_model(out):
 
 
 def free_ports(n):
-    """`n` loopback ports free a moment ago, drawn below the kernel's ephemeral range."""
-    import random
+    """`n` loopback ports free a moment ago (``conftest.free_addrs``'s, drawn below the kernel's
+    ephemeral range)."""
+    from conftest import free_addrs
 
-    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-        low = int(f.read().split()[0])
-    found = []
-    for port in random.sample(range(10000, max(low, 10002)), k=min(64 * n, low - 10000)):
-        if len(found) == n:
-            break
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        found.append(port)
-    assert len(found) == n
-    return found
+    return [int(a.rsplit(":", 1)[1]) for a in free_addrs(n)]
 
 
 def secret_file(dir_):

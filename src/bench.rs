@@ -780,6 +780,9 @@ pub fn inprocess_put_bw(size: u64, batch: u32, span: u64, secs: f64) -> Result<f
                     remote: 0,
                     remote_offset: off,
                     len: size,
+                    rows: 1,
+                    local_stride: 0,
+                    remote_stride: 0,
                 }
             })
             .collect()

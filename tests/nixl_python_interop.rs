@@ -658,6 +658,9 @@ async fn rust_nixl_transport_writes_into_python_agent() {
             remote: 0,
             remote_offset: off,
             len: if i == 0 { half } else { len - half },
+            rows: 1,
+            local_stride: 0,
+            remote_stride: 0,
         };
         let (tx, rx) = std::sync::mpsc::channel();
         t.post(

@@ -52,18 +52,22 @@ fn page_at(l: &KvLayout, global_layer: u32, region: u32, page: u32) -> u64 {
 /// Executes `writes` from `src` into `dst`, counting how often each destination byte is hit.
 fn execute(writes: &[Write], src: &[u8], dst: &mut [u8], hits: &mut [u8]) -> Result<(), String> {
     for w in writes {
-        let s = usize::try_from(w.src_offset).unwrap();
-        let d = usize::try_from(w.dst_offset).unwrap();
-        let n = usize::try_from(w.len).unwrap();
-        if w.len == 0 {
+        if w.len == 0 || w.rows == 0 {
             return Err("empty write".into());
         }
-        if s + n > src.len() || d + n > dst.len() {
-            return Err(format!("out of bounds: {w:?}"));
+        if w.rows > 1 && (w.src_stride < w.len || w.dst_stride < w.len) {
+            return Err(format!("rows overlap: {w:?}"));
         }
-        dst[d..d + n].copy_from_slice(&src[s..s + n]);
-        for h in &mut hits[d..d + n] {
-            *h += 1;
+        for (s, d) in w.pieces() {
+            let (s, d) = (usize::try_from(s).unwrap(), usize::try_from(d).unwrap());
+            let n = usize::try_from(w.len).unwrap();
+            if s + n > src.len() || d + n > dst.len() {
+                return Err(format!("out of bounds: {w:?}"));
+            }
+            dst[d..d + n].copy_from_slice(&src[s..s + n]);
+            for h in &mut hits[d..d + n] {
+                *h += 1;
+            }
         }
     }
     Ok(())
@@ -234,6 +238,14 @@ fn check_head_sliced(seed: u64) -> Result<(), TestCaseError> {
             planner
                 .plan_pages(&src_pages, &dst_pages, 0, &mut writes)
                 .unwrap();
+            // Coalesced: at most one write per (region, layer, page), never one per token row.
+            prop_assert!(
+                writes.len() as u64 <= 2 * u64::from(layers) * u64::from(pages),
+                "{} writes for {} pages of {} layers",
+                writes.len(),
+                pages,
+                layers
+            );
             execute(&writes, &src_buf, &mut dst_buf, &mut hits).map_err(TestCaseError::fail)?;
         }
         let mut want = vec![0u8; dst_buf.len()];

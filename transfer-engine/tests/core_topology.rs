@@ -107,10 +107,12 @@ proptest! {
                 let mut writes = Vec::new();
                 planner.plan_pages(&[0], &[0], 0, &mut writes).unwrap();
                 for w in &writes {
-                    for k in 0..w.len {
-                        let at = (w.dst_offset + k) as usize;
-                        prop_assert!(got[at].is_none(), "byte {at} of decode rank {decode_rank} written twice");
-                        got[at] = Some(src[(w.src_offset + k) as usize]);
+                    for (so, d) in w.pieces() {
+                        for k in 0..w.len {
+                            let at = (d + k) as usize;
+                            prop_assert!(got[at].is_none(), "byte {at} of decode rank {decode_rank} written twice");
+                            got[at] = Some(src[(so + k) as usize]);
+                        }
                     }
                 }
                 // The prefill side, asking where it writes, finds the same decode rank and heads.

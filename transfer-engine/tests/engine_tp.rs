@@ -243,6 +243,21 @@ async fn run_with(case: Case, engines: Engines) -> Vec<usize> {
             Outcome::Complete
         );
     }
+    // Coalesced: at most one write per (decode rank written, layer, region, page), however the
+    // heads are sliced; sliced token rows are rows of those writes.
+    let layers_per_rank = u64::from(LAYERS / u32::from(PP));
+    for p in &prefills {
+        let st = p.stats();
+        let bound = st.decodes * layers_per_rank * 2 * SRC.len() as u64;
+        assert!(
+            st.writes <= bound,
+            "{} writes ({} rows) into {} decode ranks",
+            st.writes,
+            st.write_rows,
+            st.decodes
+        );
+        assert!(st.write_rows >= st.writes);
+    }
     // Every decode rank holds exactly its heads of every page, layer and region.
     let mut sources_per_rank = Vec::new();
     for (rank, d) in decodes.iter().enumerate() {

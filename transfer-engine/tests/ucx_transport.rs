@@ -104,6 +104,9 @@ fn notification_follows_its_bytes(shared: bool) {
                 remote: 0,
                 remote_offset: i << 20,
                 len: 1 << 20,
+                rows: 1,
+                local_stride: 0,
+                remote_stride: 0,
             })
             .collect();
         let (done, rx) = wait_done();
@@ -170,6 +173,9 @@ fn direct_copies_land_exactly_at_odd_offsets_and_lengths() {
             remote: 0,
             remote_offset: d,
             len: n,
+            rows: 1,
+            local_stride: 0,
+            remote_stride: 0,
         })
         .collect();
     let (done, got) = wait_done();
@@ -179,6 +185,78 @@ fn direct_copies_land_exactly_at_odd_offsets_and_lengths() {
     for &(s, d, n) in &pieces {
         let (s, d, n) = (s as usize, d as usize, n as usize);
         want[d..d + n].copy_from_slice(&pattern[s..s + n]);
+    }
+    let mut back = vec![0u8; len];
+    dst.read_at(0, &mut back).unwrap();
+    let first_bad = back.iter().zip(&want).position(|(a, b)| a != b);
+    assert_eq!(first_bad, None, "wrong byte at this offset");
+    tx.disconnect(peer);
+    std::thread::sleep(Duration::from_millis(100));
+    // SAFETY: the only peer given `dst`, `tx`, disconnected after its one post ended.
+    unsafe { dst.assume_quiesced() };
+}
+
+#[test]
+fn rows_land_at_their_strides_through_direct_copies() {
+    rows_land_at_their_strides(true);
+}
+
+#[test]
+fn rows_land_at_their_strides_through_puts() {
+    rows_land_at_their_strides(false);
+}
+
+/// Writes of many rows (sliced heads in token-major pages are such writes) put each row where
+/// its stride says, and nothing between the rows.
+fn rows_land_at_their_strides(shared: bool) {
+    let len: usize = 1 << 20;
+    let rx = transport(noop_sink());
+    let tx = transport(noop_sink());
+    let pool = if shared {
+        Pool::Shared(len as u64)
+    } else {
+        host(len)
+    };
+    let dst = Registration::new(&rx, pool).unwrap();
+    dst.fill_at(0, len, 0xEE).unwrap();
+    let src = Registration::new(&tx, host(len)).unwrap();
+    let pattern: Vec<u8> = (0..len).map(|i| (i * 7 + i / 251) as u8).collect();
+    src.write_at(0, &pattern).unwrap();
+    let peer = tx
+        .connect(&rx.metadata().unwrap(), &[dst.remote().clone()], 5)
+        .unwrap();
+    assert_eq!(tx.stats().direct_regions, u64::from(shared));
+    // (source offset, source stride, destination offset, destination stride, row length, rows):
+    // a strided source into packed rows, packed rows into a strided destination, both strided,
+    // and rows long enough for streaming copies.
+    let shapes: [(u64, u64, u64, u64, u64, u64); 4] = [
+        (64, 256, 0, 96, 96, 300),
+        (40_000, 80, 100_001, 512, 80, 200),
+        (200_000, 1000, 300_003, 700, 333, 128),
+        (500_000, 5000, 600_000, 4096, 4096, 16),
+    ];
+    let writes = shapes
+        .iter()
+        .map(|&(s, ss, d, ds, n, rows)| WriteOp {
+            local: src.id(),
+            local_offset: s,
+            remote: 0,
+            remote_offset: d,
+            len: n,
+            rows,
+            local_stride: ss,
+            remote_stride: ds,
+        })
+        .collect();
+    let (done, got) = wait_done();
+    tx.post(peer, writes, vec![1], done);
+    got.recv_timeout(BOUND).unwrap().unwrap();
+    let mut want = vec![0xEEu8; len];
+    for &(s, ss, d, ds, n, rows) in &shapes {
+        for i in 0..rows {
+            let (s, d, n) = ((s + i * ss) as usize, (d + i * ds) as usize, n as usize);
+            want[d..d + n].copy_from_slice(&pattern[s..s + n]);
+        }
     }
     let mut back = vec![0u8; len];
     dst.read_at(0, &mut back).unwrap();
@@ -239,6 +317,9 @@ fn bad_writes_are_refused_before_posting() {
             remote: 0,
             remote_offset: 0,
             len: 1,
+            rows: 1,
+            local_stride: 0,
+            remote_stride: 0,
         },
         WriteOp {
             local: src_id,
@@ -246,6 +327,9 @@ fn bad_writes_are_refused_before_posting() {
             remote: 0,
             remote_offset: (1 << 16) - 1,
             len: 2,
+            rows: 1,
+            local_stride: 0,
+            remote_stride: 0,
         },
         WriteOp {
             local: src_id,
@@ -253,6 +337,9 @@ fn bad_writes_are_refused_before_posting() {
             remote: 1,
             remote_offset: 0,
             len: 1,
+            rows: 1,
+            local_stride: 0,
+            remote_stride: 0,
         },
         WriteOp {
             local: src_id,
@@ -260,6 +347,42 @@ fn bad_writes_are_refused_before_posting() {
             remote: 0,
             remote_offset: 0,
             len: 2,
+            rows: 1,
+            local_stride: 0,
+            remote_stride: 0,
+        },
+        // The last row of many ends past the destination.
+        WriteOp {
+            local: src_id,
+            local_offset: 0,
+            remote: 0,
+            remote_offset: 0,
+            len: 16,
+            rows: 1 << 11,
+            local_stride: 16,
+            remote_stride: 64,
+        },
+        // Rows that overlap each other in the destination.
+        WriteOp {
+            local: src_id,
+            local_offset: 0,
+            remote: 0,
+            remote_offset: 0,
+            len: 16,
+            rows: 4,
+            local_stride: 16,
+            remote_stride: 8,
+        },
+        // A stride whose product with the rows overflows.
+        WriteOp {
+            local: src_id,
+            local_offset: 0,
+            remote: 0,
+            remote_offset: 0,
+            len: 1,
+            rows: 3,
+            local_stride: u64::MAX / 2,
+            remote_stride: 1,
         },
     ];
     for w in bad {
@@ -304,6 +427,9 @@ fn deregistration_waits_for_in_flight_writes_and_counters_return_to_baseline() {
                 remote: 0,
                 remote_offset: 0,
                 len: len as u64,
+                rows: 1,
+                local_stride: 0,
+                remote_stride: 0,
             }],
             vec![],
             done,
@@ -376,6 +502,9 @@ fn a_pool_ucx_allocates_takes_writes_and_is_freed_with_its_registration() {
             remote: 0,
             remote_offset: 0,
             len: len as u64 / 2,
+            rows: 1,
+            local_stride: 0,
+            remote_stride: 0,
         }],
         vec![],
         done,
@@ -448,6 +577,9 @@ fn a_senders_progress_thread_lowers_its_priority_at_its_first_post() {
             remote: 0,
             remote_offset: 0,
             len: 4096,
+            rows: 1,
+            local_stride: 0,
+            remote_stride: 0,
         }],
         vec![1],
         done,
@@ -517,6 +649,9 @@ fn an_idle_receiver_is_woken_by_arriving_notifications_and_by_calls() {
             remote,
             remote_offset: 4096,
             len: 64 << 10,
+            rows: 1,
+            local_stride: 0,
+            remote_stride: 0,
         }];
         let (done, done_rx) = wait_done();
         tx_t.post(peer, writes, vec![round; 3], done);

@@ -360,15 +360,52 @@ impl TpMapping {
     }
 }
 
-/// One write: `len` bytes from `src_offset` of the local buffer to `dst_offset` of the remote.
+/// One write: `rows` pieces of `len` bytes, the `i`-th from `src_offset + i * src_stride` of the
+/// local buffer to `dst_offset + i * dst_stride` of the remote. A plain write has one row (its
+/// strides are then 0); sliced heads in token-major pages are one write of many rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Write {
-    /// Offset in the local source buffer.
+    /// Offset in the local source buffer of the first row.
     pub src_offset: u64,
-    /// Offset in the remote destination buffer.
+    /// Offset in the remote destination buffer of the first row.
     pub dst_offset: u64,
-    /// Bytes.
+    /// Bytes of one row.
     pub len: u64,
+    /// Rows, at least 1.
+    pub rows: u64,
+    /// Bytes from one row to the next in the source (0 with one row).
+    pub src_stride: u64,
+    /// Bytes from one row to the next in the destination (0 with one row).
+    pub dst_stride: u64,
+}
+
+impl Write {
+    /// One contiguous piece.
+    pub const fn contiguous(src_offset: u64, dst_offset: u64, len: u64) -> Self {
+        Self {
+            src_offset,
+            dst_offset,
+            len,
+            rows: 1,
+            src_stride: 0,
+            dst_stride: 0,
+        }
+    }
+
+    /// Bytes moved.
+    pub fn bytes(&self) -> u64 {
+        self.len * self.rows
+    }
+
+    /// The rows as `(src offset, dst offset)`, each `len` bytes long, in order.
+    pub fn pieces(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        (0..self.rows).map(|i| {
+            (
+                self.src_offset + i * self.src_stride,
+                self.dst_offset + i * self.dst_stride,
+            )
+        })
+    }
 }
 
 /// A prompt's token geometry.
@@ -584,8 +621,8 @@ pub struct Planner {
     src: KvLayout,
     dst: KvLayout,
     dst_layer_shift: u32,
-    /// Byte ranges inside one page, `(src offset, dst offset, len)`, already merged.
-    segments: Vec<(u64, u64, u64)>,
+    /// What one page sends, as writes relative to the page's start on each side.
+    segments: Vec<Write>,
 }
 
 impl Planner {
@@ -616,7 +653,7 @@ impl Planner {
                         dst: dst.page_bytes,
                     });
                 }
-                vec![(0, 0, src.page_bytes)]
+                vec![Write::contiguous(0, 0, src.page_bytes)]
             }
             TpMapping::HeadSliced {
                 prefill_tp,
@@ -719,8 +756,16 @@ impl Planner {
                 for i in 0..n {
                     let so = self.src.offset(layer, region, src_pages[i]);
                     let d0 = self.dst.offset(dl, region, dst_pages[i]);
-                    for &(s, d, len) in &self.segments {
-                        push_merged(out, base, so + s, d0 + d, len);
+                    for seg in &self.segments {
+                        push_merged(
+                            out,
+                            base,
+                            Write {
+                                src_offset: so + seg.src_offset,
+                                dst_offset: d0 + seg.dst_offset,
+                                ..*seg
+                            },
+                        );
                     }
                 }
             }
@@ -739,21 +784,33 @@ impl Planner {
     }
 }
 
+/// Appends `w` to `out`, or extends the last write (if it is past `base`) when `w` continues it:
+/// a contiguous write that ends where `w` starts on both sides, or a run of rows whose next row
+/// would be `w`'s first.
 #[inline]
-fn push_merged(out: &mut Vec<Write>, base: usize, src: u64, dst: u64, len: u64) {
+fn push_merged(out: &mut Vec<Write>, base: usize, w: Write) {
     if out.len() > base
         && let Some(last) = out.last_mut()
-        && last.src_offset + last.len == src
-        && last.dst_offset + last.len == dst
     {
-        last.len += len;
-        return;
+        if last.rows == 1
+            && w.rows == 1
+            && last.src_offset + last.len == w.src_offset
+            && last.dst_offset + last.len == w.dst_offset
+        {
+            last.len += w.len;
+            return;
+        }
+        if last.rows > 1
+            && w.len == last.len
+            && (w.rows == 1 || (w.src_stride, w.dst_stride) == (last.src_stride, last.dst_stride))
+            && last.src_offset + last.rows * last.src_stride == w.src_offset
+            && last.dst_offset + last.rows * last.dst_stride == w.dst_offset
+        {
+            last.rows += w.rows;
+            return;
+        }
     }
-    out.push(Write {
-        src_offset: src,
-        dst_offset: dst,
-        len,
-    });
+    out.push(w);
 }
 
 fn head_segments(
@@ -763,7 +820,7 @@ fn head_segments(
     decode_tp: u32,
     prefill_rank: u32,
     decode_rank: u32,
-) -> Result<Vec<(u64, u64, u64)>, PlanError> {
+) -> Result<Vec<Write>, PlanError> {
     let (hs, hd) = head_layouts(src, dst)?;
     if prefill_rank >= prefill_tp || decode_rank >= decode_tp {
         return Err(PlanError::TpRankOutOfRange);
@@ -800,37 +857,36 @@ fn head_layouts(src: &KvLayout, dst: &KvLayout) -> Result<(HeadLayout, HeadLayou
     Ok((hs, hd))
 }
 
-/// The byte ranges inside one page that carry global heads `a..b`, from a source rank whose
-/// first head is `s0` to a destination rank whose first head is `d0`, merged where contiguous.
-fn slice_segments(
-    hs: HeadLayout,
-    hd: HeadLayout,
-    s0: u64,
-    d0: u64,
-    a: u64,
-    b: u64,
-) -> Vec<(u64, u64, u64)> {
-    let mut segs: Vec<(u64, u64, u64)> = Vec::new();
+/// The writes inside one page that carry global heads `a..b`, from a source rank whose first
+/// head is `s0` to a destination rank whose first head is `d0`: one contiguous write where the
+/// heads lie together on both sides (head-major pages, or token rows that hold only these heads),
+/// one write of a row per token otherwise.
+fn slice_segments(hs: HeadLayout, hd: HeadLayout, s0: u64, d0: u64, a: u64, b: u64) -> Vec<Write> {
     let hb = hs.head_bytes;
     let pt = u64::from(hs.page_tokens);
-    let mut push = |s: u64, d: u64, len: u64| match segs.last_mut() {
-        Some(l) if l.0 + l.2 == s && l.1 + l.2 == d => l.2 += len,
-        _ => segs.push((s, d, len)),
-    };
     match hs.order {
-        HeadOrder::HeadMajor => push((a - s0) * pt * hb, (a - d0) * pt * hb, (b - a) * pt * hb),
+        HeadOrder::HeadMajor => vec![Write::contiguous(
+            (a - s0) * pt * hb,
+            (a - d0) * pt * hb,
+            (b - a) * pt * hb,
+        )],
         HeadOrder::TokenMajor => {
             let (row_s, row_d) = (u64::from(hs.num_heads) * hb, u64::from(hd.num_heads) * hb);
-            for t in 0..pt {
-                push(
-                    t * row_s + (a - s0) * hb,
-                    t * row_d + (a - d0) * hb,
-                    (b - a) * hb,
-                );
+            let (s, d, len) = ((a - s0) * hb, (a - d0) * hb, (b - a) * hb);
+            if pt == 1 || (len == row_s && len == row_d) {
+                vec![Write::contiguous(s, d, len * pt)]
+            } else {
+                vec![Write {
+                    src_offset: s,
+                    dst_offset: d,
+                    len,
+                    rows: pt,
+                    src_stride: row_s,
+                    dst_stride: row_d,
+                }]
             }
         }
     }
-    segs
 }
 
 #[cfg(test)]
@@ -923,26 +979,10 @@ mod tests {
         assert_eq!(
             out,
             vec![
-                Write {
-                    src_offset: 300,
-                    dst_offset: 0,
-                    len: 300
-                },
-                Write {
-                    src_offset: 900,
-                    dst_offset: 300,
-                    len: 100
-                },
-                Write {
-                    src_offset: 1300,
-                    dst_offset: 1000,
-                    len: 300
-                },
-                Write {
-                    src_offset: 1900,
-                    dst_offset: 1300,
-                    len: 100
-                },
+                Write::contiguous(300, 0, 300),
+                Write::contiguous(900, 300, 100),
+                Write::contiguous(1300, 1000, 300),
+                Write::contiguous(1900, 1300, 100),
             ]
         );
         let err = p.plan_pages(&[3, 10], &[0, 1], 5, &mut out).unwrap_err();
@@ -981,23 +1021,27 @@ mod tests {
         .unwrap();
         let mut out = Vec::new();
         p.plan_pages(&[1], &[2], 0, &mut out).unwrap();
-        // Page 1 of K: token 0 heads 2..4 at 32+8, token 1 at 32+16+8; into dst page 2 of K.
-        assert_eq!(
-            out[0],
-            Write {
-                src_offset: 32 + 8,
-                dst_offset: 32,
-                len: 8
-            }
-        );
-        assert_eq!(
-            out[1],
-            Write {
-                src_offset: 32 + 24,
-                dst_offset: 40,
-                len: 8
-            }
-        );
-        assert_eq!(out.len(), 4);
+        // Page 1 of K: heads 2..4 of token 0 at 32+8, of token 1 at 32+16+8, into dst page 2 of
+        // K: one write of two rows. V likewise, a region further on both sides.
+        let k = Write {
+            src_offset: 32 + 8,
+            dst_offset: 32,
+            len: 8,
+            rows: 2,
+            src_stride: 16,
+            dst_stride: 8,
+        };
+        let v = Write {
+            src_offset: 32 + 8 + 4 * 32,
+            dst_offset: 32 + 4 * 16,
+            ..k
+        };
+        assert_eq!(out, vec![k, v]);
+        assert_eq!(k.pieces().collect::<Vec<_>>(), vec![(40, 32), (56, 40)]);
+        // Two consecutive pages on both sides continue the rows: still one write per region.
+        out.clear();
+        p.plan_pages(&[1, 2], &[2, 3], 0, &mut out).unwrap();
+        assert_eq!(out.len(), 2);
+        assert_eq!((out[0].rows, out[0].bytes()), (4, 32));
     }
 }

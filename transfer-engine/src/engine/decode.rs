@@ -2207,11 +2207,10 @@ impl Inner {
         }
         let mut h = ChunkHasher::new();
         for w in &writes {
-            if pool
-                .read_pieces(w.dst_offset, w.len, |b| h.update(b))
-                .is_err()
-            {
-                return false;
+            for (_, dst) in w.pieces() {
+                if pool.read_pieces(dst, w.len, |b| h.update(b)).is_err() {
+                    return false;
+                }
             }
         }
         h.finish() == sum

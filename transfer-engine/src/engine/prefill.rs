@@ -244,8 +244,11 @@ pub struct PrefillStats {
     pub rejected_requests: u64,
     /// Bytes registered by the transport.
     pub registered_bytes: u64,
-    /// Writes posted (after coalescing and splitting at registration boundaries).
+    /// Writes posted (after coalescing and splitting at registration boundaries); a write of
+    /// many rows (sliced heads) counts once.
     pub writes: u64,
+    /// Contiguous pieces those writes are made of: a write of `n` rows counts `n`.
+    pub write_rows: u64,
     /// Decode engines connected now.
     pub decodes: u64,
     /// Control messages from a decode engine about a request another decode engine owns, dropped.
@@ -402,6 +405,7 @@ struct Counters {
     decided_failed: AtomicU64,
     rejected: AtomicU64,
     writes: AtomicU64,
+    write_rows: AtomicU64,
     refused: AtomicU64,
     refused_connections: AtomicU64,
     /// Bytes of completed chunks by decode (control address), for the metrics: one entry per
@@ -459,6 +463,7 @@ impl Inner {
             rejected_requests: c.rejected.load(Ordering::Relaxed),
             registered_bytes: self.transport.stats().registered_bytes,
             writes: c.writes.load(Ordering::Relaxed),
+            write_rows: c.write_rows.load(Ordering::Relaxed),
             decodes,
             refused: c.refused.load(Ordering::Relaxed),
             refused_connections: c.refused_connections.load(Ordering::Relaxed),
@@ -509,6 +514,12 @@ impl crate::metrics::Source for Inner {
             "Writes posted (after coalescing and splitting)",
             base(),
             Counter(s.writes),
+        );
+        out.add(
+            "kvx_write_rows",
+            "Contiguous pieces of the writes posted (a write of n rows counts n)",
+            base(),
+            Counter(s.write_rows),
         );
         out.add(
             "kvx_requests_decided",
@@ -1159,6 +1170,10 @@ impl PrefillEngine {
                 .counters
                 .writes
                 .fetch_add(post.writes.len() as u64, Ordering::Relaxed);
+            inner
+                .counters
+                .write_rows
+                .fetch_add(post.writes.iter().map(|w| w.rows).sum(), Ordering::Relaxed);
             let (tx, rx) = oneshot::channel();
             let weak = Arc::downgrade(inner);
             let (link_id, bytes) = (link.id, post.bytes);
@@ -1315,44 +1330,44 @@ impl Inner {
             let mut h = ChunkHasher::new();
             for w in &plan {
                 // The planner bounds-checked every range against the layout, which fits the pool.
-                self.pool
-                    .read_pieces(w.src_offset, w.len, |b| h.update(b))?;
+                for (src, _) in w.pieces() {
+                    self.pool.read_pieces(src, w.len, |b| h.update(b))?;
+                }
             }
             n = n.with_checksum(h.finish());
         }
         let mut writes: Vec<WriteOp> = Vec::with_capacity(plan.len());
         match (self.pool.single(), link.dst_seg >= link.dst_whole) {
             // One registration on each side (the usual pools): the plan's offsets are the writes'.
+            // Rows stay one write: the transport makes them.
             (Some(local), true) => writes.extend(plan.iter().map(|w| WriteOp {
                 local: local.id(),
                 local_offset: w.src_offset,
                 remote: 0,
                 remote_offset: w.dst_offset,
                 len: w.len,
+                rows: w.rows,
+                local_stride: w.src_stride,
+                remote_stride: w.dst_stride,
             })),
             _ => {
                 let src_seg = self.pool.segment_len();
-                for w in &plan {
-                    // Pieces that lie in one segment on both sides.
-                    for (si, soff, n, pos) in super::pools::split(w.src_offset, w.len, src_seg) {
+                // Pieces that lie in one segment on both sides, row by row.
+                for (w, (src, dst)) in plan.iter().flat_map(|w| w.pieces().map(move |p| (w, p))) {
+                    for (si, soff, n, pos) in super::pools::split(src, w.len, src_seg) {
                         let local = self.pool.id(si).ok_or_else(|| {
-                            EngineError::Config(format!(
-                                "write at {} is outside the pool",
-                                w.src_offset
-                            ))
+                            EngineError::Config(format!("write at {src} is outside the pool"))
                         })?;
-                        for (di, doff, m, p) in
-                            super::pools::split(w.dst_offset + pos, n, link.dst_seg)
-                        {
-                            writes.push(WriteOp {
+                        for (di, doff, m, p) in super::pools::split(dst + pos, n, link.dst_seg) {
+                            writes.push(WriteOp::new(
                                 local,
-                                local_offset: soff + p,
-                                remote: u32::try_from(di).map_err(|_| {
+                                soff + p,
+                                u32::try_from(di).map_err(|_| {
                                     EngineError::Config("decode region index overflows".into())
                                 })?,
-                                remote_offset: doff,
-                                len: m,
-                            });
+                                doff,
+                                m,
+                            ));
                         }
                     }
                 }
@@ -1368,7 +1383,7 @@ impl Inner {
         Ok(LegPost {
             writes,
             notification,
-            bytes: plan.iter().map(|w| w.len).sum(),
+            bytes: plan.iter().map(Write::bytes).sum(),
         })
     }
 

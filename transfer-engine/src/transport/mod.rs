@@ -52,19 +52,85 @@ pub struct RemoteRegion {
     pub rkey: Vec<u8>,
 }
 
-/// One write of a chunk: `len` bytes from a local registration to a peer's remote region.
+/// One write of a chunk: `rows` pieces of `len` bytes from a local registration to a peer's
+/// remote region, the `i`-th from `local_offset + i * local_stride` to
+/// `remote_offset + i * remote_stride`. A plain write has one row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WriteOp {
     /// Source registration.
     pub local: RegionId,
-    /// Offset in the source registration.
+    /// Offset in the source registration of the first row.
     pub local_offset: u64,
     /// Index of the destination region in the list given to [`Transport::connect`].
     pub remote: u32,
-    /// Offset in the destination region.
+    /// Offset in the destination region of the first row.
     pub remote_offset: u64,
-    /// Bytes.
+    /// Bytes of one row.
     pub len: u64,
+    /// Rows (1 for a plain write; 0 moves nothing).
+    pub rows: u64,
+    /// Bytes from one row to the next in the source.
+    pub local_stride: u64,
+    /// Bytes from one row to the next in the destination.
+    pub remote_stride: u64,
+}
+
+impl WriteOp {
+    /// A plain write of `len` bytes.
+    pub const fn new(
+        local: RegionId,
+        local_offset: u64,
+        remote: u32,
+        remote_offset: u64,
+        len: u64,
+    ) -> Self {
+        Self {
+            local,
+            local_offset,
+            remote,
+            remote_offset,
+            len,
+            rows: 1,
+            local_stride: 0,
+            remote_stride: 0,
+        }
+    }
+
+    /// Bytes moved.
+    pub fn bytes(&self) -> u64 {
+        self.len.saturating_mul(self.rows)
+    }
+
+    /// Whether the write fits a source of `local_len` bytes and a destination of `remote_len`
+    /// bytes, with rows that do not overlap on either side (no arithmetic overflows).
+    pub fn fits(&self, local_len: u64, remote_len: u64) -> bool {
+        let end = |off: u64, stride: u64, len: u64| {
+            if self.rows == 0 || self.len == 0 {
+                return Some(off);
+            }
+            if self.rows > 1 && stride < self.len {
+                return None;
+            }
+            (self.rows - 1)
+                .checked_mul(stride)
+                .and_then(|o| o.checked_add(off))
+                .and_then(|o| o.checked_add(self.len))
+                .filter(|&e| e <= len)
+        };
+        end(self.local_offset, self.local_stride, local_len).is_some()
+            && end(self.remote_offset, self.remote_stride, remote_len).is_some()
+    }
+
+    /// The rows as `(local offset, remote offset)`, each `len` bytes long, in order. Only for a
+    /// write that [`fits`](Self::fits) (its offsets do not overflow).
+    pub fn pieces(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        (0..self.rows).map(|i| {
+            (
+                self.local_offset + i * self.local_stride,
+                self.remote_offset + i * self.remote_stride,
+            )
+        })
+    }
 }
 
 /// Who sent a notification, as the transport can tell.

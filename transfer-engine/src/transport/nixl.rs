@@ -878,20 +878,15 @@ impl Worker {
                 done(Err(TransportError::UnknownRegion(w.local)));
                 return;
             };
-            let local_ok = w
-                .local_offset
-                .checked_add(w.len)
-                .is_some_and(|end| end <= r.len);
-            let rr = p.remote.get(w.remote as usize).filter(|rr| {
-                w.remote_offset
-                    .checked_add(w.len)
-                    .is_some_and(|end| end <= rr.len)
-            });
-            let (true, Some(rr), false) = (local_ok, rr, r.deregister.is_some()) else {
+            let rr = p
+                .remote
+                .get(w.remote as usize)
+                .filter(|rr| w.fits(r.len, rr.len));
+            let (Some(rr), false) = (rr, r.deregister.is_some()) else {
                 done(Err(TransportError::OutOfBounds(format!("{w:?}"))));
                 return;
             };
-            if w.len == 0 {
+            if w.bytes() == 0 {
                 continue;
             }
             // One request has one memory kind per side; a chunk mixing host and device memory on one
@@ -909,7 +904,7 @@ impl Worker {
             if !regions.contains(&w.local.0) {
                 regions.push(w.local.0);
             }
-            bytes += w.len;
+            bytes += w.bytes();
         }
 
         let req = match (local_kind, remote_kind) {
@@ -987,15 +982,19 @@ impl Worker {
     ) -> Result<ffi::nixl_capi_xfer_req_t, TransportError> {
         let mut local = XferList::new(local_kind)?;
         let mut remote = XferList::new(remote_kind)?;
-        for w in writes.iter().filter(|w| w.len > 0) {
+        // NIXL's descriptor lists are contiguous ranges: a write of many rows is one descriptor
+        // per row.
+        for w in writes.iter().filter(|w| w.bytes() > 0) {
             let (Some(r), Some(rr)) = (
                 self.regions.get(&w.local.0),
                 p.remote.get(w.remote as usize),
             ) else {
                 return Err(TransportError::UnknownRegion(w.local));
             };
-            local.add(r.addr + w.local_offset, w.len, r.dev_id)?;
-            remote.add(rr.addr + w.remote_offset, w.len, rr.dev_id)?;
+            for (lo, ro) in w.pieces() {
+                local.add(r.addr + lo, w.len, r.dev_id)?;
+                remote.add(rr.addr + ro, w.len, rr.dev_id)?;
+            }
         }
         let args = OptArgs::for_backend(self.agent.backend)?;
         if !notification.is_empty() {

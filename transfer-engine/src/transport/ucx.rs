@@ -63,6 +63,10 @@ fn padded(blob: &[u8]) -> Vec<u8> {
 /// writes/s against 1.14 and 1.19 million at 16 KiB, where pages took plain copies.
 const STREAMING_COPY_MIN: usize = 4 << 10;
 
+/// The shortest row of a many-row write copied with streaming stores (a few of the 64-byte blocks
+/// `copy_streaming` stores).
+const STREAMING_ROW_MIN: usize = 256;
+
 /// Where UCX maps a peer's region `[addr, addr + len)` into this process, or null if it does not, or
 /// if the mapping UCX made for this rkey does not hold the whole region.
 ///
@@ -193,6 +197,26 @@ unsafe fn copy_streaming(dst: *mut u8, src: *const u8, len: usize) {
         ptr::copy_nonoverlapping(src.add(i), dst.add(i), len - i);
     }
 }
+
+/// Asks the CPU to start loading `[p, p + len)` into its caches (a hint: it reads nothing the
+/// program sees and cannot fault). Rows read with a stride (a source rank's share of each token
+/// row) defeat the hardware's stream detection; fetching the next row while one is copied does its
+/// work.
+#[cfg(target_arch = "x86_64")]
+fn prefetch(p: *const u8, len: usize) {
+    use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+    let mut i = 0;
+    while i < len {
+        // SAFETY: a prefetch is a hint that never faults and never changes memory, whatever the
+        // address (Intel SDM, PREFETCHh: "does not affect program behavior"); SSE is part of the
+        // x86_64 baseline.
+        unsafe { _mm_prefetch(p.wrapping_add(i).cast::<i8>(), _MM_HINT_T0) };
+        i += 64;
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn prefetch(_: *const u8, _: usize) {}
 
 /// Other architectures copy plainly.
 ///
@@ -1395,23 +1419,18 @@ impl Worker {
                 done(Err(TransportError::UnknownRegion(w.local)));
                 return;
             };
-            let local_ok = w
-                .local_offset
-                .checked_add(w.len)
-                .is_some_and(|end| end <= r.len);
-            let remote_ok = p.remote.get(w.remote as usize).is_some_and(|rr| {
-                w.remote_offset
-                    .checked_add(w.len)
-                    .is_some_and(|end| end <= rr.len)
-            });
-            if !local_ok || !remote_ok || r.deregister.is_some() {
+            let fits = p
+                .remote
+                .get(w.remote as usize)
+                .is_some_and(|rr| w.fits(r.len, rr.len));
+            if !fits || r.deregister.is_some() {
                 done(Err(TransportError::OutOfBounds(format!("{w:?}"))));
                 return;
             }
             if !regions.contains(&w.local.0) {
                 regions.push(w.local.0);
             }
-            bytes += w.len;
+            bytes += w.bytes();
         }
         let mut message = Vec::with_capacity(8 + notification.len());
         message.extend_from_slice(&p.key.to_le_bytes());
@@ -1428,20 +1447,31 @@ impl Worker {
             };
             if !rr.direct.is_null() && r.host {
                 let len = w.len as usize;
-                let src = (r.addr + w.local_offset) as *const u8;
-                // SAFETY: `direct` maps the peer's whole region (checked against the mapping UCX
-                // made for this rkey when it was unpacked) and stays mapped while the rkey lives,
-                // which is longer than this call; the write was bounds-checked against that region
-                // and the source against our registration above. The source is our own registered
-                // host memory (device sources go through puts), the destination the peer's, so both
-                // are CPU-addressable and do not overlap.
-                unsafe {
-                    let dst = rr.direct.add(w.remote_offset as usize);
-                    if len >= STREAMING_COPY_MIN {
-                        copy_streaming(dst, src, len);
-                        streamed = true;
-                    } else {
-                        ptr::copy_nonoverlapping(src, dst, len);
+                // Rows of a large write stream too (sliced heads: rows of a few hundred bytes
+                // that add up to pages), unless they are too short for a streaming block.
+                let stream = len >= STREAMING_COPY_MIN
+                    || (len >= STREAMING_ROW_MIN && w.bytes() >= STREAMING_COPY_MIN as u64);
+                let strided = w.rows > 1 && w.local_stride > w.len;
+                for (lo, ro) in w.pieces() {
+                    let src = (r.addr + lo) as *const u8;
+                    if strided {
+                        prefetch(src.wrapping_add(w.local_stride as usize), len);
+                    }
+                    // SAFETY: `direct` maps the peer's whole region (checked against the mapping
+                    // UCX made for this rkey when it was unpacked) and stays mapped while the rkey
+                    // lives, which is longer than this call; every row of the write was
+                    // bounds-checked against that region and the source against our registration
+                    // above (`WriteOp::fits`). The source is our own registered host memory (device
+                    // sources go through puts), the destination the peer's, so both are
+                    // CPU-addressable and do not overlap.
+                    unsafe {
+                        let dst = rr.direct.add(ro as usize);
+                        if stream {
+                            copy_streaming(dst, src, len);
+                            streamed = true;
+                        } else {
+                            ptr::copy_nonoverlapping(src, dst, len);
+                        }
                     }
                 }
                 continue;
@@ -1451,32 +1481,38 @@ impl Worker {
                 memh: r.memh,
                 ..Default::default()
             };
-            // SAFETY: source and destination ranges were bounds-checked against the registration and
-            // the peer's region above; the registration stays mapped until this op is over (in_flight
-            // is raised below before the worker can progress); rkey belongs to this ep.
-            let req = unsafe {
-                ffi::ucp_put_nbx(
-                    ep,
-                    (r.addr + w.local_offset) as *const c_void,
-                    w.len as usize,
-                    rr.addr + w.remote_offset,
-                    rr.rkey,
-                    &param,
-                )
-            };
-            // SAFETY: plain pointer classification of UCX's return value.
-            if unsafe { ffi::kvx_ucs_ptr_is_err(req) } != 0 {
+            for (lo, ro) in w.pieces() {
+                // SAFETY: every row's source and destination ranges were bounds-checked against the
+                // registration and the peer's region above; the registration stays mapped until
+                // this op is over (in_flight is raised below before the worker can progress); rkey
+                // belongs to this ep.
+                let req = unsafe {
+                    ffi::ucp_put_nbx(
+                        ep,
+                        (r.addr + lo) as *const c_void,
+                        w.len as usize,
+                        rr.addr + ro,
+                        rr.rkey,
+                        &param,
+                    )
+                };
+                // SAFETY: plain pointer classification of UCX's return value.
+                if unsafe { ffi::kvx_ucs_ptr_is_err(req) } != 0 {
+                    // SAFETY: as above.
+                    error = Some(status_error("ucp_put_nbx", unsafe {
+                        ffi::kvx_ucs_ptr_raw_status(req)
+                    }));
+                    break;
+                }
                 // SAFETY: as above.
-                error = Some(status_error("ucp_put_nbx", unsafe {
-                    ffi::kvx_ucs_ptr_raw_status(req)
-                }));
-                break;
+                if unsafe { ffi::kvx_ucs_ptr_is_ptr(req) } != 0 {
+                    // The put finishes on its own; the flush below waits for it.
+                    // SAFETY: req is a live request we do not use again.
+                    unsafe { ffi::ucp_request_free(req) };
+                }
             }
-            // SAFETY: as above.
-            if unsafe { ffi::kvx_ucs_ptr_is_ptr(req) } != 0 {
-                // The put finishes on its own; the flush below waits for it.
-                // SAFETY: req is a live request we do not use again.
-                unsafe { ffi::ucp_request_free(req) };
+            if error.is_some() {
+                break;
             }
         }
         if streamed {

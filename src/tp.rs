@@ -1,7 +1,8 @@
 //! kvbench's run with different TP sizes on the two sides, in one process: one decode engine per
-//! decode TP rank, and for every prefill (PP, TP) rank one engine per decode TP rank it writes into
-//! (`core::topology::targets`). GQA heads are sliced (or replicated, with fewer KV heads than
-//! ranks); MLA latents go whole.
+//! decode TP rank (all of one named decode instance), and one engine per prefill (PP, TP) rank,
+//! which writes into every decode TP rank it shares heads with (`core::topology::targets`) from
+//! its one registration. GQA heads are sliced (or replicated, with fewer KV heads than ranks);
+//! MLA latents go whole.
 //!
 //! A request's bytes are named by the request and the global KV head (0 for MLA's latent): the
 //! bytes of head `h`, token `t` of page `i` (of `n`) of region `g` of layer `l` are the pattern of
@@ -63,10 +64,15 @@ pub struct TpReport {
     pub gbps: f64,
     /// Requests run (all completed and verified, or the run fails).
     pub requests: u64,
-    /// Writes of one request, all prefill engines together, after coalescing.
+    /// Writes of one request, all prefill engines together, after coalescing (a write of many
+    /// rows, as sliced heads in token-major pages are, counts once).
     pub writes_per_request: u64,
-    /// Engines in this process: decode TP ranks plus prefill (PP, TP, decode target) engines.
+    /// The contiguous pieces those writes are made of (a write of `n` rows counts `n`).
+    pub rows_per_request: u64,
+    /// Engines in this process: decode TP ranks plus prefill (PP, TP) ranks.
     pub engines: u64,
+    /// The most registrations any engine's transport holds (1: each pool registered once).
+    pub registrations_per_process: u64,
     /// Every byte of every decode rank's pages of every request matched.
     pub verified: bool,
 }
@@ -210,7 +216,7 @@ fn for_each_head_run(
 pub struct TpCluster {
     spec: TpSpec,
     decodes: Vec<DecodeEngine>,
-    /// (PP rank, prefill TP rank, its layer range, engine), one per decode rank it writes into.
+    /// (PP rank, prefill TP rank, its layer range, engine).
     prefills: Vec<(u16, u16, std::ops::Range<u32>, PrefillEngine)>,
 }
 
@@ -232,6 +238,7 @@ impl TpCluster {
             cfg.prefill_tp = Some(spec.prefill_tp);
             cfg.token = Some(Secret::new(&secret));
             cfg.verify_checksums = false;
+            cfg.instance = "decode".into();
             cfg.backend = BackendConfig::default_for(spec.backend, &format!("d{rank}-{tag}"));
             decodes.push(DecodeEngine::start(cfg, Pool::Shared(layout.buffer_len)).await?);
         }
@@ -243,41 +250,52 @@ impl TpCluster {
                 u32::from(t),
             )
             .map_err(|e| EngineError::Config(e.to_string()))?;
-            for (d, _) in targets {
-                let (sockets, peers) = crate::cluster::mesh_sockets(spec.pp)?;
-                for pp in 0..spec.pp {
-                    let range = PpSplit::SglangEven
-                        .layer_range(s.layers, spec.pp, pp)
-                        .map_err(|source| EngineError::Plan {
-                            request: None,
-                            source,
-                        })?;
-                    let layout = spec.layout(spec.prefill_tp, range.start, range.len() as u32);
-                    let mut cfg = PrefillConfig::new(
-                        decodes[d as usize].local_addr(),
-                        pp,
-                        spec.pp,
-                        s.layers,
-                        s.page_tokens,
-                        layout.clone(),
-                    );
-                    cfg.tp = spec.tp(t, spec.prefill_tp);
-                    cfg.engine_id = format!("p{pp}-t{t}-d{d}-{tag}");
-                    cfg.backend = BackendConfig::default_for(spec.backend, &cfg.engine_id);
-                    cfg.peers = peers.clone();
-                    cfg.mesh_socket = sockets.get(usize::from(pp)).cloned();
-                    cfg.token = Some(Secret::new(&secret));
-                    cfg.checksums = false;
-                    let pool = Pool::Shared(layout.buffer_len);
-                    starts.push((pp, t, range, tokio::spawn(PrefillEngine::start(cfg, pool))));
-                }
+            // A rank that writes nowhere (MLA: one rank writes each decode rank's latent) runs
+            // no engine.
+            let Some(((first, _), rest)) = targets.split_first() else {
+                continue;
+            };
+            let rest: Vec<_> = rest
+                .iter()
+                .map(|(d, _)| decodes[*d as usize].local_addr())
+                .collect();
+            let (sockets, peers) = crate::cluster::mesh_sockets(spec.pp)?;
+            for pp in 0..spec.pp {
+                let range = PpSplit::SglangEven
+                    .layer_range(s.layers, spec.pp, pp)
+                    .map_err(|source| EngineError::Plan {
+                        request: None,
+                        source,
+                    })?;
+                let layout = spec.layout(spec.prefill_tp, range.start, range.len() as u32);
+                let mut cfg = PrefillConfig::new(
+                    decodes[*first as usize].local_addr(),
+                    pp,
+                    spec.pp,
+                    s.layers,
+                    s.page_tokens,
+                    layout.clone(),
+                );
+                cfg.tp = spec.tp(t, spec.prefill_tp);
+                cfg.engine_id = format!("p{pp}-t{t}-{tag}");
+                cfg.backend = BackendConfig::default_for(spec.backend, &cfg.engine_id);
+                cfg.peers = peers.clone();
+                cfg.mesh_socket = sockets.get(usize::from(pp)).cloned();
+                cfg.token = Some(Secret::new(&secret));
+                cfg.checksums = false;
+                let pool = Pool::Shared(layout.buffer_len);
+                let start = tokio::spawn(PrefillEngine::start(cfg, pool));
+                starts.push((pp, t, range, start, rest.clone()));
             }
         }
         let mut prefills = Vec::new();
-        for (pp, t, range, s) in starts {
+        for (pp, t, range, s, rest) in starts {
             let e = s
                 .await
                 .map_err(|e| EngineError::Config(format!("prefill start task: {e}")))??;
+            for addr in rest {
+                e.add_decode(addr).await?;
+            }
             prefills.push((pp, t, range, e));
         }
         for d in &decodes {
@@ -419,7 +437,13 @@ impl TpCluster {
         let c = s.concurrency.max(1);
         let mut timed = Duration::ZERO;
         let mut done = 0u32;
-        let writes_before: u64 = self.prefills.iter().map(|p| p.3.stats().writes).sum();
+        let counts = |p: &Self| {
+            p.prefills.iter().fold((0u64, 0u64), |(w, r), e| {
+                let st = e.3.stats();
+                (w + st.writes, r + st.write_rows)
+            })
+        };
+        let before = counts(self);
         while done < s.requests {
             let wave: Vec<(RequestId, u32)> = (0..c.min(s.requests - done))
                 .map(|k| (RequestId(u64::from(done + k) + 1), k))
@@ -438,12 +462,8 @@ impl TpCluster {
             }
             done += wave.len() as u32;
         }
-        let writes: u64 = self
-            .prefills
-            .iter()
-            .map(|p| p.3.stats().writes)
-            .sum::<u64>()
-            - writes_before;
+        let after = counts(self);
+        let (writes, rows) = (after.0 - before.0, after.1 - before.1);
         let bytes = s.shape.request_bytes(s.prompt_tokens) * u64::from(s.requests);
         Ok(TpReport {
             backend: s.backend.to_string(),
@@ -452,7 +472,15 @@ impl TpCluster {
             gbps: bytes as f64 / timed.as_secs_f64().max(1e-9) / 1e9,
             requests: u64::from(s.requests),
             writes_per_request: writes / u64::from(s.requests),
+            rows_per_request: rows / u64::from(s.requests),
             engines: (self.decodes.len() + self.prefills.len()) as u64,
+            registrations_per_process: self
+                .decodes
+                .iter()
+                .map(|d| d.stats().registrations)
+                .chain(self.prefills.iter().map(|p| p.3.transport_stats().regions))
+                .max()
+                .unwrap_or(0),
             verified: true,
         })
     }

@@ -222,6 +222,20 @@ async fn tp_run(prefill_tp: u16, decode_tp: u16, kv_heads: u32, backend: Backend
         .expect("the run did not end within 120 s")
         .unwrap();
     assert!(r.verified && r.requests == 4, "{r:?}");
+    // One engine per decode TP rank and per prefill (PP, TP) rank that writes (with MLA, one
+    // prefill rank writes each decode rank's latent), each pool registered once.
+    let writers = if kv_heads == 0 {
+        prefill_tp.min(decode_tp)
+    } else {
+        prefill_tp
+    };
+    assert_eq!(r.engines, u64::from(decode_tp + 2 * writers), "{r:?}");
+    assert_eq!(r.registrations_per_process, 1, "{r:?}");
+    // Sliced heads are writes of many rows (16-token pages, consecutive pages continuing the
+    // rows), not a write per row.
+    if kv_heads > 0 {
+        assert!(r.rows_per_request >= 16 * r.writes_per_request, "{r:?}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -839,7 +839,7 @@ async fn run_tp(opts: &Opts, w: &Workload) -> ExitCode {
         w.concurrency
     );
     println!(
-        "backend  prefill TP  decode TP     GB/s  vs identical  writes/request  engines  verified"
+        "backend  prefill TP  decode TP     GB/s  vs identical  writes/request  rows/request  engines  regs  verified"
     );
     let mut rows = Vec::new();
     for backend in opts.backends() {
@@ -874,14 +874,16 @@ async fn run_tp(opts: &Opts, w: &Workload) -> ExitCode {
             };
             let base = *identical.get_or_insert(r.gbps);
             println!(
-                "{:<8} {:>10} {:>10} {:>8.2} {:>13.3} {:>15} {:>8} {:>9}",
+                "{:<8} {:>10} {:>10} {:>8.2} {:>13.3} {:>15} {:>13} {:>8} {:>5} {:>9}",
                 r.backend,
                 r.prefill_tp,
                 r.decode_tp,
                 r.gbps,
                 r.gbps / base,
                 r.writes_per_request,
+                r.rows_per_request,
                 r.engines,
+                r.registrations_per_process,
                 if r.verified { "yes" } else { "NO" }
             );
             rows.push(r);

@@ -268,6 +268,92 @@ fn rows_land_at_their_strides(shared: bool) {
     unsafe { dst.assume_quiesced() };
 }
 
+/// Posts made together to two peers, each a slice of every source row (a prefill rank's legs
+/// into two decode TP ranks), with rows copied in turn: each peer gets exactly its slices; a bad
+/// post among them is refused alone.
+#[test]
+fn posts_made_together_put_each_peers_rows_and_refuse_a_bad_one_alone() {
+    let len: usize = 1 << 20;
+    let tx = transport(noop_sink());
+    let src = Registration::new(&tx, host(len)).unwrap();
+    let pattern: Vec<u8> = (0..len).map(|i| (i * 7 + i / 251) as u8).collect();
+    src.write_at(0, &pattern).unwrap();
+    let (rows, row, half) = (256u64, 1024u64, 512u64);
+    let mut receivers = Vec::new();
+    let mut posts = Vec::new();
+    let mut waits = Vec::new();
+    for k in 0..2u64 {
+        let rx = transport(noop_sink());
+        let dst = Registration::new(&rx, Pool::Shared(len as u64 / 2)).unwrap();
+        dst.fill_at(0, len / 2, 0xEE).unwrap();
+        let peer = tx
+            .connect(&rx.metadata().unwrap(), &[dst.remote().clone()], k)
+            .unwrap();
+        let (done, got) = wait_done();
+        posts.push(transfer_engine::transport::Post {
+            peer,
+            writes: vec![WriteOp {
+                local: src.id(),
+                local_offset: k * half,
+                remote: 0,
+                remote_offset: 64,
+                len: half,
+                rows,
+                local_stride: row,
+                remote_stride: half,
+            }],
+            notification: vec![1],
+            done,
+        });
+        waits.push(got);
+        receivers.push((rx, dst, peer));
+    }
+    assert_eq!(tx.stats().direct_regions, 2, "UCX's memory was not mapped");
+    // A third post, to the first peer, whose rows run past its region.
+    let (done, bad) = wait_done();
+    posts.push(transfer_engine::transport::Post {
+        peer: receivers[0].2,
+        writes: vec![WriteOp {
+            local: src.id(),
+            local_offset: 0,
+            remote: 0,
+            remote_offset: 0,
+            len: half,
+            rows: 2048,
+            local_stride: half,
+            remote_stride: half,
+        }],
+        notification: vec![2],
+        done,
+    });
+    tx.post_many(posts);
+    for got in &waits {
+        got.recv_timeout(BOUND).unwrap().unwrap();
+    }
+    assert!(matches!(
+        bad.recv_timeout(BOUND).unwrap(),
+        Err(TransportError::OutOfBounds(_))
+    ));
+    for (k, (_, dst, _)) in receivers.iter().enumerate() {
+        let mut want = vec![0xEEu8; len / 2];
+        for i in 0..rows {
+            let s = (i * row + k as u64 * half) as usize;
+            let d = (64 + i * half) as usize;
+            want[d..d + half as usize].copy_from_slice(&pattern[s..s + half as usize]);
+        }
+        let mut back = vec![0u8; len / 2];
+        dst.read_at(0, &mut back).unwrap();
+        let first_bad = back.iter().zip(&want).position(|(a, b)| a != b);
+        assert_eq!(first_bad, None, "peer {k}: wrong byte at this offset");
+    }
+    for (_, dst, peer) in receivers {
+        tx.disconnect(peer);
+        std::thread::sleep(Duration::from_millis(100));
+        // SAFETY: the only peer given `dst`, `tx`, disconnected after its posts ended.
+        unsafe { dst.assume_quiesced() };
+    }
+}
+
 /// A region whose claimed length runs past the memory UCX mapped for it is never written by our
 /// own copies (which would write past the mapping); private memory is not mapped at all.
 #[test]

@@ -24,7 +24,7 @@ use crate::core::planner::{ChunkGeometry, KvLayout, Planner, Write};
 use crate::core::vote::{Decision, Vote, VoteBoard, VoteConfig, VoteMessage};
 use crate::core::{ChunkHasher, FailureCode, RequestId};
 use crate::mem::MemKind;
-use crate::transport::{PeerId, Sink, Transport, TransportError, WriteOp};
+use crate::transport::{PeerId, Post, Sink, Transport, TransportError, WriteOp};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -1165,6 +1165,7 @@ impl PrefillEngine {
             }
         }
         let mut waits = Vec::with_capacity(posts.len());
+        let mut batch = Vec::with_capacity(posts.len());
         for ((link, _), post) in legs.iter().zip(posts) {
             inner
                 .counters
@@ -1177,20 +1178,23 @@ impl PrefillEngine {
             let (tx, rx) = oneshot::channel();
             let weak = Arc::downgrade(inner);
             let (link_id, bytes) = (link.id, post.bytes);
-            inner.transport.post(
-                link.peer,
-                post.writes,
-                post.notification,
-                Box::new(move |res: Result<(), TransportError>| {
+            batch.push(Post {
+                peer: link.peer,
+                writes: post.writes,
+                notification: post.notification,
+                done: Box::new(move |res: Result<(), TransportError>| {
                     // Runs on the transport's progress thread: the vote is cast right here.
                     if let Some(inner) = weak.upgrade() {
                         inner.chunk_done(link_id, request, chunk, last, bytes, &res);
                     }
                     let _ = tx.send(res);
                 }),
-            );
+            });
             waits.push(rx);
         }
+        // The legs go together: a backend may read a source row once for every decode rank its
+        // slices go to.
+        inner.transport.post_many(batch);
         let mut first_error = None;
         for rx in waits {
             let err = match rx.await {

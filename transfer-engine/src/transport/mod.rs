@@ -168,6 +168,28 @@ pub type Sink = Arc<dyn Fn(Incoming<'_>) + Send + Sync>;
 /// Called once when a posted chunk is over: its writes and its notification are complete, or failed.
 pub type Done = Box<dyn FnOnce(Result<(), TransportError>) + Send>;
 
+/// One post of [`Transport::post_many`]: what [`Transport::post`] takes.
+pub struct Post {
+    /// The peer written to.
+    pub peer: PeerId,
+    /// The writes.
+    pub writes: Vec<WriteOp>,
+    /// The notification that follows them (none when empty).
+    pub notification: Vec<u8>,
+    /// Called once when the post is over.
+    pub done: Done,
+}
+
+impl std::fmt::Debug for Post {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Post")
+            .field("peer", &self.peer)
+            .field("writes", &self.writes.len())
+            .field("notification", &self.notification.len())
+            .finish_non_exhaustive()
+    }
+}
+
 /// Counters a transport keeps, for tests that check resources return to their baseline.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct TransportStats {
@@ -340,6 +362,17 @@ pub trait Transport: Send + Sync + 'static {
     /// once, on the progress thread, when that is over or failed. Registrations named by `writes` are
     /// kept (deregistration deferred) until then.
     fn post(&self, peer: PeerId, writes: Vec<WriteOp>, notification: Vec<u8>, done: Done);
+
+    /// Several posts at once, each with [`post`](Self::post)'s guarantees (its own validation,
+    /// notification and `done`). A backend may make their writes together: the UCX backend copies
+    /// the rows of matching writes of the posts in turn, so a source row that feeds several peers
+    /// (a prefill rank's token row, sliced between decode TP ranks) is read once. The default
+    /// posts them one by one.
+    fn post_many(&self, posts: Vec<Post>) {
+        for p in posts {
+            self.post(p.peer, p.writes, p.notification, p.done);
+        }
+    }
 
     /// Counters.
     fn stats(&self) -> TransportStats;

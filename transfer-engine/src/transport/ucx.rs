@@ -27,7 +27,7 @@
 
 use super::progress::{Handle, Shared};
 use super::{
-    BackendKind, Done, Incoming, PeerId, RegionId, RemoteRegion, Sender, Sink, Transport,
+    BackendKind, Done, Incoming, PeerId, Post, RegionId, RemoteRegion, Sender, Sink, Transport,
     TransportError, TransportStats, WriteOp,
 };
 use crate::mem::{MemDesc, MemKind};
@@ -217,6 +217,43 @@ fn prefetch(p: *const u8, len: usize) {
 
 #[cfg(not(target_arch = "x86_64"))]
 fn prefetch(_: *const u8, _: usize) {}
+
+/// Copies row `i` of `w` from our registration at `src` to the peer's region mapped at `dst`;
+/// returns whether it used streaming stores. With `prefetch_next`, the next source row is
+/// fetched ahead where rows are strided (rows read in turn with other writes' rows need not).
+///
+/// # Safety
+/// `w` was checked by `Worker::validate` against the registration at `src` and the peer's region,
+/// which UCX mapped whole at `dst` (`direct_target`), and `i < w.rows`.
+unsafe fn copy_row(src: u64, dst: *mut u8, w: &WriteOp, i: u64, prefetch_next: bool) -> bool {
+    let len = w.len as usize;
+    // Rows of a large write stream too (sliced heads: rows of a few hundred bytes that add up to
+    // pages), unless they are too short for a streaming block.
+    let stream = len >= STREAMING_COPY_MIN
+        || (len >= STREAMING_ROW_MIN && w.bytes() >= STREAMING_COPY_MIN as u64);
+    let (lo, ro) = (
+        w.local_offset + i * w.local_stride,
+        w.remote_offset + i * w.remote_stride,
+    );
+    let from = (src + lo) as *const u8;
+    if prefetch_next && w.rows > 1 && w.local_stride > w.len {
+        prefetch(from.wrapping_add(w.local_stride as usize), len);
+    }
+    // SAFETY: `dst` maps the peer's whole region (checked against the mapping UCX made for this
+    // rkey when it was unpacked) and stays mapped while the rkey lives, which is longer than the
+    // post; the row lies inside that region and inside our registration (`WriteOp::fits`, called
+    // by `validate`). The source is our own registered host memory (device sources go through
+    // puts), the destination the peer's, so both are CPU-addressable and do not overlap.
+    unsafe {
+        let to = dst.add(ro as usize);
+        if stream {
+            copy_streaming(to, from, len);
+        } else {
+            ptr::copy_nonoverlapping(from, to, len);
+        }
+    }
+    stream
+}
 
 /// Other architectures copy plainly.
 ///
@@ -481,7 +518,7 @@ enum Cmd {
         chan::Sender<Result<PeerId, TransportError>>,
     ),
     Disconnect(PeerId),
-    Post(PeerId, Vec<WriteOp>, Vec<u8>, Done),
+    Post(Vec<Post>),
     Stop,
 }
 
@@ -593,11 +630,19 @@ impl Transport for UcxTransport {
     }
 
     fn post(&self, peer: PeerId, writes: Vec<WriteOp>, notification: Vec<u8>, done: Done) {
-        if let Err(Cmd::Post(_, _, _, done)) =
-            self.thread
-                .send(Cmd::Post(peer, writes, notification, done))
-        {
-            done(Err(TransportError::Shutdown));
+        self.post_many(vec![Post {
+            peer,
+            writes,
+            notification,
+            done,
+        }]);
+    }
+
+    fn post_many(&self, posts: Vec<Post>) {
+        if let Err(Cmd::Post(posts)) = self.thread.send(Cmd::Post(posts)) {
+            for p in posts {
+                (p.done)(Err(TransportError::Shutdown));
+            }
         }
     }
 
@@ -1067,9 +1112,7 @@ impl Worker {
                 }
                 self.maybe_close_peer(peer.0);
             }
-            Cmd::Post(peer, writes, notification, done) => {
-                self.post(peer, writes, notification, done)
-            }
+            Cmd::Post(posts) => self.post_many(posts),
             Cmd::Stop => {}
         }
     }
@@ -1391,53 +1434,134 @@ impl Worker {
         }
     }
 
-    fn post(&mut self, peer: PeerId, writes: Vec<WriteOp>, notification: Vec<u8>, done: Done) {
-        if !self.reniced {
-            self.reniced = true;
-            lower_thread_priority(self.sender_nice);
-        }
-        let Some(p) = self.peers.get(&peer.0) else {
-            done(Err(TransportError::UnknownPeer(peer)));
-            return;
-        };
-        if p.closing {
-            done(Err(TransportError::UnknownPeer(peer)));
-            return;
-        }
+    /// Checks a post before anything of it moves: a live peer, known regions, every row inside
+    /// both sides. Returns the local regions it reads and its bytes, or the error its `done` gets.
+    fn validate(&self, post: &Post) -> Result<(Vec<u64>, u64), TransportError> {
+        let peer = post.peer;
+        let p = self
+            .peers
+            .get(&peer.0)
+            .filter(|p| !p.closing)
+            .ok_or(TransportError::UnknownPeer(peer))?;
         if let Some(reason) = &p.failed {
-            done(Err(TransportError::PeerFailed {
+            return Err(TransportError::PeerFailed {
                 peer,
                 reason: reason.clone(),
-            }));
-            return;
+            });
         }
-        // Validate everything before the first put, so a bad write list posts nothing.
         let mut regions: Vec<u64> = Vec::new();
         let mut bytes = 0u64;
-        for w in &writes {
-            let Some(r) = self.regions.get(&w.local.0) else {
-                done(Err(TransportError::UnknownRegion(w.local)));
-                return;
-            };
+        for w in &post.writes {
+            let r = self
+                .regions
+                .get(&w.local.0)
+                .ok_or(TransportError::UnknownRegion(w.local))?;
             let fits = p
                 .remote
                 .get(w.remote as usize)
                 .is_some_and(|rr| w.fits(r.len, rr.len));
             if !fits || r.deregister.is_some() {
-                done(Err(TransportError::OutOfBounds(format!("{w:?}"))));
-                return;
+                return Err(TransportError::OutOfBounds(format!("{w:?}")));
             }
             if !regions.contains(&w.local.0) {
                 regions.push(w.local.0);
             }
             bytes += w.bytes();
         }
+        Ok((regions, bytes))
+    }
+
+    /// Where a validated write is copied by us: its source's address and the peer's region mapped
+    /// here, or `None` when it goes through a put (a region UCX did not map, a device source).
+    fn direct_target(&self, peer: PeerId, w: &WriteOp) -> Option<(u64, *mut u8)> {
+        let r = self.regions.get(&w.local.0)?;
+        let rr = self.peers.get(&peer.0)?.remote.get(w.remote as usize)?;
+        (!rr.direct.is_null() && r.host).then_some((r.addr, rr.direct))
+    }
+
+    /// Makes the direct copies of validated posts. The `j`-th writes of the posts are copied
+    /// together, row by row in turn, where they have the same rows and row length: a prefill
+    /// rank's legs into several decode TP ranks are planned alike, and each leg's row is a slice
+    /// of one source token row, so the source is read once, in order, instead of once per leg
+    /// with a stride. Returns whether streaming stores were used (a fence is then due).
+    fn copy_direct(&self, posts: &[&Post]) -> bool {
+        let mut streamed = false;
+        let most = posts.iter().map(|p| p.writes.len()).max().unwrap_or(0);
+        let mut group: Vec<(u64, *mut u8, WriteOp)> = Vec::with_capacity(posts.len());
+        for j in 0..most {
+            group.clear();
+            for p in posts {
+                if let Some(w) = p.writes.get(j)
+                    && let Some((src, dst)) = self.direct_target(p.peer, w)
+                {
+                    group.push((src, dst, *w));
+                }
+            }
+            let together = group.len() > 1
+                && group[0].2.rows > 1
+                && group
+                    .iter()
+                    .all(|g| (g.2.rows, g.2.len) == (group[0].2.rows, group[0].2.len));
+            if together {
+                for i in 0..group[0].2.rows {
+                    for &(src, dst, w) in &group {
+                        // SAFETY: row `i < w.rows` (every write of the group has as many) of a write
+                        // `validate` checked.
+                        streamed |= unsafe { copy_row(src, dst, &w, i, false) };
+                    }
+                }
+            } else {
+                for &(src, dst, w) in &group {
+                    for i in 0..w.rows {
+                        // SAFETY: row `i < w.rows` of a write `validate` checked.
+                        streamed |= unsafe { copy_row(src, dst, &w, i, true) };
+                    }
+                }
+            }
+        }
+        streamed
+    }
+
+    fn post_many(&mut self, posts: Vec<Post>) {
+        if !self.reniced {
+            self.reniced = true;
+            lower_thread_priority(self.sender_nice);
+        }
+        // Validate each post before anything moves, so a bad write list posts nothing.
+        let mut ready: Vec<(Post, Vec<u64>, u64)> = Vec::with_capacity(posts.len());
+        for post in posts {
+            match self.validate(&post) {
+                Ok((regions, bytes)) => ready.push((post, regions, bytes)),
+                Err(e) => (post.done)(Err(e)),
+            }
+        }
+        let refs: Vec<&Post> = ready.iter().map(|(p, _, _)| p).collect();
+        if self.copy_direct(&refs) {
+            store_fence();
+        }
+        for (post, regions, bytes) in ready {
+            self.put_and_flush(post, regions, bytes);
+        }
+    }
+
+    /// The rest of a validated post whose direct copies are made: a put for every other row, then
+    /// the flush and the notification.
+    fn put_and_flush(&mut self, post: Post, regions: Vec<u64>, bytes: u64) {
+        let Post {
+            peer,
+            writes,
+            notification,
+            done,
+        } = post;
+        let Some(p) = self.peers.get(&peer.0) else {
+            done(Err(TransportError::UnknownPeer(peer)));
+            return;
+        };
         let mut message = Vec::with_capacity(8 + notification.len());
         message.extend_from_slice(&p.key.to_le_bytes());
         message.extend_from_slice(&notification);
         let ep = p.ep;
         let mut error = None;
-        let mut streamed = false;
         for w in &writes {
             let (Some(r), Some(rr)) = (
                 self.regions.get(&w.local.0),
@@ -1446,34 +1570,6 @@ impl Worker {
                 break;
             };
             if !rr.direct.is_null() && r.host {
-                let len = w.len as usize;
-                // Rows of a large write stream too (sliced heads: rows of a few hundred bytes
-                // that add up to pages), unless they are too short for a streaming block.
-                let stream = len >= STREAMING_COPY_MIN
-                    || (len >= STREAMING_ROW_MIN && w.bytes() >= STREAMING_COPY_MIN as u64);
-                let strided = w.rows > 1 && w.local_stride > w.len;
-                for (lo, ro) in w.pieces() {
-                    let src = (r.addr + lo) as *const u8;
-                    if strided {
-                        prefetch(src.wrapping_add(w.local_stride as usize), len);
-                    }
-                    // SAFETY: `direct` maps the peer's whole region (checked against the mapping
-                    // UCX made for this rkey when it was unpacked) and stays mapped while the rkey
-                    // lives, which is longer than this call; every row of the write was
-                    // bounds-checked against that region and the source against our registration
-                    // above (`WriteOp::fits`). The source is our own registered host memory (device
-                    // sources go through puts), the destination the peer's, so both are
-                    // CPU-addressable and do not overlap.
-                    unsafe {
-                        let dst = rr.direct.add(ro as usize);
-                        if stream {
-                            copy_streaming(dst, src, len);
-                            streamed = true;
-                        } else {
-                            ptr::copy_nonoverlapping(src, dst, len);
-                        }
-                    }
-                }
                 continue;
             }
             let param = ffi::ucp_request_param_t {
@@ -1483,9 +1579,9 @@ impl Worker {
             };
             for (lo, ro) in w.pieces() {
                 // SAFETY: every row's source and destination ranges were bounds-checked against the
-                // registration and the peer's region above; the registration stays mapped until
-                // this op is over (in_flight is raised below before the worker can progress); rkey
-                // belongs to this ep.
+                // registration and the peer's region (`validate`); the registration stays mapped
+                // until this op is over (in_flight is raised below before the worker can
+                // progress); rkey belongs to this ep.
                 let req = unsafe {
                     ffi::ucp_put_nbx(
                         ep,
@@ -1514,9 +1610,6 @@ impl Worker {
             if error.is_some() {
                 break;
             }
-        }
-        if streamed {
-            store_fence();
         }
         for id in &regions {
             if let Some(r) = self.regions.get_mut(id) {

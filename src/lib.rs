@@ -7,5 +7,6 @@ pub mod bench;
 pub mod cluster;
 pub mod etcd_server;
 pub mod roles;
+pub mod sweep;
 pub mod tp;
 pub mod verify;

@@ -428,11 +428,14 @@ impl TpCluster {
     }
 
     /// Runs the spec's requests in waves of `concurrency`, each wave prepared before and checked
-    /// after its timed window.
+    /// after its timed window; `progress` (if any) hears (requests done, requests) after each wave.
     ///
     /// # Errors
     /// A failed request or a byte that differs.
-    pub async fn run(&self) -> Result<TpReport, String> {
+    pub async fn run(
+        &self,
+        progress: Option<&(dyn Fn(u64, u64) + Sync)>,
+    ) -> Result<TpReport, String> {
         let s = &self.spec;
         let c = s.concurrency.max(1);
         let mut timed = Duration::ZERO;
@@ -461,6 +464,9 @@ impl TpCluster {
                 self.check(r, slot)?;
             }
             done += wave.len() as u32;
+            if let Some(p) = progress {
+                p(u64::from(done), u64::from(s.requests));
+            }
         }
         let after = counts(self);
         let (writes, rows) = (after.0 - before.0, after.1 - before.1);

@@ -213,7 +213,7 @@ async fn tp_run(prefill_tp: u16, decode_tp: u16, kv_heads: u32, backend: Backend
     };
     let run = async {
         let c = TpCluster::start(spec).await.unwrap();
-        let r = c.run().await;
+        let r = c.run(None).await;
         c.shutdown().await;
         r
     };

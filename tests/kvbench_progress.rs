@@ -46,6 +46,26 @@ fn the_bar_is_drawn_on_a_terminal_only() {
 }
 
 #[test]
+fn tp_runs_and_sweeps_draw_bars_on_a_terminal() {
+    let seen = on_terminal(&format!("{ARGS} --prefill-tp 2 --decode-tp 1"));
+    assert!(seen.contains(BAR), "no progress bar for a TP run: {seen}");
+    assert!(
+        seen.contains("ucx 2>1"),
+        "no bar named for the TP run: {seen}"
+    );
+    let dir = std::env::temp_dir().join(format!("kvbench-progress-sweep-{}", std::process::id()));
+    let seen = on_terminal(&format!(
+        "{ARGS} sweep --pages 16,32 --concurrencies 1 --out {}",
+        dir.display()
+    ));
+    assert!(
+        seen.contains("2/2 points"),
+        "no progress bar for a sweep: {seen}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn json_output_keeps_the_terminal_free_of_the_bar() {
     let dir = std::env::temp_dir().join(format!("kvbench-progress-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");

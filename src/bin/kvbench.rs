@@ -11,7 +11,7 @@ use kvbench::bench::{
 };
 use kvbench::cluster::{PoolKind, Shape};
 use kvbench::roles;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 use transfer_engine::core::planner::RegionKind;
@@ -95,7 +95,8 @@ struct Opts {
     #[arg(long, default_value_t = 1)]
     decode_instances: u16,
     /// Prefill TP size (with --decode-tp; one process): every decode TP rank is an engine, every
-    /// prefill (PP, TP) rank one engine per decode rank it writes into. Runs identical TP
+    /// prefill (PP, TP) rank one engine writing into every decode rank it shares heads with. Runs
+    /// identical TP
     /// (--decode-tp on both sides) and this mapping on the same workload, every byte of every
     /// decode rank's pages checked against the heads it holds.
     #[arg(long)]
@@ -232,6 +233,23 @@ enum Role {
         /// found through --etcd otherwise).
         #[arg(long, value_delimiter = ',')]
         peers: Vec<std::net::SocketAddr>,
+    },
+    /// Run the workload (in this process, without baselines) over a grid of page sizes,
+    /// concurrencies and prompt lengths on every backend asked for, and write `sweep.json` and
+    /// `sweep.svg` (GB/s and p99 request latency against page size) into `--out`.
+    Sweep {
+        /// Folder for `sweep.json` and `sweep.svg` (made if missing).
+        #[arg(long)]
+        out: PathBuf,
+        /// Tokens per page, comma-separated.
+        #[arg(long, value_delimiter = ',', default_values_t = [16, 64, 256])]
+        pages: Vec<u32>,
+        /// Requests in flight at once, comma-separated.
+        #[arg(long, value_delimiter = ',', default_values_t = [1, 4])]
+        concurrencies: Vec<u32>,
+        /// Prompt lengths in tokens, comma-separated (default: --prompt-tokens).
+        #[arg(long, value_delimiter = ',')]
+        prompts: Vec<u32>,
     },
 }
 
@@ -634,6 +652,29 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if let Some(Role::Sweep {
+        out,
+        pages,
+        concurrencies,
+        prompts,
+    }) = &cli.role
+    {
+        if cli.opts.processes || cli.opts.prefill_tp.is_some() || cli.opts.decode_tp.is_some() {
+            eprintln!("kvbench: sweep runs in one process, one TP size, so far");
+            return ExitCode::from(2);
+        }
+        let grid = kvbench::sweep::Grid {
+            page_tokens: pages.clone(),
+            concurrency: concurrencies.clone(),
+            prompt_tokens: if prompts.is_empty() {
+                vec![w.prompt_tokens]
+            } else {
+                prompts.clone()
+            },
+            backends: cli.opts.backends(),
+        };
+        return rt.block_on(run_sweep(&w, &grid, out, cli.opts.json.is_some()));
+    }
     let token = match cli.role {
         None => Ok(None),
         Some(_) => cli.opts.token(),
@@ -740,6 +781,8 @@ fn main() -> ExitCode {
             })
             .map(|_| Vec::new())
         }
+        // Handled above, before the roles' checks.
+        Some(Role::Sweep { .. }) => Ok(Vec::new()),
     };
     match result {
         Ok(reports) => {
@@ -769,18 +812,91 @@ fn main() -> ExitCode {
     }
 }
 
+/// `kvbench sweep`: every point of `grid` on `w`, a line per point as it ends (and a bar over the
+/// points on a terminal), then `sweep.json` and `sweep.svg` in `out`. Exits non-zero if a run could
+/// not be made, a request failed or a checked request's bytes differed.
+async fn run_sweep(w: &Workload, grid: &kvbench::sweep::Grid, out: &Path, quiet: bool) -> ExitCode {
+    if grid.is_empty() || grid.page_tokens.contains(&0) || grid.prompt_tokens.contains(&0) {
+        eprintln!(
+            "kvbench sweep: every list needs a value, and pages and prompts must be positive"
+        );
+        return ExitCode::from(2);
+    }
+    println!(
+        "kvbench sweep: {} layers x {} B/token/layer, PP={}, {}-token chunks, {} requests per point, {} points",
+        w.shape.layers,
+        w.shape.bytes_per_token,
+        w.pp,
+        w.chunk_tokens,
+        w.requests,
+        grid.len()
+    );
+    println!("backend  page tokens  concurrency  prompt tokens     GB/s  p50 ms  p99 ms  verified");
+    let bar = counted_bar("sweep", "points", quiet);
+    bar.set_length(grid.len() as u64);
+    let points = kvbench::sweep::run(w, grid, |p| {
+        let r = &p.report;
+        bar.suspend(|| {
+            println!(
+                "{:<8} {:>11} {:>12} {:>14} {:>8.2} {:>7.2} {:>7.2} {:>9}",
+                r.backend,
+                p.page_tokens,
+                p.concurrency,
+                p.prompt_tokens,
+                r.gbps,
+                r.latency_p50_us / 1000.0,
+                r.latency_p99_us / 1000.0,
+                if r.verified { "yes" } else { "NO" }
+            )
+        });
+        bar.inc(1);
+    })
+    .await;
+    bar.finish();
+    let points = match points {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("kvbench sweep: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if let Err(e) = kvbench::sweep::write(&points, out) {
+        eprintln!("kvbench sweep: {e}");
+        return ExitCode::FAILURE;
+    }
+    println!(
+        "wrote {} and {}",
+        out.join("sweep.json").display(),
+        out.join("sweep.svg").display()
+    );
+    let ok = points
+        .iter()
+        .all(|p| p.report.failed == 0 && (p.report.verified || w.verify == Verify::None));
+    if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
 /// A bar on stderr of one run's requests, drawn only where stderr is a terminal (indicatif draws
 /// nothing elsewhere) and never with `--json`, whose output a program reads.
 fn request_bar(label: &str, quiet: bool) -> indicatif::ProgressBar {
+    counted_bar(label, "requests", quiet)
+}
+
+/// A bar of `unit`s, as [`request_bar`].
+fn counted_bar(label: &str, unit: &str, quiet: bool) -> indicatif::ProgressBar {
     use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
     if quiet {
         return ProgressBar::hidden();
     }
     let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
-    let style =
-        ProgressStyle::with_template("{prefix:>5} [{bar:32}] {pos}/{len} requests, {elapsed}")
-            .map(|s| s.progress_chars("=> "))
-            .unwrap_or_else(|_| ProgressStyle::default_bar());
+    let style = ProgressStyle::with_template(&format!(
+        "{{prefix:>5}} [{{bar:32}}] {{pos}}/{{len}} {unit}, {{elapsed}}"
+    ))
+    .map(|s| s.progress_chars("=> "))
+    .unwrap_or_else(|_| ProgressStyle::default_bar());
     bar.set_style(style);
     bar.set_prefix(label.to_string());
     bar
@@ -861,7 +977,14 @@ async fn run_tp(opts: &Opts, w: &Workload) -> ExitCode {
                 let c = kvbench::tp::TpCluster::start(spec)
                     .await
                     .map_err(|e| e.to_string())?;
-                let r = c.run().await;
+                let bar = request_bar(&format!("{backend} {p}>{d}"), opts.json.is_some());
+                bar.set_length(u64::from(w.requests));
+                let progress = |done: u64, total: u64| {
+                    bar.set_length(total);
+                    bar.set_position(done);
+                };
+                let r = c.run(Some(&progress)).await;
+                bar.finish();
                 c.shutdown().await;
                 r
             };

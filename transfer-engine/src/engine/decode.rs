@@ -1353,6 +1353,17 @@ impl DecodeEngine {
             dst_pages,
             timeout,
         } = want;
+        // One span per request, from here to its outcome (the future's end): what a trace
+        // follows. `outcome` is recorded when it is known.
+        let span = tracing::info_span!(
+            "kvx.request",
+            request = request.0,
+            role = "decode",
+            instance = %instance,
+            prompt_tokens,
+            outcome = tracing::field::Empty,
+        );
+        let _in = span.enter();
         let cfg = &self.inner.cfg;
         let geometry = ChunkGeometry::after_prefix(
             u64::from(prompt_tokens),
@@ -1451,7 +1462,17 @@ impl DecodeEngine {
             self.inner.drain(&mut st);
         }
         self.inner.timer.notify_one();
-        Ok(async move { rx.await.unwrap_or(Outcome::Failed(FailureReason::Aborted)) })
+        drop(_in);
+        let traced = span.clone();
+        let ended = async move {
+            let outcome = rx.await.unwrap_or(Outcome::Failed(FailureReason::Aborted));
+            match &outcome {
+                Outcome::Complete => traced.record("outcome", "complete"),
+                Outcome::Failed(reason) => traced.record("outcome", tracing::field::debug(reason)),
+            };
+            outcome
+        };
+        Ok(tracing::Instrument::instrument(ended, span))
     }
 
     /// Aborts `request`: it fails with `Aborted` (if it had not ended) and every prefill rank is told.

@@ -322,6 +322,9 @@ struct ReqState {
     expected: usize,
     failed: Option<FailureCode>,
     voted: bool,
+    /// The request's span on this rank, from its first allocation to its decision (taken and
+    /// closed then, with the decision recorded); its chunks' spans are its children.
+    span: Option<tracing::Span>,
 }
 
 impl ReqState {
@@ -1096,7 +1099,7 @@ impl PrefillEngine {
         last: bool,
     ) -> Result<(), EngineError> {
         let inner = &self.inner;
-        let (geometry, legs) = inner.wait_for_request(request).await?;
+        let (geometry, legs, parent) = inner.wait_for_request(request).await?;
         let status = if last {
             let count = geometry.num_chunks() as u32;
             if chunk + 1 != count {
@@ -1115,6 +1118,7 @@ impl PrefillEngine {
             )?);
         }
         let span = tracing::trace_span!(
+            parent: parent.as_ref().and_then(tracing::Span::id),
             "chunk",
             request = request.0,
             pp_rank = inner.cfg.pp_rank,
@@ -1301,6 +1305,14 @@ impl PrefillEngine {
     }
 }
 
+/// A request ready to send: its geometry, its legs (decode rank and destination pages) and its
+/// span.
+type Ready = (
+    ChunkGeometry,
+    Vec<(Arc<Link>, Arc<Vec<u32>>)>,
+    Option<tracing::Span>,
+);
+
 /// One leg's share of a chunk, planned: the writes, the notification that follows them, and the
 /// bytes they move.
 struct LegPost {
@@ -1391,12 +1403,9 @@ impl Inner {
         })
     }
 
-    /// The request's geometry and legs, once every decode rank it goes to sent its allocation
-    /// (waiting up to `request_wait` for them).
-    async fn wait_for_request(
-        &self,
-        request: RequestId,
-    ) -> Result<(ChunkGeometry, Vec<(Arc<Link>, Arc<Vec<u32>>)>), EngineError> {
+    /// The request's geometry, legs and span (until decided), once every decode rank it goes to
+    /// sent its allocation (waiting up to `request_wait` for them).
+    async fn wait_for_request(&self, request: RequestId) -> Result<Ready, EngineError> {
         let deadline = tokio::time::Instant::now() + self.cfg.request_wait;
         loop {
             let rx = {
@@ -1411,7 +1420,7 @@ impl Inner {
                             .iter()
                             .map(|l| (l.link.clone(), l.dst_pages.clone()))
                             .collect();
-                        return Ok((r.geometry, legs));
+                        return Ok((r.geometry, legs, r.span.clone()));
                     }
                 }
                 let (tx, rx) = oneshot::channel();
@@ -1616,6 +1625,12 @@ impl Inner {
                     self.counters.decided_failed.fetch_add(1, Ordering::Relaxed)
                 }
             };
+            if let Some(span) = st.requests.get_mut(&request).and_then(|r| r.span.take()) {
+                match decision {
+                    Decision::Completed => span.record("decision", "complete"),
+                    Decision::Failed { .. } => span.record("decision", "failed"),
+                };
+            }
             st.decided.insert(request, decision);
             for w in st.decided_waiters.remove(&request).unwrap_or_default() {
                 let _ = w.send(decision);
@@ -1686,6 +1701,15 @@ impl Inner {
                             expected: link.fan_out.max(1),
                             failed: None,
                             voted: false,
+                            span: Some(tracing::info_span!(
+                                parent: None,
+                                "kvx.request",
+                                request = request.0,
+                                role = "prefill",
+                                pp_rank = self.cfg.pp_rank,
+                                tp_rank = self.cfg.tp.rank,
+                                decision = tracing::field::Empty,
+                            )),
                         };
                         let ready = r.ready();
                         st.requests.insert(request, r);

@@ -300,8 +300,187 @@ fn fill_heads(l: &KvLayout, first_head: u32, buf: &mut [u8]) {
     }
 }
 
+/// Where byte `b` of head `head` (local) of token `t` (in its page) lies in a page of `pt` tokens
+/// of `heads` heads of `hb` bytes, in `order`.
+fn in_page(order: HeadOrder, pt: u64, heads: u64, hb: u64, t: u64, head: u64, b: u64) -> u64 {
+    match order {
+        HeadOrder::HeadMajor => (head * pt + t) * hb + b,
+        HeadOrder::TokenMajor => (t * heads + head) * hb + b,
+    }
+}
+
+/// Pages of different sizes on the two sides (whole pages or sliced heads, either order, several
+/// chunks, a prefix-free prompt that ends inside a page): every destination byte of the request's
+/// tokens is written once, by the bytes of the same (layer, region, token, global head), and no
+/// other byte is written.
+fn check_page_sizes(seed: u64) -> Result<(), TestCaseError> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let sizes = [1u32, 2, 3, 4, 8, 16];
+    let ps = sizes[rng.random_range(0..sizes.len())];
+    let mut pd = sizes[rng.random_range(0..sizes.len())];
+    if pd == ps {
+        pd = ps * 2;
+    }
+    let order = if rng.random_bool(0.5) {
+        HeadOrder::HeadMajor
+    } else {
+        HeadOrder::TokenMajor
+    };
+    let hb = rng.random_range(1..=3u64);
+    let (ptp, dtp) = [(1u32, 1u32), (1, 2), (2, 1), (2, 4), (4, 2)][rng.random_range(0..5)];
+    let total_heads = 4u32;
+    let (hs_n, hd_n) = (total_heads / ptp, total_heads / dtp);
+    let layers = rng.random_range(1..=3u32);
+    let regions = if rng.random_bool(0.5) {
+        RegionKind::Fused
+    } else {
+        RegionKind::SplitKv
+    };
+    let prompt = rng.random_range(1..=40u64);
+    let chunk = rng.random_range(1..=16u64);
+    let (sp_n, dp_n) = (
+        prompt.div_ceil(u64::from(ps)),
+        prompt.div_ceil(u64::from(pd)),
+    );
+    let (src_pool, dst_pool) = (
+        sp_n as u32 + rng.random_range(0..3),
+        dp_n as u32 + rng.random_range(0..3),
+    );
+    let src_pages = page_list(sp_n, src_pool, &mut rng);
+    let dst_pages = page_list(dp_n, dst_pool, &mut rng);
+    let heads = |n: u32, pt: u32| HeadLayout {
+        num_heads: n,
+        head_bytes: hb,
+        page_tokens: pt,
+        order,
+    };
+    let pb = |n: u32, pt: u32| u64::from(n) * hb * u64::from(pt);
+    // One rank on each side, token-major: half the time without head geometry (a token's bytes
+    // as one row, as MLA's latent is).
+    let bare = ptp == 1 && dtp == 1 && order == HeadOrder::TokenMajor && rng.random_bool(0.5);
+    let with = |l: KvLayout, n: u32, pt: u32| if bare { l } else { l.with_heads(heads(n, pt)) };
+    let dst = with(
+        KvLayout::packed(0, layers, regions, pb(hd_n, pd), dst_pool),
+        hd_n,
+        pd,
+    );
+    let geom = ChunkGeometry::new(prompt, chunk, u64::from(pd)).unwrap();
+    for d in 0..dtp {
+        let mut dst_buf = vec![0u8; dst.buffer_len as usize];
+        let mut hits = vec![0u8; dst_buf.len()];
+        for p in 0..ptp {
+            let src = with(
+                KvLayout::packed(0, layers, regions, pb(hs_n, ps), src_pool),
+                hs_n,
+                ps,
+            );
+            // Source byte = a function of (layer, region, token of the request, global head, byte).
+            let mut src_buf = vec![0u8; src.buffer_len as usize];
+            let value = |l: u64, r: u64, t: u64, h: u64, b: u64| {
+                ((l * 7 + r * 3 + t * 11 + h * 5 + b * 13) % 251 + 1) as u8
+            };
+            for r in 0..u64::from(regions.count()) {
+                for l in 0..u64::from(layers) {
+                    for t in 0..prompt {
+                        let page = src_pages[(t / u64::from(ps)) as usize];
+                        let base = page_at(&src, l as u32, r as u32, page);
+                        for h in 0..u64::from(hs_n) {
+                            for b in 0..hb {
+                                let o = base
+                                    + in_page(
+                                        order,
+                                        u64::from(ps),
+                                        u64::from(hs_n),
+                                        hb,
+                                        t % u64::from(ps),
+                                        h,
+                                        b,
+                                    );
+                                src_buf[o as usize] = value(l, r, t, u64::from(p * hs_n) + h, b);
+                            }
+                        }
+                    }
+                }
+            }
+            let tp = if ptp == dtp {
+                TpMapping::Identical
+            } else {
+                TpMapping::HeadSliced {
+                    prefill_tp: ptp,
+                    decode_tp: dtp,
+                    prefill_rank: p,
+                    decode_rank: d,
+                }
+            };
+            let planner = match Planner::with_page_tokens(&src, &dst, tp, ps, pd) {
+                Ok(pl) => pl,
+                // Ranks that share no head have nothing to plan.
+                Err(PlanError::HeadMismatch(_)) if ptp != dtp => continue,
+                Err(e) => return Err(TestCaseError::fail(format!("{e}"))),
+            };
+            let mut writes = Vec::new();
+            for c in 0..geom.num_chunks() {
+                planner
+                    .plan_chunk(&geom, c, &src_pages, &dst_pages, &mut writes)
+                    .map_err(|e| TestCaseError::fail(format!("{e}")))?;
+            }
+            execute(&writes, &src_buf, &mut dst_buf, &mut hits).map_err(TestCaseError::fail)?;
+            // Coalesced: never more than one write per (region, layer, run of tokens in one page
+            // on each side).
+            let runs = sp_n + dp_n;
+            prop_assert!(
+                writes.len() as u64 <= u64::from(regions.count()) * u64::from(layers) * runs
+            );
+        }
+        // Every byte of the request's tokens in decode rank d: written once, with its value.
+        let mut want_hits = vec![0u8; dst_buf.len()];
+        for r in 0..u64::from(regions.count()) {
+            for l in 0..u64::from(layers) {
+                for t in 0..prompt {
+                    let page = dst_pages[(t / u64::from(pd)) as usize];
+                    let base = page_at(&dst, l as u32, r as u32, page);
+                    for h in 0..u64::from(hd_n) {
+                        for b in 0..hb {
+                            let o = (base
+                                + in_page(
+                                    order,
+                                    u64::from(pd),
+                                    u64::from(hd_n),
+                                    hb,
+                                    t % u64::from(pd),
+                                    h,
+                                    b,
+                                )) as usize;
+                            want_hits[o] = 1;
+                            let g = u64::from(d * hd_n) + h;
+                            let want = ((l * 7 + r * 3 + t * 11 + g * 5 + b * 13) % 251 + 1) as u8;
+                            prop_assert_eq!(
+                                dst_buf[o],
+                                want,
+                                "layer {} region {} token {} head {} byte {}",
+                                l,
+                                r,
+                                t,
+                                g,
+                                b
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        prop_assert_eq!(hits, want_hits);
+    }
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+    #[test]
+    fn different_page_sizes_every_byte_once(seed in any::<u64>()) {
+        check_page_sizes(seed)?;
+    }
 
     #[test]
     fn whole_pages_every_byte_once(seed in any::<u64>()) {

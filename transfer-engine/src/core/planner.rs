@@ -600,6 +600,9 @@ pub enum PlanError {
         /// Pages needed.
         needed: u64,
     },
+    /// Pages of different sizes that do not line up.
+    #[error("page tokens differ and {0}")]
+    PageTokensMismatch(&'static str),
     /// A page index outside the side's pool.
     #[error("{side:?} page index {page} (at position {position}) outside pool of {num_pages}")]
     PageOutOfRange {
@@ -621,8 +624,65 @@ pub struct Planner {
     src: KvLayout,
     dst: KvLayout,
     dst_layer_shift: u32,
-    /// What one page sends, as writes relative to the page's start on each side.
+    /// What one page sends, as writes relative to the page's start on each side (pages of equal
+    /// tokens on both sides).
     segments: Vec<Write>,
+    /// Pages of different tokens on the two sides: how a run of tokens maps.
+    tokens: Option<TokenMap>,
+}
+
+/// How a run of tokens of one source page maps into one destination page, for pages that hold
+/// different numbers of tokens on the two sides. A page is `[token][head][head_bytes]`
+/// (token-major; a layout without head geometry is one "head" of a token's bytes) or
+/// `[head][token][head_bytes]` (head-major); the heads written are the source's local heads
+/// `src_head..src_head + heads`, the destination's `dst_head..`.
+#[derive(Debug, Clone, Copy)]
+struct TokenMap {
+    src_pt: u64,
+    dst_pt: u64,
+    order: HeadOrder,
+    head_bytes: u64,
+    src_heads: u64,
+    dst_heads: u64,
+    src_head: u64,
+    dst_head: u64,
+    heads: u64,
+}
+
+impl TokenMap {
+    /// The write of `n` tokens from token `ts` of a source page to token `td` of a destination
+    /// page, relative to the pages' starts.
+    fn run(&self, ts: u64, td: u64, n: u64) -> Write {
+        let hb = self.head_bytes;
+        let w = match self.order {
+            HeadOrder::TokenMajor => {
+                let (row_s, row_d) = (self.src_heads * hb, self.dst_heads * hb);
+                Write {
+                    src_offset: ts * row_s + self.src_head * hb,
+                    dst_offset: td * row_d + self.dst_head * hb,
+                    len: self.heads * hb,
+                    rows: n,
+                    src_stride: row_s,
+                    dst_stride: row_d,
+                }
+            }
+            HeadOrder::HeadMajor => Write {
+                src_offset: self.src_head * self.src_pt * hb + ts * hb,
+                dst_offset: self.dst_head * self.dst_pt * hb + td * hb,
+                len: n * hb,
+                rows: self.heads,
+                src_stride: self.src_pt * hb,
+                dst_stride: self.dst_pt * hb,
+            },
+        };
+        if w.rows == 1 {
+            Write::contiguous(w.src_offset, w.dst_offset, w.len)
+        } else if w.len == w.src_stride && w.len == w.dst_stride {
+            Write::contiguous(w.src_offset, w.dst_offset, w.len * w.rows)
+        } else {
+            w
+        }
+    }
 }
 
 impl Planner {
@@ -688,7 +748,96 @@ impl Planner {
             dst: dst.clone(),
             dst_layer_shift: s.start - d.start,
             segments,
+            tokens: None,
         })
+    }
+
+    /// As [`new`](Self::new), for pages of `src_page_tokens` tokens on the source side and
+    /// `dst_page_tokens` on the destination side. Where they differ, chunks are planned by runs
+    /// of tokens that lie in one page on each side ([`plan_chunk`](Self::plan_chunk)); a layout
+    /// without head geometry is taken as token-major rows of `page_bytes / page_tokens` bytes,
+    /// which must be the same on both sides.
+    ///
+    /// # Errors
+    /// As [`new`](Self::new); [`PlanError::PageTokensMismatch`] where the pages do not line up
+    /// (bytes that are not whole tokens, heads whose page tokens differ from the ones given, a
+    /// token's bytes that differ).
+    pub fn with_page_tokens(
+        src: &KvLayout,
+        dst: &KvLayout,
+        tp: TpMapping,
+        src_page_tokens: u32,
+        dst_page_tokens: u32,
+    ) -> Result<Self, PlanError> {
+        if src_page_tokens == dst_page_tokens {
+            return Self::new(src, dst, tp);
+        }
+        let bad = |what| PlanError::PageTokensMismatch(what);
+        let (ps, pd) = (u64::from(src_page_tokens), u64::from(dst_page_tokens));
+        if ps == 0 || pd == 0 {
+            return Err(bad("a page of no tokens"));
+        }
+        // The layouts, layers and regions are checked as for equal pages, by a planner of the
+        // mapping on layouts whose pages are made the same size.
+        let mut same = dst.clone();
+        same.page_bytes = dst.page_bytes / pd * ps;
+        same.heads = dst.heads.map(|h| HeadLayout {
+            page_tokens: src_page_tokens,
+            ..h
+        });
+        let (hs, hd) = (src.heads, dst.heads);
+        if !src.page_bytes.is_multiple_of(ps) || !dst.page_bytes.is_multiple_of(pd) {
+            return Err(bad("page bytes are not whole tokens"));
+        }
+        dst.validate(Side::Dst)?;
+        let mut base = Self::new(src, &packed_like(&same), tp)?;
+        let map = match (hs, hd) {
+            (Some(hs), Some(hd)) => {
+                if u64::from(hs.page_tokens) != ps || u64::from(hd.page_tokens) != pd {
+                    return Err(bad("head geometry's page tokens differ from the pages'"));
+                }
+                let (s0, d0, a, b) = heads_written(hs, hd, tp)?;
+                TokenMap {
+                    src_pt: ps,
+                    dst_pt: pd,
+                    order: hs.order,
+                    head_bytes: hs.head_bytes,
+                    src_heads: u64::from(hs.num_heads),
+                    dst_heads: u64::from(hd.num_heads),
+                    src_head: a - s0,
+                    dst_head: a - d0,
+                    heads: b - a,
+                }
+            }
+            (None, None) => {
+                let (ts, td) = (src.page_bytes / ps, dst.page_bytes / pd);
+                if ts != td {
+                    return Err(bad("a token's bytes differ"));
+                }
+                TokenMap {
+                    src_pt: ps,
+                    dst_pt: pd,
+                    order: HeadOrder::TokenMajor,
+                    head_bytes: ts,
+                    src_heads: 1,
+                    dst_heads: 1,
+                    src_head: 0,
+                    dst_head: 0,
+                    heads: 1,
+                }
+            }
+            _ => {
+                return Err(PlanError::HeadsRequired(if hs.is_none() {
+                    Side::Src
+                } else {
+                    Side::Dst
+                }));
+            }
+        };
+        base.dst = dst.clone();
+        base.segments.clear();
+        base.tokens = Some(map);
+        Ok(base)
     }
 
     /// Appends to `out` the writes of chunk `chunk`: every layer this rank holds, every region,
@@ -707,6 +856,29 @@ impl Planner {
         out: &mut Vec<Write>,
     ) -> Result<(), PlanError> {
         let range = geom.pages_of_chunk(chunk)?;
+        if let Some(tm) = self.tokens {
+            if geom.page_tokens != tm.dst_pt {
+                return Err(PlanError::PageTokensMismatch(
+                    "the request's pages are not the destination's",
+                ));
+            }
+            let end = (range.end * tm.dst_pt).min(geom.prompt_tokens);
+            let tokens = (range.start * tm.dst_pt).min(end)..end;
+            let need = |pt: u64| geom.prompt_tokens.div_ceil(pt);
+            for (side, list, n) in [
+                (Side::Src, src_pages, need(tm.src_pt)),
+                (Side::Dst, dst_pages, need(tm.dst_pt)),
+            ] {
+                if (list.len() as u64) < n {
+                    return Err(PlanError::PageListLength {
+                        side,
+                        len: list.len(),
+                        needed: n,
+                    });
+                }
+            }
+            return self.plan_tokens(&tm, src_pages, dst_pages, tokens, out);
+        }
         let needed = geom.num_pages();
         for (side, list) in [(Side::Src, src_pages), (Side::Dst, dst_pages)] {
             if (list.len() as u64) < needed {
@@ -734,6 +906,10 @@ impl Planner {
         first_position: u64,
         out: &mut Vec<Write>,
     ) -> Result<(), PlanError> {
+        if let Some(tm) = self.tokens {
+            let end = (src_pages.len() as u64 * tm.src_pt).min(dst_pages.len() as u64 * tm.dst_pt);
+            return self.plan_tokens(&tm, src_pages, dst_pages, 0..end, out);
+        }
         let n = src_pages.len().min(dst_pages.len());
         for (side, list, pool) in [
             (Side::Src, src_pages, self.src.num_pages),
@@ -767,6 +943,78 @@ impl Planner {
                             },
                         );
                     }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Appends the writes of tokens `tokens` (positions in the request, whose pages are
+    /// `src_pages` of the source's page size and `dst_pages` of the destination's), every layer and
+    /// region, one run of tokens per (source page, destination page) they share, merged where
+    /// runs continue each other.
+    ///
+    /// # Errors
+    /// [`PlanError::PageOutOfRange`] (or a list too short for the tokens); on error `out` is as
+    /// it was.
+    fn plan_tokens(
+        &self,
+        tm: &TokenMap,
+        src_pages: &[u32],
+        dst_pages: &[u32],
+        tokens: Range<u64>,
+        out: &mut Vec<Write>,
+    ) -> Result<(), PlanError> {
+        if tokens.is_empty() {
+            return Ok(());
+        }
+        // Every page position the tokens touch, checked before anything is planned.
+        for (side, list, pt, pool) in [
+            (Side::Src, src_pages, tm.src_pt, self.src.num_pages),
+            (Side::Dst, dst_pages, tm.dst_pt, self.dst.num_pages),
+        ] {
+            let (a, b) = (tokens.start / pt, (tokens.end - 1) / pt + 1);
+            if (list.len() as u64) < b {
+                return Err(PlanError::PageListLength {
+                    side,
+                    len: list.len(),
+                    needed: b,
+                });
+            }
+            for i in a..b {
+                let page = list[i as usize];
+                if page >= pool {
+                    return Err(PlanError::PageOutOfRange {
+                        side,
+                        position: i,
+                        page,
+                        num_pages: pool,
+                    });
+                }
+            }
+        }
+        let base = out.len();
+        for region in 0..self.src.regions.count() {
+            for layer in 0..self.src.num_layers {
+                let dl = layer + self.dst_layer_shift;
+                let mut t = tokens.start;
+                while t < tokens.end {
+                    let (sp, ts) = (t / tm.src_pt, t % tm.src_pt);
+                    let (dp, td) = (t / tm.dst_pt, t % tm.dst_pt);
+                    let n = (tm.src_pt - ts).min(tm.dst_pt - td).min(tokens.end - t);
+                    let so = self.src.offset(layer, region, src_pages[sp as usize]);
+                    let d0 = self.dst.offset(dl, region, dst_pages[dp as usize]);
+                    let w = tm.run(ts, td, n);
+                    push_merged(
+                        out,
+                        base,
+                        Write {
+                            src_offset: so + w.src_offset,
+                            dst_offset: d0 + w.dst_offset,
+                            ..w
+                        },
+                    );
+                    t += n;
                 }
             }
         }
@@ -839,6 +1087,74 @@ fn head_segments(
         return Ok(Vec::new());
     }
     Ok(slice_segments(hs, hd, s0, d0, a, b))
+}
+
+/// `same` packed into a buffer of exactly its size: the layout the equal-pages checks are run on
+/// (the real destination layout was validated already).
+fn packed_like(same: &KvLayout) -> KvLayout {
+    let mut l = same.clone();
+    let span = l.page_bytes.saturating_mul(u64::from(l.num_pages));
+    l.layer_stride = span;
+    l.region_stride = span.saturating_mul(u64::from(l.num_layers));
+    l.base_offset = 0;
+    l.buffer_len = l.region_stride.saturating_mul(u64::from(l.regions.count()));
+    l
+}
+
+/// The global heads a source rank writes into a destination rank under `tp`, as `(first head of
+/// the source rank, first head of the destination rank, first written, end written)`.
+fn heads_written(
+    hs: HeadLayout,
+    hd: HeadLayout,
+    tp: TpMapping,
+) -> Result<(u64, u64, u64, u64), PlanError> {
+    if hs.order != hd.order {
+        return Err(PlanError::HeadMismatch("head order differs"));
+    }
+    if hs.head_bytes != hd.head_bytes {
+        return Err(PlanError::HeadMismatch("head bytes differ"));
+    }
+    let (ns, nd) = (u64::from(hs.num_heads), u64::from(hd.num_heads));
+    match tp {
+        TpMapping::Identical | TpMapping::Replicated => {
+            if ns != nd {
+                return Err(PlanError::HeadMismatch("whole pages with different heads"));
+            }
+            Ok((0, 0, 0, ns))
+        }
+        TpMapping::HeadSliced {
+            prefill_tp,
+            decode_tp,
+            prefill_rank,
+            decode_rank,
+        } => {
+            if prefill_rank >= prefill_tp || decode_rank >= decode_tp {
+                return Err(PlanError::TpRankOutOfRange);
+            }
+            let s0 = u64::from(prefill_rank) * ns;
+            let d0 = u64::from(decode_rank) * nd;
+            let (a, b) = (s0.max(d0), (s0 + ns).min(d0 + nd));
+            if a >= b {
+                return Err(PlanError::HeadMismatch("the two ranks share no head"));
+            }
+            Ok((s0, d0, a, b))
+        }
+        TpMapping::Heads {
+            src_first,
+            dst_first,
+            first,
+            count,
+        } => {
+            let (s0, d0) = (u64::from(src_first), u64::from(dst_first));
+            let (a, b) = (u64::from(first), u64::from(first) + u64::from(count));
+            if count == 0 || a < s0 || b > s0 + ns || a < d0 || b > d0 + nd {
+                return Err(PlanError::HeadMismatch(
+                    "the heads written are not all held by both ranks",
+                ));
+            }
+            Ok((s0, d0, a, b))
+        }
+    }
 }
 
 /// Both sides' head geometry, checked to line up.

@@ -793,10 +793,12 @@ async fn follow(
                     }
                     Err(_) => {
                         asked = true;
-                        if stream.request_progress().await.is_err() {
-                            break;
+                        // The request itself waits on a stopped etcd (up to the client's own
+                        // timeout), so it too is bounded: no answer within the bound is silence.
+                        match tokio::time::timeout(bound, stream.request_progress()).await {
+                            Ok(Ok(())) => continue,
+                            _ => break,
                         }
-                        continue;
                     }
                 };
                 asked = false;

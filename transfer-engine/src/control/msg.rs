@@ -644,7 +644,9 @@ pub fn check_hello(local: &Hello, remote: &Hello) -> Result<(), RejectReason> {
             l.num_layers, r.num_layers
         )));
     }
-    if l.page_tokens != r.page_tokens {
+    // Prefill and decode pages may differ in size (the planner maps runs of tokens); the ranks
+    // of one pipeline share theirs.
+    if pp_peers && l.page_tokens != r.page_tokens {
         return Err(RejectReason::LayoutMismatch(format!(
             "this side's pages hold {} tokens, the peer's {}",
             l.page_tokens, r.page_tokens

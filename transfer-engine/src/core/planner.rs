@@ -1021,6 +1021,14 @@ impl Planner {
         Ok(())
     }
 
+    /// Source pages a request of `geom` (in the destination's pages) needs.
+    pub fn src_pages_needed(&self, geom: &ChunkGeometry) -> u64 {
+        match self.tokens {
+            Some(tm) => geom.prompt_tokens.div_ceil(tm.src_pt),
+            None => geom.num_pages(),
+        }
+    }
+
     /// The source layout.
     pub fn src(&self) -> &KvLayout {
         &self.src

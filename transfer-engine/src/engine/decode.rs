@@ -2211,8 +2211,13 @@ impl Inner {
             return true;
         };
         let mut writes = Vec::new();
-        // The source side's page numbers only affect merging, not the byte order, so identity pages do.
-        let src: Vec<u32> = (0..info.dst_pages.len() as u32).collect();
+        // The source side's page numbers only affect merging, not the byte order, so identity pages do
+        // (as many as the source's pages of the moved tokens).
+        let src_len = conn
+            .planner
+            .src_pages_needed(&info.geometry)
+            .max(info.dst_pages.len() as u64);
+        let src: Vec<u32> = (0..src_len as u32).collect();
         if conn
             .planner
             .plan_chunk(
@@ -2592,8 +2597,14 @@ async fn serve_rank(
             )));
         };
         let mapping = tp.mapping(s.prefill_tp, tp.size, tp.rank, &s.sources[j]);
-        let planner = Planner::new(&src, &i.cfg.layout, mapping)
-            .map_err(|e| RejectReason::LayoutMismatch(e.to_string()))?;
+        let planner = Planner::with_page_tokens(
+            &src,
+            &i.cfg.layout,
+            mapping,
+            remote.layout.page_tokens,
+            i.cfg.page_tokens,
+        )
+        .map_err(|e| RejectReason::LayoutMismatch(e.to_string()))?;
         let slot = s
             .slot(remote.pp_rank, j)
             .ok_or_else(|| RejectReason::PpMismatch("PP rank out of range".into()))?;

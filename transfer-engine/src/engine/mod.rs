@@ -373,7 +373,13 @@ fn layout_from_info(info: &control::LayoutInfo) -> Result<KvLayout, EngineError>
         page_bytes,
         info.pages,
     );
-    if info.tp_mode != control::TpMode::HeadSliced || info.kv_heads == 0 {
+    // Head geometry travels where the peer has it and it divides the token's bytes: needed to
+    // slice heads, and to map pages of other sizes where heads lie head-major.
+    if info.kv_heads == 0
+        || !info
+            .bytes_per_token_per_layer
+            .is_multiple_of(u64::from(info.kv_heads))
+    {
         return Ok(layout);
     }
     Ok(layout.with_heads(crate::core::planner::HeadLayout {

@@ -268,6 +268,8 @@ struct Link {
     addr: SocketAddr,
     peer: PeerId,
     planner: Planner,
+    /// Tokens in one of decode's pages (its requests' page lists are in these).
+    dst_page_tokens: u32,
     /// The rank its notifications name: its slot at the decode TP rank (its PP rank where TP
     /// is identical).
     notify_rank: u16,
@@ -1667,10 +1669,11 @@ impl Inner {
         req: control::TransferRequest,
     ) -> Result<bool, control::TransferRejectReason> {
         let request = RequestId(req.request);
+        // Decode's pages: its page list is in them, and the chunks send them (see the planner).
         let geometry = ChunkGeometry::after_prefix(
             u64::from(req.prompt_tokens),
             u64::from(req.chunk_tokens),
-            u64::from(self.cfg.page_tokens),
+            u64::from(link.dst_page_tokens),
             u64::from(req.prefix_tokens),
         );
         let check = geometry.as_ref().ok().map(|g| {
@@ -1679,6 +1682,8 @@ impl Inner {
                 link.planner.dst().num_pages,
                 g.num_pages() as usize,
             )
+            // A prefix is whole pages on both sides, so the moved tokens start a page on each.
+            .and_then(|()| control::validate_prefix(&req, link.dst_page_tokens))
             .and_then(|()| control::validate_prefix(&req, self.cfg.page_tokens))
         });
         let mut st = lock(&self.state);
@@ -2054,6 +2059,7 @@ fn plan_link(
             id,
             addr,
             dst,
+            page_tokens: remote.layout.page_tokens,
             metadata: &remote.backend.worker_or_agent,
             regions,
             tp: (remote.tp_rank, remote.tp_size),
@@ -2081,6 +2087,7 @@ fn external_link(
             id: LinkId(0),
             addr: cfg.decode,
             dst: x.layout,
+            page_tokens: cfg.page_tokens,
             metadata: &x.metadata,
             regions: vec![x.region],
             tp: (cfg.tp.rank, cfg.tp.size),
@@ -2096,6 +2103,8 @@ struct Target<'a> {
     id: LinkId,
     addr: SocketAddr,
     dst: KvLayout,
+    /// Tokens in one of decode's pages.
+    page_tokens: u32,
     metadata: &'a [u8],
     regions: Vec<crate::transport::RemoteRegion>,
     /// Decode's TP rank and size.
@@ -2129,11 +2138,22 @@ fn link_to(
     let mapping = cfg
         .tp
         .mapping(cfg.tp.size, decode_size, decode_rank, &sources[j]);
+    if t.page_tokens != cfg.page_tokens
+        && cfg.layout.heads.is_none()
+        && cfg.layout.regions != crate::core::planner::RegionKind::Fused
+    {
+        return Err(EngineError::Config(format!(
+            "decode's pages hold {} tokens and ours {}: a K/V layout needs its head geometry \
+             (KvLayout::with_heads) to be written into pages of another size",
+            t.page_tokens, cfg.page_tokens
+        )));
+    }
     let planner =
-        Planner::new(&cfg.layout, &t.dst, mapping).map_err(|source| EngineError::Plan {
-            request: None,
-            source,
-        })?;
+        Planner::with_page_tokens(&cfg.layout, &t.dst, mapping, cfg.page_tokens, t.page_tokens)
+            .map_err(|source| EngineError::Plan {
+                request: None,
+                source,
+            })?;
     // Decode's pool may come in several registrations too: our writes split at its segments.
     let dst_seg = super::pools::segment(
         t.dst.buffer_len,
@@ -2152,6 +2172,7 @@ fn link_to(
         addr: t.addr,
         peer,
         planner,
+        dst_page_tokens: t.page_tokens,
         notify_rank,
         dst_seg,
         dst_whole: t.dst.buffer_len,

@@ -176,7 +176,8 @@ def test_state_beside_the_kv_pages_is_refused_at_start():
 
 
 def test_a_layout_kvx_cannot_map_fails_each_request_at_once(directory):
-    """A prefill instance whose pages kvx cannot map onto this decode (another page size):
+    """A prefill instance whose pages kvx cannot map onto this decode (pages of twice the tokens
+    of half the heads' bytes: another size per head and token):
     decode's scheduler is told the instance is there, and the receiver fails at once naming both
     values, instead of waiting out the bootstrap timeout for ranks that never come."""
     import types
@@ -208,8 +209,7 @@ def test_a_layout_kvx_cannot_map_fails_each_request_at_once(directory):
             mgr=decode, bootstrap_addr=addr, bootstrap_room=7)
         receiver.init(0)
         assert receiver.poll() == KVPoll.Failed
-        with pytest.raises(kvx.ConfigError, match=f"page size {shape['page']}, this decode "
-                                                  f"{2 * shape['page']}"):
+        with pytest.raises(kvx.ConfigError, match=r"bytes per head and token \d+, this decode \d+"):
             receiver.failure_exception()
     finally:
         decode.close()
@@ -261,3 +261,32 @@ def test_a_secret_setting_that_is_there_but_unusable_is_refused(monkeypatch, tmp
         settings.secret()
     monkeypatch.delenv("KVX_SECRET")
     assert settings.secret() is None
+
+
+def test_page_sizes_that_differ_are_mapped_where_a_tokens_bytes_are_known():
+    """Which prefill layouts decode's manager takes (without I/O): other page sizes where heads
+    are known (MHA/GQA) or the latent is one row per token (MLA); not K/V pages without head
+    counts, not a token's bytes that differ, not a decode radix cache whose prefixes could end
+    inside a prefill page."""
+    import kvx
+    from kvx.sglang.manager import _refuse_other_layout as check
+
+    gqa = {"tp_size": 1, "page_size": 16, "page_bytes": 16 * 2 * 64, "split_kv": True,
+           "kv_heads": 2, "head_bytes": 64, "radix_cache": False}
+    for ps in (8, 32, 48):
+        check(gqa, dict(gqa, page_size=ps, page_bytes=ps * 2 * 64), "p")
+    radix = dict(gqa, radix_cache=True)
+    check(radix, dict(gqa, page_size=8, page_bytes=8 * 2 * 64), "p")
+    with pytest.raises(kvx.ConfigError, match="page size 32, this decode 16 with a radix cache"):
+        check(radix, dict(gqa, page_size=32, page_bytes=32 * 2 * 64), "p")
+    with pytest.raises(kvx.ConfigError, match="bytes per head and token 32, this decode 64"):
+        check(gqa, dict(gqa, page_size=32, head_bytes=32), "p")
+    bare = dict(gqa, kv_heads=0, head_bytes=0)
+    check(bare, dict(bare), "p")
+    with pytest.raises(kvx.ConfigError, match="without head counts"):
+        check(bare, dict(bare, page_size=32, page_bytes=32 * 2 * 64), "p")
+    mla = {"tp_size": 1, "page_size": 16, "page_bytes": 16 * 576, "split_kv": False,
+           "kv_heads": 0, "head_bytes": 0, "radix_cache": False}
+    check(mla, dict(mla, page_size=64, page_bytes=64 * 576), "p")
+    with pytest.raises(kvx.ConfigError, match="bytes per page of 64 tokens"):
+        check(mla, dict(mla, page_size=64, page_bytes=64 * 512), "p")

@@ -6,9 +6,10 @@ the same check fails for the one request whose moved KV had one byte corrupted o
 
 The UCX pair's prefill is a pipeline of two PP ranks (``--pp-size 2``), its decode runs two
 TokenizerWorker processes (``--tokenizer-worker-num 2``), and its second decode server two TP ranks
-(``--tp-size 2``), each taking one of the two KV heads from the prefill's one TP rank. The NIXL pair's decode serves a second
-prefill server too, through the same kvx engine: one of two TP ranks (``--tp-size 2``) whose
-heads both land in the decode's one rank.
+(``--tp-size 2``) with pages of 8 tokens (``--page-size 8``), each taking one of the two KV heads
+from the prefill's one TP rank and its pages of 16. The NIXL pair's decode serves a second
+prefill server too, through the same kvx engine: one of two TP ranks (``--tp-size 2``) with pages
+of 8 tokens whose heads both land in the decode's one rank and its pages of 16.
 
 Requests go to the pair as SGLang's own load balancer sends them (``sglang_servers.pair_generate``).
 Prompts run from 1 token to 792 (13 chunks of SGLang's chunked prefill of 64 at page size 16), one
@@ -151,17 +152,18 @@ def servers(model, logs, prompts):
             decode_args = ["--tokenizer-worker-num", "2"] if backend == "ucx" else [
                 "--disaggregation-decode-enable-radix-cache"]
             # The UCX pair's prefill is a pipeline of two PP ranks, and it has a second decode
-            # server of two TP ranks, each taking one of the prefill rank's two KV heads. The NIXL
-            # pair has a second prefill server of two TP ranks, whose heads both land in its
-            # decode's one rank.
+            # server of two TP ranks, each taking one of the prefill rank's two KV heads, with
+            # pages of 8 tokens (the prefill's hold 16). The NIXL pair has a second prefill server
+            # of two TP ranks with pages of 8, whose heads both land in its decode's one rank
+            # (pages of 16: its radix cache's prefixes are whole pages of 8 too).
             second = (free.pop(), free.pop()) if backend == "nixl" else None
             decode2 = free.pop() if backend == "ucx" else None
             pairs[backend] = Pair(
                 f"kvx-{backend}", model, logs, "kvx", env, [free.pop() for _ in range(3)],
                 decode_args, second, decode2,
                 prefill_args=["--pp-size", "2"] if backend == "ucx" else [],
-                prefill2_args=["--tp-size", "2"] if backend == "nixl" else [],
-                decode2_args=["--tp-size", "2"] if backend == "ucx" else [])
+                prefill2_args=["--tp-size", "2", "--page-size", "8"] if backend == "nixl" else [],
+                decode2_args=["--tp-size", "2", "--page-size", "8"] if backend == "ucx" else [])
         S.start_all([normal] + [s for p in pairs.values() for s in p.servers()])
         normal.expected = [S.generate(normal, p, NEW_TOKENS) for p in prompts]
         yield normal, pairs
@@ -197,9 +199,10 @@ def test_a_kvx_pair_answers_like_one_server(backend, servers, prompts):
 @pytest.mark.parametrize("concurrency", [1, 4])
 def test_two_prefill_tp_ranks_into_one_decode_rank_answer_like_one_server(concurrency, servers,
                                                                         prompts):
-    """The NIXL pair's second prefill server runs two TP ranks (``--tp-size 2``), its decode one:
-    each prefill rank writes its KV head into decode's token rows, and decode's tokens equal the
-    normal server's for every prompt, one at a time and four at a time."""
+    """The NIXL pair's second prefill server runs two TP ranks (``--tp-size 2``) with pages of 8
+    tokens, its decode one with pages of 16: each prefill rank writes its KV head into decode's
+    token rows, two of its pages into each of decode's, and decode's tokens equal the normal
+    server's for every prompt, one at a time and four at a time."""
     normal, pairs = servers
     pair = pairs["nixl"]
     rng = random.Random(f"tp2-{concurrency}")
@@ -238,10 +241,11 @@ def test_one_decode_server_serves_two_prefill_servers(servers, prompts):
 @pytest.mark.parametrize("concurrency", [1, 4])
 def test_one_prefill_rank_into_two_decode_tp_ranks_answers_like_one_server(concurrency, servers,
                                                                           prompts):
-    """The UCX pair's second decode server runs two TP ranks (``--tp-size 2``), its prefill one
-    (in each of its two PP ranks): each prefill rank writes one KV head into each decode rank,
-    from its one engine, and decode's tokens equal the normal server's for every prompt, one at
-    a time and four at a time."""
+    """The UCX pair's second decode server runs two TP ranks (``--tp-size 2``) with pages of 8
+    tokens, its prefill one (in each of its two PP ranks) with pages of 16: each prefill rank
+    writes one KV head into each decode rank, each of its pages into two of decode's, from its
+    one engine, and decode's tokens equal the normal server's for every prompt, one at a time
+    and four at a time."""
     normal, pairs = servers
     pair = pairs["ucx"]
     rng = random.Random(f"decode-tp2-{concurrency}")

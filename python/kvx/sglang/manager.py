@@ -95,16 +95,35 @@ def _refuse_unsupported(args: KVArgs, server_args, mode=None) -> None:
 def _refuse_other_layout(mine: dict, theirs: dict, addr: str) -> None:
     """A prefill instance whose ranks kvx cannot map onto this decode rank fails each request at
     once, naming what differs. TP sizes may differ (heads are sliced over the ranks, MLA's latent
-    is whole on each); page sizes and per-head bytes must agree."""
-    for key, what in (("page_size", "page size"), ("head_bytes", "bytes per head and token"),
-                      ("kv_heads", "model KV heads"), ("split_kv", "K/V split")):
+    is whole on each), and so may page sizes where a token's bytes are known on both sides (the
+    heads of an MHA/GQA page, the latent row of an MLA page): per-head bytes, the model's KV heads
+    and the K/V split must agree."""
+    for key, what in (("head_bytes", "bytes per head and token"), ("kv_heads", "model KV heads"),
+                      ("split_kv", "K/V split")):
         if key in theirs and theirs[key] != mine[key]:
             raise kvx.ConfigError(
                 f"kvx: prefill instance {addr} has {what} {theirs[key]}, this decode "
                 f"{mine[key]}: kvx does not map that, so far")
-    if not mine["kv_heads"] and theirs.get("page_bytes", mine["page_bytes"]) != mine["page_bytes"]:
-        raise kvx.ConfigError(f"kvx: prefill instance {addr} has {theirs['page_bytes']} bytes per "
-                              f"page, this decode {mine['page_bytes']}")
+    page_size = int(theirs.get("page_size", mine["page_size"]))
+    page_bytes = int(theirs.get("page_bytes", mine["page_bytes"]))
+    if mine.get("radix_cache") and mine["page_size"] % page_size:
+        # Decode's cached prefix is whole pages of its size, and prefill sends from there: a
+        # prefix that ends inside one of prefill's pages cannot be sent from.
+        raise kvx.ConfigError(
+            f"kvx: prefill instance {addr} has page size {page_size}, this decode "
+            f"{mine['page_size']} with a radix cache: its prefixes must be whole prefill pages "
+            "(a decode page size that is a multiple of prefill's)")
+    if mine["kv_heads"]:
+        return
+    if mine["split_kv"] and page_size != mine["page_size"]:
+        # K and V pages without head counts: kvx cannot tell where a token's bytes lie.
+        raise kvx.ConfigError(
+            f"kvx: prefill instance {addr} has page size {page_size}, this decode "
+            f"{mine['page_size']}: kvx does not map that without head counts, so far")
+    if page_bytes * mine["page_size"] != mine["page_bytes"] * page_size:
+        raise kvx.ConfigError(f"kvx: prefill instance {addr} has {page_bytes} bytes per page of "
+                              f"{page_size} tokens, this decode {mine['page_bytes']} of "
+                              f"{mine['page_size']}")
 
 
 def _release_failed_rooms_on_kvx_decision() -> None:
@@ -436,7 +455,9 @@ class KvxKVManager(BaseKVManager):
         """What a prefill instance must match to be mapped onto this decode rank."""
         return {"tp_size": self.tp_size, "page_size": self.page_size,
                 "page_bytes": self.pool.page_bytes, "split_kv": self.pool.split,
-                "kv_heads": self.pool.kv_heads, "head_bytes": self.pool.head_bytes}
+                "kv_heads": self.pool.kv_heads, "head_bytes": self.pool.head_bytes,
+                "radix_cache": bool(getattr(self.server_args,
+                                            "disaggregation_decode_enable_radix_cache", False))}
 
     def _sources(self, ranks: list) -> list:
         """The registered prefill ranks that write into this decode rank (every PP rank of each

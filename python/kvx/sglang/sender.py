@@ -34,6 +34,8 @@ class KvxKVSender(BaseKVSender):
         self.pages: List[int] = []
         self.posted: list = []
         self.next_chunk = 0
+        # Our pages the posted chunks cover (for the transfer metric's bytes).
+        self.posted_pages = 0
         self.decision = None
         self.failed: Optional[BaseException] = None
         self.created = time.monotonic()
@@ -116,25 +118,37 @@ class KvxKVSender(BaseKVSender):
         if self._gate is not None:
             return
         total = self.num_pages if self.num_pages is not None else len(self.pages)
-        per = max(1, self.request.chunk_tokens // self.kv_mgr.page_size)
+        # kvx's chunks are decode's (its chunk size, in its pages, whose size may differ from
+        # ours): chunk c moves at most the tokens up to (c + 1) * chunk_tokens, so it goes once our
+        # pages holding them are known; the last one needs every page.
+        ps = self.kv_mgr.page_size
+        chunk_tokens = self.request.chunk_tokens
         chunks = self.request.chunks
+        # Decode's pages may end past our last page (its last page is larger, or ends further):
+        # the engine reads as many of our pages as decode's pages span, so the list is padded
+        # with our last page; those bytes land in decode's last page after the prompt's end,
+        # where decode writes its own tokens later.
+        need = max(total, -(-int(self.request.prompt_tokens) // ps))
         pool = self.kv_mgr.pool
+        known = self.pages if self.pages else [0]
         # The engine reads a chunk's pages at their places in the request's whole list; pages not
         # known yet are never read (a chunk goes only once its pages are all known).
-        src = self.pages + [self.pages[0] if self.pages else 0] * max(0, total - len(self.pages))
+        src = self.pages + [known[-1] if len(self.pages) >= total else known[0]] * \
+            max(0, need - len(self.pages))
         try:
             while self.next_chunk < chunks:
-                end = min((self.next_chunk + 1) * per, total)
+                last = self.next_chunk + 1 == chunks
+                end = total if last else min(-(-(self.next_chunk + 1) * chunk_tokens // ps), total)
                 if len(self.pages) < end:
                     break
-                last = self.next_chunk + 1 == chunks
                 if last and self.kv_mgr.aux and self.aux_index is not None:
                     # The metadata row goes first, on the control connection.
                     self.engine.send_aux(self.bootstrap_room, self.kv_mgr.aux_row(int(self.aux_index)))
                 self.posted.append(self.engine.post_chunk(self.bootstrap_room, self.next_chunk,
                                                           src, last))
-                self.bytes += (end - self.next_chunk * per) * pool.page_bytes * pool.num_layers * \
+                self.bytes += (end - self.posted_pages) * pool.page_bytes * pool.num_layers * \
                     (2 if pool.split else 1)
+                self.posted_pages = end
                 self.next_chunk += 1
         except kvx.KvxError as e:
             self._fail(e)

@@ -5,10 +5,11 @@
 //! MLA latents go whole.
 //!
 //! A request's bytes are named by the request and the global KV head (0 for MLA's latent): the
-//! bytes of head `h`, token `t` of page `i` (of `n`) of region `g` of layer `l` are the pattern of
-//! stream (request, `h`) at `((l * regions + g) * n + i) * page_tokens * head_bytes + t *
-//! head_bytes`. So every decode TP rank's pages are checked against exactly the heads it holds,
-//! whichever prefill rank wrote them. Sources are written and destinations poisoned before a
+//! bytes of head `h` for token `t` of region `g` of layer `l` are the pattern of stream (request,
+//! `h`) at `((l * regions + g) * span + t) * head_bytes`, `span` the tokens a request's pages span
+//! on either side. So every decode TP rank's pages are checked against exactly the heads it holds,
+//! whichever prefill rank wrote them and whatever the page sizes on the two sides. Sources are
+//! written and destinations poisoned before a
 //! wave, and checked after it, outside the timed window.
 
 use crate::cluster::Shape;
@@ -38,6 +39,9 @@ pub struct TpSpec {
     pub prefill_tp: u16,
     /// Decode TP size.
     pub decode_tp: u16,
+    /// Tokens in a decode page (the shape's `page_tokens` are prefill's); where they differ, the
+    /// prompt must be whole pages on both sides.
+    pub decode_page_tokens: u32,
     /// Prompt tokens.
     pub prompt_tokens: u32,
     /// Chunk tokens.
@@ -59,6 +63,10 @@ pub struct TpReport {
     pub prefill_tp: u16,
     /// Decode TP size.
     pub decode_tp: u16,
+    /// Tokens in a prefill page.
+    pub prefill_page_tokens: u32,
+    /// Tokens in a decode page.
+    pub decode_page_tokens: u32,
     /// The model's KV bytes of each request (every head of every layer, counted once: MLA's
     /// copies in several decode TP ranks count once), over the timed windows, GB/s.
     pub gbps: f64,
@@ -116,20 +124,32 @@ impl TpSpec {
         }
     }
 
-    fn pages(&self) -> u32 {
-        self.shape.pages_for(self.prompt_tokens)
+    /// Pages of `page_tokens` a prompt fills.
+    fn pages(&self, page_tokens: u32) -> u32 {
+        self.prompt_tokens.div_ceil(page_tokens.max(1))
     }
 
-    /// The layout of a rank at TP size `tp` holding `layers` from `first`, `slots` requests' pages.
-    fn layout(&self, tp: u16, first: u32, layers: u32) -> KvLayout {
+    /// The tokens a request's pages span on either side (the head streams' length per layer and
+    /// region).
+    fn span(&self) -> u64 {
+        [self.shape.page_tokens, self.decode_page_tokens]
+            .into_iter()
+            .map(|pt| u64::from(self.pages(pt)) * u64::from(pt))
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The layout of a rank at TP size `tp` holding `layers` from `first`, in pages of
+    /// `page_tokens`, `slots` requests' pages.
+    fn layout(&self, tp: u16, first: u32, layers: u32, page_tokens: u32) -> KvLayout {
         let held = self.held(tp, 0).len() as u64;
-        let page_bytes = held * self.head_bytes() * u64::from(self.shape.page_tokens);
+        let page_bytes = held * self.head_bytes() * u64::from(page_tokens);
         let l = KvLayout::packed(
             first,
             layers,
             self.shape.regions,
             page_bytes,
-            self.pages() * self.concurrency.max(1),
+            self.pages(page_tokens) * self.concurrency.max(1),
         );
         if self.kv_heads == 0 {
             return l;
@@ -137,7 +157,7 @@ impl TpSpec {
         l.with_heads(HeadLayout {
             num_heads: held as u32,
             head_bytes: self.head_bytes(),
-            page_tokens: self.shape.page_tokens,
+            page_tokens,
             order: HeadOrder::TokenMajor,
         })
     }
@@ -160,16 +180,27 @@ impl TpSpec {
         if self.prompt_tokens == 0 || self.chunk_tokens == 0 || self.requests == 0 {
             return Err("prompt, chunk and request counts must be positive".into());
         }
+        let (ps, pd) = (self.shape.page_tokens, self.decode_page_tokens);
+        if pd == 0 {
+            return Err("decode pages of 0 tokens".into());
+        }
+        if ps != pd
+            && !(self.prompt_tokens.is_multiple_of(ps) && self.prompt_tokens.is_multiple_of(pd))
+        {
+            return Err(format!(
+                "a {}-token prompt is not whole pages of {ps} and of {pd} tokens: with page sizes \
+                 that differ, every page is checked whole",
+                self.prompt_tokens
+            ));
+        }
         Ok(())
     }
 }
 
-/// Where (region, layer, page position) of a request starts in a head's stream.
-fn stream_offset(s: &TpSpec, region: u32, layer: u32, pos: u32) -> u64 {
-    let n = u64::from(s.pages());
-    ((u64::from(layer) * u64::from(s.shape.regions.count()) + u64::from(region)) * n
-        + u64::from(pos))
-        * u64::from(s.shape.page_tokens)
+/// Where (region, layer, token) of a request lies in a head's stream: the same on both sides,
+/// whatever their page sizes.
+fn stream_offset(s: &TpSpec, region: u32, layer: u32, token: u64) -> u64 {
+    ((u64::from(layer) * u64::from(s.shape.regions.count()) + u64::from(region)) * s.span() + token)
         * s.head_bytes()
 }
 
@@ -178,10 +209,11 @@ fn stream(head: u32) -> u16 {
     head as u16
 }
 
-/// Writes (`write`) or checks (`check`) a rank's pages of one request: for every region, layer
-/// of `layers`, page position and token, the held heads' bytes.
+/// Writes (`write`) or checks (`check`) a rank's pages of one request (pages of `page_tokens`):
+/// for every region, layer of `layers`, page position and token, the held heads' bytes.
 fn for_each_head_run(
     s: &TpSpec,
+    page_tokens: u32,
     layout: &KvLayout,
     held: std::ops::Range<u32>,
     layers: std::ops::Range<u32>,
@@ -198,11 +230,12 @@ fn for_each_head_run(
                     + u64::from(region) * layout.region_stride
                     + u64::from(local) * layout.layer_stride
                     + u64::from(page) * layout.page_bytes;
-                let origin = stream_offset(s, region, layer, pos as u32);
-                for t in 0..u64::from(s.shape.page_tokens) {
+                let first = pos as u64 * u64::from(page_tokens);
+                for t in 0..u64::from(page_tokens) {
+                    let origin = stream_offset(s, region, layer, first + t);
                     for (k, head) in held.clone().enumerate() {
                         let at = base + (t * n_held + k as u64) * hb;
-                        run(at, head, origin + t * hb, hb as usize)?;
+                        run(at, head, origin, hb as usize)?;
                     }
                 }
             }
@@ -232,8 +265,9 @@ impl TpCluster {
         let s = spec.shape;
         let mut decodes = Vec::new();
         for rank in 0..spec.decode_tp {
-            let layout = spec.layout(spec.decode_tp, 0, s.layers);
-            let mut cfg = DecodeConfig::new(s.layers, s.page_tokens, layout.clone(), spec.pp);
+            let layout = spec.layout(spec.decode_tp, 0, s.layers, spec.decode_page_tokens);
+            let mut cfg =
+                DecodeConfig::new(s.layers, spec.decode_page_tokens, layout.clone(), spec.pp);
             cfg.tp = spec.tp(rank, spec.decode_tp);
             cfg.prefill_tp = Some(spec.prefill_tp);
             cfg.token = Some(Secret::new(&secret));
@@ -267,7 +301,12 @@ impl TpCluster {
                         request: None,
                         source,
                     })?;
-                let layout = spec.layout(spec.prefill_tp, range.start, range.len() as u32);
+                let layout = spec.layout(
+                    spec.prefill_tp,
+                    range.start,
+                    range.len() as u32,
+                    s.page_tokens,
+                );
                 let mut cfg = PrefillConfig::new(
                     decodes[*first as usize].local_addr(),
                     pp,
@@ -312,12 +351,18 @@ impl TpCluster {
     /// rank's.
     fn prepare(&self, request: RequestId, slot: u32) -> Result<(), String> {
         let s = &self.spec;
-        let pages = self.pages(slot);
+        let (pages, dst_pages) = (self.src_pages(slot), self.dst_pages(slot));
         let mut buf = vec![0u8; s.head_bytes() as usize];
         for (_, t, range, e) in &self.prefills {
-            let layout = s.layout(s.prefill_tp, range.start, range.len() as u32);
+            let layout = s.layout(
+                s.prefill_tp,
+                range.start,
+                range.len() as u32,
+                s.shape.page_tokens,
+            );
             for_each_head_run(
                 s,
+                s.shape.page_tokens,
                 &layout,
                 s.held(s.prefill_tp, *t),
                 range.clone(),
@@ -328,12 +373,13 @@ impl TpCluster {
                 },
             )?;
         }
-        let poison = vec![POISON; s.layout(s.decode_tp, 0, 1).page_bytes as usize];
+        let dst = s.layout(s.decode_tp, 0, s.shape.layers, s.decode_page_tokens);
+        let poison = vec![POISON; dst.page_bytes as usize];
         for d in &self.decodes {
-            let layout = s.layout(s.decode_tp, 0, s.shape.layers);
+            let layout = &dst;
             for region in 0..s.shape.regions.count() {
                 for layer in 0..s.shape.layers {
-                    for &p in &pages {
+                    for &p in &dst_pages {
                         let at = u64::from(region) * layout.region_stride
                             + u64::from(layer) * layout.layer_stride
                             + u64::from(p) * layout.page_bytes;
@@ -348,16 +394,17 @@ impl TpCluster {
     /// Checks every decode rank's `slot` pages against the heads it holds.
     fn check(&self, request: RequestId, slot: u32) -> Result<(), String> {
         let s = &self.spec;
-        let pages = self.pages(slot);
+        let pages = self.dst_pages(slot);
         let (mut got, mut want) = (
             vec![0u8; s.head_bytes() as usize],
             vec![0u8; s.head_bytes() as usize],
         );
         for (rank, d) in self.decodes.iter().enumerate() {
-            let layout = s.layout(s.decode_tp, 0, s.shape.layers);
+            let layout = s.layout(s.decode_tp, 0, s.shape.layers, s.decode_page_tokens);
             let held = s.held(s.decode_tp, rank as u16);
             for_each_head_run(
                 s,
+                s.decode_page_tokens,
                 &layout,
                 held,
                 0..s.shape.layers,
@@ -380,8 +427,15 @@ impl TpCluster {
         Ok(())
     }
 
-    fn pages(&self, slot: u32) -> Vec<u32> {
-        let n = self.spec.pages();
+    /// A slot's pages on prefill.
+    fn src_pages(&self, slot: u32) -> Vec<u32> {
+        let n = self.spec.pages(self.spec.shape.page_tokens);
+        (slot * n..(slot + 1) * n).collect()
+    }
+
+    /// A slot's pages on decode.
+    fn dst_pages(&self, slot: u32) -> Vec<u32> {
+        let n = self.spec.pages(self.spec.decode_page_tokens);
         (slot * n..(slot + 1) * n).collect()
     }
 
@@ -389,7 +443,7 @@ impl TpCluster {
     /// chunk; returns once every decode rank's outcome is in.
     async fn one(&self, request: RequestId, slot: u32) -> Result<(), String> {
         let s = &self.spec;
-        let pages = self.pages(slot);
+        let (pages, dst_pages) = (self.src_pages(slot), self.dst_pages(slot));
         let mut outcomes = Vec::new();
         for d in &self.decodes {
             outcomes.push(
@@ -397,7 +451,7 @@ impl TpCluster {
                     request,
                     s.prompt_tokens,
                     s.chunk_tokens,
-                    pages.clone(),
+                    dst_pages.clone(),
                     Duration::from_secs(60),
                 )
                 .map_err(|e| e.to_string())?,
@@ -475,6 +529,8 @@ impl TpCluster {
             backend: s.backend.to_string(),
             prefill_tp: s.prefill_tp,
             decode_tp: s.decode_tp,
+            prefill_page_tokens: s.shape.page_tokens,
+            decode_page_tokens: s.decode_page_tokens,
             gbps: bytes as f64 / timed.as_secs_f64().max(1e-9) / 1e9,
             requests: u64::from(s.requests),
             writes_per_request: writes / u64::from(s.requests),

@@ -187,7 +187,13 @@ async fn two_prefill_instances_and_two_decode_instances_nixl() {
 /// `kvbench --prefill-tp/--decode-tp`: GQA heads sliced from prefill TP 2 into decode TP 1 and
 /// from 1 into 2 at PP 2, and MLA latents from TP 2 into 1, every byte of every decode rank's
 /// pages checked against the heads it holds.
-async fn tp_run(prefill_tp: u16, decode_tp: u16, kv_heads: u32, backend: BackendKind) {
+async fn tp_run(
+    prefill_tp: u16,
+    decode_tp: u16,
+    kv_heads: u32,
+    backend: BackendKind,
+    decode_page_tokens: u32,
+) {
     use kvbench::tp::{TpCluster, TpSpec};
     let shape = Shape {
         layers: 4,
@@ -205,7 +211,9 @@ async fn tp_run(prefill_tp: u16, decode_tp: u16, kv_heads: u32, backend: Backend
         pp: 2,
         prefill_tp,
         decode_tp,
-        prompt_tokens: 100,
+        decode_page_tokens,
+        // Whole pages of every size used where the sizes differ (so every page is checked whole).
+        prompt_tokens: if decode_page_tokens == 16 { 100 } else { 96 },
         chunk_tokens: 32,
         concurrency: 2,
         requests: 4,
@@ -231,16 +239,30 @@ async fn tp_run(prefill_tp: u16, decode_tp: u16, kv_heads: u32, backend: Backend
     };
     assert_eq!(r.engines, u64::from(decode_tp + 2 * writers), "{r:?}");
     assert_eq!(r.registrations_per_process, 1, "{r:?}");
-    // Sliced heads are writes of many rows (16-token pages, consecutive pages continuing the
-    // rows), not a write per row.
+    // Sliced heads are writes of many rows (a page's tokens at least, consecutive pages
+    // continuing the rows), not a write per row.
     if kv_heads > 0 {
-        assert!(r.rows_per_request >= 16 * r.writes_per_request, "{r:?}");
+        let rows = u64::from(decode_page_tokens.min(16));
+        assert!(r.rows_per_request >= rows * r.writes_per_request, "{r:?}");
     }
+    assert_eq!(
+        (r.prefill_page_tokens, r.decode_page_tokens),
+        (16, decode_page_tokens)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kvbench_tp_runs_check_every_decode_ranks_heads() {
-    tp_run(2, 1, 4, BackendKind::Ucx).await;
-    tp_run(1, 2, 4, BackendKind::Ucx).await;
-    tp_run(2, 1, 0, BackendKind::Nixl).await;
+    tp_run(2, 1, 4, BackendKind::Ucx, 16).await;
+    tp_run(1, 2, 4, BackendKind::Ucx, 16).await;
+    tp_run(2, 1, 0, BackendKind::Nixl, 16).await;
+}
+
+/// `--decode-page-tokens`: prefill's 16-token pages into decode pages of 32 and of 8, with TP
+/// sliced both ways and MLA's latent rows, every decode byte checked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kvbench_tp_runs_map_pages_of_other_sizes() {
+    tp_run(2, 1, 4, BackendKind::Ucx, 32).await;
+    tp_run(1, 2, 4, BackendKind::Nixl, 8).await;
+    tp_run(1, 1, 0, BackendKind::Ucx, 48).await;
 }

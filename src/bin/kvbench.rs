@@ -104,6 +104,11 @@ struct Opts {
     /// Decode TP size (with --prefill-tp).
     #[arg(long)]
     decode_tp: Option<u16>,
+    /// Tokens in a decode page for --prefill-tp/--decode-tp (prefill's are the model's): the
+    /// mapped run writes prefill's pages into decode pages of this size (the identical run keeps
+    /// the model's on both sides). The prompt must be whole pages of both sizes.
+    #[arg(long)]
+    decode_page_tokens: Option<u32>,
     /// The model's KV heads for --prefill-tp/--decode-tp: heads are sliced over TP ranks (or
     /// replicated, with fewer heads than ranks). Default: 8 for --model gqa, none (MLA's latent,
     /// whole on every rank) for mla.
@@ -254,6 +259,12 @@ enum Role {
 }
 
 impl Opts {
+    /// Whether this is a run of the TP harness (`--prefill-tp`, `--decode-tp` or
+    /// `--decode-page-tokens`).
+    fn tp_run(&self) -> bool {
+        self.prefill_tp.is_some() || self.decode_tp.is_some() || self.decode_page_tokens.is_some()
+    }
+
     fn shape(&self) -> Result<Shape, String> {
         let mut s = match self.model {
             Model::Mla => Shape::MLA,
@@ -659,7 +670,7 @@ fn main() -> ExitCode {
         prompts,
     }) = &cli.role
     {
-        if cli.opts.processes || cli.opts.prefill_tp.is_some() || cli.opts.decode_tp.is_some() {
+        if cli.opts.processes || cli.opts.tp_run() {
             eprintln!("kvbench: sweep runs in one process, one TP size, so far");
             return ExitCode::from(2);
         }
@@ -706,13 +717,15 @@ fn main() -> ExitCode {
         }
         return run_processes(&cli.opts, &w);
     }
-    if cli.opts.prefill_tp.is_some() || cli.opts.decode_tp.is_some() {
+    if cli.opts.tp_run() {
         if cli.role.is_some()
             || cli.opts.processes
             || w.prefill_instances > 1
             || w.decode_instances > 1
         {
-            eprintln!("kvbench: --prefill-tp/--decode-tp run in one process, one instance, so far");
+            eprintln!(
+                "kvbench: --prefill-tp/--decode-tp/--decode-page-tokens run in one process, one instance, so far"
+            );
             return ExitCode::from(2);
         }
         return rt.block_on(run_tp(&cli.opts, &w));
@@ -937,6 +950,8 @@ async fn run_local(opts: &Opts, w: &Workload) -> Result<Vec<Report>, String> {
 async fn run_tp(opts: &Opts, w: &Workload) -> ExitCode {
     let decode_tp = opts.decode_tp.unwrap_or(1);
     let prefill_tp = opts.prefill_tp.unwrap_or(decode_tp);
+    let page_tokens = w.shape.page_tokens;
+    let decode_page_tokens = opts.decode_page_tokens.unwrap_or(page_tokens);
     let kv_heads = opts.kv_heads.unwrap_or(match opts.model {
         Model::Gqa => 8,
         Model::Mla => 0,
@@ -955,18 +970,22 @@ async fn run_tp(opts: &Opts, w: &Workload) -> ExitCode {
         w.concurrency
     );
     println!(
-        "backend  prefill TP  decode TP     GB/s  vs identical  writes/request  rows/request  engines  regs  verified"
+        "backend  prefill TP  decode TP  pages     GB/s  vs identical  writes/request  rows/request  engines  regs  verified"
     );
     let mut rows = Vec::new();
     for backend in opts.backends() {
         let mut identical = None;
-        for (p, d) in [(decode_tp, decode_tp), (prefill_tp, decode_tp)] {
+        for (p, d, dpt) in [
+            (decode_tp, decode_tp, page_tokens),
+            (prefill_tp, decode_tp, decode_page_tokens),
+        ] {
             let spec = kvbench::tp::TpSpec {
                 shape: w.shape,
                 kv_heads,
                 pp: w.pp,
                 prefill_tp: p,
                 decode_tp: d,
+                decode_page_tokens: dpt,
                 prompt_tokens: w.prompt_tokens,
                 chunk_tokens: w.chunk_tokens,
                 concurrency: w.concurrency,
@@ -997,10 +1016,11 @@ async fn run_tp(opts: &Opts, w: &Workload) -> ExitCode {
             };
             let base = *identical.get_or_insert(r.gbps);
             println!(
-                "{:<8} {:>10} {:>10} {:>8.2} {:>13.3} {:>15} {:>13} {:>8} {:>5} {:>9}",
+                "{:<8} {:>10} {:>10} {:>6} {:>8.2} {:>13.3} {:>15} {:>13} {:>8} {:>5} {:>9}",
                 r.backend,
                 r.prefill_tp,
                 r.decode_tp,
+                format!("{}>{}", r.prefill_page_tokens, r.decode_page_tokens),
                 r.gbps,
                 r.gbps / base,
                 r.writes_per_request,
@@ -1010,7 +1030,7 @@ async fn run_tp(opts: &Opts, w: &Workload) -> ExitCode {
                 if r.verified { "yes" } else { "NO" }
             );
             rows.push(r);
-            if prefill_tp == decode_tp {
+            if prefill_tp == decode_tp && decode_page_tokens == page_tokens {
                 break;
             }
         }

@@ -400,7 +400,8 @@ impl PrefillEngine {
     }
 
     /// Posts chunk `chunk` of `request` from `src_pages` (all of the request's pages in this rank's
-    /// pool, in prompt order; the chunk takes its own from them) and returns a `Pending` that ends (result `None`) when its writes are over, or raises
+    /// pool, in prompt order, as many as `prompt_tokens` span in this rank's pages, which may differ
+    /// in size from decode's; the chunk takes its own from them) and returns a `Pending` that ends (result `None`) when its writes are over, or raises
     /// why they failed. The writes are posted before this returns, in call order; `last` marks the
     /// request's final chunk.
     #[pyo3(signature = (request, chunk, src_pages, last))]

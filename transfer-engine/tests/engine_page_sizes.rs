@@ -25,8 +25,12 @@ const SECRET: &[u8] = b"page-sizes test secret, 32 bytes";
 const BOUND: Duration = Duration::from_secs(10);
 
 fn layout(pt: u32, order: HeadOrder) -> KvLayout {
+    layout_of(pt, order, POOL)
+}
+
+fn layout_of(pt: u32, order: HeadOrder, pool: u32) -> KvLayout {
     let page_bytes = u64::from(HEADS) * HEAD_BYTES * u64::from(pt);
-    KvLayout::packed(0, LAYERS, RegionKind::SplitKv, page_bytes, POOL).with_heads(HeadLayout {
+    KvLayout::packed(0, LAYERS, RegionKind::SplitKv, page_bytes, pool).with_heads(HeadLayout {
         num_heads: HEADS,
         head_bytes: HEAD_BYTES,
         page_tokens: pt,
@@ -159,4 +163,81 @@ async fn larger_prefill_pages_into_smaller_decode_pages() {
     one(BackendKind::Ucx, 32, 16, HeadOrder::HeadMajor).await;
     one(BackendKind::Ucx, 48, 16, HeadOrder::TokenMajor).await;
     one(BackendKind::Nixl, 32, 12, HeadOrder::TokenMajor).await;
+}
+
+/// As `kvx.sglang` sends it: decode expects its whole pages (a 17-token prompt in two pages of 16 is
+/// 32 tokens), prefill holds the prompt in three pages of 8, its whole pool, and repeats its last
+/// page to span decode's 32 tokens. With checksums on, the request completes and the prompt's
+/// tokens are in place (decode's check once replanned over more source pages than the pool holds,
+/// and failed the request).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_padded_source_list_into_larger_pages_with_checksums() {
+    let (ps, pd, prompt) = (8u32, 16u32, 17u32);
+    let order = HeadOrder::TokenMajor;
+    let (src_l, dst_l) = (layout_of(ps, order, 3), layout(pd, order));
+    let tag = format!("{}-padded", std::process::id());
+    let mut dcfg = DecodeConfig::new(LAYERS, pd, dst_l.clone(), 1);
+    dcfg.token = Some(Secret::new(SECRET));
+    dcfg.verify_checksums = true;
+    dcfg.backend = BackendConfig::default_for(BackendKind::Ucx, &format!("d-{tag}"));
+    let mut dbuf = HostBuffer::new(dst_l.buffer_len as usize, HostOptions::default()).unwrap();
+    dbuf.as_mut_slice().fill(POISON);
+    let d = DecodeEngine::start(dcfg, Pool::Owned(dbuf)).await.unwrap();
+    let src_pages = [2u32, 0, 1];
+    let dst_pages = vec![5u32, 3];
+    let mut sbuf = HostBuffer::new(src_l.buffer_len as usize, HostOptions::default()).unwrap();
+    let s = sbuf.as_mut_slice();
+    for r in 0..2 {
+        for l in 0..LAYERS {
+            for t in 0..prompt {
+                for h in 0..HEADS {
+                    for b in 0..HEAD_BYTES {
+                        s[at(&src_l, &src_pages, l, r, t, h, b) as usize] = value(l, r, t, h, b);
+                    }
+                }
+            }
+        }
+    }
+    let mut pcfg = PrefillConfig::new(d.local_addr(), 0, 1, LAYERS, ps, src_l.clone());
+    pcfg.token = Some(Secret::new(SECRET));
+    pcfg.checksums = true;
+    pcfg.backend = BackendConfig::default_for(BackendKind::Ucx, &format!("p-{tag}"));
+    let p = PrefillEngine::start(pcfg, Pool::Owned(sbuf)).await.unwrap();
+    d.wait_for_ranks(BOUND).await.unwrap();
+    let request = RequestId(17);
+    let span = dst_pages.len() as u32 * pd;
+    let done = d
+        .expect(request, span, CHUNK, dst_pages.clone(), BOUND)
+        .unwrap();
+    let asked = tokio::time::timeout(BOUND, p.next_request())
+        .await
+        .expect("prefill never took the request");
+    assert_eq!(asked.unwrap().request, request);
+    let padded = [2u32, 0, 1, 1];
+    p.send_chunk(request, 0, &padded, true).await.unwrap();
+    assert_eq!(
+        tokio::time::timeout(BOUND, done).await.unwrap(),
+        Outcome::Complete
+    );
+    let mut pool = vec![0u8; dst_l.buffer_len as usize];
+    d.read_pool(0, &mut pool).unwrap();
+    for r in 0..2 {
+        for l in 0..LAYERS {
+            for t in 0..prompt {
+                for h in 0..HEADS {
+                    for b in 0..HEAD_BYTES {
+                        let o = at(&dst_l, &dst_pages, l, r, t, h, b) as usize;
+                        assert_eq!(
+                            pool[o],
+                            value(l, r, t, h, b),
+                            "layer {l} region {r} token {t}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    p.decided(request).await;
+    drop(p);
+    d.shutdown(BOUND).await;
 }

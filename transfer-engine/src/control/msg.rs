@@ -614,7 +614,9 @@ fn check_tp(local: &Hello, remote: &Hello) -> Result<(), RejectReason> {
 ///    1 or 2 KV regions, positive page size);
 /// 3. roles: prefill with decode, or two prefill ranks of one pipeline (same `pp_size` and
 ///    `tp_size`, different ranks, disjoint layers); two decode sides never;
-/// 4. same model layer count, page size and number of KV regions; same backend;
+/// 4. same model layer count and number of KV regions, and between PP peers the same page size
+///    (prefill and decode pages may differ in size: the planner maps runs of tokens); same
+///    backend;
 /// 5. prefill to decode: the prefill rank's layers lie within the decode side's, and the TP
 ///    layouts map (see [`TpMode`]).
 ///

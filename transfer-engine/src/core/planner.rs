@@ -895,7 +895,10 @@ impl Planner {
 
     /// Appends the writes for pages `src_pages[i] -> dst_pages[i]` (all layers, all regions).
     /// `first_position` only labels errors. The two lists must be of equal length (the shorter
-    /// one bounds the plan otherwise).
+    /// one bounds the plan otherwise). With page sizes that differ
+    /// ([`with_page_tokens`](Self::with_page_tokens)) the lists pair tokens instead: token `t`
+    /// of the run lies in `src_pages[t / src_page_tokens]` and `dst_pages[t / dst_page_tokens]`,
+    /// up to the tokens the shorter side spans, and errors name positions in these lists.
     ///
     /// # Errors
     /// [`PlanError::PageOutOfRange`]; on error `out` is as it was.

@@ -2211,13 +2211,15 @@ impl Inner {
             return true;
         };
         let mut writes = Vec::new();
-        // The source side's page numbers only affect merging, not the byte order, so identity pages do
-        // (as many as the source's pages of the moved tokens).
+        // The source side's page numbers only affect merging, not the bytes hashed or their order,
+        // so any pages of its pool do: as many as the moved tokens span there (a caller may have
+        // padded its list with a page it repeats, so they may be more than its pool holds).
         let src_len = conn
             .planner
             .src_pages_needed(&info.geometry)
             .max(info.dst_pages.len() as u64);
-        let src: Vec<u32> = (0..src_len as u32).collect();
+        let src_pool = u64::from(conn.planner.src().num_pages.max(1));
+        let src: Vec<u32> = (0..src_len).map(|i| (i % src_pool) as u32).collect();
         if conn
             .planner
             .plan_chunk(

@@ -1081,7 +1081,10 @@ impl PrefillEngine {
 
     /// Writes chunk `chunk` of `request`: every layer of this rank for the pages the chunk completes
     /// (see [`crate::core::planner`]), then its notification. `src_pages` lists the request's pages in
-    /// this rank's pool, one per page of the prompt. `last` marks the rank's final chunk; its
+    /// this rank's pool, one per page of the prompt (of this rank's page size: where decode's
+    /// pages differ, as many as the tokens of decode's request span here, `ceil(prompt_tokens /
+    /// page_tokens)`; a caller with fewer may repeat its last page, whose extra tokens land past the
+    /// prompt in decode's last page). `last` marks the rank's final chunk; its
     /// completion casts this rank's vote.
     ///
     /// Waits (up to `request_wait`) for the decode side's page allocation if it has not arrived.

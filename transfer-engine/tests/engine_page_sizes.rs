@@ -61,17 +61,109 @@ fn value(l: u32, r: u32, t: u32, h: u32, b: u64) -> u8 {
     ((x ^ (x >> 7)) % 251) as u8
 }
 
-async fn one(backend: BackendKind, ps: u32, pd: u32, order: HeadOrder) {
-    let (src_l, dst_l) = (layout(ps, order), layout(pd, order));
-    let tag = format!("{}-{ps}-{pd}-{order:?}", std::process::id());
-    let mut dcfg = DecodeConfig::new(LAYERS, pd, dst_l.clone(), 1);
+/// Calls `f` for every (layer, region, token, head, byte) of the first `tokens` tokens.
+fn every_byte(tokens: u32, mut f: impl FnMut(u32, u32, u32, u32, u64)) {
+    for r in 0..2 {
+        for l in 0..LAYERS {
+            for t in 0..tokens {
+                for h in 0..HEADS {
+                    for b in 0..HEAD_BYTES {
+                        f(l, r, t, h, b);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// One request between a prefill of `ps`-token pages (a pool of `src_pool`) and a decode of
+/// `pd`-token pages, checksums on.
+struct Case {
+    backend: BackendKind,
+    ps: u32,
+    pd: u32,
+    order: HeadOrder,
+    src_pool: u32,
+    /// The prompt's tokens, whose bytes are checked in decode's pages.
+    prompt: u32,
+    /// The tokens decode expects (more than `prompt` where it rounds up to its pages).
+    expected: u32,
+    src_pages: Vec<u32>,
+    dst_pages: Vec<u32>,
+    /// The list prefill sends from (`src_pages`, or more where it pads).
+    sent: Vec<u32>,
+}
+
+/// Runs `c` and checks every byte of the prompt in decode's pages, and that nothing outside the
+/// expected tokens was written.
+async fn transfer(c: Case) {
+    let what = format!("{} {} -> {} {:?}", c.backend, c.ps, c.pd, c.order);
+    let (src_l, dst_l) = (layout_of(c.ps, c.order, c.src_pool), layout(c.pd, c.order));
+    let tag = format!("{}-{}-{}-{:?}", std::process::id(), c.ps, c.pd, c.order);
+    let mut dcfg = DecodeConfig::new(LAYERS, c.pd, dst_l.clone(), 1);
     dcfg.token = Some(Secret::new(SECRET));
     dcfg.verify_checksums = true;
-    dcfg.backend = BackendConfig::default_for(backend, &format!("d-{tag}"));
+    dcfg.backend = BackendConfig::default_for(c.backend, &format!("d-{tag}"));
     let mut dbuf = HostBuffer::new(dst_l.buffer_len as usize, HostOptions::default()).unwrap();
     dbuf.as_mut_slice().fill(POISON);
     let d = DecodeEngine::start(dcfg, Pool::Owned(dbuf)).await.unwrap();
 
+    let mut sbuf = HostBuffer::new(src_l.buffer_len as usize, HostOptions::default()).unwrap();
+    let s = sbuf.as_mut_slice();
+    every_byte(c.prompt, |l, r, t, h, b| {
+        s[at(&src_l, &c.src_pages, l, r, t, h, b) as usize] = value(l, r, t, h, b);
+    });
+    let mut pcfg = PrefillConfig::new(d.local_addr(), 0, 1, LAYERS, c.ps, src_l.clone());
+    pcfg.token = Some(Secret::new(SECRET));
+    pcfg.checksums = true;
+    pcfg.backend = BackendConfig::default_for(c.backend, &format!("p-{tag}"));
+    let p = PrefillEngine::start(pcfg, Pool::Owned(sbuf)).await.unwrap();
+    d.wait_for_ranks(BOUND).await.unwrap();
+
+    let request = RequestId(u64::from(c.ps * 1000 + c.pd));
+    let done = d
+        .expect(request, c.expected, CHUNK, c.dst_pages.clone(), BOUND)
+        .unwrap();
+    let asked = tokio::time::timeout(BOUND, p.next_request())
+        .await
+        .unwrap_or_else(|_| panic!("{what}: prefill never took the request"));
+    assert_eq!(asked.unwrap().request, request);
+    let chunks = c.expected.div_ceil(CHUNK);
+    for k in 0..chunks {
+        p.send_chunk(request, k, &c.sent, k + 1 == chunks)
+            .await
+            .unwrap();
+    }
+    assert_eq!(
+        tokio::time::timeout(BOUND, done).await.unwrap(),
+        Outcome::Complete,
+        "{what}"
+    );
+    let mut pool = vec![0u8; dst_l.buffer_len as usize];
+    d.read_pool(0, &mut pool).unwrap();
+    let mut written = vec![false; pool.len()];
+    every_byte(c.expected, |l, r, t, h, b| {
+        let o = at(&dst_l, &c.dst_pages, l, r, t, h, b) as usize;
+        if t < c.prompt {
+            assert_eq!(
+                pool[o],
+                value(l, r, t, h, b),
+                "{what}: layer {l} region {r} token {t} head {h} byte {b}"
+            );
+        }
+        written[o] = true;
+    });
+    let stray = pool
+        .iter()
+        .zip(&written)
+        .position(|(&v, &w)| !w && v != POISON);
+    assert_eq!(stray, None, "{what}: a byte outside the request");
+    p.decided(request).await;
+    drop(p);
+    d.shutdown(BOUND).await;
+}
+
+async fn one(backend: BackendKind, ps: u32, pd: u32, order: HeadOrder) {
     // The request's pages on each side, out of order.
     let src_pages: Vec<u32> = (0..PROMPT.div_ceil(ps))
         .map(|i| (i * 5 + 3) % POOL)
@@ -79,76 +171,19 @@ async fn one(backend: BackendKind, ps: u32, pd: u32, order: HeadOrder) {
     let dst_pages: Vec<u32> = (0..PROMPT.div_ceil(pd))
         .map(|i| (i * 7 + 2) % POOL)
         .collect();
-    let mut sbuf = HostBuffer::new(src_l.buffer_len as usize, HostOptions::default()).unwrap();
-    let s = sbuf.as_mut_slice();
-    for r in 0..2 {
-        for l in 0..LAYERS {
-            for t in 0..PROMPT {
-                for h in 0..HEADS {
-                    for b in 0..HEAD_BYTES {
-                        s[at(&src_l, &src_pages, l, r, t, h, b) as usize] = value(l, r, t, h, b);
-                    }
-                }
-            }
-        }
-    }
-    let mut pcfg = PrefillConfig::new(d.local_addr(), 0, 1, LAYERS, ps, src_l.clone());
-    pcfg.token = Some(Secret::new(SECRET));
-    pcfg.checksums = true;
-    pcfg.backend = BackendConfig::default_for(backend, &format!("p-{tag}"));
-    let p = PrefillEngine::start(pcfg, Pool::Owned(sbuf)).await.unwrap();
-    d.wait_for_ranks(BOUND).await.unwrap();
-
-    let request = RequestId(u64::from(ps * 1000 + pd));
-    let done = d
-        .expect(request, PROMPT, CHUNK, dst_pages.clone(), BOUND)
-        .unwrap();
-    let asked = tokio::time::timeout(BOUND, p.next_request())
-        .await
-        .unwrap_or_else(|_| panic!("{backend} {ps} -> {pd}: prefill never took the request"));
-    assert_eq!(asked.unwrap().request, request);
-    let chunks = PROMPT.div_ceil(CHUNK);
-    for c in 0..chunks {
-        p.send_chunk(request, c, &src_pages, c + 1 == chunks)
-            .await
-            .unwrap();
-    }
-    assert_eq!(
-        tokio::time::timeout(BOUND, done).await.unwrap(),
-        Outcome::Complete,
-        "{backend} {ps} -> {pd} {order:?}"
-    );
-    let mut pool = vec![0u8; dst_l.buffer_len as usize];
-    d.read_pool(0, &mut pool).unwrap();
-    let mut written = vec![false; pool.len()];
-    for r in 0..2 {
-        for l in 0..LAYERS {
-            for t in 0..PROMPT {
-                for h in 0..HEADS {
-                    for b in 0..HEAD_BYTES {
-                        let o = at(&dst_l, &dst_pages, l, r, t, h, b) as usize;
-                        assert_eq!(
-                            pool[o],
-                            value(l, r, t, h, b),
-                            "{backend} {ps} -> {pd} {order:?}: layer {l} region {r} token {t} head {h} byte {b}"
-                        );
-                        written[o] = true;
-                    }
-                }
-            }
-        }
-    }
-    let stray = pool
-        .iter()
-        .zip(&written)
-        .position(|(&v, &w)| !w && v != POISON);
-    assert_eq!(
-        stray, None,
-        "{backend} {ps} -> {pd} {order:?}: a byte outside the request"
-    );
-    p.decided(request).await;
-    drop(p);
-    d.shutdown(BOUND).await;
+    transfer(Case {
+        backend,
+        ps,
+        pd,
+        order,
+        src_pool: POOL,
+        prompt: PROMPT,
+        expected: PROMPT,
+        sent: src_pages.clone(),
+        src_pages,
+        dst_pages,
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -172,72 +207,17 @@ async fn larger_prefill_pages_into_smaller_decode_pages() {
 /// and failed the request).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_padded_source_list_into_larger_pages_with_checksums() {
-    let (ps, pd, prompt) = (8u32, 16u32, 17u32);
-    let order = HeadOrder::TokenMajor;
-    let (src_l, dst_l) = (layout_of(ps, order, 3), layout(pd, order));
-    let tag = format!("{}-padded", std::process::id());
-    let mut dcfg = DecodeConfig::new(LAYERS, pd, dst_l.clone(), 1);
-    dcfg.token = Some(Secret::new(SECRET));
-    dcfg.verify_checksums = true;
-    dcfg.backend = BackendConfig::default_for(BackendKind::Ucx, &format!("d-{tag}"));
-    let mut dbuf = HostBuffer::new(dst_l.buffer_len as usize, HostOptions::default()).unwrap();
-    dbuf.as_mut_slice().fill(POISON);
-    let d = DecodeEngine::start(dcfg, Pool::Owned(dbuf)).await.unwrap();
-    let src_pages = [2u32, 0, 1];
-    let dst_pages = vec![5u32, 3];
-    let mut sbuf = HostBuffer::new(src_l.buffer_len as usize, HostOptions::default()).unwrap();
-    let s = sbuf.as_mut_slice();
-    for r in 0..2 {
-        for l in 0..LAYERS {
-            for t in 0..prompt {
-                for h in 0..HEADS {
-                    for b in 0..HEAD_BYTES {
-                        s[at(&src_l, &src_pages, l, r, t, h, b) as usize] = value(l, r, t, h, b);
-                    }
-                }
-            }
-        }
-    }
-    let mut pcfg = PrefillConfig::new(d.local_addr(), 0, 1, LAYERS, ps, src_l.clone());
-    pcfg.token = Some(Secret::new(SECRET));
-    pcfg.checksums = true;
-    pcfg.backend = BackendConfig::default_for(BackendKind::Ucx, &format!("p-{tag}"));
-    let p = PrefillEngine::start(pcfg, Pool::Owned(sbuf)).await.unwrap();
-    d.wait_for_ranks(BOUND).await.unwrap();
-    let request = RequestId(17);
-    let span = dst_pages.len() as u32 * pd;
-    let done = d
-        .expect(request, span, CHUNK, dst_pages.clone(), BOUND)
-        .unwrap();
-    let asked = tokio::time::timeout(BOUND, p.next_request())
-        .await
-        .expect("prefill never took the request");
-    assert_eq!(asked.unwrap().request, request);
-    let padded = [2u32, 0, 1, 1];
-    p.send_chunk(request, 0, &padded, true).await.unwrap();
-    assert_eq!(
-        tokio::time::timeout(BOUND, done).await.unwrap(),
-        Outcome::Complete
-    );
-    let mut pool = vec![0u8; dst_l.buffer_len as usize];
-    d.read_pool(0, &mut pool).unwrap();
-    for r in 0..2 {
-        for l in 0..LAYERS {
-            for t in 0..prompt {
-                for h in 0..HEADS {
-                    for b in 0..HEAD_BYTES {
-                        let o = at(&dst_l, &dst_pages, l, r, t, h, b) as usize;
-                        assert_eq!(
-                            pool[o],
-                            value(l, r, t, h, b),
-                            "layer {l} region {r} token {t}"
-                        );
-                    }
-                }
-            }
-        }
-    }
-    p.decided(request).await;
-    drop(p);
-    d.shutdown(BOUND).await;
+    transfer(Case {
+        backend: BackendKind::Ucx,
+        ps: 8,
+        pd: 16,
+        order: HeadOrder::TokenMajor,
+        src_pool: 3,
+        prompt: 17,
+        expected: 32,
+        src_pages: vec![2, 0, 1],
+        dst_pages: vec![5, 3],
+        sent: vec![2, 0, 1, 1],
+    })
+    .await;
 }

@@ -116,6 +116,8 @@ def run(w, backend, secret):
 
     py_time = [0.0] * w.pp
     rank_errors = []
+    # Requests each rank saw decided (its vote board's answer), whatever the answer.
+    decided = [0] * w.pp
 
     def serve(r):
         p, k = ranks[r], 0
@@ -135,6 +137,7 @@ def run(w, backend, secret):
                 if not p.decided(req.request).wait(120).complete:
                     rank_errors.append(f"rank {r}: request {req.request} failed")
                 p.release(req.request)
+                decided[r] += 1
         except Exception as e:
             rank_errors.append(f"rank {r}: {e!r}")
 
@@ -212,6 +215,12 @@ def run(w, backend, secret):
         verified += ok
         mismatched += not ok
     report_stats = decode.stats()
+    # Decode's Complete can come before every rank has the other ranks' votes: closing decode
+    # then would fail the decisions still open on a rank. So every rank's last decision first.
+    total = w.requests + len(checked)
+    deadline = time.monotonic() + 60
+    while min(decided) < total and not rank_errors and time.monotonic() < deadline:
+        time.sleep(0.01)
     # Decode closes every rank (their next_request returns None and their threads end), then the
     # ranks stop.
     decode.shutdown(10)

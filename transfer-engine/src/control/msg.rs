@@ -121,9 +121,10 @@ pub struct Hello {
     pub engine_id: String,
     /// Prefill or decode.
     pub role: Role,
-    /// Pipeline-parallel rank.
+    /// Pipeline-parallel rank: a prefill rank's place in its pipeline, or a decode side's own PP
+    /// stage (0 of 1 unless decode is pipelined too).
     pub pp_rank: u16,
-    /// Pipeline-parallel size.
+    /// Pipeline-parallel size (of the prefill pipeline, or of the decode's own stages).
     pub pp_size: u16,
     /// Tensor-parallel rank.
     pub tp_rank: u16,
@@ -617,8 +618,9 @@ fn check_tp(local: &Hello, remote: &Hello) -> Result<(), RejectReason> {
 /// 4. same model layer count and number of KV regions, and between PP peers the same page size
 ///    (prefill and decode pages may differ in size: the planner maps runs of tokens); same
 ///    backend;
-/// 5. prefill to decode: the prefill rank's layers lie within the decode side's, and the TP
-///    layouts map (see [`TpMode`]).
+/// 5. prefill to decode: the prefill rank's layers lie within the decode side's; a decode of
+///    several PP stages takes only the prefill PP rank of its own stage, from a pipeline of as many
+///    stages; and the TP layouts map (see [`TpMode`]).
 ///
 /// # Errors
 /// The [`RejectReason`] for the first rule broken, with the numbers in words.
@@ -717,6 +719,14 @@ pub fn check_hello(local: &Hello, remote: &Hello) -> Result<(), RejectReason> {
     } else {
         (remote, local)
     };
+    if decode.pp_size > 1 && (decode.pp_size, decode.pp_rank) != (prefill.pp_size, prefill.pp_rank)
+    {
+        return Err(RejectReason::PpMismatch(format!(
+            "decode is PP stage {} of {} and takes only the prefill PP rank of its stage from a \
+             pipeline of as many; this prefill rank is PP rank {} of {}",
+            decode.pp_rank, decode.pp_size, prefill.pp_rank, prefill.pp_size
+        )));
+    }
     let (pr, dr) = (layer_range(&prefill.layout), layer_range(&decode.layout));
     if pr.start < dr.start || pr.end > dr.end {
         return Err(RejectReason::LayoutMismatch(format!(

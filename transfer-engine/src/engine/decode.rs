@@ -56,6 +56,10 @@ pub struct DecodeConfig {
     pub pp_size: u16,
     /// This decode rank's TP rank and size and how TP maps ([`TpConfig`]).
     pub tp: TpConfig,
+    /// This decode's own PP stage: 0 of 1 (the default) holds every layer and takes every rank of
+    /// each prefill pipeline; stage `r` of `s` holds its layers only (`layout`) and takes only
+    /// prefill PP rank `r`, of pipelines of `s` ranks (see [`DecodeStage`]).
+    pub stage: DecodeStage,
     /// The default instance's TP size; `None`: the same as this side's.
     pub prefill_tp: Option<u16>,
     /// The decode instance (server) this TP rank belongs to, carried in its Hello: every TP rank
@@ -106,6 +110,7 @@ impl DecodeConfig {
             layout,
             pp_size,
             tp: TpConfig::default(),
+            stage: DecodeStage::default(),
             prefill_tp: None,
             instance: String::new(),
             token: None,
@@ -117,6 +122,26 @@ impl DecodeConfig {
             heartbeat: Some(super::DEFAULT_HEARTBEAT),
             metrics: None,
         }
+    }
+}
+
+/// A decode side's own PP stage. A pipelined decode server (SGLang allows the prefill's PP size)
+/// runs one engine per stage; each holds its stage's layers and takes them from the prefill PP
+/// rank of the same stage. A stage's outcome speaks for its layers only: Complete once its rank
+/// delivered them, whatever another stage's rank did. The request as a whole is complete when
+/// every stage says so, which the caller agrees across its stages (SGLang's decode all-reduces its
+/// stages' polls and fails the request on every stage where one failed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeStage {
+    /// This stage.
+    pub rank: u16,
+    /// The decode's PP size.
+    pub size: u16,
+}
+
+impl Default for DecodeStage {
+    fn default() -> Self {
+        DecodeStage { rank: 0, size: 1 }
     }
 }
 
@@ -259,7 +284,12 @@ const DEFAULT_INSTANCE: &str = "";
 /// One prefill instance (one PP pipeline) the engine serves.
 struct Session {
     name: String,
+    /// The instance's PP size.
     pp_size: u16,
+    /// The instance's PP ranks that write into this decode: `pp_first..pp_first + pp_count`
+    /// (every one, or the one of this decode's own stage); slots count from `pp_first`.
+    pp_first: u16,
+    pp_count: u16,
     /// The instance's TP size.
     prefill_tp: u16,
     /// The prefill TP ranks that write into this decode TP rank (one for identical TP), in
@@ -296,14 +326,17 @@ impl Session {
     fn new(
         name: String,
         pp_size: u16,
+        (pp_first, pp_count): (u16, u16),
         prefill_tp: u16,
         sources: Vec<crate::core::topology::Source>,
         now: Instant,
     ) -> Self {
-        let slots = pp_size.saturating_mul(sources.len() as u16);
+        let slots = pp_count.saturating_mul(sources.len() as u16);
         Session {
             name,
             pp_size,
+            pp_first,
+            pp_count,
             prefill_tp,
             sources,
             ranks: (0..slots).map(|_| None).collect(),
@@ -319,30 +352,31 @@ impl Session {
         }
     }
 
-    /// Whether a rank in `slot` writing `layers` keeps the PP ranks' layers a tiling of the model's
-    /// `total`: rank 0 starts at layer 0, the last rank ends at `total`, and each rank starts where
-    /// the one before it ends (TP sources of one PP rank hold the same layers). Checked against the
-    /// ranks connected now, so once every rank is there no layer of the model is left unwritten
-    /// (a request would otherwise complete with those layers never written) and none is written
-    /// twice.
+    /// Whether a rank in `slot` writing `layers` keeps the PP ranks' layers a tiling of decode's
+    /// layers `want` (the model's, or its stage's): the first rank starts at `want.start`, the last
+    /// ends at `want.end`, and each rank starts where the one before it ends (TP sources of one PP
+    /// rank hold the same layers). Checked against the ranks connected now, so once every rank is
+    /// there no layer decode holds is left unwritten (a request would otherwise complete with those
+    /// layers never written) and none is written twice.
     fn layers_fit(
         &self,
         slot: u16,
         layers: &std::ops::Range<u32>,
-        total: u32,
+        want: &std::ops::Range<u32>,
     ) -> Result<(), String> {
         let fan = (self.sources.len() as u16).max(1);
         let pp = slot / fan;
-        if pp == 0 && layers.start != 0 {
+        let named = self.pp_first.saturating_add(pp);
+        if pp == 0 && layers.start != want.start {
             return Err(format!(
-                "PP rank 0 holds layers {layers:?}: layers 0..{} would never be written",
-                layers.start
+                "PP rank {named} holds layers {layers:?}: layers {}..{} would never be written",
+                want.start, layers.start
             ));
         }
-        if pp + 1 == self.pp_size && layers.end != total {
+        if pp + 1 == self.pp_count && layers.end != want.end {
             return Err(format!(
-                "the last PP rank, {pp}, holds layers {layers:?} of {total}: layers {}..{total} would never be written",
-                layers.end
+                "the last PP rank, {named}, holds layers {layers:?} of {want:?}: layers {}..{} would never be written",
+                layers.end, want.end
             ));
         }
         let connected = self
@@ -364,8 +398,9 @@ impl Session {
                 std::cmp::Ordering::Greater => layers.end <= theirs.start,
             };
             if !fits {
+                let other = self.pp_first.saturating_add(op);
                 return Err(format!(
-                    "PP rank {pp} holds layers {layers:?}, but PP rank {op} holds {theirs:?}: the ranks must hold consecutive layer ranges, each starting where the one before ends"
+                    "PP rank {named} holds layers {layers:?}, but PP rank {other} holds {theirs:?}: the ranks must hold consecutive layer ranges, each starting where the one before ends"
                 ));
             }
         }
@@ -374,10 +409,13 @@ impl Session {
 
     /// Slot of PP rank `pp_rank`'s `j`-th source.
     fn slot(&self, pp_rank: u16, j: usize) -> Option<u16> {
-        if pp_rank >= self.pp_size || j >= self.sources.len() {
+        let pp = pp_rank
+            .checked_sub(self.pp_first)
+            .filter(|p| *p < self.pp_count)?;
+        if j >= self.sources.len() {
             return None;
         }
-        crate::core::topology::slot(pp_rank, self.sources.len() as u16, j as u16)
+        crate::core::topology::slot(pp, self.sources.len() as u16, j as u16)
     }
 
     /// The lowest rank that is not connected, or else the lowest connected one that does not
@@ -968,6 +1006,19 @@ impl DecodeEngine {
             )));
         }
         cfg.tp.validate(&cfg.layout)?;
+        if cfg.stage.size == 0 || cfg.stage.rank >= cfg.stage.size {
+            return Err(EngineError::Config(format!(
+                "decode PP stage {} is not below its PP size {}",
+                cfg.stage.rank, cfg.stage.size
+            )));
+        }
+        if cfg.layout.layers().end > cfg.total_layers {
+            return Err(EngineError::Config(format!(
+                "the decode layout holds layers {:?}, past the model's {}",
+                cfg.layout.layers(),
+                cfg.total_layers
+            )));
+        }
         if cfg
             .token
             .as_ref()
@@ -1854,7 +1905,7 @@ impl DecodeEngine {
             .map(|s| (s.ranks.get(usize::from(rank)), s))
         {
             Some((Some(None), s)) => s
-                .layers_fit(rank, &src.layers(), self.inner.cfg.total_layers)
+                .layers_fit(rank, &src.layers(), &decode_layers(&self.inner.cfg))
                 .map_err(EngineError::Config)?,
             Some((Some(Some(_)), _)) => {
                 return Err(EngineError::Config(format!("rank {rank} is already bound")));
@@ -2445,6 +2496,17 @@ fn add_session(
     now: Instant,
 ) -> Result<SessionId, EngineError> {
     let sources = cfg.tp.source_at(prefill_tp, cfg.tp.size, cfg.tp.rank)?;
+    let stage = cfg.stage;
+    let ranks = if stage.size <= 1 {
+        (0, pp_size)
+    } else if pp_size == stage.size {
+        (stage.rank, 1)
+    } else {
+        return Err(EngineError::Config(format!(
+            "decode is PP stage {} of {}: it takes prefill pipelines of {} ranks only, not {pp_size}",
+            stage.rank, stage.size, stage.size
+        )));
+    };
     if usize::from(pp_size) * sources.len() > usize::from(u16::MAX) {
         return Err(EngineError::Config(format!(
             "{pp_size} PP ranks of {} sources each are too many",
@@ -2455,10 +2517,26 @@ fn add_session(
     st.next_session = st.next_session.wrapping_add(1);
     st.sessions.insert(
         id,
-        Session::new(instance.to_owned(), pp_size, prefill_tp, sources, now),
+        Session::new(
+            instance.to_owned(),
+            pp_size,
+            ranks,
+            prefill_tp,
+            sources,
+            now,
+        ),
     );
     st.names.insert(instance.to_owned(), id);
     Ok(id)
+}
+
+/// The layers this decode holds, which its prefill ranks must tile: the model's, or its stage's.
+fn decode_layers(cfg: &DecodeConfig) -> std::ops::Range<u32> {
+    if cfg.stage.size > 1 {
+        cfg.layout.layers()
+    } else {
+        0..cfg.total_layers
+    }
 }
 
 fn unknown_instance(instance: &str) -> EngineError {
@@ -2522,9 +2600,8 @@ fn local_hello(inner: &Inner) -> Result<Hello, EngineError> {
             regions: pool.remotes().iter().map(wire_regions).collect(),
         },
     )
-    // A decode has no PP rank of its own; the size is the default instance's (at least 1, which
-    // a Hello must carry).
-    .with_pp(0, cfg.pp_size.max(1))
+    // Its own PP stage (0 of 1 unless decode is pipelined).
+    .with_pp(cfg.stage.rank, cfg.stage.size)
     .with_tp(cfg.tp.rank, cfg.tp.size)
     .with_heartbeat(cfg.heartbeat);
     Ok(Hello {
@@ -2610,7 +2687,7 @@ async fn serve_rank(
         let slot = s
             .slot(remote.pp_rank, j)
             .ok_or_else(|| RejectReason::PpMismatch("PP rank out of range".into()))?;
-        s.layers_fit(slot, &src.layers(), i.cfg.total_layers)
+        s.layers_fit(slot, &src.layers(), &decode_layers(&i.cfg))
             .map_err(RejectReason::LayoutMismatch)?;
         let busy = s
             .rank(slot)
@@ -2676,7 +2753,7 @@ async fn serve_rank(
                 .layout
                 .first_layer
                 .saturating_add(remote.layout.layers);
-        let total = i.cfg.total_layers;
+        let want = decode_layers(&i.cfg);
         // The claim ends here: the rank is admitted in its place, or refused.
         if let Some(s) = st.sessions.get_mut(&session) {
             s.claims.retain(|c| c.id != claim);
@@ -2690,7 +2767,7 @@ async fn serve_rank(
                     .rank(rank)
                     .is_some_and(|r| !r.replaceable_by(remote.incarnation));
                 // A neighbour may have arrived since the handshake's check.
-                s.layers_fit(rank, &layers, total).ok()?;
+                s.layers_fit(rank, &layers, &want).ok()?;
                 let previous = s.incarnations.admit(rank, remote.incarnation, busy).ok()?;
                 s.closed_ranks.remove(&rank);
                 replaced = s.ranks[usize::from(rank)].replace(RankConn {

@@ -10,7 +10,9 @@ mod decode;
 mod pools;
 mod prefill;
 
-pub use decode::{Absence, DecodeConfig, DecodeEngine, DecodeStats, Expected, ShutdownReport};
+pub use decode::{
+    Absence, DecodeConfig, DecodeEngine, DecodeStage, DecodeStats, Expected, ShutdownReport,
+};
 pub use prefill::{
     ExternalDecode, IncomingRequest, LinkId, MeshSocket, NotifyFormat, PrefillConfig,
     PrefillEngine, PrefillStats,

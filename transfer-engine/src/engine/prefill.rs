@@ -2066,6 +2066,7 @@ fn plan_link(
             metadata: &remote.backend.worker_or_agent,
             regions,
             tp: (remote.tp_rank, remote.tp_size),
+            staged: remote.pp_size > 1,
             heartbeat: remote.heartbeat(),
             instance: remote.instance.clone(),
         },
@@ -2094,6 +2095,7 @@ fn external_link(
             metadata: &x.metadata,
             regions: vec![x.region],
             tp: (cfg.tp.rank, cfg.tp.size),
+            staged: false,
             heartbeat: cfg.heartbeat,
             instance: String::new(),
         },
@@ -2112,6 +2114,9 @@ struct Target<'a> {
     regions: Vec<crate::transport::RemoteRegion>,
     /// Decode's TP rank and size.
     tp: (u16, u16),
+    /// Decode is one PP stage of several, taking only this rank's stage (`check_hello` saw to
+    /// it): this rank is the first, and only, PP rank in its slots.
+    staged: bool,
     /// Decode's heartbeat interval.
     heartbeat: Option<Duration>,
     /// The decode instance it belongs to, as its Hello names it.
@@ -2136,7 +2141,8 @@ fn link_to(
             cfg.tp.rank
         )));
     };
-    let notify_rank = crate::core::topology::slot(cfg.pp_rank, sources.len() as u16, j as u16)
+    let pp = if t.staged { 0 } else { cfg.pp_rank };
+    let notify_rank = crate::core::topology::slot(pp, sources.len() as u16, j as u16)
         .ok_or_else(|| EngineError::Config("too many PP and TP ranks".into()))?;
     let mapping = cfg
         .tp

@@ -147,6 +147,7 @@ class DecodeEngine:
         kv_heads: int = 0,
         decode_instance: str = "",
         metrics: str | None = None,
+        pp_stage: tuple[int, int] = (0, 1),
     ) -> None: ...
     @property
     def address(self) -> str: ...

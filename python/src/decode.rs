@@ -62,13 +62,16 @@ impl DecodeEngine {
     /// instance's TP size. `decode_instance` names the decode server this rank belongs to, alike
     /// on all its TP ranks: a prefill rank that writes into several of them (prefill TP smaller
     /// than decode's) then serves their allocations of one request as one, from its one engine.
+    /// `pp_stage=(rank, size)` is this decode's own PP stage where decode is pipelined too: its
+    /// `layout` then holds that stage's layers only, it takes them from prefill PP rank `rank` of
+    /// pipelines of `size` ranks, and its outcomes speak for its layers only.
     #[new]
     #[pyo3(signature = (
         *, layout, total_layers, page_tokens, pp_size, memory, listen = "127.0.0.1:0",
         secret = None, backend = "ucx", engine_id = None, device = "cpu", checksums = false,
         abort_ack_timeout = 5.0, handshake_timeout = 10.0, rank_wait = 10.0, heartbeat = Some(5.0),
         tp_rank = 0, tp_size = 1, tp_mode = "identical", kv_heads = 0,
-        decode_instance = String::new(), metrics = None,
+        decode_instance = String::new(), metrics = None, pp_stage = (0, 1),
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -94,6 +97,7 @@ impl DecodeEngine {
         kv_heads: u32,
         decode_instance: String,
         metrics: Option<&str>,
+        pp_stage: (u16, u16),
     ) -> PyResult<Self> {
         let tp = crate::tp_config(tp_rank, tp_size, tp_mode, kv_heads)?;
         let listen: SocketAddr = listen
@@ -124,6 +128,10 @@ impl DecodeEngine {
         cfg.rank_wait = seconds("rank_wait", rank_wait)?;
         cfg.heartbeat = heartbeat.map(|h| seconds("heartbeat", h)).transpose()?;
         cfg.tp = tp;
+        cfg.stage = transfer_engine::engine::DecodeStage {
+            rank: pp_stage.0,
+            size: pp_stage.1,
+        };
         cfg.instance = decode_instance;
         cfg.metrics = metrics
             .map(|m| {

@@ -163,16 +163,13 @@ def test_state_beside_the_kv_pages_is_refused_at_start():
     # A decode-side radix cache is carried (decode_prefix_len: test_sglang_servers.py).
     server_args.disaggregation_decode_enable_radix_cache = True
     _refuse_unsupported(args, server_args)
-    # Not mapped yet: refused by name rather than left to hang.
-    from sglang.srt.disaggregation.utils import DisaggregationMode
-
+    # Pipelined prefill and decode are carried (test_sglang_servers.py); DP attention is not
+    # mapped yet: refused by name rather than left to hang.
     server_args.pp_size = 2
-    _refuse_unsupported(args, server_args, DisaggregationMode.PREFILL)
-    with pytest.raises(kvx.ConfigError, match="pp-size"):
-        _refuse_unsupported(args, server_args, DisaggregationMode.DECODE)
+    _refuse_unsupported(args, server_args)
     server_args.pp_size, server_args.enable_dp_attention = 1, True
     with pytest.raises(kvx.ConfigError, match="dp-attention"):
-        _refuse_unsupported(args, server_args, DisaggregationMode.PREFILL)
+        _refuse_unsupported(args, server_args)
 
 
 def test_a_layout_kvx_cannot_map_fails_each_request_at_once(directory):
@@ -213,6 +210,56 @@ def test_a_layout_kvx_cannot_map_fails_each_request_at_once(directory):
             receiver.failure_exception()
     finally:
         decode.close()
+        prefill.close()
+
+
+def test_a_pipelined_decode_beside_a_pipeline_of_another_size_fails_at_once(directory,
+                                                                            monkeypatch):
+    """Decode in two PP stages, prefill in one: no prefill rank is of decode stage 1's stage, yet
+    each stage's scheduler is told the instance is there and each receiver fails at once naming
+    both sizes, instead of waiting out the bootstrap timeout for ranks that never come."""
+    import types
+
+    import kvx
+    import sglang_role as R
+    from kvx.sglang import settings
+    from sglang.srt.disaggregation import utils
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    KVX = utils.TransferBackend("kvx")
+    shape = R.SHAPES["gqa"]
+    half = shape["layers"] // 2
+    # SGLang's split of the model's layers (ModelConfig reads a model; the real servers' test runs
+    # it): stage r holds layers r*half .. (r+1)*half.
+    monkeypatch.setattr(settings, "decode_stage_layers",
+                        lambda _args, rank, size: (rank * half, half, shape["layers"]))
+
+    def args(pp_size):
+        return types.SimpleNamespace(pp_size=pp_size, tp_size=1, host="127.0.0.1",
+                                     disaggregation_bootstrap_port=directory.port)
+
+    manager = utils.get_kv_class(KVX, utils.KVClassType.MANAGER)
+    pool = R.Pool(shape, 0, shape["layers"], 16)
+    prefill = manager(pool.kv_args(shape["page"], 0), utils.DisaggregationMode.PREFILL, args(1),
+                      False)
+    stages = []
+    try:
+        addr = f"127.0.0.1:{directory.port}"
+        for rank in range(2):
+            dpool = R.Pool(shape, rank * half, half, 16)
+            decode = manager(dpool.kv_args(shape["page"], rank), utils.DisaggregationMode.DECODE,
+                             args(2), False)
+            stages.append((decode, dpool))
+            assert decode.try_ensure_parallel_info(addr)
+            receiver = utils.get_kv_class(KVX, utils.KVClassType.RECEIVER)(
+                mgr=decode, bootstrap_addr=addr, bootstrap_room=7)
+            receiver.init(0)
+            assert receiver.poll() == KVPoll.Failed
+            with pytest.raises(kvx.ConfigError, match="has PP size 1, this decode 2 stages"):
+                receiver.failure_exception()
+    finally:
+        for decode, _ in stages:
+            decode.close()
         prefill.close()
 
 

@@ -7,7 +7,8 @@ the same check fails for the one request whose moved KV had one byte corrupted o
 The UCX pair's prefill is a pipeline of two PP ranks (``--pp-size 2``), its decode runs two
 TokenizerWorker processes (``--tokenizer-worker-num 2``), and its second decode server two TP ranks
 (``--tp-size 2``) with pages of 8 tokens (``--page-size 8``), each taking one of the two KV heads
-from the prefill's one TP rank and its pages of 16. The NIXL pair's decode serves a second
+from the prefill's one TP rank and its pages of 16; its third decode server is a pipeline of two PP
+stages (``--pp-size 2``), each taking its layer from the prefill PP rank of its stage. The NIXL pair's decode serves a second
 prefill server too, through the same kvx engine: one of two TP ranks (``--tp-size 2``) with pages
 of 8 tokens whose heads both land in the decode's one rank and its pages of 16.
 
@@ -57,7 +58,7 @@ class Pair:
 
     def __init__(self, name, model, logs, backend, env, three_ports, decode_args=(),
                  second_prefill=None, second_decode=None, prefill_args=(), prefill2_args=(),
-                 decode2_args=()):
+                 decode2_args=(), third_decode=None, decode3_args=()):
         prefill_port, decode_port, self.bootstrap_port = three_ports
         # Servers of several ranks (PP or TP 2) need S.MULTI_RANK_ENV on SGLang's CPU engine.
         self.prefill = S.Server(f"{name}-prefill", model, prefill_port, logs, [
@@ -83,9 +84,17 @@ class Pair:
                 "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", backend,
                 "--disaggregation-decode-retraction-backup", "cpu_tensor", *decode2_args],
                 {**env, **S.MULTI_RANK_ENV} if decode2_args else env)
+        # A third decode server (its port) for the same prefill server.
+        self.decode3 = None
+        if third_decode is not None:
+            self.decode3 = S.Server(f"{name}-decode3", model, third_decode, logs, [
+                "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", backend,
+                "--disaggregation-decode-retraction-backup", "cpu_tensor", *decode3_args],
+                {**env, **S.MULTI_RANK_ENV} if decode3_args else env)
 
     def servers(self):
-        return [self.prefill, self.decode] + [s for s in (self.prefill2, self.decode2) if s]
+        return [self.prefill, self.decode] + [
+            s for s in (self.prefill2, self.decode2, self.decode3) if s]
 
     def generate(self, ids, room, **extra):
         return S.pair_generate(self.prefill, self.decode, self.bootstrap_port, ids, NEW_TOKENS, room,
@@ -97,6 +106,10 @@ class Pair:
 
     def generate_d2(self, ids, room):
         return S.pair_generate(self.prefill, self.decode2, self.bootstrap_port, ids, NEW_TOKENS,
+                               room)
+
+    def generate_d3(self, ids, room):
+        return S.pair_generate(self.prefill, self.decode3, self.bootstrap_port, ids, NEW_TOKENS,
                                room)
 
     def logs(self):
@@ -129,7 +142,7 @@ def servers(model, logs, prompts):
     imports: together they are ready sooner than one after another); the normal server's greedy
     tokens for every prompt."""
     # Drawn in one call, so no two servers are given the same port.
-    free = ports(1 + 3 * len(BACKENDS) + 2 + 1)
+    free = ports(1 + 3 * len(BACKENDS) + 2 + 1 + 1)
     normal = S.Server("normal", model, free.pop(), logs)
     pairs = {}
     try:
@@ -158,12 +171,17 @@ def servers(model, logs, prompts):
             # (pages of 16: its radix cache's prefixes are whole pages of 8 too).
             second = (free.pop(), free.pop()) if backend == "nixl" else None
             decode2 = free.pop() if backend == "ucx" else None
+            # The UCX pair's third decode server is a pipeline of two PP stages, like its prefill:
+            # each stage takes its layer from the prefill PP rank of its stage.
+            decode3 = free.pop() if backend == "ucx" else None
             pairs[backend] = Pair(
                 f"kvx-{backend}", model, logs, "kvx", env, [free.pop() for _ in range(3)],
                 decode_args, second, decode2,
                 prefill_args=["--pp-size", "2"] if backend == "ucx" else [],
                 prefill2_args=["--tp-size", "2", "--page-size", "8"] if backend == "nixl" else [],
-                decode2_args=["--tp-size", "2", "--page-size", "8"] if backend == "ucx" else [])
+                decode2_args=["--tp-size", "2", "--page-size", "8"] if backend == "ucx" else [],
+                third_decode=decode3,
+                decode3_args=["--pp-size", "2"] if backend == "ucx" else [])
         S.start_all([normal] + [s for p in pairs.values() for s in p.servers()])
         normal.expected = [S.generate(normal, p, NEW_TOKENS) for p in prompts]
         yield normal, pairs
@@ -276,6 +294,23 @@ def test_one_prefill_server_serves_two_decode_servers(servers, prompts):
     assert text.count("serves decode ") == 2 * 2, pair.prefill.log()
     assert "kvx: decode engine started" in pair.decode2.log_path.read_text(), pair.decode2.log()
     assert_clean_logs(pair)
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_a_pipelined_decode_answers_like_one_server(concurrency, servers, prompts):
+    """The UCX pair's third decode server is a pipeline of two PP stages (``--pp-size 2``), as its
+    prefill is: each decode stage holds one of the model's two layers, and takes it from the
+    prefill PP rank of its stage, into an engine of its own; decode's tokens equal the normal
+    server's for every prompt, one at a time and four at a time."""
+    normal, pairs = servers
+    pair = pairs["ucx"]
+    rng = random.Random(f"decode-pp2-{concurrency}")
+    rooms = [rng.randrange(1 << 62) for _ in prompts]
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(pair.generate_d3, prompts, rooms))
+    check(pair, normal, prompts, results, f"PP 2 prefill into PP 2 decode, concurrency {concurrency}")
+    text = pair.decode3.log_path.read_text()
+    assert text.count("kvx: decode engine started") == 2, pair.decode3.log()
 
 
 # How long a request through a pair may take to end, in any way, once a server is aborted or killed
@@ -463,4 +498,4 @@ def test_per_room_state_is_back_to_zero_after_the_faults(servers):
     assert all("allocations" in states[s.name] for p in pairs.values()
                for s in (p.prefill, p.prefill2) if s), states
     assert all("rooms" in states[s.name] for p in pairs.values()
-               for s in (p.decode, p.decode2) if s), states
+               for s in (p.decode, p.decode2, p.decode3) if s), states

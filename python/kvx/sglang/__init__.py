@@ -28,7 +28,9 @@ A rank's KV buffers (one per layer, then per K and V, in SGLang's order) are reg
 (``aux_index``: the first output token, logprobs...) travel on kvx's control connection
 (``send_aux``) before the last chunk. A decode-side radix cache's prefix (``decode_prefix_len``) travels
 with the page allocation. Limits: models with state beside their KV pages (Mamba, SWA, DSA...)
-are refused at start; one decode PP rank. TP sizes may differ (heads sliced over the ranks).
+are refused at start, and so is DP attention. TP sizes may differ (heads sliced over the ranks),
+and so may page sizes; a pipelined decode (``--pp-size`` equal to its prefill's) runs one engine
+per stage, each taking its layers from the prefill PP rank of its stage.
 """
 
 from __future__ import annotations

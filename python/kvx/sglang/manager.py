@@ -76,10 +76,10 @@ class _Pool:
                                  heads=self.heads, head_bytes=self.head_bytes)
 
 
-def _refuse_unsupported(args: KVArgs, server_args, mode=None) -> None:
+def _refuse_unsupported(args: KVArgs, server_args) -> None:
     """What kvx does not carry yet is refused at start, by name, never dropped or left to hang:
     state beside the KV pages (decode would run on uninitialised state), DP attention (rooms are
-    not routed to DP ranks), several decode PP ranks."""
+    not routed to DP ranks)."""
     states = [getattr(s, "value", str(s)) for s in (getattr(args, "state_types", None) or [])]
     if states:
         raise kvx.ConfigError(
@@ -88,8 +88,6 @@ def _refuse_unsupported(args: KVArgs, server_args, mode=None) -> None:
     if getattr(server_args, "enable_dp_attention", False):
         raise kvx.ConfigError("kvx: --enable-dp-attention is not supported by kvx yet: use another "
                               "--disaggregation-transfer-backend")
-    if mode == DisaggregationMode.DECODE and int(getattr(server_args, "pp_size", 1) or 1) > 1:
-        raise kvx.ConfigError("kvx: a decode server with --pp-size > 1 is not supported by kvx yet")
 
 
 def _refuse_other_layout(mine: dict, theirs: dict, addr: str) -> None:
@@ -166,7 +164,7 @@ class KvxKVManager(BaseKVManager):
 
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args,
                  is_mla_backend: Optional[bool] = False):
-        _refuse_unsupported(args, server_args, disaggregation_mode)
+        _refuse_unsupported(args, server_args)
         self.kv_args = args
         self.disaggregation_mode = disaggregation_mode
         self.server_args = server_args
@@ -207,7 +205,19 @@ class KvxKVManager(BaseKVManager):
             heads = None
             if not self.is_mla_backend and not getattr(args, "kv_head_num", 0):
                 heads = settings.model_kv_heads(server_args, self.tp_size)
-            self.pool = _Pool(args, self.is_mla_backend, 0, heads)
+            # A pipelined decode: this rank is one stage, holding its layers only, which it takes
+            # from the prefill PP rank of its stage (SGLang pairs stages of equal PP sizes so).
+            first, self.total_layers = 0, 0
+            if self.pp_size > 1:
+                first, layers, self.total_layers = settings.decode_stage_layers(
+                    server_args, self.pp_rank, self.pp_size)
+            self.pool = _Pool(args, self.is_mla_backend, first, heads)
+            if self.pp_size == 1:
+                self.total_layers = self.pool.num_layers
+            elif layers != self.pool.num_layers:
+                raise kvx.ConfigError(
+                    f"kvx: decode PP stage {self.pp_rank} of {self.pp_size} holds "
+                    f"{self.pool.num_layers} layers, SGLang's split gives it {layers}")
             self._engine: Optional[kvx.DecodeEngine] = None  # every prefill instance's sessions
             self._pp: dict = {}  # bootstrap_addr (the instance's name) -> its PP size
             self._fan_in: dict = {}  # bootstrap_addr -> prefill TP ranks writing into this rank
@@ -301,6 +311,13 @@ class KvxKVManager(BaseKVManager):
         """Whether this prefill rank writes into the decode rank `d` announced (its TP rank holds
         heads, or for MLA the latent, that decode rank takes from this one)."""
         try:
+            stages = int(d.get("pp_size", 1))
+            if stages > 1 and (stages, int(d.get("pp_rank", 0))) != (self.pp_size, self.pp_rank):
+                # A pipelined decode takes each stage from the prefill PP rank of its stage.
+                if stages != self.pp_size:
+                    logger.error("kvx: decode %s has %d PP stages, this prefill %d: not served",
+                                 d.get("decode_id"), stages, self.pp_size)
+                return False
             return self.tp_rank in kvx.tp_sources(self.tp_size, int(d.get("tp_size", self.tp_size)),
                                                   self.pool.kv_heads, int(d["tp_rank"]))
         except (kvx.ConfigError, KeyError, ValueError) as e:
@@ -403,7 +420,8 @@ class KvxKVManager(BaseKVManager):
             if self._engine is not None:
                 return self._engine
         e = kvx.DecodeEngine(
-            layout=self.pool.layout, total_layers=self.pool.num_layers, page_tokens=self.page_size,
+            layout=self.pool.layout, total_layers=self.total_layers, page_tokens=self.page_size,
+            pp_stage=(self.pp_rank, self.pp_size),
             pp_size=0, memory=self.pool.memory,
             listen=f"{settings.url_host(self.local_ip)}:0",
             secret=self.secret, backend=self.backend, device=self.device,
@@ -432,7 +450,7 @@ class KvxKVManager(BaseKVManager):
         url = f"http://{bootstrap_addr}"
         got = self._get(f"{url}/kvx/prefill")
         if got["ranks"]:
-            _refuse_other_layout(self._layout_info(), got["ranks"][0], bootstrap_addr)
+            self._refuse_other_instance(got["ranks"][0], bootstrap_addr)
         mine = self._sources(got["ranks"])
         if not mine:
             raise kvx.ConfigError(f"kvx: no prefill rank writes into TP rank {self.tp_rank} at "
@@ -445,7 +463,7 @@ class KvxKVManager(BaseKVManager):
             if bootstrap_addr in self._pp:  # another receiver won the race
                 return e
             self._pp[bootstrap_addr] = pp_size
-            self._fan_in[bootstrap_addr] = len(mine) // max(pp_size, 1)
+            self._fan_in[bootstrap_addr] = len(mine) // self._stages_in(pp_size)
         logger.info("kvx: decode engine serves prefill instance %s (PP size %d)", bootstrap_addr,
                     pp_size)
         self._announce(bootstrap_addr, got["instance"])
@@ -460,26 +478,44 @@ class KvxKVManager(BaseKVManager):
                                             "disaggregation_decode_enable_radix_cache", False))}
 
     def _sources(self, ranks: list) -> list:
-        """The registered prefill ranks that write into this decode rank (every PP rank of each
-        TP rank that holds heads, or the latent, this rank takes)."""
+        """The registered prefill ranks that write into this decode rank (every PP rank, or on a
+        pipelined decode the one of its stage, of each TP rank that holds heads, or the latent,
+        this rank takes)."""
         if not ranks:
             return []
         prefill_tp = int(ranks[0].get("tp_size", self.tp_size))
         writers = set(kvx.tp_sources(prefill_tp, self.tp_size, self.pool.kv_heads, self.tp_rank))
-        return [r for r in ranks if int(r["tp_rank"]) in writers]
+        return [r for r in ranks if int(r["tp_rank"]) in writers
+                and (self.pp_size == 1 or int(r["pp_rank"]) == self.pp_rank)]
+
+    def _refuse_other_instance(self, rank: dict, addr: str) -> None:
+        """A prefill instance kvx cannot map into this decode rank, refused naming what differs:
+        its layout, or on a pipelined decode a pipeline of another size (whose stages are not
+        this decode's)."""
+        _refuse_other_layout(self._layout_info(), rank, addr)
+        theirs = int(rank.get("pp_size", 1))
+        if self.pp_size > 1 and theirs != self.pp_size:
+            raise kvx.ConfigError(f"kvx: prefill instance {addr} has PP size {theirs}, this decode "
+                                  f"{self.pp_size} stages: a pipelined decode takes pipelines of "
+                                  "as many stages")
+
+    def _stages_in(self, pp_size: int) -> int:
+        """How many PP ranks of a pipeline of `pp_size` write into this decode rank."""
+        return 1 if self.pp_size > 1 else max(pp_size, 1)
 
     def aux_slot(self, bootstrap_addr: str) -> int:
         """The rank slot whose metadata row decode reads for a request of that instance: the
-        first source of the last PP rank (every source of it sends the same row)."""
+        first source of the last PP rank writing into this rank (every source of it sends the
+        same row; on a pipelined decode, its stage's rank)."""
         pp, fan_in = self._pp.get(bootstrap_addr, 1), self._fan_in.get(bootstrap_addr, 1)
-        return (pp - 1) * fan_in
+        return (self._stages_in(pp) - 1) * fan_in
 
     def _announce(self, bootstrap_addr: str, instance: str) -> None:
         self._put(f"http://{bootstrap_addr}/kvx/decode", {
             "decode_id": f"{self.id}-{bootstrap_addr}", "tp_rank": self.tp_rank,
             "tp_size": self.tp_size,
-            "address": self._decode().address, "total_layers": self.pool.num_layers,
-            "instance": bootstrap_addr})
+            "address": self._decode().address, "total_layers": self.total_layers,
+            "pp_rank": self.pp_rank, "pp_size": self.pp_size, "instance": bootstrap_addr})
         with self._lock:
             self._instances[bootstrap_addr] = instance
 
@@ -531,14 +567,14 @@ class KvxKVManager(BaseKVManager):
             return False
         try:
             if ranks:
-                _refuse_other_layout(self._layout_info(), ranks[0], bootstrap_addr)
+                self._refuse_other_instance(ranks[0], bootstrap_addr)
             mine = self._sources(ranks)
             writers = len({int(r["tp_rank"]) for r in mine})
         except kvx.ConfigError:
             # kvx cannot map it: the instance is reported there, and each receiver fails at once
             # naming what differs (decode_engine), rather than waiting for ranks that never come.
             mine, writers = ranks, 0
-        if not mine or (writers and len(mine) < int(mine[0]["pp_size"]) * writers):
+        if not mine or (writers and len(mine) < self._stages_in(int(mine[0]["pp_size"])) * writers):
             return False
         self.prefill_info_table[bootstrap_addr] = types.SimpleNamespace(
             dp_size=1, follow_bootstrap_room=True, pp_size=int(mine[0]["pp_size"]))

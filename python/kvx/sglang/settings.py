@@ -74,6 +74,18 @@ def model_kv_heads(server_args, tp_size: int) -> "tuple[int, int]":
     return config.get_num_kv_heads(tp_size), config.get_total_num_kv_heads()
 
 
+def decode_stage_layers(server_args, pp_rank: int, pp_size: int) -> "tuple[int, int, int]":
+    """(first layer, layers, the model's layers) of decode PP stage ``pp_rank`` of ``pp_size``,
+    split by SGLang's own rule (``get_pp_indices``, which reads ``SGLANG_PP_LAYER_PARTITION``):
+    SGLang's decode leaves its stage's first layer out of ``KVArgs``."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.distributed.utils import get_pp_indices
+
+    total = int(ModelConfig.from_server_args(server_args).num_hidden_layers)
+    start, end = get_pp_indices(total, pp_rank, pp_size)
+    return int(start), int(end - start), total
+
+
 def state_log_interval() -> Optional[float]:
     """``KVX_STATE_LOG_S``: every that many seconds each manager logs what it holds per room
     (``kvx: state {...}``); unset or 0, never."""

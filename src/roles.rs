@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use transfer_engine::control::Secret;
-use transfer_engine::core::planner::{KvLayout, PpSplit};
+use transfer_engine::core::planner::{KvLayout, PpSplit, RegionKind};
 use transfer_engine::core::{FailureCode, RequestId};
 use transfer_engine::discovery::{self, EngineRecord, EtcdConfig, RecordRole};
 use transfer_engine::engine::{
@@ -96,6 +96,237 @@ pub enum Find {
     Etcd(EtcdConfig),
 }
 
+/// What the decode role tells its prefill roles in its Hello ([`DecodeConfig::app`], JSON): the
+/// workload a prefill rank sizes its pool by and serves, so that a prefill role needs no workload
+/// flags of its own.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Served {
+    /// The model's layers.
+    pub layers: u32,
+    /// KV bytes per token per layer.
+    pub bytes_per_token: u64,
+    /// Tokens per page.
+    pub page_tokens: u32,
+    /// K and V in regions of their own.
+    pub split_kv: bool,
+    /// Prefill PP size.
+    pub pp: u16,
+    /// Prompt length.
+    pub prompt_tokens: u32,
+    /// Chunked-prefill size.
+    pub chunk_tokens: u32,
+    /// Requests in flight at once.
+    pub concurrency: u32,
+    /// Per-chunk checksums.
+    pub checksums: bool,
+    /// The transfer library.
+    pub backend: String,
+}
+
+impl Served {
+    /// What a run of `w` on `backend` serves.
+    pub fn of(w: &Workload, backend: BackendKind) -> Self {
+        Served {
+            layers: w.shape.layers,
+            bytes_per_token: w.shape.bytes_per_token,
+            page_tokens: w.shape.page_tokens,
+            split_kv: w.shape.regions == RegionKind::SplitKv,
+            pp: w.pp,
+            prompt_tokens: w.prompt_tokens,
+            chunk_tokens: w.chunk_tokens,
+            concurrency: w.concurrency,
+            checksums: w.checksums,
+            backend: backend.to_string(),
+        }
+    }
+
+    /// Each field in which `mine` (this process's flags) differs from this workload and that a
+    /// flag in `given` set, named by its flag with both values.
+    pub fn differences(&self, mine: &Served, given: &[&str]) -> Vec<String> {
+        let set = |flags: &[&str]| flags.iter().any(|f| given.contains(f));
+        let shape = [
+            "--model",
+            "--layers",
+            "--bytes-per-token",
+            "--split-kv",
+            "--page-tokens",
+        ];
+        let fields: [(&[&str], &str, String, String); 10] = [
+            (
+                &shape,
+                "layers",
+                mine.layers.to_string(),
+                self.layers.to_string(),
+            ),
+            (
+                &shape,
+                "bytes per token",
+                mine.bytes_per_token.to_string(),
+                self.bytes_per_token.to_string(),
+            ),
+            (
+                &shape,
+                "page tokens",
+                mine.page_tokens.to_string(),
+                self.page_tokens.to_string(),
+            ),
+            (
+                &shape,
+                "split K/V",
+                mine.split_kv.to_string(),
+                self.split_kv.to_string(),
+            ),
+            (
+                &["--pp", "--pp-size"],
+                "PP size",
+                mine.pp.to_string(),
+                self.pp.to_string(),
+            ),
+            (
+                &["--prompt-tokens"],
+                "--prompt-tokens",
+                mine.prompt_tokens.to_string(),
+                self.prompt_tokens.to_string(),
+            ),
+            (
+                &["--chunk-tokens"],
+                "--chunk-tokens",
+                mine.chunk_tokens.to_string(),
+                self.chunk_tokens.to_string(),
+            ),
+            (
+                &["--concurrency"],
+                "--concurrency",
+                mine.concurrency.to_string(),
+                self.concurrency.to_string(),
+            ),
+            (
+                &["--checksums"],
+                "--checksums",
+                mine.checksums.to_string(),
+                self.checksums.to_string(),
+            ),
+            (
+                &["--backend"],
+                "--backend",
+                mine.backend.clone(),
+                self.backend.clone(),
+            ),
+        ];
+        fields
+            .into_iter()
+            .filter(|(flags, _, m, d)| set(flags) && m != d)
+            .map(|(_, name, m, d)| format!("{name} {m} here, decode runs {d}"))
+            .collect()
+    }
+
+    /// `w` with this workload in place of its own, and the backend.
+    ///
+    /// # Errors
+    /// A workload no run could have (decode's own checks refuse it), or an unknown backend.
+    pub fn apply(&self, w: &Workload) -> Result<(Workload, BackendKind), String> {
+        let backend = match self.backend.as_str() {
+            "ucx" => BackendKind::Ucx,
+            "nixl" => BackendKind::Nixl,
+            other => return Err(format!("decode runs backend {other:?}, unknown here")),
+        };
+        let regions = if self.split_kv {
+            RegionKind::SplitKv
+        } else {
+            RegionKind::Fused
+        };
+        let valid = self.layers > 0
+            && self.page_tokens > 0
+            && self.bytes_per_token > 0
+            && self.bytes_per_token.is_multiple_of(u64::from(regions.count()))
+            && self.pp > 0
+            && u32::from(self.pp) <= self.layers
+            && self.prompt_tokens > 0
+            && self.chunk_tokens > 0
+            && self.concurrency > 0;
+        // The pool a prefill rank holds: a request's pages for each slot and one more, of every
+        // layer and region; a count that does not fit is no run's.
+        let pages = self.prompt_tokens.div_ceil(self.page_tokens.max(1));
+        let pool = self
+            .concurrency
+            .checked_add(1)
+            .and_then(|slots| pages.checked_mul(slots))
+            .and_then(|p| {
+                (self.bytes_per_token / u64::from(regions.count()))
+                    .checked_mul(u64::from(self.page_tokens))?
+                    .checked_mul(u64::from(p))?
+                    .checked_mul(u64::from(regions.count()))?
+                    .checked_mul(u64::from(self.layers))
+            });
+        if !valid || pool.is_none_or(|b| usize::try_from(b).is_err()) {
+            return Err(format!(
+                "decode's workload is not one a run can have: {self:?}"
+            ));
+        }
+        let mut w = w.clone();
+        w.shape = crate::cluster::Shape {
+            layers: self.layers,
+            bytes_per_token: self.bytes_per_token,
+            page_tokens: self.page_tokens,
+            regions,
+        };
+        w.pp = self.pp;
+        w.prompt_tokens = self.prompt_tokens;
+        w.chunk_tokens = self.chunk_tokens;
+        w.concurrency = self.concurrency;
+        w.checksums = self.checksums;
+        Ok((w, backend))
+    }
+}
+
+/// How long a prefill role waits for decode to answer its probe (decode may start after it).
+const PROBE_WAIT: Duration = Duration::from_secs(60);
+
+/// The workload and backend a prefill role serves: decode's, read from its Hello with a probe
+/// ([`probe_decode`](transfer_engine::engine::probe_decode), authenticated with `token`), found
+/// as `find` says. `w` and `backend` are what this process's flags say; a flag in `given` that
+/// says otherwise than decode is refused, naming it.
+///
+/// # Errors
+/// Decode unreachable or unauthenticated, its workload unreadable, or a given flag that differs.
+pub async fn learn_workload(
+    find: &Find,
+    w: &Workload,
+    backend: BackendKind,
+    given: &[&str],
+    token: Option<&[u8]>,
+) -> Result<(Workload, BackendKind), String> {
+    let addr = match find {
+        Find::Fixed(addr, _) => *addr,
+        Find::Etcd(etcd) => {
+            let dir = discovery::Directory::open(etcd)
+                .await
+                .map_err(|e| e.to_string())?;
+            dir.wait_for("the decode engine", DISCOVERY_WAIT, |rs| {
+                rs.iter()
+                    .find(|r| r.role == RecordRole::Decode && r.tp_rank == 0)
+                    .map(|r| r.address)
+            })
+            .await
+            .map_err(|e| e.to_string())?
+        }
+    };
+    let secret = token.map(Secret::new);
+    let hello = transfer_engine::engine::probe_decode(addr, secret.as_ref(), PROBE_WAIT)
+        .await
+        .map_err(|e| format!("asking decode at {addr} for its workload: {e}"))?;
+    let served: Served = serde_json::from_slice(&hello.app)
+        .map_err(|e| format!("decode at {addr} sent a workload that cannot be read: {e}"))?;
+    let differ = served.differences(&Served::of(w, backend), given);
+    if !differ.is_empty() {
+        return Err(format!(
+            "this prefill's flags differ from decode's workload: {}",
+            differ.join("; ")
+        ));
+    }
+    served.apply(w)
+}
+
 /// How long a role waits for the rest of its cluster to register in etcd.
 const DISCOVERY_WAIT: Duration = Duration::from_secs(120);
 
@@ -136,6 +367,8 @@ pub async fn run_decode(
         cfg.heartbeat = Some(h);
     }
     cfg.metrics = w.metrics;
+    // What the prefill roles serve, told only to those that prove the secret.
+    cfg.app = serde_json::to_vec(&Served::of(w, backend)).map_err(|e| e.to_string())?;
     let pool = w
         .decode_pool
         .pool(layout.buffer_len)

@@ -67,18 +67,18 @@ async fn four_prefill_processes_one_decode(backend: &str, requests: u32, envs: &
     args.extend(["--json".into(), json.display().to_string()]);
     kids.spawn("decode", &[], &args, envs);
     for rank in 0..4 {
-        let mut args: Vec<String> = vec![
+        // No workload flags: a prefill role serves decode's workload, which it reads from decode's
+        // Hello (the shape, PP size, prompt, chunks, concurrency, checksums and backend all differ
+        // from kvbench's defaults here).
+        let args: Vec<String> = vec![
             "prefill".into(),
             "--connect".into(),
             decode.to_string(),
             "--pp-rank".into(),
             rank.to_string(),
-            "--pp-size".into(),
-            "4".into(),
             "--peers".into(),
             peers.clone(),
         ];
-        args.extend(common.iter().cloned());
         kids.spawn(&format!("prefill-{rank}"), &[], &args, envs);
     }
 
@@ -179,15 +179,36 @@ fn roles_admit_only_the_shared_secret() {
     prefill.extend(["--pp-rank", "0", "--pp-size", "1"].map(String::from));
     prefill.extend(workload.iter().cloned());
 
+    // A prefill whose flags say another workload than decode runs is refused before it starts,
+    // naming the flag; decode waits on.
+    let mut other = prefill.clone();
+    let at = other.iter().position(|a| a == "--prompt-tokens").unwrap();
+    other[at + 1] = "512".into();
+    kids.spawn("prefill-other-workload", &[], &other, &[]);
+    let Some(status) = kids.wait(1, started + DECODE_BOUND) else {
+        panic!(
+            "a prefill with another workload is still running\n{}",
+            kids.logs()
+        );
+    };
+    assert!(
+        !status.success()
+            && kids
+                .stderr(1)
+                .contains("--prompt-tokens 512 here, decode runs 1000"),
+        "a prefill with another workload exited with {status} without naming it\n{}",
+        kids.logs()
+    );
+
     let wrong = [("KVX_TOKEN", "not the secret")];
     kids.spawn("prefill-wrong", &[], &prefill, &wrong);
-    let Some(status) = kids.wait(1, started + DECODE_BOUND) else {
+    let Some(status) = kids.wait(2, started + DECODE_BOUND) else {
         panic!(
             "a prefill with a wrong secret is still running\n{}",
             kids.logs()
         );
     };
-    let refused = kids.stderr(1).to_lowercase();
+    let refused = kids.stderr(2).to_lowercase();
     assert!(
         !status.success() && (refused.contains("token") || refused.contains("auth")),
         "a prefill with a wrong secret exited with {status} without saying it was refused\n{}",
@@ -207,13 +228,13 @@ fn roles_admit_only_the_shared_secret() {
     let mut args = prefill.clone();
     args.extend(["--token-file".into(), file.display().to_string()]);
     kids.spawn("prefill-open-file", &[], &args, &wrong);
-    let Some(status) = kids.wait(2, Instant::now() + PREFILL_EXIT_BOUND) else {
+    let Some(status) = kids.wait(3, Instant::now() + PREFILL_EXIT_BOUND) else {
         panic!(
             "a prefill with an open token file is still running\n{}",
             kids.logs()
         );
     };
-    let said = kids.stderr(2);
+    let said = kids.stderr(3);
     assert!(
         !status.success() && said.contains("644") && said.contains("chmod 600"),
         "a token file others can read was accepted ({status})\n{}",
@@ -234,7 +255,7 @@ fn roles_admit_only_the_shared_secret() {
     );
     let report: serde_json::Value = serde_json::from_str(&read(&json)).unwrap();
     assert_eq!(report[0]["verified"], true, "{report}");
-    let Some(status) = kids.wait(3, Instant::now() + PREFILL_EXIT_BOUND) else {
+    let Some(status) = kids.wait(4, Instant::now() + PREFILL_EXIT_BOUND) else {
         panic!("the admitted prefill did not exit\n{}", kids.logs());
     };
     assert!(

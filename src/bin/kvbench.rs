@@ -637,8 +637,41 @@ fn baselines(w: &Workload) -> Baselines {
     }
 }
 
+/// The flags of the workload a prefill role takes from decode, in `roles::Served`'s terms, that the
+/// command line gave (a prefill role refuses to run another workload than its flags say).
+fn given_workload_flags(m: &clap::ArgMatches) -> Vec<&'static str> {
+    let m = m.subcommand_matches("prefill").unwrap_or(m);
+    [
+        ("model", "--model"),
+        ("layers", "--layers"),
+        ("bytes_per_token", "--bytes-per-token"),
+        ("split_kv", "--split-kv"),
+        ("page_tokens", "--page-tokens"),
+        ("pp", "--pp"),
+        ("pp_size", "--pp-size"),
+        ("prompt_tokens", "--prompt-tokens"),
+        ("chunk_tokens", "--chunk-tokens"),
+        ("concurrency", "--concurrency"),
+        ("checksums", "--checksums"),
+        ("backend", "--backend"),
+    ]
+    .into_iter()
+    .filter(|(id, _)| {
+        m.try_get_raw(id).is_ok_and(|v| v.is_some())
+            && m.value_source(id) == Some(clap::parser::ValueSource::CommandLine)
+    })
+    .map(|(_, flag)| flag)
+    .collect()
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    use clap::{CommandFactory, FromArgMatches};
+    let matches = Cli::command().get_matches();
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(c) => c,
+        Err(e) => e.exit(),
+    };
+    let given = given_workload_flags(&matches);
     let filter = tracing_subscriber::EnvFilter::try_from_env("KVBENCH_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
     tracing_subscriber::fmt()
@@ -781,11 +814,20 @@ fn main() -> ExitCode {
                     (_, Some(etcd)) => roles::Find::Etcd(etcd),
                     (None, None) => return Err("prefill needs --connect or --etcd".to_string()),
                 };
+                // The workload is decode's; flags given here must agree with it.
+                let (w, backend) = roles::learn_workload(
+                    &find,
+                    &w,
+                    cli.opts.backends()[0],
+                    &given,
+                    token.as_deref(),
+                )
+                .await?;
                 roles::run_prefill(
                     find,
                     pp_rank,
                     &w,
-                    cli.opts.backends()[0],
+                    backend,
                     token,
                     cli.opts.stamps.as_deref(),
                     heartbeat,

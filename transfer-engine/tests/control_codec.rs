@@ -62,6 +62,7 @@ fn prefill_hello(rank: u16, size: u16) -> Hello {
 fn every_message() -> Vec<Msg> {
     vec![
         Msg::Hello(prefill_hello(1, 4).with_tp(1, 2)),
+        Msg::Hello(decode_hello().with_app(b"{\"prompt_tokens\":8192}".to_vec())),
         Msg::Challenge(transfer_engine::control::Challenge {
             nonce: [0xc4; 32],
             role: Role::Prefill,
@@ -114,6 +115,7 @@ fn every_message() -> Vec<Msg> {
         Msg::Ready,
         Msg::Heartbeat,
         Msg::NotReady,
+        Msg::Probe,
     ]
 }
 
@@ -729,7 +731,7 @@ fn feed_all(bytes: &[u8], splits: &[usize], max: u32) {
 }
 
 fn arb_kind() -> impl Strategy<Value = u8> {
-    prop_oneof![1u8..=13, any::<u8>()]
+    prop_oneof![1u8..=16, any::<u8>()]
 }
 
 proptest! {

@@ -16,7 +16,7 @@ use transfer_engine::core::tracker::FailureReason;
 use transfer_engine::core::vote::Decision;
 use transfer_engine::engine::{
     BackendConfig, CustomBackend, DecodeConfig, DecodeEngine, EngineError, Outcome, Pool,
-    PrefillConfig, PrefillEngine,
+    PrefillConfig, PrefillEngine, probe_decode,
 };
 use transfer_engine::mem::{HostBuffer, HostOptions};
 use transfer_engine::transport::fault::{FaultPlan, FaultTransport, Match, Rule, SendFault};
@@ -204,6 +204,52 @@ async fn an_unauthenticated_client_gets_only_a_challenge_and_a_wrong_secret_bind
     assert!(!report.pool_freed, "{report:?}");
     // The engine's tasks may hold it a moment longer; the pool goes with the last of them.
     wait_until("the pool leaked", || leaked_pools() == before + 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_reads_what_decode_says_only_with_the_secret_and_binds_nothing() {
+    let _s = serial().await;
+    let mut cfg = DecodeConfig::new(LAYERS, PAGE_TOKENS, layout(), 1);
+    cfg.token = Some(Secret::new(SECRET));
+    cfg.app = b"{\"prompt_tokens\": 64}".to_vec();
+    let d = DecodeEngine::start(cfg, pool()).await.unwrap();
+    // Without the secret: an authentication failure, and nothing of decode's Hello.
+    for secret in [Some(Secret::new(b"not the secret")), None] {
+        let e = probe_decode(d.local_addr(), secret.as_ref(), BOUND)
+            .await
+            .expect_err("a probe without the secret read decode's Hello");
+        match &e {
+            EngineError::Control(c) => assert!(c.is_auth_failure(), "{e:?}"),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(d.stats().probes, 0, "{:?}", d.stats());
+    // With it: decode's layout and what its application says, and decode counts the probe.
+    let hello = probe_decode(d.local_addr(), Some(&Secret::new(SECRET)), BOUND)
+        .await
+        .unwrap();
+    assert_eq!(hello.app, b"{\"prompt_tokens\": 64}");
+    assert_eq!(hello.layout.num_layers, LAYERS);
+    assert_eq!(hello.layout.page_tokens, PAGE_TOKENS);
+    wait_until("the probe counted", || d.stats().probes == 1).await;
+    assert_eq!(d.stats().handshake_failures, 0, "{:?}", d.stats());
+    // The probe bound nothing: a prefill rank joins after it and a request completes.
+    assert!(d.wait_for_ranks(Duration::from_millis(200)).await.is_err());
+    let (p, _t) = prefill(&d, Some(SECRET)).await.unwrap();
+    d.wait_for_ranks(BOUND).await.unwrap();
+    complete(&d, &p, RequestId(1)).await;
+    drop(p);
+    bounded(d.shutdown(BOUND)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_application_part_past_its_bound_is_refused_at_start() {
+    let mut cfg = DecodeConfig::new(LAYERS, PAGE_TOKENS, layout(), 1);
+    cfg.app = vec![b'x'; transfer_engine::control::MAX_APP_INFO + 1];
+    let e = DecodeEngine::start(cfg, pool())
+        .await
+        .expect_err("an oversized application part started");
+    assert!(matches!(e, EngineError::Config(_)), "{e:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

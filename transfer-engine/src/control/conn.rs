@@ -15,7 +15,9 @@ use super::channel::{ChannelError, Handshake, Opener, Sealer};
 use super::frame::{
     DEFAULT_MAX_FRAME_LEN, FrameDecoder, FrameError, MsgKind, PROTOCOL_VERSION, encode_frame,
 };
-use super::msg::{Hello, HelloAck, Msg, Reject, RejectReason, check_hello};
+use super::msg::{
+    Hello, HelloAck, Msg, Reject, RejectReason, Role, check_hello, check_self_consistent,
+};
 
 /// What went wrong on a control connection.
 #[derive(Debug, thiserror::Error)]
@@ -118,6 +120,13 @@ pub enum ControlError {
         peer: SocketAddr,
         /// Our reason.
         reason: RejectReason,
+    },
+    /// The authenticated peer sent [`Msg::Probe`] in place of its Hello: it read ours and
+    /// wanted nothing more ([`probe`]). Not a failure; the connection is over.
+    #[error("{peer} probed us and left")]
+    Probed {
+        /// The peer.
+        peer: SocketAddr,
     },
     /// The handshake did not finish before its deadline.
     #[error("handshake with {peer} did not finish before the deadline")]
@@ -733,6 +742,10 @@ where
             tracing::debug!(%peer, remote_engine = %remote.engine_id, role = %remote.role, pp_rank = remote.pp_rank, "control handshake accepted");
             Ok(remote)
         }
+        Ok(Err(e @ ControlError::Probed { .. })) => {
+            tracing::debug!(%peer, "probed: the peer read our Hello and left");
+            Err(e)
+        }
         Ok(Err(e)) => {
             tracing::warn!(%peer, error = %e, "control handshake failed");
             Err(e)
@@ -782,20 +795,68 @@ async fn expect_step<T>(
     }
 }
 
-async fn handshake_inner<F>(
+/// Reads the listener's Hello and nothing more: authenticates as a dialer of `role` with
+/// `secret` (as [`handshake`] does, so nothing but challenges and proofs crosses before the
+/// listener proved the secret too), sends [`Msg::Probe`] in place of a Hello, reads the
+/// listener's Hello, checks it does not contradict itself, and closes. The listener sees
+/// [`ControlError::Probed`]. For a peer that must learn what the listener's application says
+/// ([`Hello::app`]) before it can build its own Hello.
+///
+/// # Errors
+/// As [`handshake`]: a failed proof either way, the peer's Reject, a Hello that contradicts
+/// itself, a closed connection, or the deadline.
+pub async fn probe(
     conn: &mut Connection,
-    local: &Hello,
+    role: Role,
     secret: &Secret,
-    accept: F,
-) -> Result<Hello, ControlError>
-where
-    F: FnOnce(&Hello) -> Result<(), RejectReason>,
-{
+    deadline: Instant,
+) -> Result<Hello, ControlError> {
+    let peer = conn.peer_addr();
+    if conn.side != Side::Dialer {
+        return Err(ControlError::Unexpected {
+            peer,
+            expected: "a dialer's probe",
+            got: MsgKind::Probe,
+        });
+    }
+    let run = async {
+        let theirs = authenticate(conn, role, secret).await?;
+        conn.send(&Msg::Probe).await?;
+        let remote = expect_step(conn, "Hello", |m| match m {
+            Msg::Hello(h) => Some(h),
+            _ => None,
+        })
+        .await?;
+        if remote.role != theirs.role {
+            let reason = RejectReason::Protocol(format!(
+                "the peer's challenge said {}, its hello says {}",
+                theirs.role, remote.role
+            ));
+            return Err(ControlError::RejectedPeer { peer, reason });
+        }
+        check_self_consistent(&remote)
+            .map_err(|reason| ControlError::RejectedPeer { peer, reason })?;
+        let _ = conn.writer.io.shutdown().await;
+        Ok(remote)
+    };
+    match tokio::time::timeout_at(deadline, run).await {
+        Ok(r) => r,
+        Err(_) => Err(ControlError::HandshakeTimeout { peer }),
+    }
+}
+
+/// Steps 1 and 2 of the handshake: challenges, then the Noise proofs; seals the connection and
+/// returns the peer's challenge.
+async fn authenticate(
+    conn: &mut Connection,
+    role: Role,
+    secret: &Secret,
+) -> Result<Challenge, ControlError> {
     let peer = conn.peer_addr();
     let side = conn.side;
     let cap = conn.reader.decoder.max_len();
     conn.reader.decoder.set_max_len(AUTH_MAX_FRAME.min(cap));
-    let ours = Challenge::fresh(local.role, side);
+    let ours = Challenge::fresh(role, side);
     conn.send(&Msg::Challenge(ours.clone())).await?;
     let theirs = expect_step(conn, "Challenge", |m| match m {
         Msg::Challenge(c) => Some(c),
@@ -837,14 +898,34 @@ where
     conn.writer.sealer = Some(sealer);
     conn.reader.seal(opener)?;
     conn.reader.decoder.set_max_len(cap);
+    Ok(theirs)
+}
+
+async fn handshake_inner<F>(
+    conn: &mut Connection,
+    local: &Hello,
+    secret: &Secret,
+    accept: F,
+) -> Result<Hello, ControlError>
+where
+    F: FnOnce(&Hello) -> Result<(), RejectReason>,
+{
+    let peer = conn.peer_addr();
+    let side = conn.side;
+    let theirs = authenticate(conn, local.role, secret).await?;
 
     // Authenticated: from here on the peer may learn how to reach our memory.
     conn.send(&Msg::Hello(local.clone())).await?;
     let remote = expect_step(conn, "Hello", |m| match m {
-        Msg::Hello(h) => Some(h),
+        Msg::Hello(h) => Some(Some(h)),
+        // A dialer that only reads our Hello (`probe`).
+        Msg::Probe if side == Side::Listener => Some(None),
         _ => None,
     })
     .await?;
+    let Some(remote) = remote else {
+        return Err(ControlError::Probed { peer });
+    };
     let verdict = if remote.role == theirs.role {
         check_hello(local, &remote).and_then(|()| accept(&remote))
     } else {

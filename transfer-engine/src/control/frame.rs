@@ -7,8 +7,8 @@
 //!      8     2  version    protocol version, u16 little-endian
 //!     10     1  kind       message kind (see MsgKind)
 //!     11     1  reserved   must be 0
-//!     12     n  payload    postcard encoding of the message body (empty for Close, Ready and
-//!                          Heartbeat)
+//!     12     n  payload    postcard encoding of the message body (empty for Close, Ready,
+//!                          Heartbeat, NotReady and Probe)
 //! ```
 //!
 //! The header layout and the `Reject` kind number are frozen across protocol versions, so a peer
@@ -26,7 +26,7 @@ pub const MAGIC: [u8; 4] = *b"KVCP";
 pub const HEADER_LEN: usize = 12;
 
 /// The protocol version this build speaks (header field and [`Hello::protocol_version`]).
-pub const PROTOCOL_VERSION: u16 = 10;
+pub const PROTOCOL_VERSION: u16 = 11;
 
 /// Default cap on one frame's payload: 16 MiB, far above any Hello with a few thousand rkeys.
 pub const DEFAULT_MAX_FRAME_LEN: u32 = 16 << 20;
@@ -66,6 +66,8 @@ pub enum MsgKind {
     Heartbeat = 14,
     /// [`Msg::NotReady`] (protocol version 7).
     NotReady = 15,
+    /// [`Msg::Probe`] (protocol version 11).
+    Probe = 16,
 }
 
 impl MsgKind {
@@ -87,6 +89,7 @@ impl MsgKind {
             13 => Self::Ready,
             14 => Self::Heartbeat,
             15 => Self::NotReady,
+            16 => Self::Probe,
             _ => return None,
         })
     }
@@ -280,7 +283,7 @@ pub fn encode_frame(msg: &Msg, max_len: u32, out: &mut Vec<u8>) -> Result<(), Fr
         Msg::Challenge(m) => postcard::to_extend(m, Sink(out)),
         Msg::Proof(m) => postcard::to_extend(m, Sink(out)),
         Msg::Aux(m) => postcard::to_extend(m, Sink(out)),
-        Msg::Close | Msg::Ready | Msg::Heartbeat | Msg::NotReady => Ok(Sink(out)),
+        Msg::Close | Msg::Ready | Msg::Heartbeat | Msg::NotReady | Msg::Probe => Ok(Sink(out)),
     };
     if let Err(source) = body {
         out.truncate(start);
@@ -356,7 +359,11 @@ pub fn decode_payload(kind: MsgKind, payload: &[u8]) -> Result<Msg, FrameError> 
         MsgKind::Challenge => Msg::Challenge(body::<Challenge>(kind, payload)?),
         MsgKind::Proof => Msg::Proof(body::<Proof>(kind, payload)?),
         MsgKind::Aux => Msg::Aux(body::<AuxData>(kind, payload)?),
-        MsgKind::Close | MsgKind::Ready | MsgKind::Heartbeat | MsgKind::NotReady => {
+        MsgKind::Close
+        | MsgKind::Ready
+        | MsgKind::Heartbeat
+        | MsgKind::NotReady
+        | MsgKind::Probe => {
             if !payload.is_empty() {
                 return Err(FrameError::TrailingBytes {
                     kind,
@@ -367,6 +374,7 @@ pub fn decode_payload(kind: MsgKind, payload: &[u8]) -> Result<Msg, FrameError> 
                 MsgKind::Close => Msg::Close,
                 MsgKind::Ready => Msg::Ready,
                 MsgKind::NotReady => Msg::NotReady,
+                MsgKind::Probe => Msg::Probe,
                 _ => Msg::Heartbeat,
             }
         }

@@ -70,13 +70,15 @@ mod msg;
 pub use auth::{Challenge, Proof, Secret, Side};
 pub use conn::{
     Connection, ControlError, ControlReader, ControlWriter, Listener, handshake, handshake_with,
+    probe,
 };
 pub use frame::{
     DEFAULT_MAX_FRAME_LEN, FrameDecoder, FrameError, FrameHeader, HEADER_LEN, MAGIC, MsgKind,
     PROTOCOL_VERSION, decode_payload, encode_frame, encode_to_vec,
 };
 pub use msg::{
-    Abort, AbortAck, AuxData, BackendInfo, BackendKind, Hello, HelloAck, LayoutInfo, MAX_AUX_LEN,
-    Msg, Reject, RejectReason, RemoteRegion, Role, TpMode, TransferReject, TransferRejectReason,
-    TransferRequest, Vote, check_hello, validate_prefix, validate_transfer_request,
+    Abort, AbortAck, AuxData, BackendInfo, BackendKind, Hello, HelloAck, LayoutInfo, MAX_APP_INFO,
+    MAX_AUX_LEN, Msg, Reject, RejectReason, RemoteRegion, Role, TpMode, TransferReject,
+    TransferRejectReason, TransferRequest, Vote, check_hello, validate_prefix,
+    validate_transfer_request,
 };

@@ -153,7 +153,14 @@ pub struct Hello {
     /// [`SILENT_INTERVALS`](crate::engine::SILENT_INTERVALS) of the sender's own interval, so sides
     /// configured with different intervals never take each other for silent.
     pub heartbeat_ms: u32,
+    /// What the sender's application tells every authenticated peer, opaque to the engine (at
+    /// most [`MAX_APP_INFO`] bytes; protocol version 11): `kvbench`'s decode role puts its
+    /// workload here, which its prefill roles read with a [`probe`](super::probe).
+    pub app: Vec<u8>,
 }
+
+/// The most bytes a Hello's [`app`](Hello::app) may hold.
+pub const MAX_APP_INFO: usize = 16 * 1024;
 
 impl Hello {
     /// A Hello at this build's protocol version, rank 0 of 1 in PP and TP, without a token.
@@ -177,6 +184,7 @@ impl Hello {
             incarnation: 0,
             instance: String::new(),
             heartbeat_ms: 0,
+            app: Vec::new(),
         }
     }
 
@@ -196,6 +204,13 @@ impl Hello {
     pub fn heartbeat(&self) -> Option<std::time::Duration> {
         (self.heartbeat_ms > 0)
             .then(|| std::time::Duration::from_millis(u64::from(self.heartbeat_ms)))
+    }
+
+    /// Sets what the sender's application tells its authenticated peers.
+    #[must_use]
+    pub fn with_app(mut self, app: Vec<u8>) -> Self {
+        self.app = app;
+        self
     }
 
     /// Sets the prefill instance the sender belongs to.
@@ -467,6 +482,9 @@ pub enum Msg {
     /// A prefill rank's vote mesh lost a link: decode asks it for no new request until its next
     /// `Ready` (the mesh formed again), so no request starts on a board that cannot decide it.
     NotReady,
+    /// Sent by an authenticated dialer in place of its Hello: it only wanted the listener's Hello
+    /// (its [`app`](Hello::app) above all), and both sides close ([`probe`](super::probe)).
+    Probe,
 }
 
 impl Msg {
@@ -488,6 +506,7 @@ impl Msg {
             Self::Ready => MsgKind::Ready,
             Self::Heartbeat => MsgKind::Heartbeat,
             Self::NotReady => MsgKind::NotReady,
+            Self::Probe => MsgKind::Probe,
         }
     }
 }
@@ -498,8 +517,14 @@ fn layer_range(l: &LayoutInfo) -> std::ops::Range<u64> {
 }
 
 /// Checks that a Hello does not contradict itself.
-fn check_self_consistent(h: &Hello) -> Result<(), RejectReason> {
+pub(crate) fn check_self_consistent(h: &Hello) -> Result<(), RejectReason> {
     let bad = |s: String| Err(RejectReason::InvalidHello(s));
+    if h.app.len() > MAX_APP_INFO {
+        return bad(format!(
+            "its application's part is {} bytes, more than {MAX_APP_INFO}",
+            h.app.len()
+        ));
+    }
     if h.pp_size == 0 || h.pp_rank >= h.pp_size {
         return bad(format!(
             "pp_rank {} is not below pp_size {}",

@@ -68,6 +68,10 @@ pub struct DecodeConfig {
     /// request, from its one engine. Empty: none (such a prefill rank refuses the second
     /// allocation of a request id).
     pub instance: String,
+    /// What this side's application tells every authenticated peer in its Hello (at most
+    /// [`MAX_APP_INFO`](crate::control::MAX_APP_INFO) bytes), opaque to the engine; a peer that
+    /// must know it before it can start reads it with [`probe_decode`](super::probe_decode).
+    pub app: Vec<u8>,
     /// The deployment's shared secret: a prefill must prove it holds it before this side sends
     /// anything but a challenge (see `control`'s handshake). `None` means the empty secret, which
     /// any peer can prove: a warning is logged at start, since any process that reaches the
@@ -113,6 +117,7 @@ impl DecodeConfig {
             stage: DecodeStage::default(),
             prefill_tp: None,
             instance: String::new(),
+            app: Vec::new(),
             token: None,
             verify_checksums: true,
             tracker: TrackerConfig::default(),
@@ -225,6 +230,8 @@ pub struct DecodeStats {
     pub auth_failures: u64,
     /// Other failed handshakes (mismatched layouts, a rank or sender already bound, timeouts...).
     pub handshake_failures: u64,
+    /// Authenticated peers that read this side's Hello and left ([`probe_decode`](super::probe_decode)).
+    pub probes: u64,
     /// Microseconds registering the pool took at start (for a pool the transport allocates, its
     /// allocation and population too).
     pub register_micros: u64,
@@ -649,6 +656,7 @@ struct Counters {
     abort_ack_timeouts: AtomicU64,
     auth_failures: AtomicU64,
     handshake_failures: AtomicU64,
+    probes: AtomicU64,
     /// Seconds from `expect` to the outcome, of requests that completed and that failed.
     seconds_complete: prometheus_client::metrics::histogram::Histogram,
     seconds_failed: prometheus_client::metrics::histogram::Histogram,
@@ -671,6 +679,7 @@ impl Default for Counters {
             abort_ack_timeouts: AtomicU64::default(),
             auth_failures: AtomicU64::default(),
             handshake_failures: AtomicU64::default(),
+            probes: AtomicU64::default(),
             seconds_complete: crate::metrics::seconds_histogram(),
             seconds_failed: crate::metrics::seconds_histogram(),
         }
@@ -778,6 +787,7 @@ impl Inner {
             quarantined,
             auth_failures: c.auth_failures.load(Ordering::Relaxed),
             handshake_failures: c.handshake_failures.load(Ordering::Relaxed),
+            probes: c.probes.load(Ordering::Relaxed),
             register_micros: self.register_micros.load(Ordering::Relaxed),
             registered_bytes: self
                 .transport
@@ -928,6 +938,11 @@ impl crate::metrics::Source for Inner {
                 "Handshakes that failed otherwise",
                 s.handshake_failures,
             ),
+            (
+                "kvx_probes",
+                "Authenticated peers that read this side's Hello and left",
+                s.probes,
+            ),
         ] {
             out.add(name, help, base(), Counter(v));
         }
@@ -1006,6 +1021,13 @@ impl DecodeEngine {
             )));
         }
         cfg.tp.validate(&cfg.layout)?;
+        if cfg.app.len() > crate::control::MAX_APP_INFO {
+            return Err(EngineError::Config(format!(
+                "the application's part of the Hello is {} bytes, more than {}",
+                cfg.app.len(),
+                crate::control::MAX_APP_INFO
+            )));
+        }
         if cfg.stage.size == 0 || cfg.stage.rank >= cfg.stage.size {
             return Err(EngineError::Config(format!(
                 "decode PP stage {} is not below its PP size {}",
@@ -2606,6 +2628,7 @@ fn local_hello(inner: &Inner) -> Result<Hello, EngineError> {
     .with_heartbeat(cfg.heartbeat);
     Ok(Hello {
         instance: cfg.instance.clone(),
+        app: cfg.app.clone(),
         ..hello
     })
 }
@@ -2726,6 +2749,11 @@ async fn serve_rank(
     let (remote, (session, slot, planner, sender, claim)) = match (result, bound) {
         (Ok(r), Some(b)) => (r, b),
         (Ok(_), None) => return,
+        (Err(control::ControlError::Probed { peer }), _) => {
+            i.counters.probes.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(%peer, "probed by an authenticated peer");
+            return;
+        }
         (Err(e), _) => {
             let counter = if e.is_auth_failure() {
                 &i.counters.auth_failures

@@ -569,6 +569,38 @@ async fn write_loop(
     }
 }
 
+/// Reads the Hello of the decode engine at `addr` without joining it: authenticates with `token`
+/// (`None`: the empty secret) as a prefill rank would, then takes decode's Hello (its layout, its
+/// PP stage and [`DecodeConfig::app`]) and leaves; decode counts it in
+/// [`DecodeStats::probes`]. For a prefill that builds its pool from what decode says.
+///
+/// # Errors
+/// [`EngineError::Control`]: decode unreachable, a failed proof either way, a Hello that
+/// contradicts itself, or `timeout`.
+pub async fn probe_decode(
+    addr: std::net::SocketAddr,
+    token: Option<&control::Secret>,
+    timeout: std::time::Duration,
+) -> Result<control::Hello, EngineError> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    let none = control::Secret::none();
+    let mut conn = control::Connection::connect(addr, deadline).await?;
+    let hello = control::probe(
+        &mut conn,
+        control::Role::Prefill,
+        token.unwrap_or(&none),
+        deadline,
+    )
+    .await?;
+    if hello.role != control::Role::Decode {
+        return Err(EngineError::Config(format!(
+            "{addr} is a {} engine, not decode",
+            hello.role
+        )));
+    }
+    Ok(hello)
+}
+
 /// Where the last incarnation drawn on this host is kept: `KVX_INCARNATION_FILE`, else
 /// `kvx-incarnation` in the temporary directory.
 fn incarnation_file() -> std::path::PathBuf {

@@ -357,6 +357,7 @@ impl DecodeEngine {
                 ("registered_bytes", s.registered_bytes),
                 ("auth_failures", s.auth_failures),
                 ("handshake_failures", s.handshake_failures),
+                ("probes", s.probes),
             ],
         )
     }

@@ -263,6 +263,22 @@ def test_a_pipelined_decode_beside_a_pipeline_of_another_size_fails_at_once(dire
         prefill.close()
 
 
+def test_each_rank_of_a_server_serves_metrics_on_a_port_of_its_own(monkeypatch):
+    import kvx
+    from kvx.sglang import settings
+
+    monkeypatch.delenv("KVX_METRICS", raising=False)
+    assert settings.metrics_address(3) is None
+    monkeypatch.setenv("KVX_METRICS", "127.0.0.1:9400")
+    assert [settings.metrics_address(r) for r in (0, 3)] == ["127.0.0.1:9400", "127.0.0.1:9403"]
+    monkeypatch.setenv("KVX_METRICS", "[::1]:9400")
+    assert settings.metrics_address(1) == "[::1]:9401"
+    for bad in ("9400", "host:port", "127.0.0.1:65535"):
+        monkeypatch.setenv("KVX_METRICS", bad)
+        with pytest.raises(kvx.ConfigError, match="KVX_METRICS"):
+            settings.metrics_address(1)
+
+
 def test_engines_publish_sglangs_local_address_never_a_wildcard(monkeypatch):
     import kvx
     from kvx.sglang import settings

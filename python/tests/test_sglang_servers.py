@@ -21,6 +21,7 @@ import random
 import signal
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -58,16 +59,22 @@ class Pair:
 
     def __init__(self, name, model, logs, backend, env, three_ports, decode_args=(),
                  second_prefill=None, second_decode=None, prefill_args=(), prefill2_args=(),
-                 decode2_args=(), third_decode=None, decode3_args=()):
+                 decode2_args=(), third_decode=None, decode3_args=(), metrics=None):
         prefill_port, decode_port, self.bootstrap_port = three_ports
+        # Ports where the prefill's and the decode's kvx engines serve metrics (KVX_METRICS).
+        self.metrics = metrics
+        p_env, d_env = env, env
+        if metrics is not None:
+            p_env = {**env, "KVX_METRICS": f"127.0.0.1:{metrics[0]}"}
+            d_env = {**env, "KVX_METRICS": f"127.0.0.1:{metrics[1]}"}
         # Servers of several ranks (PP or TP 2) need S.MULTI_RANK_ENV on SGLang's CPU engine.
         self.prefill = S.Server(f"{name}-prefill", model, prefill_port, logs, [
             "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", backend,
             "--disaggregation-bootstrap-port", str(self.bootstrap_port), *prefill_args],
-            {**env, **S.MULTI_RANK_ENV} if prefill_args else env)
+            {**p_env, **S.MULTI_RANK_ENV} if prefill_args else p_env)
         self.decode = S.Server(f"{name}-decode", model, decode_port, logs, [
             "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", backend,
-            "--disaggregation-decode-retraction-backup", "cpu_tensor", *decode_args], env)
+            "--disaggregation-decode-retraction-backup", "cpu_tensor", *decode_args], d_env)
         # A second prefill server (its port and bootstrap port) beside the first, for the same
         # decode server, as a load balancer with several prefill servers uses it.
         self.prefill2 = None
@@ -142,7 +149,7 @@ def servers(model, logs, prompts):
     imports: together they are ready sooner than one after another); the normal server's greedy
     tokens for every prompt."""
     # Drawn in one call, so no two servers are given the same port.
-    free = ports(1 + 3 * len(BACKENDS) + 2 + 1 + 1)
+    free = ports(1 + 3 * len(BACKENDS) + 2 + 1 + 1 + 2)
     normal = S.Server("normal", model, free.pop(), logs)
     pairs = {}
     try:
@@ -181,7 +188,9 @@ def servers(model, logs, prompts):
                 prefill2_args=["--tp-size", "2", "--page-size", "8"] if backend == "nixl" else [],
                 decode2_args=["--tp-size", "2", "--page-size", "8"] if backend == "ucx" else [],
                 third_decode=decode3,
-                decode3_args=["--pp-size", "2"] if backend == "ucx" else [])
+                decode3_args=["--pp-size", "2"] if backend == "ucx" else [],
+                # The NIXL pair's prefill and decode serve kvx's metrics.
+                metrics=(free.pop(), free.pop()) if backend == "nixl" else None)
         S.start_all([normal] + [s for p in pairs.values() for s in p.servers()])
         normal.expected = [S.generate(normal, p, NEW_TOKENS) for p in prompts]
         yield normal, pairs
@@ -212,6 +221,40 @@ def test_a_kvx_pair_answers_like_one_server(backend, servers, prompts):
         "a corrupted page did not change decode's tokens: the check does not read moved KV")
     after = run_prompts(pair, prompts[:3], [rng.randrange(1 << 62) for _ in range(3)], 1)
     check(pair, normal, prompts[:3], after, f"{backend}, after the corrupted request")
+
+
+def scrape(port, name, label=""):
+    """The sum of metric `name`'s samples (those whose labels hold `label`) on a kvx engine's
+    metrics endpoint."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and label in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_a_servers_kvx_metrics_count_what_it_moved(servers):
+    """The NIXL pair's prefill and decode serve their kvx engines' Prometheus metrics
+    (``KVX_METRICS``): after eight new prompts, decode counts eight more complete requests and no
+    more failed ones, and the prefill more bytes written into decode."""
+    _, pairs = servers
+    pair = pairs["nixl"]
+    rng = random.Random("metrics")
+    new = [[rng.randrange(1, 1000) for _ in range(n)] for n in (3, 17, 40, 65, 100, 200, 300, 401)]
+    # One request first, so both engines run (they start with a server's first request).
+    warm = pair.generate([rng.randrange(1, 1000) for _ in range(20)], rng.randrange(1 << 62))
+    assert warm["decode"][0] == 200, pair.logs()
+    d_port, p_port = pair.metrics[1], pair.metrics[0]
+    complete = scrape(d_port, "kvx_requests_total", 'outcome="complete"')
+    failed = scrape(d_port, "kvx_requests_total", 'outcome="failed"')
+    written = scrape(p_port, "kvx_written_bytes_total")
+    results = run_prompts(pair, new, [rng.randrange(1 << 62) for _ in new], 4)
+    assert all(r["decode"][0] == 200 for r in results), pair.logs()
+    assert scrape(d_port, "kvx_requests_total", 'outcome="complete"') == complete + len(new)
+    assert scrape(d_port, "kvx_requests_total", 'outcome="failed"') == failed
+    assert scrape(p_port, "kvx_written_bytes_total") > written
 
 
 @pytest.mark.parametrize("concurrency", [1, 4])

@@ -178,6 +178,8 @@ class KvxKVManager(BaseKVManager):
         self.backend = os.environ.get("KVX_BACKEND", "ucx")
         self.secret = settings.secret()
         self.device = settings.device(args)
+        # Where this rank's engine serves Prometheus metrics (KVX_METRICS), checked at start.
+        self.metrics = settings.metrics_address(self.pp_rank * self.tp_size + self.tp_rank)
         self._lock = threading.Lock()
         # Prefill: notified whenever a page allocation arrives.
         self._arrived = threading.Condition(self._lock)
@@ -374,6 +376,7 @@ class KvxKVManager(BaseKVManager):
             secret=self.secret, backend=self.backend, device=self.device,
             tp_rank=self.tp_rank, tp_size=self.tp_size, tp_mode=self.pool.tp_mode,
             kv_heads=self.pool.kv_heads,
+            metrics=self.metrics,
             engine_id=f"sglang-prefill-{self.tp_rank}-{self.pp_rank}-{os.getpid()}")
         logger.info("kvx: prefill engine started (TP %d, PP %d): one engine for every decode",
                     self.tp_rank, self.pp_rank)
@@ -427,6 +430,7 @@ class KvxKVManager(BaseKVManager):
             secret=self.secret, backend=self.backend, device=self.device,
             engine_id=f"sglang-decode-{self.id}", tp_rank=self.tp_rank, tp_size=self.tp_size,
             tp_mode=self.pool.tp_mode, kv_heads=self.pool.kv_heads,
+            metrics=self.metrics,
             # Alike on every TP rank of this server: a prefill rank writing into several of them
             # serves a request's allocations as one.
             decode_instance=f"sglang-decode-{settings.url_host(self.local_ip)}:"

@@ -93,6 +93,24 @@ def state_log_interval() -> Optional[float]:
     return float(v) if v and float(v) > 0 else None
 
 
+def metrics_address(rank: int) -> Optional[str]:
+    """``KVX_METRICS=HOST:PORT``: where the kvx engine of scheduler rank ``rank`` (its PP rank
+    times the TP size plus its TP rank) serves Prometheus metrics: ``HOST:PORT+rank``, so a
+    server's ranks on one host never share a port. Unset or empty: nowhere. A value that is not
+    ``HOST:PORT``, or a port past 65535 for this rank, is a ``ConfigError``."""
+    v = os.environ.get("KVX_METRICS", "").strip()
+    if not v:
+        return None
+    host, sep, port = v.rpartition(":")
+    try:
+        base = int(port)
+    except ValueError:
+        base = -1
+    if not sep or not host or base < 0 or base + rank > 65535:
+        raise kvx.ConfigError(f"kvx: KVX_METRICS={v!r} is not HOST:PORT with room for rank {rank}")
+    return f"{host}:{base + rank}"
+
+
 def local_ip() -> str:
     """The address this host's engines listen on and publish: SGLang's own choice for its transfer
     backends (``SGLANG_HOST_IP`` / ``HOST_IP``, else the host's routable address), never a

@@ -144,6 +144,12 @@ pub struct Report {
     pub complete_p50_us: f64,
     /// p99 of the above.
     pub complete_p99_us: f64,
+    /// Last rank's final chunk handed to the transport (its writes and notification posted) to
+    /// decode seeing Complete, p50, µs: with one chunk of one write, a write's latency from post
+    /// to the receiver's notification. Measured in one process only (0 otherwise).
+    pub post_p50_us: f64,
+    /// p99 of the above.
+    pub post_p99_us: f64,
     /// Requests the two columns above are over: every completed one in one process; across processes,
     /// those whose last-write stamps decode read from the prefill processes (`--stamps`).
     pub complete_samples: u64,
@@ -224,6 +230,8 @@ pub(crate) struct Ran {
     pub latency: Duration,
     /// Last rank's final chunk over to decode seeing Complete, where measured.
     pub complete: Option<Duration>,
+    /// Last rank's final chunk posted to decode seeing Complete, where measured.
+    pub posted: Option<Duration>,
     /// The request was live while a PP rank was away (its process died or restarted): a failure
     /// that the absence explains, or a request that waited for the rank and completed.
     pub during_absence: bool,
@@ -251,6 +259,7 @@ pub(crate) enum Event<'a> {
 pub(crate) struct Tally {
     pub latencies_us: Vec<f64>,
     pub completes_us: Vec<f64>,
+    pub posts_us: Vec<f64>,
     pub done: u64,
     pub failed: u64,
     /// Of `failed`, those a rank's absence explains.
@@ -283,6 +292,9 @@ impl Tally {
                 if let Some(c) = ran.complete {
                     self.completes_us.push(c.as_secs_f64() * 1e6);
                 }
+                if let Some(p) = ran.posted {
+                    self.posts_us.push(p.as_secs_f64() * 1e6);
+                }
             }
             Outcome::Failed(_) => {
                 self.failed += 1;
@@ -304,6 +316,7 @@ impl Tally {
         let ok = (self.done - self.failed) as f64;
         self.latencies_us.sort_by(f64::total_cmp);
         self.completes_us.sort_by(f64::total_cmp);
+        self.posts_us.sort_by(f64::total_cmp);
         let chunks = w.prompt_tokens.div_ceil(w.chunk_tokens);
         Report {
             backend: backend.to_string(),
@@ -321,6 +334,8 @@ impl Tally {
             latency_p99_us: percentile(&self.latencies_us, 0.99),
             complete_p50_us: percentile(&self.completes_us, 0.5),
             complete_p99_us: percentile(&self.completes_us, 0.99),
+            post_p50_us: percentile(&self.posts_us, 0.5),
+            post_p99_us: percentile(&self.posts_us, 0.99),
             complete_samples: self.completes_us.len() as u64,
             chunks_per_s: ok * f64::from(chunks) * f64::from(w.pp) / secs,
             writes_per_s: ok * w.writes_per_request() as f64 / secs,
@@ -627,32 +642,38 @@ async fn one_request(
                     return Err(e);
                 }
             }
-            // Stamped on the progress thread when the LAST chunk's writes were remotely complete.
+            // Stamped on the progress thread when the LAST chunk's writes were remotely complete,
+            // and by send_chunk when it handed them to the transport.
             let last_done = p.last_chunk_done_at(request);
+            let last_posted = p.last_chunk_posted_at(request);
             p.decided(request).await;
             p.release(request);
-            Ok(last_done)
+            Ok((last_done, last_posted))
         });
     }
     let outcome = outcome.await;
     let latency = t0.elapsed();
-    let mut last_done = t0;
+    let (mut last_done, mut last_posted) = (t0, t0);
     while let Some(r) = ranks.join_next().await {
-        let t = r.map_err(|e| EngineError::Config(format!("rank task: {e}")))??;
-        last_done = last_done.max(t.unwrap_or(t0));
+        let (done, posted) = r.map_err(|e| EngineError::Config(format!("rank task: {e}")))??;
+        last_done = last_done.max(done.unwrap_or(t0));
+        last_posted = last_posted.max(posted.unwrap_or(t0));
     }
     // Both instants come from the progress threads: the last rank's final chunk over, and the
     // decode tracker emitting Complete. Decode can see it first (its notification overtook the
     // sender's own completion callback): that counts as zero.
-    let complete = cluster
-        .decode
-        .completed_at(request)
+    let completed = cluster.decode.completed_at(request);
+    let complete = completed
         .map(|t| t.saturating_duration_since(last_done))
+        .unwrap_or_default();
+    let posted = completed
+        .map(|t| t.saturating_duration_since(last_posted))
         .unwrap_or_default();
     Ok(Ran {
         outcome,
         latency,
         complete: Some(complete),
+        posted: Some(posted),
         during_absence: false,
     })
 }
@@ -741,6 +762,40 @@ pub fn perftest_put_bw(tool: &Path, size: u64, iters: u32) -> Option<(f64, f64)>
     let mbs: f64 = cols.get(6)?.parse().ok()?;
     let rate: f64 = cols.get(8)?.parse().ok()?;
     Some((mbs * 1048576.0 / 1e9, rate))
+}
+
+/// `ucx_perftest -t ucp_put_lat` at `size` bytes between two processes on loopback, `iters`
+/// iterations: the median and the average latency, µs, as the tool reports them (half a round
+/// trip of puts, each side polling memory for the other's). `None` when the tool fails.
+pub fn perftest_put_lat(tool: &Path, size: u64, iters: u32) -> Option<(f64, f64)> {
+    let port = crate::cluster::free_addrs(1).ok()?.first()?.port();
+    let mut server = ucx_tool(tool)
+        .args(["-p", &port.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .ok()?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut out = None;
+    while Instant::now() < deadline {
+        let o = ucx_tool(tool)
+            .args(["127.0.0.1", "-p", &port.to_string(), "-t", "ucp_put_lat"])
+            .args(["-s", &size.to_string(), "-n", &iters.to_string()])
+            .output()
+            .ok()?;
+        if o.status.success() {
+            out = Some(String::from_utf8_lossy(&o.stdout).into_owned());
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = server.kill();
+    let _ = server.wait();
+    let out = out?;
+    let line = out.lines().find(|l| l.starts_with("Final:"))?;
+    // Final: iterations, latency median, average and overall (µs), then bandwidths and rates.
+    let cols: Vec<&str> = line.split_whitespace().collect();
+    Some((cols.get(2)?.parse().ok()?, cols.get(3)?.parse().ok()?))
 }
 
 /// An in-process put baseline: one UCX transport putting `size`-byte writes into another, `batch`

@@ -238,7 +238,9 @@ impl Served {
         let valid = self.layers > 0
             && self.page_tokens > 0
             && self.bytes_per_token > 0
-            && self.bytes_per_token.is_multiple_of(u64::from(regions.count()))
+            && self
+                .bytes_per_token
+                .is_multiple_of(u64::from(regions.count()))
             && self.pp > 0
             && u32::from(self.pp) <= self.layers
             && self.prompt_tokens > 0
@@ -491,6 +493,7 @@ pub async fn run_decode(
                     outcome,
                     latency,
                     complete: None,
+                    posted: None,
                     during_absence,
                 })
             })

@@ -7,7 +7,7 @@
 use clap::{Parser, Subcommand, ValueEnum};
 use kvbench::bench::{
     Report, Verify, Workload, dies_with_us, find_perftest, inprocess_put_bw, memcpy_bw,
-    perftest_put_bw, run_workload,
+    perftest_put_bw, perftest_put_lat, run_workload,
 };
 use kvbench::cluster::{PoolKind, Shape};
 use kvbench::roles;
@@ -238,6 +238,16 @@ enum Role {
         /// found through --etcd otherwise).
         #[arg(long, value_delimiter = ',')]
         peers: Vec<std::net::SocketAddr>,
+    },
+    /// The latency of a single 4 KiB write from post to decode seeing it complete: requests of one
+    /// layer's one page of 4 KiB (one write and its notification, PP 1), one at a time, in this
+    /// process on every backend asked for, beside `ucx_perftest -t ucp_put_lat -s 4096` between
+    /// two processes in the same run. Exits non-zero if a request fails, the last one's bytes
+    /// differ, or the baseline cannot be measured.
+    Latency {
+        /// Requests (writes) per backend.
+        #[arg(long, default_value_t = 2000)]
+        writes: u32,
     },
     /// Run the workload (in this process, without baselines) over a grid of page sizes,
     /// concurrencies and prompt lengths on every backend asked for, and write `sweep.json` and
@@ -719,6 +729,13 @@ fn main() -> ExitCode {
         };
         return rt.block_on(run_sweep(&w, &grid, out, cli.opts.json.is_some()));
     }
+    if let Some(Role::Latency { writes }) = &cli.role {
+        if cli.opts.processes || cli.opts.tp_run() {
+            eprintln!("kvbench: latency runs in one process, one TP size");
+            return ExitCode::from(2);
+        }
+        return rt.block_on(run_latency(&cli.opts, &w, *writes));
+    }
     let token = match cli.role {
         None => Ok(None),
         Some(_) => cli.opts.token(),
@@ -837,7 +854,7 @@ fn main() -> ExitCode {
             .map(|_| Vec::new())
         }
         // Handled above, before the roles' checks.
-        Some(Role::Sweep { .. }) => Ok(Vec::new()),
+        Some(Role::Sweep { .. } | Role::Latency { .. }) => Ok(Vec::new()),
     };
     match result {
         Ok(reports) => {
@@ -864,6 +881,117 @@ fn main() -> ExitCode {
             eprintln!("kvbench: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// The bytes of the write `kvbench latency` times.
+const LATENCY_WRITE: u64 = 4096;
+
+/// `kvbench latency`: one 4 KiB write per request, one request at a time, on each backend, timed
+/// from the prefill's post to decode's Complete, beside `ucx_perftest`'s put latency at the same
+/// size measured in the same run; a table, and `--json` with the same numbers.
+async fn run_latency(opts: &Opts, base: &Workload, writes: u32) -> ExitCode {
+    if writes == 0 {
+        eprintln!("kvbench: --writes must be positive");
+        return ExitCode::from(2);
+    }
+    let mut w = base.clone();
+    // One layer, one fused region, one page of 16 tokens of 256 bytes: 4 KiB, one chunk.
+    w.shape = Shape {
+        layers: 1,
+        bytes_per_token: LATENCY_WRITE / 16,
+        page_tokens: 16,
+        regions: RegionKind::Fused,
+    };
+    w.pp = 1;
+    w.prompt_tokens = 16;
+    w.chunk_tokens = 16;
+    w.concurrency = 1;
+    w.requests = writes;
+    w.duration = None;
+    w.scatter = false;
+    w.prefill_instances = 1;
+    w.decode_instances = 1;
+    let mut rows = Vec::new();
+    for backend in opts.backends() {
+        match run_workload(&w, backend, None).await {
+            Ok(r) => rows.push(r),
+            Err(e) => {
+                eprintln!("kvbench: {backend}: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    // After the engines are gone, so that the two processes have the cores to themselves.
+    let iters = writes.saturating_mul(10).max(10_000);
+    let put = find_perftest().and_then(|t| perftest_put_lat(&t, LATENCY_WRITE, iters));
+    let Some((put_p50, put_avg)) = put else {
+        eprintln!("kvbench: ucx_perftest ucp_put_lat could not be run: no baseline, no result");
+        return ExitCode::FAILURE;
+    };
+    println!(
+        "kvbench latency: one {LATENCY_WRITE}-byte write and its notification per request (1 layer, \
+         one 16-token page, PP 1), one request at a time, {writes} requests per backend"
+    );
+    println!(
+        "baseline: ucx_perftest -t ucp_put_lat -s {LATENCY_WRITE} between two processes, {iters} \
+         iterations: p50 {put_p50:.3} us, average {put_avg:.3} us"
+    );
+    println!(
+        "{:<8} {:>14} {:>14} {:>14} {:>16} {:>16} {:>9}",
+        "backend",
+        "post p50 us",
+        "post p99 us",
+        "p50 / put p50",
+        "expect p50 us",
+        "expect p99 us",
+        "verified"
+    );
+    let mut json_rows = Vec::new();
+    for r in &rows {
+        let ratio = r.post_p50_us / put_p50.max(f64::MIN_POSITIVE);
+        println!(
+            "{:<8} {:>14.1} {:>14.1} {:>14.1} {:>16.1} {:>16.1} {:>9}",
+            r.backend,
+            r.post_p50_us,
+            r.post_p99_us,
+            ratio,
+            r.latency_p50_us,
+            r.latency_p99_us,
+            if r.verified { "yes" } else { "no" }
+        );
+        json_rows.push(serde_json::json!({
+            "backend": r.backend,
+            "post_p50_us": r.post_p50_us,
+            "post_p99_us": r.post_p99_us,
+            "ratio_to_put_lat_p50": ratio,
+            "latency_p50_us": r.latency_p50_us,
+            "latency_p99_us": r.latency_p99_us,
+            "requests": r.requests,
+            "failed": r.failed,
+            "verified": r.verified,
+        }));
+    }
+    if let Some(path) = &opts.json {
+        let doc = serde_json::json!({
+            "write_bytes": LATENCY_WRITE,
+            "put_lat_p50_us": put_p50,
+            "put_lat_avg_us": put_avg,
+            "put_lat_iterations": iters,
+            "rows": json_rows,
+        });
+        if let Err(e) = std::fs::write(path, doc.to_string()) {
+            eprintln!("kvbench: cannot write {}: {e}", path.display());
+            return ExitCode::FAILURE;
+        }
+    }
+    if rows
+        .iter()
+        .all(|r| r.failed == 0 && (r.verified || w.verify == Verify::None))
+    {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
     }
 }
 

@@ -371,6 +371,8 @@ struct State {
     /// their boards count us for requests from then on.
     mesh_confirmed: Vec<bool>,
     last_done_at: super::Stamps,
+    /// When each request's LAST chunk was handed to the transport (the last 4096).
+    last_posted_at: super::Stamps,
     /// The decode engines, open and closing.
     links: std::collections::BTreeMap<LinkId, LinkState>,
     next_link: u32,
@@ -809,6 +811,7 @@ impl PrefillEngine {
                 mesh_incarnations: Incarnations::new(cfg.pp_size),
                 mesh_confirmed: vec![false; usize::from(cfg.pp_size)],
                 last_done_at: super::Stamps::default(),
+                last_posted_at: super::Stamps::default(),
                 links,
                 next_link: 1,
                 closed: false,
@@ -1201,6 +1204,11 @@ impl PrefillEngine {
             });
             waits.push(rx);
         }
+        if last {
+            lock(&inner.state)
+                .last_posted_at
+                .record(request, Instant::now());
+        }
         // The legs go together: a backend may read a source row once for every decode rank its
         // slices go to.
         inner.transport.post_many(batch);
@@ -1291,6 +1299,12 @@ impl PrefillEngine {
     /// 4096 requests.
     pub fn last_chunk_done_at(&self, request: RequestId) -> Option<Instant> {
         lock(&self.inner.state).last_done_at.take(request)
+    }
+
+    /// When this rank's LAST chunk of `request` was handed to the transport (its writes and
+    /// notification posted); taken once, kept for the last 4096 requests.
+    pub fn last_chunk_posted_at(&self, request: RequestId) -> Option<Instant> {
+        lock(&self.inner.state).last_posted_at.take(request)
     }
 
     /// Counters.

@@ -653,11 +653,11 @@ async fn one_request(
     }
     let outcome = outcome.await;
     let latency = t0.elapsed();
-    let (mut last_done, mut last_posted) = (t0, t0);
+    let (mut last_done, mut last_posted) = (t0, None);
     while let Some(r) = ranks.join_next().await {
         let (done, posted) = r.map_err(|e| EngineError::Config(format!("rank task: {e}")))??;
         last_done = last_done.max(done.unwrap_or(t0));
-        last_posted = last_posted.max(posted.unwrap_or(t0));
+        last_posted = last_posted.max(posted);
     }
     // Both instants come from the progress threads: the last rank's final chunk over, and the
     // decode tracker emitting Complete. Decode can see it first (its notification overtook the
@@ -666,14 +666,15 @@ async fn one_request(
     let complete = completed
         .map(|t| t.saturating_duration_since(last_done))
         .unwrap_or_default();
+    // No sample where no rank stamped its post (a request that failed before it).
     let posted = completed
-        .map(|t| t.saturating_duration_since(last_posted))
-        .unwrap_or_default();
+        .zip(last_posted)
+        .map(|(t, p)| t.saturating_duration_since(p));
     Ok(Ran {
         outcome,
         latency,
         complete: Some(complete),
-        posted: Some(posted),
+        posted,
         during_absence: false,
     })
 }

@@ -679,9 +679,10 @@ pub async fn run_prefill(
     heartbeat: Option<Duration>,
 ) -> Result<(), String> {
     let ranks = ranks_of(w)?;
-    let range = ranks
-        .get(usize::from(rank))
-        .ok_or(format!("--pp-rank {rank} is not below --pp-size {}", w.pp))?;
+    let range = ranks.get(usize::from(rank)).ok_or(format!(
+        "--pp-rank {rank} is not below the PP size {} decode runs",
+        w.pp
+    ))?;
     let pages = w.pages();
     // A rank holds a request's source pages until every rank decided it, which can be a moment
     // after decode saw it complete and issued the next one: one slot more than decode's.

@@ -231,7 +231,7 @@ enum Role {
         /// This rank.
         #[arg(long)]
         pp_rank: u16,
-        /// PP size (defaults to --pp).
+        /// PP size: decode's, which the role reads from it (given, it must equal decode's).
         #[arg(long)]
         pp_size: Option<u16>,
         /// Vote-mesh addresses of all ranks, comma-separated, in rank order (needed when PP > 1,
@@ -681,7 +681,11 @@ fn main() -> ExitCode {
         Ok(c) => c,
         Err(e) => e.exit(),
     };
-    let given = given_workload_flags(&matches);
+    let mut given = given_workload_flags(&matches);
+    if cli.opts.backend == Backend::All {
+        // "Both" says nothing against decode's one backend.
+        given.retain(|f| *f != "--backend");
+    }
     let filter = tracing_subscriber::EnvFilter::try_from_env("KVBENCH_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
     tracing_subscriber::fmt()

@@ -523,6 +523,18 @@ fn self_contradictory_hello_is_invalid() {
         reject(&decode_hello(), &p),
         RejectReason::InvalidHello(_)
     ));
+    // An application part past its bound, from either side.
+    let big = vec![0u8; transfer_engine::control::MAX_APP_INFO + 1];
+    let p = prefill_hello(0, 1).with_app(big.clone());
+    assert!(matches!(
+        reject(&decode_hello(), &p),
+        RejectReason::InvalidHello(_)
+    ));
+    let d = decode_hello().with_app(big);
+    assert!(matches!(
+        reject(&prefill_hello(0, 1), &d),
+        RejectReason::InvalidHello(_)
+    ));
 }
 
 #[test]

@@ -15,7 +15,7 @@ use transfer_engine::control::{
     FrameError, HEADER_LEN, Hello, HelloAck, LayoutInfo, Listener, MAGIC, Msg, MsgKind,
     PROTOCOL_VERSION, Reject, RejectReason, RemoteRegion, Role, Secret, Side, TpMode,
     TransferReject, TransferRejectReason, TransferRequest, Vote, encode_to_vec, handshake,
-    handshake_with, validate_transfer_request,
+    handshake_serving_probes, handshake_with, probe, validate_transfer_request,
 };
 
 /// Upper bound on any single wait; generous so a loaded CI machine never flakes.
@@ -189,6 +189,43 @@ async fn layout_mismatch_is_explained_on_both_sides() {
         };
         assert!(text.contains("61") && text.contains("32"), "{text}");
     }
+}
+
+/// A listener that serves probes (decode's) takes a probe as one; any other (a vote mesh's, a plain
+/// handshake's) refuses it as a protocol error.
+#[tokio::test]
+async fn only_a_listener_that_serves_probes_answers_one() {
+    let hello = decode_hello().with_app(b"workload".to_vec());
+    let (ss, cs) = (secret(), secret());
+    let (mut s, mut c) = pair().await;
+    let (served, read) = bounded(async {
+        tokio::join!(
+            handshake_serving_probes(&mut s, &hello, &ss, deadline(), |_| Ok(())),
+            probe(&mut c, Role::Prefill, &cs, deadline())
+        )
+    })
+    .await;
+    assert!(
+        matches!(served, Err(ControlError::Probed { .. })),
+        "{served:?}"
+    );
+    assert_eq!(read.unwrap().app, b"workload");
+
+    let (mut s, mut c) = pair().await;
+    let (plain, read) = bounded(async {
+        tokio::join!(
+            handshake_with(&mut s, &hello, &ss, deadline(), |_| Ok(())),
+            probe(&mut c, Role::Prefill, &cs, deadline())
+        )
+    })
+    .await;
+    assert!(
+        matches!(rejected_peer(plain), RejectReason::Protocol(ref t) if t.contains("Probe")),
+        "a listener that does not serve probes answered one"
+    );
+    // Its Hello went out before it read the probe, as it goes to any dialer that proved the
+    // secret: the probe learns no more than such a dialer, and the listener counts a failure.
+    assert_eq!(read.unwrap().app, b"workload");
 }
 
 #[tokio::test]

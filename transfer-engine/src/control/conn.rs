@@ -736,8 +736,45 @@ pub async fn handshake_with<F>(
 where
     F: FnOnce(&Hello) -> Result<(), RejectReason>,
 {
+    handshake_timed(conn, local, secret, deadline, accept, false).await
+}
+
+/// [`handshake_with`] for a listener that also answers probes: an authenticated dialer that sends
+/// [`Msg::Probe`] in place of its Hello has read ours and leaves, and this returns
+/// [`ControlError::Probed`] (see [`probe`]). Other listeners refuse a Probe as a protocol error.
+///
+/// # Errors
+/// As [`handshake_with`], and [`ControlError::Probed`].
+///
+/// # Cancel safety
+/// Not cancel-safe, as [`handshake_with`].
+pub async fn handshake_serving_probes<F>(
+    conn: &mut Connection,
+    local: &Hello,
+    secret: &Secret,
+    deadline: Instant,
+    accept: F,
+) -> Result<Hello, ControlError>
+where
+    F: FnOnce(&Hello) -> Result<(), RejectReason>,
+{
+    handshake_timed(conn, local, secret, deadline, accept, true).await
+}
+
+async fn handshake_timed<F>(
+    conn: &mut Connection,
+    local: &Hello,
+    secret: &Secret,
+    deadline: Instant,
+    accept: F,
+    probes: bool,
+) -> Result<Hello, ControlError>
+where
+    F: FnOnce(&Hello) -> Result<(), RejectReason>,
+{
     let peer = conn.peer_addr();
-    match tokio::time::timeout_at(deadline, handshake_inner(conn, local, secret, accept)).await {
+    let inner = handshake_inner(conn, local, secret, accept, probes);
+    match tokio::time::timeout_at(deadline, inner).await {
         Ok(Ok(remote)) => {
             tracing::debug!(%peer, remote_engine = %remote.engine_id, role = %remote.role, pp_rank = remote.pp_rank, "control handshake accepted");
             Ok(remote)
@@ -906,6 +943,7 @@ async fn handshake_inner<F>(
     local: &Hello,
     secret: &Secret,
     accept: F,
+    probes: bool,
 ) -> Result<Hello, ControlError>
 where
     F: FnOnce(&Hello) -> Result<(), RejectReason>,
@@ -919,7 +957,7 @@ where
     let remote = expect_step(conn, "Hello", |m| match m {
         Msg::Hello(h) => Some(Some(h)),
         // A dialer that only reads our Hello (`probe`).
-        Msg::Probe if side == Side::Listener => Some(None),
+        Msg::Probe if probes && side == Side::Listener => Some(None),
         _ => None,
     })
     .await?;

@@ -69,8 +69,8 @@ mod msg;
 
 pub use auth::{Challenge, Proof, Secret, Side};
 pub use conn::{
-    Connection, ControlError, ControlReader, ControlWriter, Listener, handshake, handshake_with,
-    probe,
+    Connection, ControlError, ControlReader, ControlWriter, Listener, handshake,
+    handshake_serving_probes, handshake_with, probe,
 };
 pub use frame::{
     DEFAULT_MAX_FRAME_LEN, FrameDecoder, FrameError, FrameHeader, HEADER_LEN, MAGIC, MsgKind,

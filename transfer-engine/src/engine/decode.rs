@@ -2737,7 +2737,8 @@ async fn serve_rank(
         Some(i) => i.secret.clone(),
         None => return,
     };
-    let result = control::handshake_with(&mut conn, &hello, &secret, deadline, taken).await;
+    let result =
+        control::handshake_serving_probes(&mut conn, &hello, &secret, deadline, taken).await;
     // The handshake is over: its place goes to the next connection.
     drop(place);
     let Some(i) = inner.upgrade() else { return };

@@ -245,6 +245,40 @@ async fn a_stage_speaks_for_its_own_layers_only() {
     }
 }
 
+/// etcd's word that a prefill PP rank is gone (`evict_in`, as `discovery::watch_decode` calls it)
+/// names the rank by its PP rank: the stage that takes it evicts it, and readmits it; the other
+/// stage has no such rank.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stage_evicts_and_readmits_its_rank_by_its_pp_rank() {
+    let tag = format!("evict-{}", std::process::id());
+    let (stages, ranks) = pipeline(BackendKind::Ucx, &tag).await;
+    let inc = ranks[1].incarnation();
+    assert!(
+        !stages[0].evict_in(INSTANCE, 1, inc),
+        "stage 0 evicted stage 1's rank"
+    );
+    assert!(
+        stages[1].evict_in(INSTANCE, 1, inc),
+        "stage 1 did not evict its PP rank 1"
+    );
+    assert!(stages[1].readmit_in(INSTANCE, 1, inc));
+    // The stage serves again.
+    let request = RequestId(400);
+    let (src, dst) = ([0u32, 1, 2, 3, 4], [3u32, 4, 5, 6, 7]);
+    let f = stages[1].expect_request(request, want(&dst)).unwrap();
+    let f0 = stages[0]
+        .expect_request(request, want(&[8, 9, 10, 11, 12]))
+        .unwrap();
+    send(&ranks[0], request, &src).await;
+    send(&ranks[1], request, &src).await;
+    assert_eq!(bounded(f).await, Outcome::Complete);
+    assert_eq!(bounded(f0).await, Outcome::Complete);
+    assert_landed(&stages[1], 1, &src, &dst);
+    for s in stages {
+        s.shutdown(BOUND).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stage_refuses_another_stages_rank_and_another_pipeline_size() {
     let tag = format!("refuse-{}", std::process::id());

@@ -101,7 +101,7 @@ class KvxKVReceiver(BaseKVReceiver):
                     if now < self.aux_deadline:
                         return KVPoll.Transferring
                     self.failed = settings.failed("aux_missing", f"room {self.bootstrap_room}: no metadata row "
-                                                         f"from PP rank {last_rank}")
+                                                         f"from rank slot {last_rank}")
                     return KVPoll.Failed
                 try:
                     self.kv_mgr.write_aux_row(int(self.aux_index), data)

@@ -1758,7 +1758,11 @@ impl DecodeEngine {
         let Some(s) = st.sessions.get_mut(&id) else {
             return false;
         };
-        let Some(r) = s.rank_mut(rank) else {
+        // PP rank `rank` of the instance: on a pipelined decode, slots count from its stage's rank.
+        let Some(r) = rank
+            .checked_sub(s.pp_first)
+            .and_then(|slot| s.rank_mut(slot))
+        else {
             return false;
         };
         if r.incarnation != incarnation || r.evicted || r.external {
@@ -1791,7 +1795,10 @@ impl DecodeEngine {
         let Some(s) = st.sessions.get_mut(&id) else {
             return false;
         };
-        let Some(r) = s.rank_mut(rank) else {
+        let Some(r) = rank
+            .checked_sub(s.pp_first)
+            .and_then(|slot| s.rank_mut(slot))
+        else {
             return false;
         };
         if r.incarnation != incarnation || !r.evicted {

@@ -334,7 +334,7 @@ const DISCOVERY_WAIT: Duration = Duration::from_secs(120);
 
 /// Runs the decode role and returns its report. Only prefill processes holding `token` (the
 /// shared secret; `None` admits anyone) are let in. `heartbeat` replaces the engine's default
-/// interval.
+/// interval. `progress(done, total)` is called as requests end.
 ///
 /// # Errors
 /// Engine failures, as text.
@@ -345,6 +345,7 @@ pub async fn run_decode(
     token: Option<Vec<u8>>,
     stamps: Option<&Path>,
     heartbeat: Option<Duration>,
+    progress: Option<&(dyn Fn(u64, u64) + Sync)>,
 ) -> Result<Report, String> {
     let pages = w.pages();
     // Each slot and a spare for it (see `Slots`).
@@ -421,17 +422,19 @@ pub async fn run_decode(
     let on = |e: Event<'_>| match e {
         Event::Ended {
             request,
-            outcome: Outcome::Complete,
+            outcome,
             done,
-            ..
+            total,
         } => {
-            // Progress, for tests that inject a fault mid-run (KVBENCH_LOG=kvbench::roles=debug).
-            tracing::debug!(done, request = request.0, "request complete");
+            match outcome {
+                // Progress, for tests that inject a fault mid-run (KVBENCH_LOG=kvbench::roles=debug).
+                Outcome::Complete => tracing::debug!(done, request = request.0, "request complete"),
+                Outcome::Failed(reason) => eprintln!("kvbench decode: request failed: {reason:?}"),
+            }
+            if let Some(p) = progress {
+                p(done, total);
+            }
         }
-        Event::Ended {
-            outcome: Outcome::Failed(reason),
-            ..
-        } => eprintln!("kvbench decode: request failed: {reason:?}"),
         Event::VerifyFailed { request, error } => {
             let n = request.0 & !CHECKED_REQUEST;
             eprintln!("kvbench decode: verification failed: request {n}: {error}");

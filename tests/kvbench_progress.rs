@@ -66,6 +66,16 @@ fn tp_runs_and_sweeps_draw_bars_on_a_terminal() {
 }
 
 #[test]
+fn every_engine_in_its_own_process_draws_decodes_bar() {
+    let seen = on_terminal(&format!("{ARGS} --processes"));
+    assert!(
+        seen.contains(BAR),
+        "no progress bar for a --processes run: {seen}"
+    );
+    assert!(seen.contains("verified"), "no table: {seen}");
+}
+
+#[test]
 fn json_output_keeps_the_terminal_free_of_the_bar() {
     let dir = std::env::temp_dir().join(format!("kvbench-progress-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");

@@ -803,15 +803,27 @@ fn main() -> ExitCode {
                     (None, Some(etcd)) => roles::Place::Etcd(etcd),
                     (None, None) => return Err("decode needs --listen or --etcd".to_string()),
                 };
-                roles::run_decode(
+                let backend = cli.opts.backends()[0];
+                // A bar of the requests on a terminal (with --processes, the parent's).
+                let bar = request_bar(&backend.to_string(), cli.opts.json.is_some());
+                bar.set_length(u64::from(w.requests));
+                let progress = |done: u64, total: u64| {
+                    bar.set_length(total);
+                    bar.set_position(done);
+                };
+                let r = roles::run_decode(
                     place,
                     &w,
-                    cli.opts.backends()[0],
+                    backend,
                     token,
                     cli.opts.stamps.as_deref(),
                     heartbeat,
+                    Some(&progress),
                 )
-                .await
+                .await;
+                // Left where the run left it (finish() would fill it whatever happened).
+                bar.abandon();
+                r
             })
             .map(|mut r| {
                 // Measured after the run, when the prefill processes have exited, so that they do
@@ -1039,7 +1051,8 @@ async fn run_sweep(w: &Workload, grid: &kvbench::sweep::Grid, out: &Path, quiet:
         bar.inc(1);
     })
     .await;
-    bar.finish();
+    // Left where the run left it (finish() would fill it whatever happened).
+    bar.abandon();
     let points = match points {
         Ok(p) => p,
         Err(e) => {
@@ -1104,7 +1117,8 @@ async fn run_local(opts: &Opts, w: &Workload) -> Result<Vec<Report>, String> {
             bar.set_position(done);
         };
         let r = run_workload(w, backend, Some(&progress)).await;
-        bar.finish();
+        // Left where the run left it (finish() would fill it whatever happened).
+        bar.abandon();
         let mut r = r.map_err(|e| format!("{backend}: {e}"))?;
         b.apply(&mut r);
         reports.push(r);
@@ -1177,7 +1191,8 @@ async fn run_tp(opts: &Opts, w: &Workload) -> ExitCode {
                     bar.set_position(done);
                 };
                 let r = c.run(Some(&progress)).await;
-                bar.finish();
+                // Left where the run left it (finish() would fill it whatever happened).
+                bar.abandon();
                 c.shutdown().await;
                 r
             };

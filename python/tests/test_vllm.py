@@ -11,6 +11,7 @@ installed into it): ``.deps/vllm/bin/python -m pytest python/tests/test_vllm.py`
 
 import threading
 import time
+import urllib.request
 
 import pytest
 
@@ -47,9 +48,12 @@ def cluster(tmp_path_factory):
     d = tmp_path_factory.mktemp("vllm")
     model = V.make_model(d / "model")
     secret = V.secret_file(d)
-    nixl_p, nixl_d = V.free_ports(2)
-    test_hooks = {"KVX_TEST_CORRUPT_TAG": CORRUPT, "KVX_TEST_STALL_TAG": STALL}
-    made = {}
+    # Drawn in one call, so no two are the same.
+    nixl_p, nixl_d, metrics_p, metrics_d = V.free_ports(4)
+    # The kvx pair's engines serve their metrics (KVX_METRICS, TP rank 0 on the port itself).
+    made = {"metrics": {"prefill": metrics_p, "decode": metrics_d}}
+    test_hooks = {"KVX_TEST_CORRUPT_TAG": CORRUPT, "KVX_TEST_STALL_TAG": STALL,
+                  "KVX_METRICS": f"127.0.0.1:{made['metrics']['prefill']}"}
     try:
         # The reference runs its engine in-process (one process instead of three: it only
         # answers); the pairs run vLLM's default, engine core and worker in processes of their
@@ -58,14 +62,16 @@ def cluster(tmp_path_factory):
         made["kvx_p"] = V.Instance("kvx-prefill", model, d,
                                    kv=V.kvx_config("kv_producer", secret), env=test_hooks)
         made["kvx_d"] = V.Instance("kvx-decode", model, d,
-                                   kv=V.kvx_config("kv_consumer", secret))
+                                   kv=V.kvx_config("kv_consumer", secret),
+                                   env={"KVX_METRICS":
+                                        f"127.0.0.1:{made['metrics']['decode']}"})
         made["nixl_p"] = V.Instance("nixl-prefill", model, d, kv=V.nixl_config("kv_producer"),
                                     env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(nixl_p),
                                          "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"})
         made["nixl_d"] = V.Instance("nixl-decode", model, d, kv=V.nixl_config("kv_consumer"),
                                     env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(nixl_d),
                                          "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"})
-        V.start_all(list(made.values()), timeout=420)
+        V.start_all([i for i in made.values() if isinstance(i, V.Instance)], timeout=420)
         ref = made["ref"].generate(PROMPTS + CORRUPT_PROMPTS + [KILL_PROMPT], MAX_TOKENS)
         tokens = [o["tokens"] for o in ref["outputs"]]
         made["expected"] = tokens[:len(PROMPTS)]
@@ -83,11 +89,24 @@ def cluster(tmp_path_factory):
                 inst.close()
 
 
+def scrape(port, name, label=""):
+    """The sum of metric `name`'s samples (those whose labels hold `label`) on a kvx engine's
+    metrics endpoint."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and label in line)
+
+
 def test_a_kvx_pair_answers_like_one_instance(cluster):
     """Eight prompts of 4 and 5 blocks, prefilled and decoded concurrently: decode loads every
     block through kvx (no load failure, nothing recomputed) and generates the single instance's
-    tokens."""
+    tokens; decode's engine counts eight more complete requests on its metrics endpoint
+    (KVX_METRICS)."""
     p_log, d_log = Log(cluster["kvx_p"]), Log(cluster["kvx_d"])
+    port = cluster["metrics"]["decode"]
+    complete = scrape(port, "kvx_requests_total", 'outcome="complete"')
+    failed = scrape(port, "kvx_requests_total", 'outcome="failed"')
     p, d = V.pair_generate(cluster["kvx_p"], cluster["kvx_d"], PROMPTS, MAX_TOKENS)
     for o in p["outputs"]:
         params = o["kv_transfer_params"]
@@ -95,6 +114,8 @@ def test_a_kvx_pair_answers_like_one_instance(cluster):
         assert len(params["remote_block_ids"]) >= 4, params
     got = [o["tokens"] for o in d["outputs"]]
     assert got == cluster["expected"]
+    assert scrape(port, "kvx_requests_total", 'outcome="complete"') == complete + len(PROMPTS)
+    assert scrape(port, "kvx_requests_total", 'outcome="failed"') == failed
     assert "KV load failed" not in d_log.text() and "Recovered from KV load failure" \
         not in d_log.text(), d_log.text()[-4000:]
     assert "kvx: request" not in p_log.text(), p_log.text()[-4000:]

@@ -72,20 +72,22 @@ class KvxWorker:
         backend = settings.backend(extra)
         host = settings.host(extra)
         compat = _compat(vllm_config)
+        dp = int(getattr(pc, "data_parallel_index", 0) or 0)
+        metrics = settings.metrics(extra, dp * tp_size + tp_rank)
         self.prefill: Optional[PrefillSide] = None
         self.decode: Optional[DecodeSide] = None
         if ktc.is_kv_producer:
             base = settings.side_channel_port(extra)
-            dp = int(getattr(pc, "data_parallel_index", 0) or 0)
             port = base + dp * tp_size + tp_rank if base else 0
             self.prefill = PrefillSide(engine_id=engine_id, tp_rank=tp_rank, tp_size=tp_size,
                                        host=host, port=port, secret=secret, backend=backend,
-                                       compat=compat)
+                                       compat=compat, metrics=metrics)
         if ktc.is_kv_consumer:
             self.decode = DecodeSide(engine_id=engine_id, tp_rank=tp_rank, tp_size=tp_size,
                                      host=host, secret=secret, backend=backend, compat=compat,
                                      request_timeout=settings.request_timeout(extra),
-                                     handshake_timeout=settings.handshake_timeout(extra))
+                                     handshake_timeout=settings.handshake_timeout(extra),
+                                     metrics=metrics)
 
     def register_kv_caches(self, kv_caches: "dict[str, Any]") -> None:
         from .pool import Pool

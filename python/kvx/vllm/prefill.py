@@ -49,12 +49,14 @@ class _Held:
 
 class PrefillSide:
     def __init__(self, *, engine_id: str, tp_rank: int, tp_size: int, host: str, port: int,
-                 secret: Optional[bytes], backend: str, compat: dict):
+                 secret: Optional[bytes], backend: str, compat: dict,
+                 metrics: Optional[str] = None):
         self.engine_id = engine_id
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.host, self.port = host, port
         self.secret, self.backend = secret, backend
         self.compat = compat
+        self.metrics = metrics
         self.pool: Optional[Pool] = None
         self.engine: Optional[kvx.PrefillEngine] = None
         self.server: Optional[SideChannelServer] = None
@@ -108,7 +110,7 @@ class PrefillSide:
                     page_tokens=self.pool.block_size, memory=self.pool.memory,
                     instance=self.engine_id, keep_open=True, secret=self.secret,
                     backend=self.backend, tp_rank=self.tp_rank, tp_size=self.tp_size,
-                    tp_mode="identical",
+                    tp_mode="identical", metrics=self.metrics,
                     engine_id=f"vllm-prefill-{self.engine_id}-{self.tp_rank}-{os.getpid()}")
                 threading.Thread(target=self._serve, args=(self.engine,), daemon=True,
                                  name="kvx-vllm-prefill").start()

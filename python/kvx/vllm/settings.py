@@ -16,7 +16,9 @@ overrides):
 - ``request_timeout`` / ``KVX_REQUEST_TIMEOUT``: how long decode waits for a request's KV once it
   sent its pages (default 60 s);
 - ``handshake_timeout`` / ``KVX_HANDSHAKE_TIMEOUT``: how long decode waits for a prefill
-  instance's ranks to connect (default 30 s)."""
+  instance's ranks to connect (default 30 s);
+- ``metrics`` / ``KVX_METRICS``: ``HOST:PORT``; each worker's kvx engine serves its Prometheus
+  metrics on ``HOST:PORT + dp_index * tp_size + tp_rank`` (default: nowhere)."""
 
 from __future__ import annotations
 
@@ -69,6 +71,23 @@ def request_timeout(extra: dict) -> float:
 
 def handshake_timeout(extra: dict) -> float:
     return float(_get(extra, "handshake_timeout", "KVX_HANDSHAKE_TIMEOUT", 30.0))
+
+
+def metrics(extra: dict, rank: int) -> Optional[str]:
+    """Where the worker of rank ``rank`` (its DP index times the TP size plus its TP rank) serves
+    its engine's metrics: ``HOST:PORT+rank`` of ``metrics`` / ``KVX_METRICS``, or None. A value
+    that is not ``HOST:PORT``, or leaves no port for the rank, is a ``ValueError``."""
+    v = str(_get(extra, "metrics", "KVX_METRICS", "") or "").strip()
+    if not v:
+        return None
+    host, sep, port = v.rpartition(":")
+    try:
+        base = int(port)
+    except ValueError:
+        base = -1
+    if not sep or not host or base < 0 or base + rank > 65535:
+        raise ValueError(f"kvx.vllm: metrics {v!r} is not HOST:PORT with room for rank {rank}")
+    return f"{host}:{base + rank}"
 
 
 def corrupt_request() -> Optional[str]:

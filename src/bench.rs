@@ -715,10 +715,10 @@ fn ucx_tool(tool: &Path) -> Command {
     c
 }
 
-/// `ucx_perftest -t ucp_put_bw` at `size` bytes between two processes on loopback: GB/s (10^9) and
-/// messages per second.
-/// `None` when the tool fails; the reason is logged.
-pub fn perftest_put_bw(tool: &Path, size: u64, iters: u32) -> Option<(f64, f64)> {
+/// `ucx_perftest` between two processes on loopback: a server, then a client with `args` retried
+/// until it connects or a minute passes. The client's `Final:` line split into columns, `None`
+/// when the tool fails.
+fn perftest_final(tool: &Path, args: &[String]) -> Option<Vec<String>> {
     let port = crate::cluster::free_addrs(1).ok()?.first()?.port();
     let mut server = ucx_tool(tool)
         .args(["-p", &port.to_string()])
@@ -731,21 +731,8 @@ pub fn perftest_put_bw(tool: &Path, size: u64, iters: u32) -> Option<(f64, f64)>
     // The server needs a moment to listen; the client retries until it connects or the deadline.
     while Instant::now() < deadline {
         let o = ucx_tool(tool)
-            .args([
-                "127.0.0.1",
-                "-p",
-                &port.to_string(),
-                "-t",
-                "ucp_put_bw",
-                "-s",
-                &size.to_string(),
-            ])
-            .args([
-                "-n",
-                &iters.to_string(),
-                "-w",
-                &(iters / 10).max(10).to_string(),
-            ])
+            .args(["127.0.0.1", "-p", &port.to_string()])
+            .args(args)
             .output()
             .ok()?;
         if o.status.success() {
@@ -758,8 +745,28 @@ pub fn perftest_put_bw(tool: &Path, size: u64, iters: u32) -> Option<(f64, f64)>
     let _ = server.wait();
     let out = out?;
     let line = out.lines().find(|l| l.starts_with("Final:"))?;
+    Some(line.split_whitespace().map(str::to_owned).collect())
+}
+
+/// `ucx_perftest -t ucp_put_bw` at `size` bytes between two processes on loopback: GB/s (10^9) and
+/// messages per second.
+/// `None` when the tool fails; the reason is logged.
+pub fn perftest_put_bw(tool: &Path, size: u64, iters: u32) -> Option<(f64, f64)> {
+    let warmup = (iters / 10).max(10);
+    let args = [
+        "-t",
+        "ucp_put_bw",
+        "-s",
+        &size.to_string(),
+        "-n",
+        &iters.to_string(),
+    ]
+    .into_iter()
+    .map(str::to_owned)
+    .chain(["-w".to_owned(), warmup.to_string()])
+    .collect::<Vec<_>>();
+    let cols = perftest_final(tool, &args)?;
     // Final: iterations, 3 overheads, bandwidth average and overall (MB/s, 2^20), message rates.
-    let cols: Vec<&str> = line.split_whitespace().collect();
     let mbs: f64 = cols.get(6)?.parse().ok()?;
     let rate: f64 = cols.get(8)?.parse().ok()?;
     Some((mbs * 1048576.0 / 1e9, rate))
@@ -769,33 +776,17 @@ pub fn perftest_put_bw(tool: &Path, size: u64, iters: u32) -> Option<(f64, f64)>
 /// iterations: the median and the average latency, µs, as the tool reports them (half a round
 /// trip of puts, each side polling memory for the other's). `None` when the tool fails.
 pub fn perftest_put_lat(tool: &Path, size: u64, iters: u32) -> Option<(f64, f64)> {
-    let port = crate::cluster::free_addrs(1).ok()?.first()?.port();
-    let mut server = ucx_tool(tool)
-        .args(["-p", &port.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .ok()?;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mut out = None;
-    while Instant::now() < deadline {
-        let o = ucx_tool(tool)
-            .args(["127.0.0.1", "-p", &port.to_string(), "-t", "ucp_put_lat"])
-            .args(["-s", &size.to_string(), "-n", &iters.to_string()])
-            .output()
-            .ok()?;
-        if o.status.success() {
-            out = Some(String::from_utf8_lossy(&o.stdout).into_owned());
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let _ = server.kill();
-    let _ = server.wait();
-    let out = out?;
-    let line = out.lines().find(|l| l.starts_with("Final:"))?;
+    let args = [
+        "-t",
+        "ucp_put_lat",
+        "-s",
+        &size.to_string(),
+        "-n",
+        &iters.to_string(),
+    ]
+    .map(str::to_owned);
+    let cols = perftest_final(tool, &args)?;
     // Final: iterations, latency median, average and overall (µs), then bandwidths and rates.
-    let cols: Vec<&str> = line.split_whitespace().collect();
     Some((cols.get(2)?.parse().ok()?, cols.get(3)?.parse().ok()?))
 }
 

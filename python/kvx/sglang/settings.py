@@ -7,7 +7,7 @@ import os
 from typing import Optional
 
 import kvx
-from kvx import _secret
+from kvx import _address, _secret
 
 logger = logging.getLogger(__name__)
 
@@ -98,17 +98,10 @@ def metrics_address(rank: int) -> Optional[str]:
     times the TP size plus its TP rank) serves Prometheus metrics: ``HOST:PORT+rank``, so a
     server's ranks on one host never share a port. Unset or empty: nowhere. A value that is not
     ``HOST:PORT``, or a port past 65535 for this rank, is a ``ConfigError``."""
-    v = os.environ.get("KVX_METRICS", "").strip()
-    if not v:
-        return None
-    host, sep, port = v.rpartition(":")
     try:
-        base = int(port)
-    except ValueError:
-        base = -1
-    if not sep or not host or base < 0 or base + rank > 65535:
-        raise kvx.ConfigError(f"kvx: KVX_METRICS={v!r} is not HOST:PORT with room for rank {rank}")
-    return f"{host}:{base + rank}"
+        return _address.rank_address(os.environ.get("KVX_METRICS"), rank, "kvx: KVX_METRICS")
+    except ValueError as e:
+        raise kvx.ConfigError(str(e)) from None
 
 
 def local_ip() -> str:

@@ -26,7 +26,7 @@ import logging
 import os
 from typing import Any, Optional
 
-from kvx import _secret
+from kvx import _address, _secret
 
 logger = logging.getLogger("vllm." + __name__)  # vLLM's handlers and level
 
@@ -77,17 +77,8 @@ def metrics(extra: dict, rank: int) -> Optional[str]:
     """Where the worker of rank ``rank`` (its DP index times the TP size plus its TP rank) serves
     its engine's metrics: ``HOST:PORT+rank`` of ``metrics`` / ``KVX_METRICS``, or None. A value
     that is not ``HOST:PORT``, or leaves no port for the rank, is a ``ValueError``."""
-    v = str(_get(extra, "metrics", "KVX_METRICS", "") or "").strip()
-    if not v:
-        return None
-    host, sep, port = v.rpartition(":")
-    try:
-        base = int(port)
-    except ValueError:
-        base = -1
-    if not sep or not host or base < 0 or base + rank > 65535:
-        raise ValueError(f"kvx.vllm: metrics {v!r} is not HOST:PORT with room for rank {rank}")
-    return f"{host}:{base + rank}"
+    v = _get(extra, "metrics", "KVX_METRICS", None)
+    return _address.rank_address(None if v is None else str(v), rank, "kvx.vllm: metrics")
 
 
 def corrupt_request() -> Optional[str]:

@@ -1,0 +1,22 @@
+"""Addresses the server adapters derive from one setting."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+def rank_address(value: Optional[str], rank: int, setting: str) -> Optional[str]:
+    """``HOST:PORT+rank`` of ``value`` (``HOST:PORT``), so that a server's ranks on one host never
+    share a port; None where ``value`` is unset or empty. A value that is not ``HOST:PORT``, or
+    leaves no port for ``rank``, is a ``ValueError`` naming ``setting``."""
+    v = (value or "").strip()
+    if not v:
+        return None
+    host, sep, port = v.rpartition(":")
+    try:
+        base = int(port)
+    except ValueError:
+        base = -1
+    if not sep or not host or base < 0 or base + rank > 65535:
+        raise ValueError(f"{setting}={v!r} is not HOST:PORT with room for rank {rank}")
+    return f"{host}:{base + rank}"

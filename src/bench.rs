@@ -10,7 +10,9 @@ use transfer_engine::core::{FailureCode, RequestId};
 use transfer_engine::engine::{EngineError, Outcome};
 use transfer_engine::mem::{HostBuffer, HostOptions, Pool};
 use transfer_engine::transport::ucx::{UcxConfig, UcxTransport};
-use transfer_engine::transport::{BackendKind, Registration, Transport, WriteOp};
+use transfer_engine::transport::{
+    BackendKind, ProgressScheduling, Registration, Transport, WriteOp,
+};
 
 /// Which requests `kvbench` checks byte for byte.
 ///
@@ -68,6 +70,8 @@ pub struct Workload {
     pub decode_instances: u16,
     /// Where every engine of the run serves its Prometheus metrics, if anywhere.
     pub metrics: Option<std::net::SocketAddr>,
+    /// How decode engines' progress threads are scheduled (`--progress-fifo`).
+    pub decode_scheduling: ProgressScheduling,
 }
 
 impl Workload {
@@ -501,6 +505,7 @@ pub async fn run_workload(
         checksums: w.checksums,
         decode_pool: w.decode_pool,
         metrics: w.metrics,
+        decode_scheduling: w.decode_scheduling,
     };
     let instances = w.prefill_instances.max(1);
     let decodes = w.decode_instances.max(1);

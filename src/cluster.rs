@@ -13,7 +13,7 @@ use transfer_engine::engine::{
     PrefillConfig, PrefillEngine,
 };
 use transfer_engine::mem::{HostBuffer, HostOptions};
-use transfer_engine::transport::BackendKind;
+use transfer_engine::transport::{BackendKind, ProgressScheduling};
 
 use crate::verify::{self, VerifyError};
 
@@ -84,6 +84,8 @@ pub struct ClusterSpec {
     pub decode_pool: PoolKind,
     /// Where every engine of the cluster serves its Prometheus metrics, if anywhere.
     pub metrics: Option<std::net::SocketAddr>,
+    /// How the decode engines' progress threads are scheduled.
+    pub decode_scheduling: ProgressScheduling,
 }
 
 /// Where a cluster's pools come from.
@@ -306,7 +308,7 @@ impl Cluster {
             } else {
                 format!("decode{m}-{tag}")
             };
-            dcfg.backend = backend(None, &name);
+            dcfg.backend = backend(None, &name).with_scheduling(spec.decode_scheduling);
             dcfg.verify_checksums = spec.checksums;
             dcfg.token = Some(Secret::new(&secret));
             dcfg.metrics = spec.metrics;

@@ -363,7 +363,8 @@ pub async fn run_decode(
         Place::Etcd(etcd) => (SocketAddr::from(([127, 0, 0, 1], 0)), Some(etcd)),
     };
     cfg.listen = listen;
-    cfg.backend = BackendConfig::default_for(backend, "decode");
+    cfg.backend =
+        BackendConfig::default_for(backend, "decode").with_scheduling(w.decode_scheduling);
     cfg.verify_checksums = w.checksums;
     cfg.token = token.as_deref().map(Secret::new);
     if let Some(h) = heartbeat {

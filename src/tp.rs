@@ -24,7 +24,7 @@ use transfer_engine::engine::{
     BackendConfig, DecodeConfig, DecodeEngine, EngineError, Outcome, Pool, PrefillConfig,
     PrefillEngine, TpConfig,
 };
-use transfer_engine::transport::BackendKind;
+use transfer_engine::transport::{BackendKind, ProgressScheduling};
 
 /// What to run.
 #[derive(Debug, Clone, Copy)]
@@ -52,6 +52,8 @@ pub struct TpSpec {
     pub requests: u32,
     /// Backend.
     pub backend: BackendKind,
+    /// How the decode engines' progress threads are scheduled.
+    pub decode_scheduling: ProgressScheduling,
 }
 
 /// What a run measured.
@@ -273,7 +275,8 @@ impl TpCluster {
             cfg.token = Some(Secret::new(&secret));
             cfg.verify_checksums = false;
             cfg.instance = "decode".into();
-            cfg.backend = BackendConfig::default_for(spec.backend, &format!("d{rank}-{tag}"));
+            cfg.backend = BackendConfig::default_for(spec.backend, &format!("d{rank}-{tag}"))
+                .with_scheduling(spec.decode_scheduling);
             decodes.push(DecodeEngine::start(cfg, Pool::Shared(layout.buffer_len)).await?);
         }
         let mut starts = Vec::new();

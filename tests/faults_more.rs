@@ -115,6 +115,7 @@ fn spec() -> ClusterSpec {
         checksums: true,
         decode_pool: PoolKind::Shared,
         metrics: None,
+        decode_scheduling: Default::default(),
     }
 }
 

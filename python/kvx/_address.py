@@ -1,4 +1,4 @@
-"""Addresses the server adapters derive from one setting."""
+"""Addresses (and a priority) the server adapters derive from one setting."""
 
 from __future__ import annotations
 
@@ -20,3 +20,18 @@ def rank_address(value: Optional[str], rank: int, setting: str) -> Optional[str]
     if not sep or not host or base < 0 or base + rank > 65535:
         raise ValueError(f"{setting}={v!r} is not HOST:PORT with room for rank {rank}")
     return f"{host}:{base + rank}"
+
+
+def realtime_priority(value: Optional[str], setting: str) -> Optional[int]:
+    """The ``SCHED_FIFO`` priority ``value`` names, 1 to 99; None where it is unset or empty.
+    Anything else is a ``ValueError`` naming ``setting``."""
+    v = (value or "").strip()
+    if not v:
+        return None
+    try:
+        p = int(v)
+    except ValueError:
+        p = 0
+    if not 1 <= p <= 99:
+        raise ValueError(f"{setting}={v!r} is not a realtime priority from 1 to 99")
+    return p

@@ -148,6 +148,7 @@ class DecodeEngine:
         decode_instance: str = "",
         metrics: str | None = None,
         pp_stage: tuple[int, int] = (0, 1),
+        progress_fifo: int | None = None,
     ) -> None: ...
     @property
     def address(self) -> str: ...

@@ -11,6 +11,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use transfer_engine::core::RequestId;
 use transfer_engine::engine::{self, DecodeConfig, EngineError, Expected};
+use transfer_engine::transport::ProgressScheduling;
 
 /// The decode side of the engine: listens for the prefill ranks, receives every rank's pages of a
 /// request into its pool and says when they all arrived.
@@ -64,14 +65,17 @@ impl DecodeEngine {
     /// than decode's) then serves their allocations of one request as one, from its one engine.
     /// `pp_stage=(rank, size)` is this decode's own PP stage where decode is pipelined too: its
     /// `layout` then holds that stage's layers only, it takes them from prefill PP rank `rank` of
-    /// pipelines of `size` ranks, and its outcomes speak for its layers only.
+    /// pipelines of `size` ranks, and its outcomes speak for its layers only. `progress_fifo`
+    /// runs the backend's progress thread, which sees prefill's notifications arrive, under
+    /// `SCHED_FIFO` at that priority (1 to 99): seen at once however busy the cores are. It needs
+    /// `CAP_SYS_NICE` or an `RLIMIT_RTPRIO` of at least it; without, the engine does not start.
     #[new]
     #[pyo3(signature = (
         *, layout, total_layers, page_tokens, pp_size, memory, listen = "127.0.0.1:0",
         secret = None, backend = "ucx", engine_id = None, device = "cpu", checksums = false,
         abort_ack_timeout = 5.0, handshake_timeout = 10.0, rank_wait = 10.0, heartbeat = Some(5.0),
         tp_rank = 0, tp_size = 1, tp_mode = "identical", kv_heads = 0,
-        decode_instance = String::new(), metrics = None, pp_stage = (0, 1),
+        decode_instance = String::new(), metrics = None, pp_stage = (0, 1), progress_fifo = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -98,6 +102,7 @@ impl DecodeEngine {
         decode_instance: String,
         metrics: Option<&str>,
         pp_stage: (u16, u16),
+        progress_fifo: Option<u8>,
     ) -> PyResult<Self> {
         let tp = crate::tp_config(tp_rank, tp_size, tp_mode, kv_heads)?;
         let listen: SocketAddr = listen
@@ -120,7 +125,9 @@ impl DecodeEngine {
         let mut cfg = DecodeConfig::new(total_layers, page_tokens, layout.inner.clone(), pp_size);
         cfg.engine_id = name.clone();
         cfg.listen = listen;
-        cfg.backend = crate::backend(backend, &name)?;
+        cfg.backend = crate::backend(backend, &name)?.with_scheduling(
+            progress_fifo.map_or(ProgressScheduling::Normal, ProgressScheduling::Fifo),
+        );
         cfg.token = crate::secret(secret)?;
         cfg.verify_checksums = checksums;
         cfg.abort_ack_timeout = seconds("abort_ack_timeout", abort_ack_timeout)?;

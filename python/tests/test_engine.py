@@ -195,6 +195,32 @@ def test_bad_arguments_raise_clear_errors():
 
 
 
+def test_a_decode_engine_runs_its_progress_thread_realtime_when_asked(backend):
+    """``progress_fifo`` puts the engine's progress thread under SCHED_FIFO at that priority (read
+    back from /proc for that thread); without it the thread keeps the normal policy; a priority
+    outside 1..=99 is refused and nothing starts."""
+    from proc_threads import SCHED_FIFO, SCHED_OTHER, own_threads_named
+
+    layout = kvx.Layout(first_layer=0, num_layers=2, page_bytes=1024, num_pages=4)
+    kw = dict(layout=layout, total_layers=2, page_tokens=16, pp_size=1, backend=backend)
+    thread = f"{backend}-pyfifo"
+    fifo = kvx.DecodeEngine(memory=np.zeros(layout.buffer_len, np.uint8), engine_id="pyfifo4",
+                            progress_fifo=4, **kw)
+    normal = kvx.DecodeEngine(memory=np.zeros(layout.buffer_len, np.uint8), engine_id="pyfifon",
+                              **kw)
+    try:
+        assert own_threads_named(f"{thread}4") == [(f"{thread}4", SCHED_FIFO, 4)]
+        assert own_threads_named(f"{thread}n") == [(f"{thread}n", SCHED_OTHER, 0)]
+    finally:
+        fifo.shutdown(5)
+        normal.shutdown(5)
+    for bad in (0, 100):
+        with pytest.raises(kvx.TransportError, match="progress thread"):
+            kvx.DecodeEngine(memory=np.zeros(layout.buffer_len, np.uint8), engine_id="pyfifob",
+                             progress_fifo=bad, **kw)
+    assert own_threads_named(f"{thread}b") == []
+
+
 def test_a_mesh_socket_holds_its_port_and_must_be_the_ranks_own_entry():
     import socket
 

@@ -279,6 +279,24 @@ def test_each_rank_of_a_server_serves_metrics_on_a_port_of_its_own(monkeypatch):
             settings.metrics_address(1)
 
 
+def test_a_decode_rank_takes_its_progress_threads_realtime_priority_from_the_environment(
+        monkeypatch):
+    import kvx
+    from kvx.sglang import settings
+
+    monkeypatch.delenv("KVX_PROGRESS_FIFO", raising=False)
+    assert settings.progress_fifo() is None
+    monkeypatch.setenv("KVX_PROGRESS_FIFO", "")
+    assert settings.progress_fifo() is None
+    for good in ("1", " 99 "):
+        monkeypatch.setenv("KVX_PROGRESS_FIFO", good)
+        assert settings.progress_fifo() == int(good)
+    for bad in ("0", "100", "-1", "high", "1.5"):
+        monkeypatch.setenv("KVX_PROGRESS_FIFO", bad)
+        with pytest.raises(kvx.ConfigError, match="KVX_PROGRESS_FIFO"):
+            settings.progress_fifo()
+
+
 def test_engines_publish_sglangs_local_address_never_a_wildcard(monkeypatch):
     import kvx
     from kvx.sglang import settings

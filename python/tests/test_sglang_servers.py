@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+import proc_threads as T
 import sglang_servers as S
 from conftest import free_addrs
 
@@ -66,7 +67,8 @@ class Pair:
         p_env, d_env = env, env
         if metrics is not None:
             p_env = {**env, "KVX_METRICS": f"127.0.0.1:{metrics[0]}"}
-            d_env = {**env, "KVX_METRICS": f"127.0.0.1:{metrics[1]}"}
+            # The same decode runs its engine's progress thread under SCHED_FIFO.
+            d_env = {**env, "KVX_METRICS": f"127.0.0.1:{metrics[1]}", "KVX_PROGRESS_FIFO": "1"}
         # Servers of several ranks (PP or TP 2) need S.MULTI_RANK_ENV on SGLang's CPU engine.
         self.prefill = S.Server(f"{name}-prefill", model, prefill_port, logs, [
             "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", backend,
@@ -255,6 +257,22 @@ def test_a_servers_kvx_metrics_count_what_it_moved(servers):
     assert scrape(d_port, "kvx_requests_total", 'outcome="complete"') == complete + len(new)
     assert scrape(d_port, "kvx_requests_total", 'outcome="failed"') == failed
     assert scrape(p_port, "kvx_written_bytes_total") > written
+
+
+def test_a_decode_server_asked_for_it_runs_its_progress_thread_realtime(servers):
+    """The NIXL pair's decode server was started with ``KVX_PROGRESS_FIFO=1``: its kvx engine's
+    progress thread runs under SCHED_FIFO at priority 1 (read from /proc across the server's
+    processes); the prefill's, not asked, under the normal policy."""
+    _, pairs = servers
+    pair = pairs["nixl"]
+    rng = random.Random("fifo")
+    # Both engines run once a request went through (they start with a server's first).
+    r = pair.generate([rng.randrange(1, 1000) for _ in range(20)], rng.randrange(1 << 62))
+    assert r["decode"][0] == 200, pair.logs()
+    decode = T.threads_named(pair.decode.proc.pid, "nixl-sglang-dec")
+    prefill = T.threads_named(pair.prefill.proc.pid, "nixl-sglang-pre")
+    assert decode and all(t[1:] == (T.SCHED_FIFO, 1) for t in decode), decode
+    assert prefill and all(t[1:] == (T.SCHED_OTHER, 0) for t in prefill), prefill
 
 
 @pytest.mark.parametrize("concurrency", [1, 4])

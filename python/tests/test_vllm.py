@@ -17,6 +17,7 @@ import pytest
 
 # Without vLLM this module fails to import, and the run fails: it never passes silently.
 import vllm  # noqa: F401
+import proc_threads as T
 import vllm_instances as V
 
 MAX_TOKENS = 16
@@ -61,10 +62,12 @@ def cluster(tmp_path_factory):
         made["ref"] = V.Instance("single", model, d, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
         made["kvx_p"] = V.Instance("kvx-prefill", model, d,
                                    kv=V.kvx_config("kv_producer", secret), env=test_hooks)
+        # Its engine's progress thread under SCHED_FIFO (KVX_PROGRESS_FIFO), the prefill's not.
         made["kvx_d"] = V.Instance("kvx-decode", model, d,
                                    kv=V.kvx_config("kv_consumer", secret),
                                    env={"KVX_METRICS":
-                                        f"127.0.0.1:{made['metrics']['decode']}"})
+                                        f"127.0.0.1:{made['metrics']['decode']}",
+                                        "KVX_PROGRESS_FIFO": "1"})
         made["nixl_p"] = V.Instance("nixl-prefill", model, d, kv=V.nixl_config("kv_producer"),
                                     env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(nixl_p),
                                          "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"})
@@ -119,6 +122,19 @@ def test_a_kvx_pair_answers_like_one_instance(cluster):
     assert "KV load failed" not in d_log.text() and "Recovered from KV load failure" \
         not in d_log.text(), d_log.text()[-4000:]
     assert "kvx: request" not in p_log.text(), p_log.text()[-4000:]
+
+
+def test_the_kvx_decode_runs_its_progress_thread_realtime_as_configured(cluster):
+    """The kvx decode instance was started with ``KVX_PROGRESS_FIFO=1``: its worker's engine
+    progress thread runs under SCHED_FIFO at priority 1 (read from /proc across the instance's
+    processes); the prefill's, not asked, under the normal policy."""
+    # Both engines are running once a request went through.
+    _, d = V.pair_generate(cluster["kvx_p"], cluster["kvx_d"], PROMPTS[:1], MAX_TOKENS)
+    assert [o["tokens"] for o in d["outputs"]] == cluster["expected"][:1]
+    decode = T.threads_named(cluster["kvx_d"].proc.pid, "ucx-vllm-decode")
+    prefill = T.threads_named(cluster["kvx_p"].proc.pid, "ucx-vllm-prefil")
+    assert decode and all(t[1:] == (T.SCHED_FIFO, 1) for t in decode), decode
+    assert prefill and all(t[1:] == (T.SCHED_OTHER, 0) for t in prefill), prefill
 
 
 def test_a_nixl_pair_answers_like_one_instance(cluster):

@@ -16,7 +16,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 use transfer_engine::core::planner::RegionKind;
 use transfer_engine::discovery::EtcdConfig;
-use transfer_engine::transport::BackendKind;
+use transfer_engine::transport::{BackendKind, ProgressScheduling};
 
 /// The environment variable holding the roles' shared secret when `--token-file` is not given.
 const TOKEN_ENV: &str = "KVX_TOKEN";
@@ -186,6 +186,12 @@ struct Opts {
     /// on this address while it runs. With `--processes`, the decode process serves it.
     #[arg(long, global = true)]
     metrics: Option<std::net::SocketAddr>,
+    /// Run decode engines' progress threads (the threads that see prefill's notifications arrive)
+    /// under `SCHED_FIFO` at this priority (1 to 99), so a notification is seen as soon as it arrives
+    /// however busy the cores are. Needs `CAP_SYS_NICE` or an `RLIMIT_RTPRIO` of at least it; the
+    /// run fails to start without. With `--processes`, the decode process takes it.
+    #[arg(long, global = true, value_parser = clap::value_parser!(u8).range(1..=99))]
+    progress_fifo: Option<u8>,
     /// `decode` and `prefill`: find each other through etcd at these endpoints (comma-separated
     /// `http://host:port`) instead of `--listen`/`--connect`/`--peers`. With `--processes`,
     /// `auto` starts a local etcd server (Debian's `etcd`) for the run.
@@ -358,6 +364,9 @@ impl Opts {
             prefill_instances: self.prefill_instances.max(1),
             decode_instances: self.decode_instances.max(1),
             metrics: self.metrics,
+            decode_scheduling: self
+                .progress_fifo
+                .map_or(ProgressScheduling::Normal, ProgressScheduling::Fifo),
         })
     }
 
@@ -1179,6 +1188,7 @@ async fn run_tp(opts: &Opts, w: &Workload) -> ExitCode {
                 concurrency: w.concurrency,
                 requests: w.requests,
                 backend,
+                decode_scheduling: w.decode_scheduling,
             };
             let run = async {
                 let c = kvbench::tp::TpCluster::start(spec)
@@ -1371,19 +1381,26 @@ fn run_processes(opts: &Opts, w: &Workload) -> ExitCode {
                 }
             }
         }
-        match decode.wait() {
-            Ok(s) if s.success() => {}
+        let decode_ok = match decode.wait() {
+            Ok(s) if s.success() => true,
             Ok(s) => {
                 eprintln!("kvbench: {backend} decode exited with {s}");
-                ok = false;
+                false
             }
             Err(e) => {
                 eprintln!("kvbench: waiting for {backend} decode: {e}");
-                ok = false;
+                false
             }
-        }
-        // Decode closes every rank when it is done; each exits on its own, within a bound.
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        };
+        ok &= decode_ok;
+        // Decode closes every rank when it is done; each exits on its own, within a bound. Without
+        // decode nothing will close them: they are stopped at once.
+        let bound = if decode_ok {
+            Duration::from_secs(30)
+        } else {
+            Duration::ZERO
+        };
+        let deadline = std::time::Instant::now() + bound;
         for (rank, mut p) in prefills {
             let status = loop {
                 match p.try_wait() {
@@ -1398,9 +1415,20 @@ fn run_processes(opts: &Opts, w: &Workload) -> ExitCode {
                     }
                 }
             };
-            if !status.is_some_and(|s| s.success()) {
-                eprintln!("kvbench: {backend} prefill rank {rank} ended with {status:?}");
-                ok = false;
+            match status {
+                Some(s) if s.success() => {}
+                Some(s) => {
+                    eprintln!("kvbench: {backend} prefill rank {rank} exited with {s}");
+                    ok = false;
+                }
+                None if decode_ok => {
+                    eprintln!(
+                        "kvbench: {backend} prefill rank {rank} still ran {bound:?} after decode \
+                         ended: stopped"
+                    );
+                    ok = false;
+                }
+                None => {}
             }
         }
         if opts.stamps.is_none() {

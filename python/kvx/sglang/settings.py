@@ -104,6 +104,16 @@ def metrics_address(rank: int) -> Optional[str]:
         raise kvx.ConfigError(str(e)) from None
 
 
+def progress_fifo() -> Optional[int]:
+    """``KVX_PROGRESS_FIFO``: a decode rank's engine runs its progress thread (the thread that sees
+    prefill's notifications arrive) under ``SCHED_FIFO`` at this priority, 1 to 99 (see
+    ``kvx.DecodeEngine``). Unset or empty: the default policy. Anything else is a ``ConfigError``."""
+    try:
+        return _address.realtime_priority(os.environ.get("KVX_PROGRESS_FIFO"), "kvx: KVX_PROGRESS_FIFO")
+    except ValueError as e:
+        raise kvx.ConfigError(str(e)) from None
+
+
 def local_ip() -> str:
     """The address this host's engines listen on and publish: SGLang's own choice for its transfer
     backends (``SGLANG_HOST_IP`` / ``HOST_IP``, else the host's routable address), never a

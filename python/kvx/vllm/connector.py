@@ -87,7 +87,8 @@ class KvxWorker:
                                      host=host, secret=secret, backend=backend, compat=compat,
                                      request_timeout=settings.request_timeout(extra),
                                      handshake_timeout=settings.handshake_timeout(extra),
-                                     metrics=metrics)
+                                     metrics=metrics,
+                                     progress_fifo=settings.progress_fifo(extra))
 
     def register_kv_caches(self, kv_caches: "dict[str, Any]") -> None:
         from .pool import Pool

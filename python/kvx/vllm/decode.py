@@ -49,13 +49,15 @@ class _Load:
 class DecodeSide:
     def __init__(self, *, engine_id: str, tp_rank: int, tp_size: int, host: str,
                  secret: Optional[bytes], backend: str, compat: dict, request_timeout: float,
-                 handshake_timeout: float, metrics: Optional[str] = None):
+                 handshake_timeout: float, metrics: Optional[str] = None,
+                 progress_fifo: Optional[int] = None):
         self.engine_id = engine_id
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.host = host
         self.secret, self.backend = secret, backend
         self.compat = compat
         self.metrics = metrics
+        self.progress_fifo = progress_fifo
         self.request_timeout = request_timeout
         self.handshake_timeout = handshake_timeout
         self.pool: Optional[Pool] = None
@@ -75,7 +77,8 @@ class DecodeSide:
             listen=f"{self.host}:0", secret=self.secret, backend=self.backend,
             engine_id=f"vllm-decode-{self.engine_id}-{self.tp_rank}-{os.getpid()}",
             tp_rank=self.tp_rank, tp_size=self.tp_size, tp_mode="identical",
-            decode_instance=self.engine_id, metrics=self.metrics)
+            decode_instance=self.engine_id, metrics=self.metrics,
+            progress_fifo=self.progress_fifo)
         self._thread.start()
         logger.info("kvx: decode engine (TP rank %d) listens on %s", self.tp_rank,
                     self.engine.address)

@@ -18,7 +18,10 @@ overrides):
 - ``handshake_timeout`` / ``KVX_HANDSHAKE_TIMEOUT``: how long decode waits for a prefill
   instance's ranks to connect (default 30 s);
 - ``metrics`` / ``KVX_METRICS``: ``HOST:PORT``; each worker's kvx engine serves its Prometheus
-  metrics on ``HOST:PORT + dp_index * tp_size + tp_rank`` (default: nowhere)."""
+  metrics on ``HOST:PORT + dp_index * tp_size + tp_rank`` (default: nowhere);
+- ``progress_fifo`` / ``KVX_PROGRESS_FIFO``: decode workers run their engine's progress thread
+  under ``SCHED_FIFO`` at this priority, 1 to 99 (default: the normal policy; see
+  ``kvx.DecodeEngine``)."""
 
 from __future__ import annotations
 
@@ -79,6 +82,14 @@ def metrics(extra: dict, rank: int) -> Optional[str]:
     that is not ``HOST:PORT``, or leaves no port for the rank, is a ``ValueError``."""
     v = _get(extra, "metrics", "KVX_METRICS", None)
     return _address.rank_address(None if v is None else str(v), rank, "kvx.vllm: metrics")
+
+
+def progress_fifo(extra: dict) -> Optional[int]:
+    """The realtime priority of a decode worker's progress thread (``progress_fifo`` /
+    ``KVX_PROGRESS_FIFO``), or None for the normal policy. Anything but an integer from 1 to 99 is
+    a ``ValueError``."""
+    v = _get(extra, "progress_fifo", "KVX_PROGRESS_FIFO", None)
+    return _address.realtime_priority(None if v is None else str(v), "kvx.vllm: progress_fifo")
 
 
 def corrupt_request() -> Optional[str]:

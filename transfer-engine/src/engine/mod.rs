@@ -26,7 +26,7 @@ use crate::core::{FailureCode, RequestId};
 pub use crate::mem::Pool;
 use crate::transport::nixl::{NixlConfig, NixlTransport};
 use crate::transport::ucx::{UcxConfig, UcxTransport};
-use crate::transport::{BackendKind, Sink, Transport, TransportError};
+use crate::transport::{BackendKind, ProgressScheduling, Sink, Transport, TransportError};
 use std::sync::Arc;
 
 /// How a request ended on the decode side.
@@ -183,6 +183,19 @@ impl BackendConfig {
                 ..UcxConfig::default()
             }),
         }
+    }
+
+    /// This config with the backend's progress thread scheduled as `scheduling` (see
+    /// [`ProgressScheduling`]: a receiver's notifications seen at once on busy cores). A
+    /// [`Custom`](BackendConfig::Custom) backend is left as it is.
+    #[must_use]
+    pub fn with_scheduling(mut self, scheduling: ProgressScheduling) -> Self {
+        match &mut self {
+            BackendConfig::Ucx(c) => c.scheduling = scheduling,
+            BackendConfig::Nixl(c) => c.scheduling = scheduling,
+            BackendConfig::Custom(_) => {}
+        }
+        self
     }
 
     /// Which backend this builds.

@@ -13,6 +13,7 @@ pub mod fault;
 pub mod nixl;
 mod progress;
 pub mod ucx;
+pub use progress::ProgressScheduling;
 
 /// Which library moves the bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -250,6 +251,14 @@ pub enum TransportError {
         peer: PeerId,
         /// Why.
         reason: String,
+    },
+    /// The progress thread could not have the scheduling its config asks for; nothing started.
+    #[error("cannot schedule the progress thread as {asked:?}: {message}")]
+    Scheduling {
+        /// What the config asked for.
+        asked: ProgressScheduling,
+        /// Why the system refused it.
+        message: String,
     },
     /// Bad metadata from a peer.
     #[error("bad peer metadata: {0}")]

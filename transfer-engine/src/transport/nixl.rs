@@ -28,7 +28,7 @@
 //!
 //! This is the only module of the crate that calls NIXL.
 
-use super::progress::{Handle, Shared};
+use super::progress::{Handle, ProgressScheduling, Shared};
 use super::{
     BackendKind, Done, Incoming, PeerId, RegionId, RemoteRegion, Sender, Sink, Transport,
     TransportError, TransportStats, WriteOp,
@@ -74,6 +74,9 @@ pub struct NixlConfig {
     /// The nice value the progress thread takes when it posts its first write, as the UCX backend's
     /// [`UcxConfig::sender_nice`](super::ucx::UcxConfig::sender_nice); 0 leaves it as it is.
     pub sender_nice: i32,
+    /// How the system schedules the progress thread (see [`ProgressScheduling`]); a realtime
+    /// thread ignores [`spin`](Self::spin).
+    pub scheduling: ProgressScheduling,
 }
 
 impl Default for NixlConfig {
@@ -100,6 +103,7 @@ impl Default for NixlConfig {
             expecting_max_sleep: Duration::from_micros(250),
             backend_params: Vec::new(),
             sender_nice: super::ucx::SENDER_NICE,
+            scheduling: ProgressScheduling::Normal,
         }
     }
 }
@@ -214,6 +218,7 @@ impl NixlTransport {
         let thread_name = format!("nixl-{}", config.name);
         let (thread, ()) = Handle::spawn(
             thread_name,
+            config.scheduling,
             || Cmd::Stop,
             move |(shared, rx, ready)| {
                 match Worker::start(&config, sink, shared) {
@@ -549,7 +554,11 @@ impl Worker {
             next_id: 1,
             args,
             notifs: NotifMap(map),
-            spin: config.spin,
+            spin: if config.scheduling.realtime() {
+                Duration::ZERO
+            } else {
+                config.spin
+            },
             min_sleep: config.min_sleep.max(Duration::from_micros(1)),
             max_sleep: config.max_sleep.max(config.min_sleep),
             expecting_max_sleep: config.expecting_max_sleep.max(config.min_sleep),

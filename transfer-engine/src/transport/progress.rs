@@ -14,6 +14,71 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::Thread;
 use std::time::Duration;
 
+/// How the operating system schedules a backend's progress thread, the thread that sees a peer's
+/// notifications arrive.
+///
+/// Where the cores are busy (prefill copies, the caller's own threads), a progress thread woken by
+/// a notification under the default policy waits for the running threads' time slices, which is
+/// milliseconds: the tail of last-write-to-Complete. Under `SCHED_FIFO` it runs as soon as it is
+/// woken. Asking for it takes `CAP_SYS_NICE` or an `RLIMIT_RTPRIO` of at least the priority (for
+/// example `ulimit -r 1`, or `docker run --ulimit rtprio=1`); a backend that cannot have it fails to
+/// start ([`TransportError::Scheduling`](super::TransportError::Scheduling)).
+///
+/// A realtime progress thread does not spin before it sleeps (its spinning would take the core from
+/// the threads whose data it waits for). It is meant for receivers (decode), whose progress thread
+/// sleeps until data arrives; on a sender whose progress thread copies, it would hold a core for the
+/// length of each copy (Linux's realtime throttling, `sched_rt_runtime_us`, leaves the others 5% of
+/// each second by default).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ProgressScheduling {
+    /// The process's default policy (`SCHED_OTHER` unless the caller changed it).
+    #[default]
+    Normal,
+    /// `SCHED_FIFO` at this priority, 1 (lowest) to 99.
+    Fifo(u8),
+}
+
+impl ProgressScheduling {
+    /// Whether the thread must not spin before sleeping.
+    pub(crate) fn realtime(self) -> bool {
+        matches!(self, ProgressScheduling::Fifo(_))
+    }
+
+    /// Applies it to the calling thread.
+    fn apply(self) -> Result<(), super::TransportError> {
+        use thread_priority::{
+            RealtimeThreadSchedulePolicy, ThreadPriority, ThreadPriorityValue,
+            ThreadSchedulePolicy, set_thread_priority_and_policy, thread_native_id,
+        };
+        let ProgressScheduling::Fifo(priority) = self else {
+            return Ok(());
+        };
+        let refused = |message: String| super::TransportError::Scheduling {
+            asked: self,
+            message,
+        };
+        if priority == 0 {
+            return Err(refused("realtime priorities run from 1 to 99".into()));
+        }
+        let value = ThreadPriorityValue::try_from(priority)
+            .map_err(|e| refused(format!("priority out of range: {e}")))?;
+        set_thread_priority_and_policy(
+            thread_native_id(),
+            ThreadPriority::Crossplatform(value),
+            ThreadSchedulePolicy::Realtime(RealtimeThreadSchedulePolicy::Fifo),
+        )
+        .map_err(|e| match e {
+            thread_priority::Error::OS(code) if code == libc::EPERM => refused(format!(
+                "not permitted (needs CAP_SYS_NICE or an RLIMIT_RTPRIO of at least {priority})"
+            )),
+            thread_priority::Error::OS(code) => {
+                refused(std::io::Error::from_raw_os_error(code).to_string())
+            }
+            other => refused(format!("{other:?}")),
+        })
+    }
+}
+
 /// Counters a backend keeps on its progress thread and reports through `Transport::stats`.
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
@@ -194,10 +259,11 @@ pub(crate) type Start<C, T> = (
 );
 
 impl<C: Send + 'static> Handle<C> {
-    /// Starts a thread named `name` running `body`, and waits (bounded) for it to report that it
-    /// started. `body` must return once it receives `stop()`.
+    /// Starts a thread named `name` under `scheduling` running `body`, and waits (bounded) for it
+    /// to report that it started. `body` must return once it receives `stop()`.
     pub(crate) fn spawn<T: Send + 'static>(
         name: String,
+        scheduling: ProgressScheduling,
         stop: fn() -> C,
         body: impl FnOnce(Start<C, T>) + Send + 'static,
     ) -> Result<(Self, T), super::TransportError> {
@@ -207,7 +273,12 @@ impl<C: Send + 'static> Handle<C> {
         let s = shared.clone();
         let thread = std::thread::Builder::new()
             .name(name)
-            .spawn(move || body((s, rx, ready_tx)))
+            .spawn(move || match scheduling.apply() {
+                Ok(()) => body((s, rx, ready_tx)),
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                }
+            })
             .map_err(|e| super::TransportError::Library {
                 op: "spawn",
                 code: 0,

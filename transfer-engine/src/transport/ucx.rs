@@ -25,7 +25,7 @@
 //!
 //! This is the only module of the crate that calls UCX.
 
-use super::progress::{Handle, Shared};
+use super::progress::{Handle, ProgressScheduling, Shared};
 use super::{
     BackendKind, Done, Incoming, PeerId, Post, RegionId, RemoteRegion, Sender, Sink, Transport,
     TransportError, TransportStats, WriteOp,
@@ -348,6 +348,9 @@ pub struct UcxConfig {
     /// With [`events`](Self::events): the longest sleep, after which UCX is progressed anyway (its
     /// own timers).
     pub event_timeout: Duration,
+    /// How the system schedules the progress thread (see [`ProgressScheduling`]); a realtime
+    /// thread ignores [`spin`](Self::spin).
+    pub scheduling: ProgressScheduling,
 }
 
 impl Default for UcxConfig {
@@ -363,6 +366,7 @@ impl Default for UcxConfig {
             sender_nice: SENDER_NICE,
             events: true,
             event_timeout: Duration::from_millis(100),
+            scheduling: ProgressScheduling::Normal,
         }
     }
 }
@@ -547,6 +551,7 @@ impl UcxTransport {
         let name = format!("ucx-{}", config.name);
         let (thread, address) = Handle::spawn(
             name,
+            config.scheduling,
             || Cmd::Stop,
             move |(shared, rx, ready)| match Worker::start(&config, sink, shared) {
                 Ok(mut w) => {
@@ -925,7 +930,11 @@ impl Worker {
         let w = Box::new(Worker {
             ctx,
             worker,
-            spin: config.spin,
+            spin: if config.scheduling.realtime() {
+                Duration::ZERO
+            } else {
+                config.spin
+            },
             min_sleep: config.min_sleep,
             max_sleep: config.max_sleep,
             efd,

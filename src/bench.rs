@@ -10,9 +10,7 @@ use transfer_engine::core::{FailureCode, RequestId};
 use transfer_engine::engine::{EngineError, Outcome};
 use transfer_engine::mem::{HostBuffer, HostOptions, Pool};
 use transfer_engine::transport::ucx::{UcxConfig, UcxTransport};
-use transfer_engine::transport::{
-    BackendKind, ProgressScheduling, Registration, Transport, WriteOp,
-};
+use transfer_engine::transport::{BackendKind, Registration, Transport, WriteOp};
 
 /// Which requests `kvbench` checks byte for byte.
 ///
@@ -70,8 +68,8 @@ pub struct Workload {
     pub decode_instances: u16,
     /// Where every engine of the run serves its Prometheus metrics, if anywhere.
     pub metrics: Option<std::net::SocketAddr>,
-    /// How decode engines' progress threads are scheduled (`--progress-fifo`).
-    pub decode_scheduling: ProgressScheduling,
+    /// How decode engines' progress threads run (`--progress-fifo`, `--progress-spin-us`).
+    pub decode_progress: crate::cluster::DecodeProgress,
 }
 
 impl Workload {
@@ -202,6 +200,14 @@ pub struct Report {
     /// `kvbench decode` only: the prefill processes' CPU time from their engines' start to their
     /// end, summed over the ranks, per request of the run (0 where not measured).
     pub prefill_cpu_us_per_request: f64,
+    /// `kvbench decode` only: of that, the time the prefill ranks' progress threads spent copying
+    /// bytes into decode's pool themselves (UCX's direct copies; 0 where the library moves them).
+    pub prefill_copy_us_per_request: f64,
+    /// `kvbench decode` only: the prefill processes' CPU time per chunk of one rank (each rank
+    /// sends every chunk of its layers), and of that the copying.
+    pub prefill_cpu_us_per_chunk: f64,
+    /// See [`prefill_cpu_us_per_chunk`](Self::prefill_cpu_us_per_chunk).
+    pub prefill_copy_us_per_chunk: f64,
     /// The decode pool's bytes, and how long registering it took at start (for a pool the
     /// transport allocates, its allocation and population too).
     pub decode_pool_bytes: u64,
@@ -361,6 +367,9 @@ impl Tally {
             writes_per_request: w.writes_per_request(),
             cpu_us_per_request: self.cpu.as_secs_f64() * 1e6 / (self.done.max(1) as f64),
             prefill_cpu_us_per_request: 0.0,
+            prefill_copy_us_per_request: 0.0,
+            prefill_cpu_us_per_chunk: 0.0,
+            prefill_copy_us_per_chunk: 0.0,
             decode_pool_bytes: 0,
             register_ms: 0.0,
         }
@@ -505,7 +514,7 @@ pub async fn run_workload(
         checksums: w.checksums,
         decode_pool: w.decode_pool,
         metrics: w.metrics,
-        decode_scheduling: w.decode_scheduling,
+        decode_progress: w.decode_progress,
     };
     let instances = w.prefill_instances.max(1);
     let decodes = w.decode_instances.max(1);

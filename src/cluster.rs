@@ -65,6 +65,27 @@ impl Shape {
     }
 }
 
+/// How decode engines' progress threads (the threads that see prefill's notifications arrive)
+/// run: `--progress-fifo` and `--progress-spin-us`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DecodeProgress {
+    /// Their scheduling policy.
+    pub scheduling: ProgressScheduling,
+    /// How long they poll after their last event before sleeping; `None`: the backend's default.
+    pub spin: Option<Duration>,
+}
+
+impl DecodeProgress {
+    /// `backend` with these settings.
+    pub fn apply(&self, backend: BackendConfig) -> BackendConfig {
+        let b = backend.with_scheduling(self.scheduling);
+        match self.spin {
+            Some(spin) => b.with_spin(spin),
+            None => b,
+        }
+    }
+}
+
 /// How to build a cluster.
 #[derive(Debug, Clone)]
 pub struct ClusterSpec {
@@ -84,8 +105,8 @@ pub struct ClusterSpec {
     pub decode_pool: PoolKind,
     /// Where every engine of the cluster serves its Prometheus metrics, if anywhere.
     pub metrics: Option<std::net::SocketAddr>,
-    /// How the decode engines' progress threads are scheduled.
-    pub decode_scheduling: ProgressScheduling,
+    /// How the decode engines' progress threads run.
+    pub decode_progress: DecodeProgress,
 }
 
 /// Where a cluster's pools come from.
@@ -308,7 +329,7 @@ impl Cluster {
             } else {
                 format!("decode{m}-{tag}")
             };
-            dcfg.backend = backend(None, &name).with_scheduling(spec.decode_scheduling);
+            dcfg.backend = spec.decode_progress.apply(backend(None, &name));
             dcfg.verify_checksums = spec.checksums;
             dcfg.token = Some(Secret::new(&secret));
             dcfg.metrics = spec.metrics;

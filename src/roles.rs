@@ -363,8 +363,9 @@ pub async fn run_decode(
         Place::Etcd(etcd) => (SocketAddr::from(([127, 0, 0, 1], 0)), Some(etcd)),
     };
     cfg.listen = listen;
-    cfg.backend =
-        BackendConfig::default_for(backend, "decode").with_scheduling(w.decode_scheduling);
+    cfg.backend = w
+        .decode_progress
+        .apply(BackendConfig::default_for(backend, "decode"));
     cfg.verify_checksums = w.checksums;
     cfg.token = token.as_deref().map(Secret::new);
     if let Some(h) = heartbeat {
@@ -548,9 +549,15 @@ pub async fn run_decode(
     report.register_ms = decode_stats.register_micros as f64 / 1e3;
     if let Some(dir) = stamps {
         match prefill_cpu(dir, w.pp) {
-            Ok(cpu) => {
-                report.prefill_cpu_us_per_request =
-                    cpu.as_secs_f64() * 1e6 / (report.requests.max(1) as f64);
+            Ok((cpu, copy)) => {
+                let requests = report.requests.max(1) as f64;
+                // Each rank sends every chunk of its layers.
+                let chunks = requests
+                    * f64::from(w.prompt_tokens.div_ceil(w.chunk_tokens) * u32::from(w.pp));
+                report.prefill_cpu_us_per_request = cpu.as_secs_f64() * 1e6 / requests;
+                report.prefill_copy_us_per_request = copy.as_secs_f64() * 1e6 / requests;
+                report.prefill_cpu_us_per_chunk = cpu.as_secs_f64() * 1e6 / chunks.max(1.0);
+                report.prefill_copy_us_per_chunk = copy.as_secs_f64() * 1e6 / chunks.max(1.0);
             }
             Err(e) => eprintln!("kvbench decode: no prefill CPU times: {e}"),
         }
@@ -595,21 +602,25 @@ fn cpu_file(dir: &Path, rank: u16) -> PathBuf {
     dir.join(format!("rank-{rank}.cpu"))
 }
 
-/// The prefill ranks' CPU time, summed, from the files they left in `dir` (read after their
-/// stamps, which they write last).
-fn prefill_cpu(dir: &Path, pp: u16) -> Result<Duration, String> {
-    let mut total = Duration::ZERO;
+/// The prefill ranks' CPU time and the part of it their progress threads spent copying, each
+/// summed, from the files they left in `dir` (read after their stamps, which they write last): one
+/// line, `cpu_ns copy_ns`.
+fn prefill_cpu(dir: &Path, pp: u16) -> Result<(Duration, Duration), String> {
+    let (mut cpu, mut copy) = (Duration::ZERO, Duration::ZERO);
     for rank in 0..pp {
         let path = cpu_file(dir, rank);
-        let text =
-            std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-        let ns: u64 = text
-            .trim()
-            .parse()
-            .map_err(|e| format!("{}: {e}", path.display()))?;
-        total += Duration::from_nanos(ns);
+        let bad = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
+        let text = std::fs::read_to_string(&path).map_err(|e| bad(&e))?;
+        let mut fields = text.split_whitespace().map(str::parse::<u64>);
+        match (fields.next(), fields.next(), fields.next()) {
+            (Some(Ok(c)), Some(Ok(k)), None) => {
+                cpu += Duration::from_nanos(c);
+                copy += Duration::from_nanos(k);
+            }
+            _ => return Err(bad(&format!("not `cpu_ns copy_ns`: {text:?}"))),
+        }
     }
-    Ok(total)
+    Ok((cpu, copy))
 }
 
 /// Where prefill rank `rank` writes its stamps in `dir`.
@@ -749,6 +760,7 @@ pub async fn run_prefill(
     let membership = found.map(|(reg, dir)| discovery::join_prefill(&engine, reg, dir, 0));
     // This process's CPU from here to its end is what serving the run cost it.
     let cpu0 = crate::bench::cpu_time();
+    let copy0 = engine.transport_stats().copy_nanos;
     let layout = Arc::new(layout);
     // Free source slots, taken in the order requests arrive (the same on every rank), so a rank
     // waiting for a slot only ever waits on older requests, which never wait on it.
@@ -777,8 +789,9 @@ pub async fn run_prefill(
     if let Some(dir) = stamps {
         // The CPU file first: decode reads it once the stamps file is there.
         let cpu = crate::bench::cpu_time().saturating_sub(cpu0);
+        let copy = engine.transport_stats().copy_nanos.saturating_sub(copy0);
         let tmp = dir.join(format!(".rank-{rank}.cpu.{}", std::process::id()));
-        std::fs::write(&tmp, format!("{}\n", cpu.as_nanos()))
+        std::fs::write(&tmp, format!("{} {copy}\n", cpu.as_nanos()))
             .and_then(|()| std::fs::rename(&tmp, cpu_file(dir, rank)))
             .map_err(|e| format!("writing CPU time into {}: {e}", dir.display()))?;
         write_stamps(dir, rank, &lock(&last_writes))

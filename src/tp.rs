@@ -24,7 +24,7 @@ use transfer_engine::engine::{
     BackendConfig, DecodeConfig, DecodeEngine, EngineError, Outcome, Pool, PrefillConfig,
     PrefillEngine, TpConfig,
 };
-use transfer_engine::transport::{BackendKind, ProgressScheduling};
+use transfer_engine::transport::BackendKind;
 
 /// What to run.
 #[derive(Debug, Clone, Copy)]
@@ -52,8 +52,8 @@ pub struct TpSpec {
     pub requests: u32,
     /// Backend.
     pub backend: BackendKind,
-    /// How the decode engines' progress threads are scheduled.
-    pub decode_scheduling: ProgressScheduling,
+    /// How the decode engines' progress threads run.
+    pub decode_progress: crate::cluster::DecodeProgress,
 }
 
 /// What a run measured.
@@ -275,8 +275,10 @@ impl TpCluster {
             cfg.token = Some(Secret::new(&secret));
             cfg.verify_checksums = false;
             cfg.instance = "decode".into();
-            cfg.backend = BackendConfig::default_for(spec.backend, &format!("d{rank}-{tag}"))
-                .with_scheduling(spec.decode_scheduling);
+            cfg.backend = spec.decode_progress.apply(BackendConfig::default_for(
+                spec.backend,
+                &format!("d{rank}-{tag}"),
+            ));
             decodes.push(DecodeEngine::start(cfg, Pool::Shared(layout.buffer_len)).await?);
         }
         let mut starts = Vec::new();

@@ -49,7 +49,7 @@ async fn start(shape: Shape, backend: BackendKind) -> Arc<Cluster> {
         checksums: true,
         decode_pool: PoolKind::Shared,
         metrics: None,
-        decode_scheduling: Default::default(),
+        decode_progress: Default::default(),
     };
     let c = timeout(Duration::from_secs(30), Cluster::start(spec))
         .await

@@ -21,7 +21,7 @@ fn spec(shape: Shape, backend: BackendKind) -> ClusterSpec {
         checksums: true,
         decode_pool: PoolKind::Shared,
         metrics: None,
-        decode_scheduling: Default::default(),
+        decode_progress: Default::default(),
     }
 }
 
@@ -129,7 +129,7 @@ async fn grid(backend: BackendKind, instances: u16, decodes: u16) {
         prefill_instances: instances,
         decode_instances: decodes,
         metrics: None,
-        decode_scheduling: Default::default(),
+        decode_progress: Default::default(),
     };
     let r = tokio::time::timeout(Duration::from_secs(120), run_workload(&w, backend, None))
         .await
@@ -220,7 +220,7 @@ async fn tp_run(
         concurrency: 2,
         requests: 4,
         backend,
-        decode_scheduling: Default::default(),
+        decode_progress: Default::default(),
     };
     let run = async {
         let c = TpCluster::start(spec).await.unwrap();

@@ -323,6 +323,27 @@ fn one_command_runs_every_engine_in_its_own_process() {
         let v = report[0][key].as_f64().unwrap_or(0.0);
         assert!(v > 0.0, "{key} = {v} in {text}");
     }
+    // Of the prefill processes' CPU, their progress threads' own copies into decode's pool (UCX
+    // maps it: the ranks copy with their CPUs) are a part, and per chunk of a rank is per request
+    // over 4 chunks (1000 tokens in 256) times 4 ranks.
+    let field = |k: &str| report[0][k].as_f64().unwrap_or(-1.0);
+    let (cpu, copy) = (
+        field("prefill_cpu_us_per_request"),
+        field("prefill_copy_us_per_request"),
+    );
+    assert!(
+        copy > 0.0 && copy < cpu,
+        "copy {copy} of cpu {cpu} in {text}"
+    );
+    for (per_chunk, per_request) in [
+        (field("prefill_cpu_us_per_chunk"), cpu),
+        (field("prefill_copy_us_per_chunk"), copy),
+    ] {
+        assert!(
+            (per_chunk * 16.0 - per_request).abs() <= 1e-6 * per_request,
+            "{per_chunk} per chunk, {per_request} per request in {text}"
+        );
+    }
     assert!(
         report[0]["decode_pool_bytes"].as_u64().unwrap_or(0) > 0,
         "{text}"

@@ -84,7 +84,7 @@ async fn try_start() -> Result<Faulty, EngineError> {
         checksums: true,
         decode_pool: PoolKind::Shared,
         metrics: None,
-        decode_scheduling: Default::default(),
+        decode_progress: Default::default(),
     };
     let (mut dslot, mut slots) = (None, Vec::new());
     let c = Cluster::start_with(spec, |rank, name| {

@@ -115,7 +115,7 @@ fn spec() -> ClusterSpec {
         checksums: true,
         decode_pool: PoolKind::Shared,
         metrics: None,
-        decode_scheduling: Default::default(),
+        decode_progress: Default::default(),
     }
 }
 

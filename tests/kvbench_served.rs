@@ -29,7 +29,7 @@ fn defaults() -> Workload {
         prefill_instances: 1,
         decode_instances: 1,
         metrics: None,
-        decode_scheduling: Default::default(),
+        decode_progress: Default::default(),
     }
 }
 

@@ -44,7 +44,7 @@ async fn rank_rejoins(backend: BackendKind) {
         checksums: true,
         decode_pool: PoolKind::Shared,
         metrics: None,
-        decode_scheduling: Default::default(),
+        decode_progress: Default::default(),
     };
     let mut c = timeout(BOUND, Cluster::start(spec)).await.unwrap().unwrap();
     let first = c.prefill[2].incarnation();

@@ -46,7 +46,7 @@ async fn start(checksums: bool) -> Faulty {
         checksums,
         decode_pool: PoolKind::Shared,
         metrics: None,
-        decode_scheduling: Default::default(),
+        decode_progress: Default::default(),
     };
     let mut slots: Vec<Arc<OnceLock<Arc<FaultTransport>>>> = Vec::new();
     let c = tokio::time::timeout(

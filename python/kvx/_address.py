@@ -35,3 +35,18 @@ def realtime_priority(value: Optional[str], setting: str) -> Optional[int]:
     if not 1 <= p <= 99:
         raise ValueError(f"{setting}={v!r} is not a realtime priority from 1 to 99")
     return p
+
+
+def spin_us(value: Optional[str], setting: str) -> Optional[int]:
+    """Microseconds of polling ``value`` names, 0 to 1,000,000; None where it is unset or empty.
+    Anything else is a ``ValueError`` naming ``setting``."""
+    v = (value or "").strip()
+    if not v:
+        return None
+    try:
+        us = int(v)
+    except ValueError:
+        us = -1
+    if not 0 <= us <= 1_000_000:
+        raise ValueError(f"{setting}={v!r} is not a whole number of microseconds up to 1000000")
+    return us

@@ -149,6 +149,7 @@ class DecodeEngine:
         metrics: str | None = None,
         pp_stage: tuple[int, int] = (0, 1),
         progress_fifo: int | None = None,
+        progress_spin_us: int | None = None,
     ) -> None: ...
     @property
     def address(self) -> str: ...

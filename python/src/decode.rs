@@ -69,6 +69,8 @@ impl DecodeEngine {
     /// runs the backend's progress thread, which sees prefill's notifications arrive, under
     /// `SCHED_FIFO` at that priority (1 to 99): seen at once however busy the cores are. It needs
     /// `CAP_SYS_NICE` or an `RLIMIT_RTPRIO` of at least it; without, the engine does not start.
+    /// `progress_spin_us` is how long that thread polls after its last event before it sleeps
+    /// (`None`: the backend's 200 µs); 0 leaves a busy host's cores to others at once.
     #[new]
     #[pyo3(signature = (
         *, layout, total_layers, page_tokens, pp_size, memory, listen = "127.0.0.1:0",
@@ -76,6 +78,7 @@ impl DecodeEngine {
         abort_ack_timeout = 5.0, handshake_timeout = 10.0, rank_wait = 10.0, heartbeat = Some(5.0),
         tp_rank = 0, tp_size = 1, tp_mode = "identical", kv_heads = 0,
         decode_instance = String::new(), metrics = None, pp_stage = (0, 1), progress_fifo = None,
+        progress_spin_us = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -103,6 +106,7 @@ impl DecodeEngine {
         metrics: Option<&str>,
         pp_stage: (u16, u16),
         progress_fifo: Option<u8>,
+        progress_spin_us: Option<u64>,
     ) -> PyResult<Self> {
         let tp = crate::tp_config(tp_rank, tp_size, tp_mode, kv_heads)?;
         let listen: SocketAddr = listen
@@ -125,9 +129,13 @@ impl DecodeEngine {
         let mut cfg = DecodeConfig::new(total_layers, page_tokens, layout.inner.clone(), pp_size);
         cfg.engine_id = name.clone();
         cfg.listen = listen;
-        cfg.backend = crate::backend(backend, &name)?.with_scheduling(
+        let mut b = crate::backend(backend, &name)?.with_scheduling(
             progress_fifo.map_or(ProgressScheduling::Normal, ProgressScheduling::Fifo),
         );
+        if let Some(us) = progress_spin_us {
+            b = b.with_spin(std::time::Duration::from_micros(us));
+        }
+        cfg.backend = b;
         cfg.token = crate::secret(secret)?;
         cfg.verify_checksums = checksums;
         cfg.abort_ack_timeout = seconds("abort_ack_timeout", abort_ack_timeout)?;

@@ -205,7 +205,7 @@ def test_a_decode_engine_runs_its_progress_thread_realtime_when_asked(backend):
     kw = dict(layout=layout, total_layers=2, page_tokens=16, pp_size=1, backend=backend)
     thread = f"{backend}-pyfifo"
     fifo = kvx.DecodeEngine(memory=np.zeros(layout.buffer_len, np.uint8), engine_id="pyfifo4",
-                            progress_fifo=4, **kw)
+                            progress_fifo=4, progress_spin_us=0, **kw)
     normal = kvx.DecodeEngine(memory=np.zeros(layout.buffer_len, np.uint8), engine_id="pyfifon",
                               **kw)
     try:

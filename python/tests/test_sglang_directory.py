@@ -295,6 +295,15 @@ def test_a_decode_rank_takes_its_progress_threads_realtime_priority_from_the_env
         monkeypatch.setenv("KVX_PROGRESS_FIFO", bad)
         with pytest.raises(kvx.ConfigError, match="KVX_PROGRESS_FIFO"):
             settings.progress_fifo()
+    monkeypatch.delenv("KVX_PROGRESS_SPIN_US", raising=False)
+    assert settings.progress_spin_us() is None
+    for good in ("0", "200", "1000000"):
+        monkeypatch.setenv("KVX_PROGRESS_SPIN_US", good)
+        assert settings.progress_spin_us() == int(good)
+    for bad in ("-1", "1000001", "fast", "0.5"):
+        monkeypatch.setenv("KVX_PROGRESS_SPIN_US", bad)
+        with pytest.raises(kvx.ConfigError, match="KVX_PROGRESS_SPIN_US"):
+            settings.progress_spin_us()
 
 
 def test_engines_publish_sglangs_local_address_never_a_wildcard(monkeypatch):

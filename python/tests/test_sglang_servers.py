@@ -67,8 +67,9 @@ class Pair:
         p_env, d_env = env, env
         if metrics is not None:
             p_env = {**env, "KVX_METRICS": f"127.0.0.1:{metrics[0]}"}
-            # The same decode runs its engine's progress thread under SCHED_FIFO.
-            d_env = {**env, "KVX_METRICS": f"127.0.0.1:{metrics[1]}", "KVX_PROGRESS_FIFO": "1"}
+            # The same decode runs its engine's progress thread under SCHED_FIFO, without spinning.
+            d_env = {**env, "KVX_METRICS": f"127.0.0.1:{metrics[1]}", "KVX_PROGRESS_FIFO": "1",
+                     "KVX_PROGRESS_SPIN_US": "0"}
         # Servers of several ranks (PP or TP 2) need S.MULTI_RANK_ENV on SGLang's CPU engine.
         self.prefill = S.Server(f"{name}-prefill", model, prefill_port, logs, [
             "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", backend,

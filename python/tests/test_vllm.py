@@ -62,12 +62,14 @@ def cluster(tmp_path_factory):
         made["ref"] = V.Instance("single", model, d, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
         made["kvx_p"] = V.Instance("kvx-prefill", model, d,
                                    kv=V.kvx_config("kv_producer", secret), env=test_hooks)
-        # Its engine's progress thread under SCHED_FIFO (KVX_PROGRESS_FIFO), the prefill's not.
+        # Its engine's progress thread under SCHED_FIFO without spinning (KVX_PROGRESS_FIFO,
+        # KVX_PROGRESS_SPIN_US), the prefill's not.
         made["kvx_d"] = V.Instance("kvx-decode", model, d,
                                    kv=V.kvx_config("kv_consumer", secret),
                                    env={"KVX_METRICS":
                                         f"127.0.0.1:{made['metrics']['decode']}",
-                                        "KVX_PROGRESS_FIFO": "1"})
+                                        "KVX_PROGRESS_FIFO": "1",
+                                        "KVX_PROGRESS_SPIN_US": "0"})
         made["nixl_p"] = V.Instance("nixl-prefill", model, d, kv=V.nixl_config("kv_producer"),
                                     env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(nixl_p),
                                          "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"})

@@ -431,6 +431,7 @@ class KvxKVManager(BaseKVManager):
             engine_id=f"sglang-decode-{self.id}", tp_rank=self.tp_rank, tp_size=self.tp_size,
             tp_mode=self.pool.tp_mode, kv_heads=self.pool.kv_heads,
             metrics=self.metrics, progress_fifo=settings.progress_fifo(),
+            progress_spin_us=settings.progress_spin_us(),
             # Alike on every TP rank of this server: a prefill rank writing into several of them
             # serves a request's allocations as one.
             decode_instance=f"sglang-decode-{settings.url_host(self.local_ip)}:"

@@ -114,6 +114,17 @@ def progress_fifo() -> Optional[int]:
         raise kvx.ConfigError(str(e)) from None
 
 
+def progress_spin_us() -> Optional[int]:
+    """``KVX_PROGRESS_SPIN_US``: how long a decode rank's engine progress thread polls after its
+    last event before it sleeps, in microseconds (see ``kvx.DecodeEngine``). Unset or empty: the
+    backend's default. Anything but a whole number of microseconds up to a second is a
+    ``ConfigError``."""
+    try:
+        return _address.spin_us(os.environ.get("KVX_PROGRESS_SPIN_US"), "kvx: KVX_PROGRESS_SPIN_US")
+    except ValueError as e:
+        raise kvx.ConfigError(str(e)) from None
+
+
 def local_ip() -> str:
     """The address this host's engines listen on and publish: SGLang's own choice for its transfer
     backends (``SGLANG_HOST_IP`` / ``HOST_IP``, else the host's routable address), never a

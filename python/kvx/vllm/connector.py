@@ -88,7 +88,8 @@ class KvxWorker:
                                      request_timeout=settings.request_timeout(extra),
                                      handshake_timeout=settings.handshake_timeout(extra),
                                      metrics=metrics,
-                                     progress_fifo=settings.progress_fifo(extra))
+                                     progress_fifo=settings.progress_fifo(extra),
+                                     progress_spin_us=settings.progress_spin_us(extra))
 
     def register_kv_caches(self, kv_caches: "dict[str, Any]") -> None:
         from .pool import Pool

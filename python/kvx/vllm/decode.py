@@ -50,7 +50,7 @@ class DecodeSide:
     def __init__(self, *, engine_id: str, tp_rank: int, tp_size: int, host: str,
                  secret: Optional[bytes], backend: str, compat: dict, request_timeout: float,
                  handshake_timeout: float, metrics: Optional[str] = None,
-                 progress_fifo: Optional[int] = None):
+                 progress_fifo: Optional[int] = None, progress_spin_us: Optional[int] = None):
         self.engine_id = engine_id
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.host = host
@@ -58,6 +58,7 @@ class DecodeSide:
         self.compat = compat
         self.metrics = metrics
         self.progress_fifo = progress_fifo
+        self.progress_spin_us = progress_spin_us
         self.request_timeout = request_timeout
         self.handshake_timeout = handshake_timeout
         self.pool: Optional[Pool] = None
@@ -78,7 +79,7 @@ class DecodeSide:
             engine_id=f"vllm-decode-{self.engine_id}-{self.tp_rank}-{os.getpid()}",
             tp_rank=self.tp_rank, tp_size=self.tp_size, tp_mode="identical",
             decode_instance=self.engine_id, metrics=self.metrics,
-            progress_fifo=self.progress_fifo)
+            progress_fifo=self.progress_fifo, progress_spin_us=self.progress_spin_us)
         self._thread.start()
         logger.info("kvx: decode engine (TP rank %d) listens on %s", self.tp_rank,
                     self.engine.address)

@@ -21,7 +21,9 @@ overrides):
   metrics on ``HOST:PORT + dp_index * tp_size + tp_rank`` (default: nowhere);
 - ``progress_fifo`` / ``KVX_PROGRESS_FIFO``: decode workers run their engine's progress thread
   under ``SCHED_FIFO`` at this priority, 1 to 99 (default: the normal policy; see
-  ``kvx.DecodeEngine``)."""
+  ``kvx.DecodeEngine``);
+- ``progress_spin_us`` / ``KVX_PROGRESS_SPIN_US``: how long that thread polls after its last event
+  before it sleeps, in microseconds (default: the backend's, 200)."""
 
 from __future__ import annotations
 
@@ -90,6 +92,14 @@ def progress_fifo(extra: dict) -> Optional[int]:
     a ``ValueError``."""
     v = _get(extra, "progress_fifo", "KVX_PROGRESS_FIFO", None)
     return _address.realtime_priority(None if v is None else str(v), "kvx.vllm: progress_fifo")
+
+
+def progress_spin_us(extra: dict) -> Optional[int]:
+    """How long a decode worker's progress thread polls before sleeping (``progress_spin_us`` /
+    ``KVX_PROGRESS_SPIN_US``), or None for the backend's default. Anything but a whole number of
+    microseconds up to a second is a ``ValueError``."""
+    v = _get(extra, "progress_spin_us", "KVX_PROGRESS_SPIN_US", None)
+    return _address.spin_us(None if v is None else str(v), "kvx.vllm: progress_spin_us")
 
 
 def corrupt_request() -> Optional[str]:

@@ -198,6 +198,19 @@ impl BackendConfig {
         self
     }
 
+    /// This config with the backend's progress thread polling for `spin` after its last event
+    /// before it sleeps ([`UcxConfig::spin`], [`NixlConfig::spin`]). A
+    /// [`Custom`](BackendConfig::Custom) backend is left as it is.
+    #[must_use]
+    pub fn with_spin(mut self, spin: std::time::Duration) -> Self {
+        match &mut self {
+            BackendConfig::Ucx(c) => c.spin = spin,
+            BackendConfig::Nixl(c) => c.spin = spin,
+            BackendConfig::Custom(_) => {}
+        }
+        self
+    }
+
     /// Which backend this builds.
     pub fn kind(&self) -> BackendKind {
         match self {

@@ -214,6 +214,10 @@ pub struct TransportStats {
     /// Peer regions this transport writes with its own CPU copies because the library mapped them
     /// into this process (UCX's `direct_copy`); the rest are written by the library's puts.
     pub direct_regions: u64,
+    /// CPU nanoseconds (the thread's own clock) the progress thread spent making those copies
+    /// itself: the CPU a sender's chunks cost in moving bytes, against what the rest of the engine
+    /// costs. 0 where the library moves every byte.
+    pub copy_nanos: u64,
 }
 
 /// A transport error, keeping the library's raw status where there is one.

@@ -74,8 +74,7 @@ pub struct NixlConfig {
     /// The nice value the progress thread takes when it posts its first write, as the UCX backend's
     /// [`UcxConfig::sender_nice`](super::ucx::UcxConfig::sender_nice); 0 leaves it as it is.
     pub sender_nice: i32,
-    /// How the system schedules the progress thread (see [`ProgressScheduling`]); a realtime
-    /// thread ignores [`spin`](Self::spin).
+    /// How the system schedules the progress thread (see [`ProgressScheduling`]).
     pub scheduling: ProgressScheduling,
 }
 
@@ -554,11 +553,7 @@ impl Worker {
             next_id: 1,
             args,
             notifs: NotifMap(map),
-            spin: if config.scheduling.realtime() {
-                Duration::ZERO
-            } else {
-                config.spin
-            },
+            spin: config.spin,
             min_sleep: config.min_sleep.max(Duration::from_micros(1)),
             max_sleep: config.max_sleep.max(config.min_sleep),
             expecting_max_sleep: config.expecting_max_sleep.max(config.min_sleep),

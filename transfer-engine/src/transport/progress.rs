@@ -24,11 +24,12 @@ use std::time::Duration;
 /// example `ulimit -r 1`, or `docker run --ulimit rtprio=1`); a backend that cannot have it fails to
 /// start ([`TransportError::Scheduling`](super::TransportError::Scheduling)).
 ///
-/// A realtime progress thread does not spin before it sleeps (its spinning would take the core from
-/// the threads whose data it waits for). It is meant for receivers (decode), whose progress thread
-/// sleeps until data arrives; on a sender whose progress thread copies, it would hold a core for the
-/// length of each copy (Linux's realtime throttling, `sched_rt_runtime_us`, leaves the others 5% of
-/// each second by default).
+/// A realtime thread holds its core while it polls: for the backend's `spin` after each event, then
+/// it sleeps. Where cores are few and the threads whose data it waits for need them, a shorter spin
+/// (zero) leaves them the core, at the price of a wake-up for each notification where cores are
+/// idle. It is meant for receivers (decode), whose progress thread sleeps until data arrives; on a
+/// sender whose progress thread copies, it would hold a core for the length of each copy (Linux's
+/// realtime throttling, `sched_rt_runtime_us`, leaves the others 5% of each second by default).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ProgressScheduling {
     /// The process's default policy (`SCHED_OTHER` unless the caller changed it).
@@ -39,11 +40,6 @@ pub enum ProgressScheduling {
 }
 
 impl ProgressScheduling {
-    /// Whether the thread must not spin before sleeping.
-    pub(crate) fn realtime(self) -> bool {
-        matches!(self, ProgressScheduling::Fifo(_))
-    }
-
     /// Applies it to the calling thread.
     fn apply(self) -> Result<(), super::TransportError> {
         use thread_priority::{
@@ -91,6 +87,7 @@ pub(crate) struct Counters {
     pub(crate) bytes_posted: AtomicU64,
     pub(crate) leaked: AtomicU64,
     pub(crate) direct_regions: AtomicU64,
+    pub(crate) copy_nanos: AtomicU64,
 }
 
 /// State shared between a progress thread and the threads that talk to it.
@@ -234,6 +231,7 @@ impl Shared {
             notifications: c.notifications.load(Ordering::Relaxed),
             bytes_posted: c.bytes_posted.load(Ordering::Relaxed),
             direct_regions: c.direct_regions.load(Ordering::Relaxed),
+            copy_nanos: c.copy_nanos.load(Ordering::Relaxed),
         }
     }
 }

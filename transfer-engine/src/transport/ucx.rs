@@ -348,8 +348,7 @@ pub struct UcxConfig {
     /// With [`events`](Self::events): the longest sleep, after which UCX is progressed anyway (its
     /// own timers).
     pub event_timeout: Duration,
-    /// How the system schedules the progress thread (see [`ProgressScheduling`]); a realtime
-    /// thread ignores [`spin`](Self::spin).
+    /// How the system schedules the progress thread (see [`ProgressScheduling`]).
     pub scheduling: ProgressScheduling,
 }
 
@@ -930,11 +929,7 @@ impl Worker {
         let w = Box::new(Worker {
             ctx,
             worker,
-            spin: if config.scheduling.realtime() {
-                Duration::ZERO
-            } else {
-                config.spin
-            },
+            spin: config.spin,
             min_sleep: config.min_sleep,
             max_sleep: config.max_sleep,
             efd,
@@ -1494,6 +1489,10 @@ impl Worker {
     /// of one source token row, so the source is read once, in order, instead of once per leg
     /// with a stride. Returns whether streaming stores were used (a fence is then due).
     fn copy_direct(&self, posts: &[&Post]) -> bool {
+        // This thread's CPU time, not the wall clock: on busy cores a copy may wait for a core.
+        let cpu = || rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+        let started = cpu();
+        let mut copied = false;
         let mut streamed = false;
         let most = posts.iter().map(|p| p.writes.len()).max().unwrap_or(0);
         let mut group: Vec<(u64, *mut u8, WriteOp)> = Vec::with_capacity(posts.len());
@@ -1506,6 +1505,7 @@ impl Worker {
                     group.push((src, dst, *w));
                 }
             }
+            copied |= !group.is_empty();
             let together = group.len() > 1
                 && group[0].2.rows > 1
                 && group
@@ -1527,6 +1527,15 @@ impl Worker {
                     }
                 }
             }
+        }
+        if copied {
+            let (end, start) = (cpu(), started);
+            let ns = (end.tv_sec - start.tv_sec) * 1_000_000_000 + (end.tv_nsec - start.tv_nsec);
+            let ns = u64::try_from(ns).unwrap_or(0);
+            self.shared
+                .counters
+                .copy_nanos
+                .fetch_add(ns, Ordering::Relaxed);
         }
         streamed
     }

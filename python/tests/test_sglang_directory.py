@@ -136,6 +136,26 @@ def test_no_address_crosses_the_directory_in_clear(directory):
     assert http("GET", f"{url}/kvx/decode?since=0", key=SECRET)["decodes"] == [decode]
 
 
+def test_the_directory_keeps_the_ranks_and_meshes_of_dp_groups_apart(directory):
+    """Two DP groups of one prefill server have ranks of the same TP and PP ranks: the directory
+    lists both, and each group's pipeline finds its own vote mesh; a rank that names no group is
+    group 0's."""
+    from kvx.sglang.directory import http
+
+    url = f"http://127.0.0.1:{directory.port}"
+    for dp in (0, 1):
+        http("PUT", f"{url}/kvx/prefill", dict(RANK, dp_rank=dp, dp_size=2), key=SECRET)
+        for pp in (0, 1):
+            http("PUT", f"{url}/kvx/mesh", {"tp_rank": 0, "pp_rank": pp, "dp_rank": dp,
+                                            "addr": f"10.0.{dp}.{pp}:1"}, key=SECRET)
+    ranks = http("GET", f"{url}/kvx/prefill", key=SECRET)["ranks"]
+    assert sorted(r["dp_rank"] for r in ranks) == [0, 1], ranks
+    for dp in (0, 1):
+        got = http("GET", f"{url}/kvx/mesh?tp_rank=0&dp_rank={dp}", key=SECRET)["mesh"]
+        assert got == {"0": f"10.0.{dp}.0:1", "1": f"10.0.{dp}.1:1"}, got
+    assert http("GET", f"{url}/kvx/mesh?tp_rank=0", key=SECRET)["mesh"]["0"] == "10.0.0.0:1"
+
+
 def test_each_start_of_a_directory_has_its_own_instance(monkeypatch):
     monkeypatch.setenv("KVX_SECRET", SECRET.decode())
     from kvx.sglang.directory import KvxBootstrapServer
@@ -163,13 +183,52 @@ def test_state_beside_the_kv_pages_is_refused_at_start():
     # A decode-side radix cache is carried (decode_prefix_len: test_sglang_servers.py).
     server_args.disaggregation_decode_enable_radix_cache = True
     _refuse_unsupported(args, server_args)
-    # Pipelined prefill and decode are carried (test_sglang_servers.py); DP attention is not
-    # mapped yet: refused by name rather than left to hang.
+    # Pipelined prefill and decode, and DP attention, are carried (test_sglang_servers.py).
     server_args.pp_size = 2
     _refuse_unsupported(args, server_args)
     server_args.pp_size, server_args.enable_dp_attention = 1, True
-    with pytest.raises(kvx.ConfigError, match="dp-attention"):
-        _refuse_unsupported(args, server_args)
+    _refuse_unsupported(args, server_args)
+
+
+def test_dp_groups_are_sglangs_and_what_kvx_cannot_route_is_refused():
+    import kvx
+    from kvx.sglang.manager import _topology, session_name
+    from sglang.srt.disaggregation.base.conn import KVArgs
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    prefill, decode = DisaggregationMode.PREFILL, DisaggregationMode.DECODE
+    args, server_args = KVArgs(), type("ServerArgs", (), {"tp_size": 4})()
+    args.engine_rank, args.system_dp_rank = 3, 0
+
+    def parallel(**kw):
+        p = dict(attn_tp_size=2, attn_tp_rank=1, attn_dp_size=2, attn_dp_rank=1, dp_size=1,
+                 attn_cp_size=1)
+        return type("Parallel", (), {**p, **kw})()
+
+    # DP attention: the group is the attention-DP rank, its TP the attention TP.
+    t = _topology(args, server_args, prefill, parallel())
+    assert (t.dp_rank, t.dp_size, t.tp_rank, t.tp_size) == (1, 2, 1, 2)
+    # DP replicas (no DP attention): the group is the replica.
+    args.system_dp_rank = 2
+    t = _topology(args, server_args, decode, parallel(attn_dp_size=1, attn_dp_rank=0, dp_size=3,
+                                                      attn_tp_size=4, attn_tp_rank=3))
+    assert (t.dp_rank, t.dp_size, t.tp_rank, t.tp_size) == (2, 3, 3, 4)
+    # No parallel state published (outside a scheduler): one group of --tp-size.
+    t = _topology(args, server_args, decode, object())
+    assert (t.dp_rank, t.dp_size, t.tp_rank, t.tp_size) == (0, 1, 3, 4)
+    # A prefill server whose rooms decode could not place by their number is refused at start.
+    server_args.load_balance_method = "round_robin"
+    with pytest.raises(kvx.ConfigError, match="follow_bootstrap_room"):
+        _topology(args, server_args, prefill, parallel())
+    _topology(args, server_args, decode, parallel())  # decode routes as it likes
+    for method in ("auto", "follow_bootstrap_room"):
+        server_args.load_balance_method = method
+        _topology(args, server_args, prefill, parallel())
+    with pytest.raises(kvx.ConfigError, match="context parallelism"):
+        _topology(args, server_args, prefill, parallel(attn_cp_size=2))
+    # One group keeps the instance's address as its session's name.
+    assert session_name("h:1", 0, 1) == "h:1"
+    assert session_name("h:1", 1, 2) == "h:1#dp1"
 
 
 def test_a_layout_kvx_cannot_map_fails_each_request_at_once(directory):

@@ -292,7 +292,7 @@ def test_two_prefill_tp_ranks_into_one_decode_rank_answer_like_one_server(concur
     check(pair, normal, prompts, results, f"TP 2 prefill into TP 1, concurrency {concurrency}")
     text = pair.prefill2.log_path.read_text()
     for rank in (0, 1):
-        assert f"kvx: prefill engine started (TP {rank}, PP 0)" in text, pair.prefill2.log()
+        assert f"kvx: prefill engine started (DP 0, TP {rank}, PP 0)" in text, pair.prefill2.log()
 
 
 def test_one_decode_server_serves_two_prefill_servers(servers, prompts):

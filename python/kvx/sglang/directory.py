@@ -1,8 +1,9 @@
 """The prefill instance's bootstrap directory (SGLang's bootstrap server, for kvx) and its client.
 
-Each prefill rank publishes its PP/TP rank and layer range; each decode rank publishes the control
-address of its ``kvx.DecodeEngine``; each prefill rank publishes the address its PP vote mesh
-listens on (one mesh per pipeline, that is per TP rank, for every decode). Those are addresses, so every ``/kvx/``
+Each prefill rank publishes its DP group, its PP/TP rank in it and its layer range; each decode rank
+publishes the control address of its ``kvx.DecodeEngine`` for the DP group it takes rooms from;
+each prefill rank publishes the address its PP vote mesh listens on (one mesh per pipeline, that is
+per DP group and TP rank, for every decode). Those are addresses, so every ``/kvx/``
 request, read or write, proves the deployment's shared secret: an HMAC-SHA256 over a timestamp,
 the method, the path and the body (header ``X-Kvx-Auth: <unix seconds>:<hex>``), checked in
 constant time and refused (401) when wrong, missing or more than ``MAX_SKEW_S`` old. And no body
@@ -116,9 +117,9 @@ class KvxBootstrapServer(BaseKVBootstrapServer):
         self.key = secret()
         self.refused = 0  # requests that did not prove the secret
         self._lock = threading.Lock()
-        self._prefill: dict = {}  # "tp/pp" -> info
+        self._prefill: dict = {}  # "dp/tp/pp" -> info
         self._decodes: list = []  # announcements, in order
-        self._mesh: dict = {}  # tp -> {pp: addr}
+        self._mesh: dict = {}  # (dp, tp) -> {pp: addr}
         # Wakes the prefill ranks' long polls of /kvx/decode when a decode announces itself.
         self._announced = threading.Condition(self._lock)
         server = self
@@ -180,7 +181,7 @@ class KvxBootstrapServer(BaseKVBootstrapServer):
                             return self._sealed("GET", {"instance": server.instance,
                                                         "decodes": server._decodes[since:]})
                         if u.path == "/kvx/mesh":
-                            key = int(q.get("tp_rank", 0))
+                            key = (int(q.get("dp_rank", 0)), int(q.get("tp_rank", 0)))
                             return self._sealed("GET", {"mesh": server._mesh.get(key, {})})
                 except ValueError as e:
                     return self._reply(400, {"error": str(e)})
@@ -207,13 +208,15 @@ class KvxBootstrapServer(BaseKVBootstrapServer):
                     b = json.loads(plain or b"{}")
                     with server._lock:
                         if u.path == "/kvx/prefill":
-                            server._prefill[f"{int(b['tp_rank'])}/{int(b['pp_rank'])}"] = b
+                            key = "/".join(str(int(b.get(k, 0)))
+                                           for k in ("dp_rank", "tp_rank", "pp_rank"))
+                            server._prefill[key] = b
                         elif u.path == "/kvx/decode":
                             if not any(d["decode_id"] == b["decode_id"] for d in server._decodes):
                                 server._decodes.append(b)
                                 server._announced.notify_all()
                         elif u.path == "/kvx/mesh":
-                            key = int(b["tp_rank"])
+                            key = (int(b.get("dp_rank", 0)), int(b["tp_rank"]))
                             server._mesh.setdefault(key, {})[str(int(b["pp_rank"]))] = str(b["addr"])
                         else:
                             return self._reply(404)

@@ -3,8 +3,9 @@
 Prefill: registers the rank in its instance's directory when it is made (SGLang's scheduler never
 calls ``register_to_bootstrap``), and runs one ``PrefillEngine`` for every decode engine that
 announces itself there (one transport, one registration of the pool, one vote mesh for the
-pipeline; started with the first decode, each later one added to it). Decode: one ``DecodeEngine`` for every prefill instance (one transport,
-one registration of the pool; each instance a session of it, named by its bootstrap address),
+pipeline; started with the first decode, each later one added to it). Decode: one
+``DecodeEngine`` for every prefill instance (one transport, one registration of the pool; each DP
+group of each instance a session of it, named by its bootstrap address and group),
 announced in each instance's directory, and a heartbeat of every instance it knows: an instance
 that stops answering is forgotten by SGLang's table (SGLang asks for it again), and one that comes
 back, or restarted on the same address, is told of the decode engine again, so its new ranks
@@ -78,16 +79,65 @@ class _Pool:
 
 def _refuse_unsupported(args: KVArgs, server_args) -> None:
     """What kvx does not carry yet is refused at start, by name, never dropped or left to hang:
-    state beside the KV pages (decode would run on uninitialised state), DP attention (rooms are
-    not routed to DP ranks)."""
+    state beside the KV pages (decode would run on uninitialised state)."""
     states = [getattr(s, "value", str(s)) for s in (getattr(args, "state_types", None) or [])]
     if states:
         raise kvx.ConfigError(
             f"kvx: this model keeps state beside its KV pages ({', '.join(states)}); kvx carries "
             "KV pages and metadata rows only: use another --disaggregation-transfer-backend")
-    if getattr(server_args, "enable_dp_attention", False):
-        raise kvx.ConfigError("kvx: --enable-dp-attention is not supported by kvx yet: use another "
-                              "--disaggregation-transfer-backend")
+
+
+def _topology(args: KVArgs, server_args, mode, parallel=None) -> types.SimpleNamespace:
+    """Where this scheduler rank sits, as the KV pages see it: its DP group (``dp_rank`` of
+    ``dp_size``) and its rank in the group's TP (``tp_rank`` of ``tp_size``), over which the KV
+    heads are split. With DP attention a group is an attention-DP rank and its TP the attention TP;
+    with several DP replicas (``--dp-size`` without it) a replica and its TP; SGLang's own backends
+    number the groups so (attention DP unless there are replicas). Each group holds its own
+    requests' pages: a request is written by the prefill group that holds it, into the decode
+    group that took it. `parallel` is SGLang's parallel state (``get_parallel()`` by default);
+    outside a scheduler (none published), one group of ``--tp-size``."""
+    tp_size = int(getattr(server_args, "tp_size", 1) or 1)
+    engine_rank = int(args.engine_rank)
+    try:
+        if parallel is None:
+            from sglang.srt.runtime_context import get_parallel
+
+            parallel = get_parallel()
+        p = parallel
+        attn_tp, attn_tp_rank = int(p.attn_tp_size), int(p.attn_tp_rank)
+        attn_dp, attn_dp_rank = int(p.attn_dp_size), int(p.attn_dp_rank)
+        replicas, cp = int(p.dp_size), int(p.attn_cp_size)
+    except (ImportError, AttributeError, ValueError, RuntimeError):
+        return types.SimpleNamespace(tp_rank=engine_rank, tp_size=tp_size, dp_rank=0, dp_size=1)
+    if cp > 1:
+        raise kvx.ConfigError("kvx: attention context parallelism (attn_cp_size > 1) is not mapped "
+                              "by kvx: use another --disaggregation-transfer-backend")
+    if replicas > 1:
+        dp_rank, dp_size = int(getattr(args, "system_dp_rank", 0) or 0), replicas
+    else:
+        dp_rank, dp_size = attn_dp_rank, attn_dp
+    if dp_size > 1 and mode == DisaggregationMode.PREFILL:
+        method = getattr(server_args, "load_balance_method", None) or "auto"
+        method = str(getattr(method, "value", method))
+        if method not in ("auto", "follow_bootstrap_room"):  # auto: follow, on a prefill server
+            # Decode then asks the bootstrap server which DP rank took each room, a query kvx's
+            # directory does not answer: refused here rather than left to hang.
+            raise kvx.ConfigError(
+                f"kvx: a prefill server of {dp_size} DP ranks must route rooms by "
+                f"--load-balance-method follow_bootstrap_room (the default), not {method}")
+    return types.SimpleNamespace(tp_rank=attn_tp_rank, tp_size=attn_tp, dp_rank=dp_rank,
+                                 dp_size=dp_size)
+
+
+def _dp_size(ranks: list) -> int:
+    """The DP groups of a prefill instance, as its registered ranks say."""
+    return max([int(r.get("dp_size", 1)) for r in ranks] or [1])
+
+
+def session_name(bootstrap_addr: str, dp_rank: int, dp_size: int) -> str:
+    """How decode names one DP group of a prefill instance (a session of its engine): the
+    instance's bootstrap address, with the group where it has several."""
+    return bootstrap_addr if dp_size <= 1 else f"{bootstrap_addr}#dp{dp_rank}"
 
 
 def _refuse_other_layout(mine: dict, theirs: dict, addr: str) -> None:
@@ -169,17 +219,20 @@ class KvxKVManager(BaseKVManager):
         self.disaggregation_mode = disaggregation_mode
         self.server_args = server_args
         self.is_mla_backend = bool(is_mla_backend)
-        self.tp_rank = int(args.engine_rank)
         self.pp_rank = int(getattr(args, "pp_rank", 0) or 0)
         self.pp_size = int(getattr(server_args, "pp_size", 1) or 1)
-        self.tp_size = int(getattr(server_args, "tp_size", 1) or 1)
+        # The rank's DP group, and its TP rank and size in the group (over which heads split).
+        where = _topology(args, server_args, disaggregation_mode)
+        self.tp_rank, self.tp_size = where.tp_rank, where.tp_size
+        self.dp_rank, self.dp_size = where.dp_rank, where.dp_size
         self.page_size = int(args.page_size)
         self.local_ip = settings.local_ip()
         self.backend = os.environ.get("KVX_BACKEND", "ucx")
         self.secret = settings.secret()
         self.device = settings.device(args)
         # Where this rank's engine serves Prometheus metrics (KVX_METRICS), checked at start.
-        self.metrics = settings.metrics_address(self.pp_rank * self.tp_size + self.tp_rank)
+        self.metrics = settings.metrics_address(
+            (self.pp_rank * self.dp_size + self.dp_rank) * self.tp_size + self.tp_rank)
         self._lock = threading.Lock()
         # Prefill: notified whenever a page allocation arrives.
         self._arrived = threading.Condition(self._lock)
@@ -221,9 +274,13 @@ class KvxKVManager(BaseKVManager):
                     f"kvx: decode PP stage {self.pp_rank} of {self.pp_size} holds "
                     f"{self.pool.num_layers} layers, SGLang's split gives it {layers}")
             self._engine: Optional[kvx.DecodeEngine] = None  # every prefill instance's sessions
-            self._pp: dict = {}  # bootstrap_addr (the instance's name) -> its PP size
-            self._fan_in: dict = {}  # bootstrap_addr -> prefill TP ranks writing into this rank
-            self._instances: dict = {}  # bootstrap_addr -> directory instance we announced to
+            # Each DP group of a prefill instance is a session of the engine, named by
+            # session_name (the instance's bootstrap address where it has one group).
+            self._pp: dict = {}  # session -> its PP size
+            self._fan_in: dict = {}  # session -> prefill TP ranks writing into this rank
+            self._instances: dict = {}  # session -> directory instance we announced it to
+            self._sessions: dict = {}  # bootstrap_addr -> {session: its DP group}
+            self._dp_sizes: dict = {}  # bootstrap_addr -> the instance's DP groups
             self._misses: dict = {}  # bootstrap_addr -> heartbeats missed in a row
             self._rooms: dict = {}  # room -> DecodeEngine
             self._quarantined: set = set()  # failed rooms whose pages kvx still holds
@@ -273,7 +330,7 @@ class KvxKVManager(BaseKVManager):
         if self.disaggregation_mode != DisaggregationMode.PREFILL or self._registered:
             return
         info = {"tp_rank": self.tp_rank, "tp_size": self.tp_size, "pp_rank": self.pp_rank,
-                "pp_size": self.pp_size,
+                "pp_size": self.pp_size, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
                 "first_layer": self.pool.first_layer, "num_layers": self.pool.num_layers,
                 "page_size": self.page_size, "page_bytes": self.pool.page_bytes,
                 "split_kv": self.pool.split, "backend": self.backend,
@@ -313,6 +370,8 @@ class KvxKVManager(BaseKVManager):
         """Whether this prefill rank writes into the decode rank `d` announced (its TP rank holds
         heads, or for MLA the latent, that decode rank takes from this one)."""
         try:
+            if int(d.get("dp_rank", 0)) != self.dp_rank:
+                return False  # it takes the rooms of another DP group of this prefill server
             stages = int(d.get("pp_size", 1))
             if stages > 1 and (stages, int(d.get("pp_rank", 0))) != (self.pp_size, self.pp_rank):
                 # A pipelined decode takes each stage from the prefill PP rank of its stage.
@@ -357,10 +416,12 @@ class KvxKVManager(BaseKVManager):
             # Bound now and held, so the port published below stays ours until the rank starts.
             mesh_socket = kvx.MeshSocket(f"{settings.url_host(self.local_ip)}:0")
             self._put(f"{self.bootstrap_url}/kvx/mesh", {
-                "tp_rank": self.tp_rank, "pp_rank": self.pp_rank, "addr": mesh_socket.address})
+                "tp_rank": self.tp_rank, "pp_rank": self.pp_rank, "dp_rank": self.dp_rank,
+                "addr": mesh_socket.address})
             deadline = time.monotonic() + 60
             while True:
-                mesh = self._get(f"{self.bootstrap_url}/kvx/mesh?tp_rank={self.tp_rank}")["mesh"]
+                mesh = self._get(f"{self.bootstrap_url}/kvx/mesh?tp_rank={self.tp_rank}"
+                                 f"&dp_rank={self.dp_rank}")["mesh"]
                 if len(mesh) == self.pp_size:
                     peers = [mesh[str(r)] for r in range(self.pp_size)]
                     break
@@ -377,9 +438,9 @@ class KvxKVManager(BaseKVManager):
             tp_rank=self.tp_rank, tp_size=self.tp_size, tp_mode=self.pool.tp_mode,
             kv_heads=self.pool.kv_heads,
             metrics=self.metrics,
-            engine_id=f"sglang-prefill-{self.tp_rank}-{self.pp_rank}-{os.getpid()}")
-        logger.info("kvx: prefill engine started (TP %d, PP %d): one engine for every decode",
-                    self.tp_rank, self.pp_rank)
+            engine_id=f"sglang-prefill-{self.dp_rank}-{self.tp_rank}-{self.pp_rank}-{os.getpid()}")
+        logger.info("kvx: prefill engine started (DP %d, TP %d, PP %d): one engine for every "
+                    "decode", self.dp_rank, self.tp_rank, self.pp_rank)
         threading.Thread(target=self._take_allocations, args=(engine,), daemon=True,
                          name="kvx-allocations").start()
         return engine
@@ -435,7 +496,8 @@ class KvxKVManager(BaseKVManager):
             # Alike on every TP rank of this server: a prefill rank writing into several of them
             # serves a request's allocations as one.
             decode_instance=f"sglang-decode-{settings.url_host(self.local_ip)}:"
-                            f"{getattr(self.server_args, 'port', 0)}")
+                            f"{getattr(self.server_args, 'port', 0)}"
+                            + (f"#dp{self.dp_rank}" if self.dp_size > 1 else ""))
         with self._lock:
             if self._engine is None:
                 self._engine = e
@@ -446,32 +508,48 @@ class KvxKVManager(BaseKVManager):
         e.shutdown(1)  # another receiver won the race; nobody knew this one
         return won
 
-    def decode_engine(self, bootstrap_addr: str) -> "kvx.DecodeEngine":
-        """The DecodeEngine, serving the prefill instance at `bootstrap_addr` (added as a session
-        named by that address, and announced to it, on first use)."""
+    def session(self, bootstrap_addr: str, dp_rank: int) -> str:
+        """The session that DP group `dp_rank` of the prefill instance at `bootstrap_addr` is."""
         with self._lock:
-            if bootstrap_addr in self._pp and self._engine is not None:
+            dp_size = self._dp_sizes.get(bootstrap_addr, 1)
+        return session_name(bootstrap_addr, dp_rank, dp_size)
+
+    def decode_engine(self, bootstrap_addr: str, dp_rank: int = 0) -> "kvx.DecodeEngine":
+        """The DecodeEngine, serving DP group `dp_rank` of the prefill instance at
+        `bootstrap_addr` (added as a session named ``session(bootstrap_addr, dp_rank)``, and
+        announced to the group's ranks, on first use)."""
+        name = self.session(bootstrap_addr, dp_rank)
+        with self._lock:
+            if name in self._pp and self._engine is not None:
                 return self._engine
         url = f"http://{bootstrap_addr}"
         got = self._get(f"{url}/kvx/prefill")
         if got["ranks"]:
             self._refuse_other_instance(got["ranks"][0], bootstrap_addr)
-        mine = self._sources(got["ranks"])
+        dp_size = _dp_size(got["ranks"])
+        if not 0 <= dp_rank < dp_size:
+            raise kvx.ConfigError(f"kvx: prefill instance {bootstrap_addr} has {dp_size} DP "
+                                  f"groups; SGLang asked for DP rank {dp_rank}")
+        with self._lock:
+            self._dp_sizes[bootstrap_addr] = dp_size
+        name = session_name(bootstrap_addr, dp_rank, dp_size)
+        mine = self._sources(got["ranks"], dp_rank)
         if not mine:
-            raise kvx.ConfigError(f"kvx: no prefill rank writes into TP rank {self.tp_rank} at "
-                                  f"{bootstrap_addr}")
+            raise kvx.ConfigError(f"kvx: no prefill rank of DP group {dp_rank} writes into TP "
+                                  f"rank {self.tp_rank} at {bootstrap_addr}")
         pp_size = int(mine[0]["pp_size"])
         prefill_tp = int(mine[0].get("tp_size", self.tp_size))
         e = self._decode()
-        e.add_instance(bootstrap_addr, pp_size, tp_size=prefill_tp)
+        e.add_instance(name, pp_size, tp_size=prefill_tp)
         with self._lock:
-            if bootstrap_addr in self._pp:  # another receiver won the race
+            if name in self._pp:  # another receiver won the race
                 return e
-            self._pp[bootstrap_addr] = pp_size
-            self._fan_in[bootstrap_addr] = len(mine) // self._stages_in(pp_size)
-        logger.info("kvx: decode engine serves prefill instance %s (PP size %d)", bootstrap_addr,
-                    pp_size)
-        self._announce(bootstrap_addr, got["instance"])
+            self._pp[name] = pp_size
+            self._fan_in[name] = len(mine) // self._stages_in(pp_size)
+            self._sessions.setdefault(bootstrap_addr, {})[name] = dp_rank
+        logger.info("kvx: decode engine serves prefill instance %s as session %s (DP group %d of "
+                    "%d, PP size %d)", bootstrap_addr, name, dp_rank, dp_size, pp_size)
+        self._announce(bootstrap_addr, name, dp_rank, got["instance"])
         return e
 
     def _layout_info(self) -> dict:
@@ -482,10 +560,11 @@ class KvxKVManager(BaseKVManager):
                 "radix_cache": bool(getattr(self.server_args,
                                             "disaggregation_decode_enable_radix_cache", False))}
 
-    def _sources(self, ranks: list) -> list:
-        """The registered prefill ranks that write into this decode rank (every PP rank, or on a
-        pipelined decode the one of its stage, of each TP rank that holds heads, or the latent,
-        this rank takes)."""
+    def _sources(self, ranks: list, dp_rank: int = 0) -> list:
+        """The registered prefill ranks of DP group `dp_rank` that write into this decode rank
+        (every PP rank, or on a pipelined decode the one of its stage, of each TP rank of the
+        group that holds heads, or the latent, this rank takes)."""
+        ranks = [r for r in ranks if int(r.get("dp_rank", 0)) == dp_rank]
         if not ranks:
             return []
         prefill_tp = int(ranks[0].get("tp_size", self.tp_size))
@@ -508,28 +587,30 @@ class KvxKVManager(BaseKVManager):
         """How many PP ranks of a pipeline of `pp_size` write into this decode rank."""
         return 1 if self.pp_size > 1 else max(pp_size, 1)
 
-    def aux_slot(self, bootstrap_addr: str) -> int:
-        """The rank slot whose metadata row decode reads for a request of that instance: the
+    def aux_slot(self, session: str) -> int:
+        """The rank slot whose metadata row decode reads for a request of that session: the
         first source of the last PP rank writing into this rank (every source of it sends the
         same row; on a pipelined decode, its stage's rank)."""
-        pp, fan_in = self._pp.get(bootstrap_addr, 1), self._fan_in.get(bootstrap_addr, 1)
+        pp, fan_in = self._pp.get(session, 1), self._fan_in.get(session, 1)
         return (self._stages_in(pp) - 1) * fan_in
 
-    def _announce(self, bootstrap_addr: str, instance: str) -> None:
+    def _announce(self, bootstrap_addr: str, session: str, dp_rank: int, instance: str) -> None:
+        """Tells the ranks of DP group `dp_rank` at `bootstrap_addr` (directory `instance`) of
+        this decode engine, for `session`."""
         self._put(f"http://{bootstrap_addr}/kvx/decode", {
-            "decode_id": f"{self.id}-{bootstrap_addr}", "tp_rank": self.tp_rank,
-            "tp_size": self.tp_size,
+            "decode_id": f"{self.id}-{session}", "tp_rank": self.tp_rank,
+            "tp_size": self.tp_size, "dp_rank": dp_rank,
             "address": self._decode().address, "total_layers": self.total_layers,
-            "pp_rank": self.pp_rank, "pp_size": self.pp_size, "instance": bootstrap_addr})
+            "pp_rank": self.pp_rank, "pp_size": self.pp_size, "instance": session})
         with self._lock:
-            self._instances[bootstrap_addr] = instance
+            self._instances[session] = instance
 
     def _heartbeat(self):
         interval, max_misses = settings.heartbeat()
         while not self._closed.wait(interval):
             with self._lock:
-                addrs = list(self._pp)
-            for addr in addrs:
+                addrs = {a: dict(s) for a, s in self._sessions.items()}
+            for addr, sessions in addrs.items():
                 try:
                     got = self._get(f"http://{addr}/kvx/prefill", timeout=interval)
                 except OSError:
@@ -537,52 +618,66 @@ class KvxKVManager(BaseKVManager):
                 with self._lock:
                     misses = 0 if got is not None else self._misses.get(addr, 0) + 1
                     self._misses[addr] = misses
-                    known = self._instances.get(addr)
+                    known = {name: self._instances.get(name) for name in sessions}
                 if got is None:
-                    if misses >= max_misses and known is not None:
+                    if misses >= max_misses and any(v is not None for v in known.values()):
                         # Lost: SGLang fetches the instance again before its next request; the
                         # engine has failed the requests of the ranks whose connections ended.
                         logger.warning("kvx: prefill instance %s lost (%d heartbeats missed)",
                                        addr, misses)
                         with self._lock:
                             self.prefill_info_table.pop(addr, None)
-                            self._instances[addr] = None
+                            for name in sessions:
+                                self._instances[name] = None
                     continue
-                if got.get("instance") != known:
-                    pp = [int(r["pp_size"]) for r in self._sources(got.get("ranks", []))]
-                    if pp and pp[0] != self._pp.get(addr):
-                        logger.error("kvx: prefill instance %s came back with PP size %d, not %d: "
-                                     "not served", addr, pp[0], self._pp.get(addr))
+                for name, dp_rank in sessions.items():
+                    if got.get("instance") == known[name]:
                         continue
-                    logger.info("kvx: prefill instance %s is %s: announcing decode again", addr,
-                                "back" if known is None else "a new start")
+                    pp = [int(r["pp_size"]) for r in self._sources(got.get("ranks", []), dp_rank)]
+                    if pp and pp[0] != self._pp.get(name):
+                        logger.error("kvx: prefill instance %s came back with PP size %d, not %d: "
+                                     "not served", addr, pp[0], self._pp.get(name))
+                        continue
+                    again = "back" if known[name] is None else "a new start"
+                    logger.info("kvx: prefill instance %s (session %s) is %s: announcing decode "
+                                "again", addr, name, again)
                     try:
-                        self._announce(addr, got["instance"])
+                        self._announce(addr, name, dp_rank, got["instance"])
                     except OSError:
                         logger.warning("kvx: cannot announce decode to %s yet", addr)
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
-        """Whether the prefill instance at `bootstrap_addr` registered its ranks (without
-        blocking the scheduler for long)."""
+        """Whether the prefill instance at `bootstrap_addr` registered the ranks of every DP group
+        (without blocking the scheduler for long)."""
         if bootstrap_addr in self.prefill_info_table:
             return True
         try:
             ranks = self._get(f"http://{bootstrap_addr}/kvx/prefill", timeout=1.0)["ranks"]
         except OSError:
             return False
-        try:
-            if ranks:
-                self._refuse_other_instance(ranks[0], bootstrap_addr)
-            mine = self._sources(ranks)
-            writers = len({int(r["tp_rank"]) for r in mine})
-        except kvx.ConfigError:
-            # kvx cannot map it: the instance is reported there, and each receiver fails at once
-            # naming what differs (decode_engine), rather than waiting for ranks that never come.
-            mine, writers = ranks, 0
-        if not mine or (writers and len(mine) < self._stages_in(int(mine[0]["pp_size"])) * writers):
-            return False
+        dp_size = _dp_size(ranks)
+        pp_size = 1
+        for group in range(dp_size):
+            try:
+                if ranks:
+                    self._refuse_other_instance(ranks[0], bootstrap_addr)
+                mine = self._sources(ranks, group)
+                writers = len({int(r["tp_rank"]) for r in mine})
+            except kvx.ConfigError:
+                # kvx cannot map it: the instance is reported there, and each receiver fails at
+                # once naming what differs (decode_engine), rather than waiting for ranks that
+                # never come.
+                mine, writers = ranks, 0
+            if not mine or (writers and
+                            len(mine) < self._stages_in(int(mine[0]["pp_size"])) * writers):
+                return False
+            pp_size = int(mine[0]["pp_size"])
+        with self._lock:
+            self._dp_sizes[bootstrap_addr] = dp_size
+        # SGLang's decode takes a room's prefill DP group as the room modulo dp_size (prefill
+        # routes rooms so, see _topology).
         self.prefill_info_table[bootstrap_addr] = types.SimpleNamespace(
-            dp_size=1, follow_bootstrap_room=True, pp_size=int(mine[0]["pp_size"]))
+            dp_size=dp_size, follow_bootstrap_room=True, pp_size=pp_size)
         return True
 
     def aux_row(self, index: int) -> bytes:

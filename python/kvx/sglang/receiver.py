@@ -1,7 +1,10 @@
 """``KvxKVReceiver``: one request on one decode rank.
 
-``send_metadata(kv_indices)`` is ``expect(room, pages * page_size, chunk, kv_indices)`` on the
-rank's ``DecodeEngine``, from the prefill instance's session (named by its bootstrap address); poll follows the request's ``Pending``, and reports
+``init(prefill_dp_rank)`` picks the prefill instance's DP group that holds the room (SGLang gives
+it: the room modulo the instance's DP groups), a session of the rank's ``DecodeEngine`` (named by
+the bootstrap address, and the group where there are several). ``send_metadata(kv_indices)`` is
+``expect(room, pages * page_size, chunk, kv_indices)`` from that session; poll follows the
+request's ``Pending``, and reports
 ``Success`` once the pages and the last PP rank's metadata row are in place. Aborts go through
 kvx's abort path: the ranks stop and acknowledge, so ``is_abort_release_safe`` says true only
 once no write can still land."""
@@ -27,6 +30,7 @@ class KvxKVReceiver(BaseKVReceiver):
         self.bootstrap_addr = bootstrap_addr
         self.bootstrap_room = int(bootstrap_room) if bootstrap_room is not None else None
         self.engine = None
+        self.session = bootstrap_addr  # the session of the room's prefill DP group (init)
         self.pending = None
         self.failed: Optional[BaseException] = None
         self.succeeded = False
@@ -42,7 +46,8 @@ class KvxKVReceiver(BaseKVReceiver):
 
     def init(self, prefill_dp_rank: int = 0):
         try:
-            self.engine = self.kv_mgr.decode_engine(self.bootstrap_addr)
+            self.engine = self.kv_mgr.decode_engine(self.bootstrap_addr, int(prefill_dp_rank))
+            self.session = self.kv_mgr.session(self.bootstrap_addr, int(prefill_dp_rank))
             info = self.kv_mgr.prefill_info_table.get(self.bootstrap_addr)
             self.bootstrap_infos = list(range(info.pp_size if info else 1))
         except (OSError, kvx.KvxError) as e:
@@ -61,7 +66,7 @@ class KvxKVReceiver(BaseKVReceiver):
                                               self.kv_mgr.chunk_tokens(), pages,
                                               settings.request_timeout(),
                                               prefix_tokens=int(decode_prefix_len or 0),
-                                              instance=self.bootstrap_addr)
+                                              instance=self.session)
             with self.kv_mgr._lock:
                 self.kv_mgr._rooms[self.bootstrap_room] = self.engine
         except (kvx.KvxError, AttributeError) as e:
@@ -82,7 +87,7 @@ class KvxKVReceiver(BaseKVReceiver):
             return self._bootstrapping()
         if self.pending is None:
             try:
-                self.engine.wait_for_ranks(0, instance=self.bootstrap_addr)
+                self.engine.wait_for_ranks(0, instance=self.session)
             except kvx.Timeout:
                 return self._bootstrapping()
             return KVPoll.WaitingForInput
@@ -92,7 +97,7 @@ class KvxKVReceiver(BaseKVReceiver):
         if outcome.complete:
             if self.kv_mgr.aux and self.aux_index is not None:
                 # The last PP rank's metadata row (its first output token) must be in place too.
-                last_rank = self.kv_mgr.aux_slot(self.bootstrap_addr)
+                last_rank = self.kv_mgr.aux_slot(self.session)
                 data = self.engine.aux(self.bootstrap_room, last_rank)
                 if data is None:
                     now = time.monotonic()

@@ -172,13 +172,13 @@ if threading.current_thread() is threading.main_thread():
 class Instance:
     """One ``vllm.LLM`` in its own process (and session)."""
 
-    def __init__(self, name, model, log_dir, kv=None, env=None):
+    def __init__(self, name, model, log_dir, kv=None, env=None, tp=1):
         self.name = name
         self.log_path = Path(log_dir) / f"{name}.log"
         self._listener = Listener(("127.0.0.1", 0), authkey=(key := secrets.token_bytes(16)))
         cfg = {"address": list(self._listener.address), "authkey": key.hex(),
                "model": str(model), "block_size": BLOCK_SIZE, "max_model_len": MAX_MODEL_LEN,
-               "kv_cache_bytes": KV_CACHE_BYTES, "kv": kv}
+               "kv_cache_bytes": KV_CACHE_BYTES, "kv": kv, "tp": tp}
         self._log = open(self.log_path, "a")
         self.proc = subprocess.Popen([sys.executable, str(ROLE), json.dumps(cfg)],
                                      env=base_env(env), stdout=self._log,

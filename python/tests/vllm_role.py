@@ -27,6 +27,9 @@ def main():
                   block_size=cfg["block_size"], max_model_len=cfg["max_model_len"],
                   kv_cache_memory_bytes=cfg["kv_cache_bytes"], enforce_eager=True, seed=0,
                   max_num_seqs=16, disable_log_stats=False)
+        if cfg.get("tp", 1) > 1:
+            # Its TP ranks in worker processes of their own.
+            kw.update(tensor_parallel_size=cfg["tp"], distributed_executor_backend="mp")
         if cfg.get("kv"):
             kw["kv_transfer_config"] = KVTransferConfig(**cfg["kv"])
         start = time.monotonic()

@@ -1,0 +1,106 @@
+"""kvx.vllm.KvxConnector between real vLLM 0.32 instances of two TP ranks each
+(``tensor_parallel_size=2``, each rank a worker process of its own with half of the KV heads): the
+pair answers like one normal instance of one rank, token for token (greedy), every block loaded
+through kvx by both decode ranks; a corrupted moved block changes its request's tokens.
+
+Its own module, after ``test_vllm.py`` has stopped its instances. Run with the provisioned vLLM
+(``scripts/provision-vllm``): ``.deps/vllm/bin/python -m pytest python/tests/test_vllm_tp.py``."""
+
+import urllib.request
+
+import pytest
+
+# Without vLLM this module fails to import, and the run fails: it never passes silently.
+import vllm  # noqa: F401
+import vllm_instances as V
+
+MAX_TOKENS = 16
+PROMPTS = V.prompts(8, 100, seed=17)
+CORRUPT_PROMPTS = V.prompts(4, 130, seed=19)
+CORRUPT = "corrupt"
+TP = 2
+
+
+class Log:
+    """What an instance logged since the mark."""
+
+    def __init__(self, inst):
+        self.inst, self.at = inst, inst.log_path.stat().st_size
+
+    def text(self):
+        with open(self.inst.log_path, errors="replace") as f:
+            f.seek(self.at)
+            return f.read()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    d = tmp_path_factory.mktemp("vllm-tp")
+    model = V.make_model(d / "model")
+    secret = V.secret_file(d)
+    (metrics,) = V.free_ports(1)
+    made = {"metrics": metrics}
+    try:
+        made["ref"] = V.Instance("single", model, d, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+        made["kvx_p"] = V.Instance("kvx-prefill-tp2", model, d, tp=TP,
+                                   kv=V.kvx_config("kv_producer", secret),
+                                   env={"KVX_TEST_CORRUPT_TAG": CORRUPT})
+        # Decode's TP ranks serve their engines' metrics on METRICS and METRICS + 1.
+        made["kvx_d"] = V.Instance("kvx-decode-tp2", model, d, tp=TP,
+                                   kv=V.kvx_config("kv_consumer", secret),
+                                   env={"KVX_METRICS": f"127.0.0.1:{metrics}"})
+        V.start_all([i for i in made.values() if isinstance(i, V.Instance)], timeout=420)
+        ref = made["ref"].generate(PROMPTS + CORRUPT_PROMPTS, MAX_TOKENS)
+        tokens = [o["tokens"] for o in ref["outputs"]]
+        made["expected"], made["expected_corrupt"] = tokens[:len(PROMPTS)], tokens[len(PROMPTS):]
+        assert all(len(t) == MAX_TOKENS for t in tokens)
+        yield made
+    finally:
+        for inst in made.values():
+            if isinstance(inst, V.Instance):
+                inst.close()
+
+
+def scrape(port, name, label=""):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and label in line)
+
+
+def test_a_tp2_kvx_pair_answers_like_one_instance(cluster):
+    """Eight prompts of 4 and 5 blocks, prefilled and decoded concurrently by two TP ranks on each
+    side: decode generates the single instance's tokens, each decode rank's engine counts eight
+    more complete requests (each rank loads its heads of every block), and nothing failed or was
+    recomputed."""
+    d_log = Log(cluster["kvx_d"])
+    ports = [cluster["metrics"] + r for r in range(TP)]
+    # The engines start with the first request: counts are read after one.
+    V.pair_generate(cluster["kvx_p"], cluster["kvx_d"], PROMPTS[:1], MAX_TOKENS)
+    before = [scrape(p, "kvx_requests_total", 'outcome="complete"') for p in ports]
+    failed = [scrape(p, "kvx_requests_total", 'outcome="failed"') for p in ports]
+    p, d = V.pair_generate(cluster["kvx_p"], cluster["kvx_d"], PROMPTS, MAX_TOKENS)
+    for o in p["outputs"]:
+        params = o["kv_transfer_params"]
+        assert params["transfer_mode"] == "kvx_push" and params["tp_size"] == TP, params
+    assert [o["tokens"] for o in d["outputs"]] == cluster["expected"]
+    after = [scrape(p, "kvx_requests_total", 'outcome="complete"') for p in ports]
+    assert after == [b + len(PROMPTS) for b in before], (before, after)
+    assert [scrape(p, "kvx_requests_total", 'outcome="failed"') for p in ports] == failed
+    text = d_log.text()
+    assert "KV load failed" not in text and "Recovered from KV load failure" not in text, \
+        text[-4000:]
+
+
+def test_a_corrupted_moved_block_changes_that_requests_tokens(cluster):
+    """Each prefill rank flips bits in the first block it sends of one request: that request's
+    tokens change, the others' do not."""
+    tags = [{"kvx_test_tag": CORRUPT} if i == 1 else None for i in range(len(CORRUPT_PROMPTS))]
+    p_log = Log(cluster["kvx_p"])
+    _, d = V.pair_generate(cluster["kvx_p"], cluster["kvx_d"], CORRUPT_PROMPTS, MAX_TOKENS,
+                           extra_params=tags)
+    got = [o["tokens"] for o in d["outputs"]]
+    want = cluster["expected_corrupt"]
+    assert "KVX_TEST_CORRUPT_TAG: corrupted block" in p_log.text()
+    assert got[1] != want[1]
+    assert got[:1] + got[2:] == want[:1] + want[2:]

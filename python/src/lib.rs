@@ -303,8 +303,24 @@ fn version() -> &'static str {
     env!("CARGO_PKG_VERSION")
 }
 
+/// The engines' log on stderr, filtered by `KVX_LOG` (`tracing` directives such as `info` or
+/// `transfer_engine=debug`; `off` for none), warnings and errors by default: what an engine says
+/// about a lost rank or a refused peer reaches the server's log beside the server's own lines.
+/// Nothing is installed where the process already has a global subscriber.
+fn init_log() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KVX_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .with_thread_names(true)
+        .try_init();
+}
+
 #[pymodule]
 fn _kvx(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    init_log();
     m.add_class::<Layout>()?;
     m.add_class::<channel::ChannelHandshake>()?;
     m.add_class::<channel::Channel>()?;

@@ -607,3 +607,32 @@ def test_a_scrape_of_the_metrics_endpoint_counts_the_requests(backend):
         assert value("kvx_registrations", f'backend="{backend}"') == 1
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("kvx_log,shown", [(None, True), ("off", False)])
+def test_the_engines_warnings_reach_stderr_unless_kvx_log_says_otherwise(kvx_log, shown):
+    """A prefill rank of two started without a secret warns that its votes can be forged: the
+    warning reaches the process's stderr (where a server keeps its log), and `KVX_LOG=off`
+    silences it."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import numpy as np, kvx\n"
+        "a, b = kvx.MeshSocket(), kvx.MeshSocket()\n"
+        "layout = kvx.Layout(first_layer=0, num_layers=2, page_bytes=1024, num_pages=4)\n"
+        "try:\n"
+        "    kvx.PrefillEngine(decode='127.0.0.1:1', pp_rank=0, pp_size=2, layout=layout,\n"
+        "                      total_layers=4, page_tokens=16,\n"
+        "                      memory=np.zeros(layout.buffer_len, np.uint8),\n"
+        "                      peers=[a.address, b.address], mesh_socket=a, connect_timeout=1)\n"
+        "except kvx.KvxError as e:\n"
+        "    print('refused:', e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "KVX_LOG"}
+    if kvx_log is not None:
+        env["KVX_LOG"] = kvx_log
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert "refused:" in run.stdout, run.stdout + run.stderr
+    assert ("no shared secret configured" in run.stderr) == shown, run.stderr

@@ -724,6 +724,12 @@ impl PrefillEngine {
         let t0 = Instant::now();
         let pool = super::pools::Pools::register(&transport, pools, cfg.layout.buffer_len)?;
         let register_micros = u64::try_from(t0.elapsed().as_micros()).unwrap_or(u64::MAX);
+        tracing::info!(
+            pp_rank = cfg.pp_rank,
+            bytes = cfg.layout.buffer_len,
+            register_micros,
+            "prefill pool registered"
+        );
         let deadline = tokio::time::Instant::now() + cfg.connect_timeout;
         let notify_key: u64 = rand::random();
 
@@ -762,7 +768,14 @@ impl PrefillEngine {
         hello.notify_key = notify_key;
         let (conn, link) = match external {
             None => {
+                let t1 = Instant::now();
                 let (conn, remote) = connect_decode(&cfg, &hello, &secret, deadline).await?;
+                tracing::info!(
+                    pp_rank = cfg.pp_rank,
+                    decode = %cfg.decode,
+                    handshake_micros = u64::try_from(t1.elapsed().as_micros()).unwrap_or(u64::MAX),
+                    "decode connected"
+                );
                 let (writer, rx) = mpsc::unbounded_channel();
                 let link = plan_link(
                     &cfg,

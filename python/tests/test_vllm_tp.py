@@ -1,11 +1,17 @@
 """kvx.vllm.KvxConnector between real vLLM 0.32 instances of two TP ranks each
-(``tensor_parallel_size=2``, each rank a worker process of its own with half of the KV heads): the
-pair answers like one normal instance of one rank, token for token (greedy), every block loaded
-through kvx by both decode ranks; a corrupted moved block changes its request's tokens.
+(``tensor_parallel_size=2``, each rank a worker process of its own with one of the two KV heads):
+the pair answers like one normal instance of one rank, token for token (greedy), every block loaded
+through kvx by both decode ranks; a corrupted moved block changes its request's tokens. And TP
+sizes that differ: the TP 2 prefill into a decode of one rank (both prefill ranks write their
+head's part of each block into it), a prefill of one rank into the TP 2 decode (its one rank
+writes one head into each decode rank), both answering like the normal instance. And the
+blocks prefill holds for decode: released at once when decode refuses the request, handed back
+when the lease ends with no decode asking (a later decode then fails and recomputes).
 
 Its own module, after ``test_vllm.py`` has stopped its instances. Run with the provisioned vLLM
 (``scripts/provision-vllm``): ``.deps/vllm/bin/python -m pytest python/tests/test_vllm_tp.py``."""
 
+import time
 import urllib.request
 
 import pytest
@@ -19,6 +25,7 @@ PROMPTS = V.prompts(8, 100, seed=17)
 CORRUPT_PROMPTS = V.prompts(4, 130, seed=19)
 CORRUPT = "corrupt"
 TP = 2
+LEASE_S = 30
 
 
 class Log:
@@ -49,6 +56,12 @@ def cluster(tmp_path_factory):
         made["kvx_d"] = V.Instance("kvx-decode-tp2", model, d, tp=TP,
                                    kv=V.kvx_config("kv_consumer", secret),
                                    env={"KVX_METRICS": f"127.0.0.1:{metrics}"})
+        # Its lease is short enough for a test to see it end.
+        made["kvx_p1"] = V.Instance("kvx-prefill-tp1", model, d,
+                                    kv=V.kvx_config("kv_producer", secret,
+                                                    kv_lease_duration=LEASE_S))
+        made["kvx_d1"] = V.Instance("kvx-decode-tp1", model, d,
+                                    kv=V.kvx_config("kv_consumer", secret))
         V.start_all([i for i in made.values() if isinstance(i, V.Instance)], timeout=420)
         ref = made["ref"].generate(PROMPTS + CORRUPT_PROMPTS, MAX_TOKENS)
         tokens = [o["tokens"] for o in ref["outputs"]]
@@ -104,3 +117,60 @@ def test_a_corrupted_moved_block_changes_that_requests_tokens(cluster):
     assert "KVX_TEST_CORRUPT_TAG: corrupted block" in p_log.text()
     assert got[1] != want[1]
     assert got[:1] + got[2:] == want[:1] + want[2:]
+
+
+@pytest.mark.parametrize("prefill,decode,sessions", [
+    ("kvx_p", "kvx_d1", ["(TP 2, ranks [0, 1] write into this one)"]),
+    ("kvx_p1", "kvx_d", ["(TP 1, ranks [0] write into this one)"] * TP)])
+def test_tp_sizes_that_differ_answer_like_one_instance(prefill, decode, sessions, cluster):
+    """TP 2 prefill into TP 1 decode, and TP 1 into TP 2: heads sliced over the ranks, each
+    head's part of a block moved whole; every decode rank connects the prefill ranks that hold
+    its heads, and decode generates the single instance's tokens, with no load failure."""
+    d_log = Log(cluster[decode])
+    p, d = V.pair_generate(cluster[prefill], cluster[decode], PROMPTS, MAX_TOKENS)
+    assert [o["tokens"] for o in d["outputs"]] == cluster["expected"]
+    text = d_log.text()
+    assert "KV load failed" not in text and "Recovered from KV load failure" not in text, \
+        text[-4000:]
+    served = [line[line.rindex("(TP "):] for line in text.splitlines()
+              if "serves prefill instance" in line]
+    assert served == sessions, text[-4000:]
+
+
+def test_a_request_decode_refuses_is_released_by_prefill_at_once(cluster):
+    """Decode refuses params it cannot serve (here a prefill with PP 2): the request's blocks are
+    reported as load errors, vLLM recomputes it (the normal tokens), and decode tells prefill to
+    release the blocks it holds for it, long before their lease ends."""
+    p_log, d_log = Log(cluster["kvx_p1"]), Log(cluster["kvx_d1"])
+    p = cluster["kvx_p1"].generate(PROMPTS[:2], 1, [{"do_remote_decode": True}] * 2)
+    params = [dict(o["kv_transfer_params"], pp_size=2) for o in p["outputs"]]
+    d = cluster["kvx_d1"].generate(PROMPTS[:2], MAX_TOKENS, params)
+    assert [o["tokens"] for o in d["outputs"]] == cluster["expected"][:2]
+    assert "a prefill instance with PP > 1" in d_log.text()
+    want = {f"kvx: request {q['remote_request_id']}: decode gave it up: blocks released"
+            for q in params}
+    deadline = time.monotonic() + LEASE_S / 2
+    while not all(w in p_log.text() for w in want):
+        assert time.monotonic() < deadline, p_log.text()[-4000:]
+        time.sleep(0.5)
+    assert "within the lease" not in p_log.text()
+
+
+def test_blocks_no_decode_asked_for_go_back_after_the_lease(cluster):
+    """A prefilled request no decode asks for within the lease: prefill hands its blocks back to
+    vLLM; a decode that asks later gets a failure (never blocks vLLM may have reused), and
+    recomputes: the normal tokens."""
+    p_log, d_log = Log(cluster["kvx_p1"]), Log(cluster["kvx_d1"])
+    p = cluster["kvx_p1"].generate(PROMPTS[2:3], 1, [{"do_remote_decode": True}])
+    params = p["outputs"][0]["kv_transfer_params"]
+    expired = (f"kvx: request {params['remote_request_id']}: no decode asked for its blocks "
+               "within the lease: released")
+    deadline = time.monotonic() + LEASE_S + 30
+    while expired not in p_log.text():
+        assert time.monotonic() < deadline, p_log.text()[-4000:]
+        time.sleep(0.5)
+    d = cluster["kvx_d1"].generate(PROMPTS[2:3], MAX_TOKENS, [params])
+    assert [o["tokens"] for o in d["outputs"]] == cluster["expected"][2:3]
+    assert "whose blocks this prefill does not hold (released): failed" in p_log.text()
+    assert "Recovered from KV load failure" in d_log.text() or "KV load failed" in d_log.text(), \
+        d_log.text()[-4000:]

@@ -63,6 +63,7 @@ class KvxWorker:
         pc = vllm_config.parallel_config
         self.kv_cache_config = kv_cache_config
         self.block_size = int(vllm_config.cache_config.block_size)
+        self.model_kv_heads = int(vllm_config.model_config.get_total_num_kv_heads())
         tp_size = int(pc.tensor_parallel_size)
         tp_rank = int(get_tensor_model_parallel_rank())
         if int(pc.pipeline_parallel_size) != 1:
@@ -97,7 +98,8 @@ class KvxWorker:
         if len(self.kv_cache_config.kv_cache_groups) != 1:
             raise ValueError("kvx.vllm: models with several KV cache groups (sliding window, "
                              "hybrid) are not supported yet")
-        pool = Pool(kv_caches, self.block_size, self.kv_cache_config.num_blocks)
+        pool = Pool(kv_caches, self.block_size, self.kv_cache_config.num_blocks,
+                    self.model_kv_heads)
         if self.prefill is not None:
             self.prefill.register(pool)
         if self.decode is not None:

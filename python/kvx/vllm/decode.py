@@ -77,8 +77,8 @@ class DecodeSide:
             page_tokens=pool.block_size, pp_size=0, memory=pool.memory,
             listen=f"{self.host}:0", secret=self.secret, backend=self.backend,
             engine_id=f"vllm-decode-{self.engine_id}-{self.tp_rank}-{os.getpid()}",
-            tp_rank=self.tp_rank, tp_size=self.tp_size, tp_mode="identical",
-            decode_instance=self.engine_id, metrics=self.metrics,
+            tp_rank=self.tp_rank, tp_size=self.tp_size, tp_mode="head_sliced",
+            kv_heads=pool.model_kv_heads, decode_instance=self.engine_id, metrics=self.metrics,
             progress_fifo=self.progress_fifo, progress_spin_us=self.progress_spin_us)
         self._thread.start()
         logger.info("kvx: decode engine (TP rank %d) listens on %s", self.tp_rank,
@@ -152,8 +152,9 @@ class DecodeSide:
             return False
         if held and not load.warned:
             load.warned = True
-            logger.warning("kvx: request %s: failed, its blocks quarantined until the prefill "
-                           "rank confirms that its writes are over", load.req_id)
+            logger.warning("kvx: request %s: failed (%s), its blocks quarantined until the "
+                           "prefill rank confirms that its writes are over", load.req_id,
+                           load.error)
         return held
 
     def get_block_ids_with_load_errors(self) -> set:
@@ -208,33 +209,50 @@ class DecodeSide:
             except kvx.KvxError:
                 pass
 
+    def sources(self, prefill_tp: int) -> list:
+        """The prefill TP ranks that write into this rank: those holding its heads (one source
+        per head where prefill replicates them)."""
+        return kvx.tp_sources(prefill_tp, self.tp_size, self.pool.model_kv_heads, self.tp_rank)
+
     def _ensure_session(self, remote: dict) -> None:
-        """The prefill instance's ranks are connected to this engine (announcing it if not)."""
+        """The prefill instance's ranks that write into this rank are connected to this engine
+        (announcing it to each if not)."""
         instance = remote["engine_id"]
         try:
             self.engine.wait_for_ranks(0, instance=instance)
             return
         except kvx.KvxError:
             pass
-        self.engine.add_instance(instance, 1, tp_size=int(remote["tp_size"]))
-        host, _, port = remote["side_channels"][self.tp_rank].rpartition(":")
+        prefill_tp = int(remote["tp_size"])
+        self.engine.add_instance(instance, 1, tp_size=prefill_tp)
         compat = {**self.compat, **self.pool.facts(), "tp_size": self.tp_size,
                   "tp_rank": self.tp_rank}
-        sidechannel.call(host, int(port), self.secret, {
-            "op": "hello", "decode": self.engine.address, "instance": self.engine_id,
-            "compat": compat}, timeout=self.handshake_timeout)
+        for r in self.sources(prefill_tp):
+            host, _, port = remote["side_channels"][r].rpartition(":")
+            sidechannel.call(host, int(port), self.secret, {
+                "op": "hello", "decode": self.engine.address, "instance": self.engine_id,
+                "compat": compat}, timeout=self.handshake_timeout)
         self.engine.wait_for_ranks(self.handshake_timeout, instance=instance)
-        logger.info("kvx: decode engine (TP rank %d) serves prefill instance %s", self.tp_rank,
-                    instance)
+        logger.info("kvx: decode engine (TP rank %d) serves prefill instance %s (TP %d, ranks "
+                    "%s write into this one)", self.tp_rank, instance, prefill_tp,
+                    self.sources(prefill_tp))
 
     def _release(self, side_channels: list, requests: list) -> None:
+        """Tells the prefill ranks this rank would have taken `requests` from that it will not."""
         try:
-            host, _, port = side_channels[self.tp_rank].rpartition(":")
-            sidechannel.call(host, int(port), self.secret, {"op": "release",
-                                                            "requests": list(requests)},
-                             timeout=5.0)
-        except (IndexError, ValueError, sidechannel.SideChannelError) as e:
+            ranks = self.sources(len(side_channels))
+        except kvx.KvxError as e:
             logger.info("kvx: could not tell prefill to release %s: %s", requests, e)
+            return
+        for r in ranks:
+            try:
+                host, _, port = side_channels[r].rpartition(":")
+                sidechannel.call(host, int(port), self.secret, {"op": "release",
+                                                                "requests": list(requests)},
+                                 timeout=5.0)
+            except (IndexError, ValueError, sidechannel.SideChannelError) as e:
+                logger.info("kvx: could not tell prefill rank %d to release %s: %s", r,
+                            requests, e)
 
     def close(self) -> None:
         self._closed.set()

@@ -2,10 +2,12 @@
 
 vLLM's CPU attention backend gives each layer a contiguous view ``[num_blocks, kv_heads,
 block_size, 2 * head_size]`` (vLLM 0.32: of one ``[L, B, H, N, C]`` tensor for all layers), K and V
-of a head side by side in a per-ISA arrangement: a block is opaque bytes, the same on both sides
-only when vLLM, dtype, block size and attention ISA agree (the side channel checks that). So a
-kvx page is one vLLM block of one layer (``split_kv=False``), and the pool is the layer views in
-layer order (adjacent ones registered as one region)."""
+of a head side by side in a per-ISA arrangement: a head's part of a block is opaque bytes, the
+same on both sides only when vLLM, dtype, block size and attention ISA agree (the side channel
+checks that). So a kvx page is one vLLM block of one layer (``split_kv=False``), head-major: each
+head's part is moved whole (``Layout(head_major=True)``), which lets the TP sizes of the two sides
+differ (heads sliced over the ranks). The pool is the layer views in layer order (adjacent ones
+registered as one region)."""
 
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ def _layer_index(name: str) -> int:
 class Pool:
     """The layout, the memory regions and the facts a peer must match."""
 
-    def __init__(self, kv_caches: "dict[str, Any]", block_size: int, num_blocks: int):
+    def __init__(self, kv_caches: "dict[str, Any]", block_size: int, num_blocks: int,
+                 model_kv_heads: int = 0):
         by_layer: dict = {}
         seen_ptrs: set = set()
         for name, t in kv_caches.items():
@@ -68,15 +71,25 @@ class Pool:
         self.num_layers = len(layers)
         self.shape = [int(s) for s in first.shape[1:]]
         self.dtype = str(first.dtype)
+        # This rank's KV heads (the block's outer dimension), and the model's.
+        self.heads = self.shape[0]
+        self.model_kv_heads = int(model_kv_heads) or self.heads
+        if self.page_bytes % (self.heads * self.block_size):
+            raise kvx.ConfigError(f"kvx: a block of {self.page_bytes} bytes is not {self.heads} "
+                                  f"heads of {self.block_size} tokens")
         self.layout = kvx.Layout(first_layer=self.first_layer, num_layers=self.num_layers,
                                  page_bytes=self.page_bytes, num_pages=self.num_blocks,
-                                 split_kv=False)
+                                 split_kv=False, heads=self.heads,
+                                 head_bytes=self.page_bytes // (self.heads * self.block_size),
+                                 head_major=True)
         self.memory = [(int(t.data_ptr()), int(t.numel()) * int(t.element_size()))
                        for t in tensors]
         self.tensors = tensors  # kept alive by vLLM; referenced here for the test hook
 
     def facts(self) -> dict:
-        """What a peer's pool must match, page for page."""
-        return {"block_size": self.block_size, "page_bytes": self.page_bytes,
+        """What a peer's pool must match, head for head (its TP size, and so its heads per block,
+        may differ)."""
+        return {"block_size": self.block_size, "head_bytes": self.page_bytes // self.heads,
                 "first_layer": self.first_layer, "num_layers": self.num_layers,
-                "block_shape": self.shape, "dtype": self.dtype}
+                "head_shape": self.shape[1:], "dtype": self.dtype,
+                "model_kv_heads": self.model_kv_heads}

@@ -94,11 +94,19 @@ class PrefillSide:
 
     def _on_hello(self, msg: dict) -> dict:
         """A decode worker tells where its engine listens: serve it from this rank's engine."""
-        mine = {**self.compat, **self.pool.facts(), "tp_size": self.tp_size,
-                "tp_rank": self.tp_rank}
+        # Both sides' TP sizes may differ (heads sliced); everything else must agree.
+        mine = {**self.compat, **self.pool.facts()}
         theirs = msg.get("compat", {})
         diff = [f"{k}: prefill {mine[k]!r}, decode {theirs.get(k)!r}"
                 for k in sorted(mine) if theirs.get(k) != mine[k]]
+        try:
+            if self.tp_rank not in kvx.tp_sources(self.tp_size, int(theirs["tp_size"]),
+                                                  self.pool.model_kv_heads,
+                                                  int(theirs["tp_rank"])):
+                diff.append(f"this prefill TP rank {self.tp_rank} of {self.tp_size} holds none "
+                            f"of decode TP rank {theirs['tp_rank']}'s heads")
+        except (KeyError, TypeError, ValueError) as e:
+            diff.append(f"decode's TP rank and size: {e}")
         if diff:
             raise kvx.ConfigError("kvx: decode's KV cache does not match this prefill's ("
                                   + "; ".join(diff) + ")")
@@ -110,7 +118,8 @@ class PrefillSide:
                     page_tokens=self.pool.block_size, memory=self.pool.memory,
                     instance=self.engine_id, keep_open=True, secret=self.secret,
                     backend=self.backend, tp_rank=self.tp_rank, tp_size=self.tp_size,
-                    tp_mode="identical", metrics=self.metrics,
+                    tp_mode="head_sliced", kv_heads=self.pool.model_kv_heads,
+                    metrics=self.metrics,
                     engine_id=f"vllm-prefill-{self.engine_id}-{self.tp_rank}-{os.getpid()}")
                 threading.Thread(target=self._serve, args=(self.engine,), daemon=True,
                                  name="kvx-vllm-prefill").start()
@@ -128,6 +137,7 @@ class PrefillSide:
             for req_id in req_ids:
                 h = self._held.get(req_id)
                 if h is not None and h.state == "held":
+                    logger.info("kvx: request %s: decode gave it up: blocks released", req_id)
                     h.state = "released"
                     self._hand_back(h)
 

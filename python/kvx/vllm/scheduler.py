@@ -27,6 +27,8 @@ from typing import Any, Optional
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+import kvx
+
 from . import settings
 
 logger = logging.getLogger("vllm." + __name__)  # vLLM's handlers and level
@@ -62,6 +64,7 @@ class KvxScheduler:
         pc = vllm_config.parallel_config
         self.tp_size = int(pc.tensor_parallel_size)
         self.pp_size = int(pc.pipeline_parallel_size)
+        self.model_kv_heads = int(vllm_config.model_config.get_total_num_kv_heads())
         self.lease_s = settings.lease_s(extra)
         base = settings.side_channel_port(extra)
         host = settings.host(extra)
@@ -103,9 +106,20 @@ class KvxScheduler:
         if missing:
             return f"kv_transfer_params lack {', '.join(missing)}"
         tp = int(params.get("tp_size", 1) or 1)
-        if tp != self.tp_size or len(params["kvx_side_channels"]) != tp:
-            return (f"prefill TP size {tp}, decode TP size {self.tp_size}: kvx.vllm maps identical "
-                    "TP sizes only, so far")
+        if len(params["kvx_side_channels"]) != tp:
+            return f"prefill TP size {tp} with {len(params['kvx_side_channels'])} side channels"
+        try:
+            # Each prefill rank hands its blocks back once it sent them: a rank that writes into
+            # no decode rank (heads replicated over more prefill ranks than decode takes from)
+            # would hold them until its lease ends.
+            used = {s for r in range(self.tp_size)
+                    for s in kvx.tp_sources(tp, self.tp_size, self.model_kv_heads, r)}
+        except kvx.KvxError as e:
+            return f"prefill TP size {tp}, decode TP size {self.tp_size}: {e}"
+        if len(used) != tp:
+            return (f"prefill TP size {tp}, decode TP size {self.tp_size}, {self.model_kv_heads} "
+                    f"KV heads: prefill ranks {sorted(set(range(tp)) - used)} would write into "
+                    "no decode rank; kvx.vllm does not map that yet")
         if int(params.get("pp_size", 1) or 1) != 1:
             return "a prefill instance with PP > 1: not supported by kvx.vllm yet"
         return None

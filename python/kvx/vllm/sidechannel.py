@@ -153,7 +153,10 @@ def call(host: str, port: int, key: Optional[bytes], request: dict,
     `SideChannelError` (a `ConnectionError`) when the server is not reachable, does not prove the
     secret or answers with an error."""
     try:
-        with socket.create_connection((host, port), timeout=HANDSHAKE_TIMEOUT_S) as sock:
+        # The caller's bound, for the handshake too: a server whose process is busy (a worker
+        # that just started, on loaded cores) may take longer than a server's bound on a silent
+        # client (HANDSHAKE_TIMEOUT_S) to answer (seen: 5 s passed, a first request failed).
+        with socket.create_connection((host, port), timeout=timeout) as sock:
             theirs = _recv(sock)
             if len(theirs) != NONCE:
                 raise SideChannelError(f"the side channel at {host}:{port} sent no nonce")

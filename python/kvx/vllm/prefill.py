@@ -110,6 +110,9 @@ class PrefillSide:
         if diff:
             raise kvx.ConfigError("kvx: decode's KV cache does not match this prefill's ("
                                   + "; ".join(diff) + ")")
+        t0 = time.monotonic()
+        logger.info("kvx: decode %s (TP rank %s of %s) asks prefill TP rank %d to write into it",
+                    msg.get("instance"), theirs.get("tp_rank"), theirs.get("tp_size"), self.tp_rank)
         with self._start_lock:
             if self.engine is None:
                 self.engine = kvx.PrefillEngine(
@@ -123,8 +126,8 @@ class PrefillSide:
                     engine_id=f"vllm-prefill-{self.engine_id}-{self.tp_rank}-{os.getpid()}")
                 threading.Thread(target=self._serve, args=(self.engine,), daemon=True,
                                  name="kvx-vllm-prefill").start()
-                logger.info("kvx: prefill engine started (TP rank %d) for decode %s",
-                            self.tp_rank, msg.get("instance"))
+                logger.info("kvx: prefill engine started (TP rank %d) for decode %s in %.3f s",
+                            self.tp_rank, msg.get("instance"), time.monotonic() - t0)
             else:
                 link = self.engine.add_decode(str(msg["decode"]))
                 logger.info("kvx: prefill engine (TP rank %d) serves decode %s too (link %d)",

@@ -220,12 +220,21 @@ impl BackendConfig {
         }
     }
 
+    /// Starts the backend (its library context, worker and progress thread), logging how long that
+    /// took at info.
     fn build(&self, sink: Sink) -> Result<Arc<dyn Transport>, TransportError> {
-        Ok(match self {
+        let t0 = std::time::Instant::now();
+        let transport: Arc<dyn Transport> = match self {
             BackendConfig::Ucx(c) => Arc::new(UcxTransport::new(c.clone(), sink)?),
             BackendConfig::Nixl(c) => Arc::new(NixlTransport::new(c.clone(), sink)?),
             BackendConfig::Custom(c) => (c.build)(sink)?,
-        })
+        };
+        tracing::info!(
+            backend = ?self.kind(),
+            start_micros = u64::try_from(t0.elapsed().as_micros()).unwrap_or(u64::MAX),
+            "transport started"
+        );
+        Ok(transport)
     }
 }
 

@@ -897,6 +897,7 @@ impl Worker {
             }
         }
         let mut ctx = ptr::null_mut();
+        let t0 = std::time::Instant::now();
         // SAFETY: params is a valid, initialised struct; ucx_config is live; ctx is a valid out pointer.
         let st = unsafe { ffi::kvx_ucp_init(&params, ucx_config, &mut ctx) };
         // SAFETY: ucx_config came from ucp_config_read and is released once; ucp_init copied what it needs.
@@ -908,6 +909,7 @@ impl Worker {
             ..Default::default()
         };
         let _ = &config.name;
+        let init_micros = u64::try_from(t0.elapsed().as_micros()).unwrap_or(u64::MAX);
         let mut worker = ptr::null_mut();
         // SAFETY: ctx is the live context created above; wparams is initialised; worker is an out pointer.
         if let Err(e) = unsafe { ffi::ucp_worker_create(ctx, &wparams, &mut worker) }
@@ -917,6 +919,13 @@ impl Worker {
             unsafe { ffi::ucp_cleanup(ctx) };
             return Err(e);
         }
+        tracing::debug!(
+            init_micros,
+            worker_micros = u64::try_from(t0.elapsed().as_micros())
+                .unwrap_or(u64::MAX)
+                .saturating_sub(init_micros),
+            "UCX context and worker created"
+        );
         let efd = if config.events {
             Self::event_fd(worker, &shared)
         } else {

@@ -28,6 +28,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROLE = HERE / "vllm_role.py"
+SITE = HERE / "vllm_site"
 
 BLOCK_SIZE = 32  # vLLM's CPU attention wants a multiple of 32
 MAX_MODEL_LEN = 1024
@@ -74,6 +75,8 @@ def base_env(extra=None):
                 # NIXL on loopback; the EFA module of UCX crashes processes at exit (libnl).
                 "UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo", "UCX_MODULES": "^efa"})
     env.update(extra or {})
+    # vLLM busy-waits with time.sleep(0), not sched_yield: see vllm_site/sitecustomize.py.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(SITE), env.get("PYTHONPATH")] if p)
     return env
 
 

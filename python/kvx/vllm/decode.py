@@ -227,15 +227,15 @@ class DecodeSide:
         self.engine.add_instance(instance, 1, tp_size=prefill_tp)
         compat = {**self.compat, **self.pool.facts(), "tp_size": self.tp_size,
                   "tp_rank": self.tp_rank}
-        for r in self.sources(prefill_tp):
+        sources = self.sources(prefill_tp)
+        for r in sources:
             host, _, port = remote["side_channels"][r].rpartition(":")
             sidechannel.call(host, int(port), self.secret, {
                 "op": "hello", "decode": self.engine.address, "instance": self.engine_id,
                 "compat": compat}, timeout=self.handshake_timeout)
         self.engine.wait_for_ranks(self.handshake_timeout, instance=instance)
         logger.info("kvx: decode engine (TP rank %d) serves prefill instance %s (TP %d, ranks "
-                    "%s write into this one)", self.tp_rank, instance, prefill_tp,
-                    self.sources(prefill_tp))
+                    "%s write into this one)", self.tp_rank, instance, prefill_tp, sources)
 
     def _release(self, side_channels: list, requests: list) -> None:
         """Tells the prefill ranks this rank would have taken `requests` from that it will not."""

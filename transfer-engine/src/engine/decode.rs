@@ -1122,10 +1122,9 @@ impl DecodeEngine {
             pools,
             inner.cfg.layout.buffer_len,
         )?);
-        inner.register_micros.store(
-            u64::try_from(t0.elapsed().as_micros()).unwrap_or(u64::MAX),
-            Ordering::Relaxed,
-        );
+        inner
+            .register_micros
+            .store(crate::transport::micros_since(t0), Ordering::Relaxed);
         let _ = inner.transport.set(transport);
         if let Some(addr) = inner.cfg.metrics {
             let source: std::sync::Weak<dyn crate::metrics::Source> = Arc::downgrade(&inner) as _;

@@ -231,7 +231,7 @@ impl BackendConfig {
         };
         tracing::info!(
             backend = ?self.kind(),
-            start_micros = u64::try_from(t0.elapsed().as_micros()).unwrap_or(u64::MAX),
+            start_micros = crate::transport::micros_since(t0),
             "transport started"
         );
         Ok(transport)

@@ -723,7 +723,7 @@ impl PrefillEngine {
         let transport = cfg.backend.build(sink)?;
         let t0 = Instant::now();
         let pool = super::pools::Pools::register(&transport, pools, cfg.layout.buffer_len)?;
-        let register_micros = u64::try_from(t0.elapsed().as_micros()).unwrap_or(u64::MAX);
+        let register_micros = crate::transport::micros_since(t0);
         tracing::info!(
             pp_rank = cfg.pp_rank,
             bytes = cfg.layout.buffer_len,
@@ -773,7 +773,7 @@ impl PrefillEngine {
                 tracing::info!(
                     pp_rank = cfg.pp_rank,
                     decode = %cfg.decode,
-                    handshake_micros = u64::try_from(t1.elapsed().as_micros()).unwrap_or(u64::MAX),
+                    handshake_micros = crate::transport::micros_since(t1),
                     "decode connected"
                 );
                 let (writer, rx) = mpsc::unbounded_channel();

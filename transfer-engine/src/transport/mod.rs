@@ -397,6 +397,11 @@ pub trait Transport: Send + Sync + 'static {
     fn set_active(&self, _active: bool) {}
 }
 
+/// Microseconds since `t`, for the start-up times the engines log (saturating at `u64::MAX`).
+pub(crate) fn micros_since(t: std::time::Instant) -> u64 {
+    u64::try_from(t.elapsed().as_micros()).unwrap_or(u64::MAX)
+}
+
 /// Pools whose memory was leaked rather than freed while a write could still land in it (process-wide).
 static LEAKED_POOLS: AtomicU64 = AtomicU64::new(0);
 

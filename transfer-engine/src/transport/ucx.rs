@@ -909,7 +909,8 @@ impl Worker {
             ..Default::default()
         };
         let _ = &config.name;
-        let init_micros = u64::try_from(t0.elapsed().as_micros()).unwrap_or(u64::MAX);
+        let init_micros = super::micros_since(t0);
+        let t1 = std::time::Instant::now();
         let mut worker = ptr::null_mut();
         // SAFETY: ctx is the live context created above; wparams is initialised; worker is an out pointer.
         if let Err(e) = unsafe { ffi::ucp_worker_create(ctx, &wparams, &mut worker) }
@@ -921,9 +922,7 @@ impl Worker {
         }
         tracing::debug!(
             init_micros,
-            worker_micros = u64::try_from(t0.elapsed().as_micros())
-                .unwrap_or(u64::MAX)
-                .saturating_sub(init_micros),
+            worker_micros = super::micros_since(t1),
             "UCX context and worker created"
         );
         let efd = if config.events {

@@ -5,8 +5,8 @@ for Python 3.11.1 and later). Nothing else of vLLM changes: it still busy-waits 
 after each read of its shared-memory broadcast, as shipped.
 
 Why: on this 2-core machine (kernel 6.18) the ``sched_yield`` loops of one instance starve the
-other threads of the machine. A decode TP 2 instance whose requests wait for their KV steps
-without pause, so its two workers and its engine core never leave their busy-wait. A watcher at
+other threads of the machine. A decode TP 2 instance whose requests waited for their KV kept
+its two workers and its engine core in those loops (their stacks in ``sched_yield``). A watcher at
 ``SCHED_FIFO`` priority 99 saw those three threads take 1839 of 2000 CPU ticks over 10 s while a
 normal thread that sleeps 10 ms at a time stayed runnable and unscheduled for up to 16 s.
 Prefill's side-channel thread then answered decode's HELLO 34 s late, past decode's 30 s bound,

@@ -62,6 +62,7 @@ class Layout:
         heads: int = 0,
         head_bytes: int = 0,
         head_major: bool = False,
+        key_column_bytes: int = 0,
     ) -> None: ...
     @property
     def heads(self) -> int: ...

@@ -122,11 +122,13 @@ impl Layout {
     /// `heads` (KV heads this TP rank holds) and `head_bytes` (one head of one token) describe a
     /// page's heads, for head-sliced TP (`tp_mode="head_sliced"` on the engines); a page is then
     /// `page_bytes / (heads * head_bytes)` tokens, token-major (`[token][head]`, as SGLang and
-    /// vLLM keep them) unless `head_major`.
+    /// vLLM keep them) unless `head_major`. `key_column_bytes` (head-major only) says a head's
+    /// part is K then V, K by columns of elements of that many bytes (`[element][token]`), V by
+    /// rows: vLLM's CPU blocks, needed to map blocks of other sizes.
     #[new]
     #[pyo3(signature = (
         *, first_layer, num_layers, page_bytes, num_pages, split_kv = false, heads = 0,
-        head_bytes = 0, head_major = false,
+        head_bytes = 0, head_major = false, key_column_bytes = 0,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -138,7 +140,11 @@ impl Layout {
         heads: u32,
         head_bytes: u64,
         head_major: bool,
+        key_column_bytes: u32,
     ) -> PyResult<Self> {
+        if key_column_bytes > 0 && !head_major {
+            return Err(errors::config("key_column_bytes needs head_major=True"));
+        }
         if num_layers == 0 || page_bytes == 0 || num_pages == 0 {
             return Err(errors::config(
                 "num_layers, page_bytes and num_pages must be positive",
@@ -167,12 +173,23 @@ impl Layout {
                 num_heads: heads,
                 head_bytes,
                 page_tokens,
-                order: if head_major {
+                order: if key_column_bytes > 0 {
+                    HeadOrder::KeyColumns {
+                        elem_bytes: key_column_bytes,
+                    }
+                } else if head_major {
                     HeadOrder::HeadMajor
                 } else {
                     HeadOrder::TokenMajor
                 },
             });
+            inner
+                .validate(transfer_engine::core::planner::Side::Src)
+                .map_err(|e| errors::config(e.to_string()))?;
+        } else if key_column_bytes > 0 {
+            return Err(errors::config(
+                "key_column_bytes needs heads and head_bytes",
+            ));
         }
         Ok(Layout { inner })
     }
@@ -254,10 +271,11 @@ impl Layout {
                 ", heads={}, head_bytes={}{}",
                 h.num_heads,
                 h.head_bytes,
-                if h.order == HeadOrder::HeadMajor {
-                    ", head_major=True"
-                } else {
-                    ""
+                match h.order {
+                    HeadOrder::HeadMajor => ", head_major=True".to_string(),
+                    HeadOrder::KeyColumns { elem_bytes } =>
+                        format!(", head_major=True, key_column_bytes={elem_bytes}"),
+                    HeadOrder::TokenMajor => String::new(),
                 }
             ))
         )

@@ -24,6 +24,7 @@ fn layout(first_layer: u32, layers: u32) -> LayoutInfo {
         tp_mode: TpMode::Replicated,
         model_kv_heads: 0,
         token_major: false,
+        key_column_bytes: 0,
     }
 }
 
@@ -566,6 +567,7 @@ fn tp_mappings() {
             tp_mode: mode,
             model_kv_heads: 8,
             token_major: true,
+            key_column_bytes: 0,
         };
         Hello::new("x", role, l, backend()).with_tp(tp_rank, tp_size)
     };
@@ -629,6 +631,36 @@ fn tp_mappings() {
     assert!(matches!(
         reject(&few(4, Role::Decode), &order),
         RejectReason::LayoutMismatch(_)
+    ));
+    // Head-major with K by columns (vLLM's CPU blocks) on both sides maps; on one side only it
+    // does not, and a column element that does not divide a head's K and V is malformed.
+    let columns = |tp_size: u16, role: Role, bytes: u32| {
+        let mut h = few(tp_size, role);
+        h.layout.token_major = false;
+        h.layout.key_column_bytes = bytes;
+        h
+    };
+    check_hello(&columns(4, Role::Decode, 4), &columns(1, Role::Prefill, 4)).unwrap();
+    assert!(matches!(
+        reject(&columns(4, Role::Decode, 4), &columns(1, Role::Prefill, 0)),
+        RejectReason::LayoutMismatch(_)
+    ));
+    assert!(matches!(
+        reject(&columns(4, Role::Decode, 4), &columns(1, Role::Prefill, 2)),
+        RejectReason::LayoutMismatch(_)
+    ));
+    assert!(matches!(
+        reject(
+            &columns(4, Role::Decode, 256),
+            &columns(1, Role::Prefill, 256)
+        ),
+        RejectReason::InvalidHello(_)
+    ));
+    let mut token_major = columns(1, Role::Prefill, 4);
+    token_major.layout.token_major = true;
+    assert!(matches!(
+        reject(&columns(4, Role::Decode, 4), &token_major),
+        RejectReason::InvalidHello(_)
     ));
 }
 

@@ -49,6 +49,7 @@ fn layout(first_layer: u32, layers: u32) -> LayoutInfo {
         tp_mode: TpMode::Replicated,
         model_kv_heads: 0,
         token_major: false,
+        key_column_bytes: 0,
     }
 }
 

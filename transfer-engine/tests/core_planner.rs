@@ -192,12 +192,7 @@ fn check_head_sliced(seed: u64) -> Result<(), TestCaseError> {
     let ptp = tps[rng.random_range(0..4)];
     let dtp = tps[rng.random_range(0..4)];
     let total_heads = ptp.max(dtp) * rng.random_range(1..=2u32);
-    let order = if rng.random_bool(0.5) {
-        HeadOrder::HeadMajor
-    } else {
-        HeadOrder::TokenMajor
-    };
-    let head_bytes = rng.random_range(1..=4u64);
+    let (order, head_bytes) = order_and_head_bytes(&mut rng, 4);
     let page_tokens = rng.random_range(1..=4u32);
     let layers = rng.random_range(1..=3u32);
     let pool = rng.random_range(1..=6u32);
@@ -282,17 +277,19 @@ fn fill_heads(l: &KvLayout, first_head: u32, buf: &mut [u8]) {
                 let base = page_at(l, layer, region, page);
                 for t in 0..u64::from(h.page_tokens) {
                     for head in 0..u64::from(h.num_heads) {
-                        let off = match h.order {
-                            HeadOrder::HeadMajor => {
-                                (head * u64::from(h.page_tokens) + t) * h.head_bytes
-                            }
-                            HeadOrder::TokenMajor => {
-                                (t * u64::from(h.num_heads) + head) * h.head_bytes
-                            }
-                        };
-                        let o = (base + off) as usize;
                         let v = (u64::from(first_head) + head + 1) as u8;
-                        buf[o..o + h.head_bytes as usize].fill(v);
+                        for b in 0..h.head_bytes {
+                            let off = in_page(
+                                h.order,
+                                u64::from(h.page_tokens),
+                                u64::from(h.num_heads),
+                                h.head_bytes,
+                                t,
+                                head,
+                                b,
+                            );
+                            buf[(base + off) as usize] = v;
+                        }
                     }
                 }
             }
@@ -306,6 +303,29 @@ fn in_page(order: HeadOrder, pt: u64, heads: u64, hb: u64, t: u64, head: u64, b:
     match order {
         HeadOrder::HeadMajor => (head * pt + t) * hb + b,
         HeadOrder::TokenMajor => (t * heads + head) * hb + b,
+        HeadOrder::KeyColumns { elem_bytes } => {
+            let (eb, half) = (u64::from(elem_bytes), hb / 2);
+            let part = head * pt * hb;
+            if b < half {
+                // K: element b / eb of every token of the page, then the next element.
+                part + ((b / eb) * pt + t) * eb + b % eb
+            } else {
+                part + pt * half + t * half + (b - half)
+            }
+        }
+    }
+}
+
+/// One of the three orders, and head bytes that suit it (whole K and V elements for K columns).
+fn order_and_head_bytes(rng: &mut ChaCha8Rng, max_head_bytes: u64) -> (HeadOrder, u64) {
+    match rng.random_range(0..3) {
+        0 => (HeadOrder::HeadMajor, rng.random_range(1..=max_head_bytes)),
+        1 => (HeadOrder::TokenMajor, rng.random_range(1..=max_head_bytes)),
+        _ => {
+            let elem_bytes = rng.random_range(1..=2u32);
+            let hb = 2 * u64::from(elem_bytes) * rng.random_range(1..=3u64);
+            (HeadOrder::KeyColumns { elem_bytes }, hb)
+        }
     }
 }
 
@@ -321,12 +341,7 @@ fn check_page_sizes(seed: u64) -> Result<(), TestCaseError> {
     if pd == ps {
         pd = ps * 2;
     }
-    let order = if rng.random_bool(0.5) {
-        HeadOrder::HeadMajor
-    } else {
-        HeadOrder::TokenMajor
-    };
-    let hb = rng.random_range(1..=3u64);
+    let (order, hb) = order_and_head_bytes(&mut rng, 3);
     let (ptp, dtp) = [(1u32, 1u32), (1, 2), (2, 1), (2, 4), (4, 2)][rng.random_range(0..5)];
     let total_heads = 4u32;
     let (hs_n, hd_n) = (total_heads / ptp, total_heads / dtp);
@@ -426,8 +441,12 @@ fn check_page_sizes(seed: u64) -> Result<(), TestCaseError> {
             }
             execute(&writes, &src_buf, &mut dst_buf, &mut hits).map_err(TestCaseError::fail)?;
             // Coalesced: never more than one write per (region, layer, run of tokens in one page
-            // on each side).
-            let runs = sp_n + dp_n;
+            // on each side); with K by columns, two per head written (K's columns, then V).
+            let per_run = match order {
+                HeadOrder::KeyColumns { .. } => 2 * u64::from(hs_n.min(hd_n)),
+                _ => 1,
+            };
+            let runs = (sp_n + dp_n) * per_run;
             prop_assert!(
                 writes.len() as u64 <= u64::from(regions.count()) * u64::from(layers) * runs
             );

@@ -30,7 +30,7 @@ fn page_of(g: &Geometry, shape: TpShape, rank: u32) -> Vec<Id> {
     let heads = shape.heads_of(rank);
     let mut out = Vec::new();
     match g.order {
-        HeadOrder::HeadMajor => {
+        HeadOrder::HeadMajor | HeadOrder::KeyColumns { .. } => {
             for h in heads {
                 for t in 0..g.page_tokens {
                     out.extend((0..g.head_bytes).map(|b| (h, t, b)));

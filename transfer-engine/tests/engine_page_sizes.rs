@@ -1,6 +1,6 @@
 //! Pages of different sizes on the two sides, over real loopback UCX and NIXL: a prefill rank with
 //! pages of `ps` tokens writes a request into a decode whose pages hold `pd`, both ways, K and V
-//! with their heads token-major and head-major, checksums on; every byte of every token lands at
+//! with their heads token-major, head-major and head-major with K by columns, checksums on; every byte of every token lands at
 //! its place in decode's pages, and pages outside the request stay poisoned.
 #![allow(clippy::unwrap_used)]
 
@@ -48,6 +48,14 @@ fn at(layout: &KvLayout, pages: &[u32], l: u32, r: u32, t: u32, h: u32, b: u64) 
     let inside = match hl.order {
         HeadOrder::TokenMajor => (t * u64::from(HEADS) + h) * HEAD_BYTES + b,
         HeadOrder::HeadMajor => (h * pt + t) * HEAD_BYTES + b,
+        HeadOrder::KeyColumns { elem_bytes } => {
+            let (eb, half) = (u64::from(elem_bytes), HEAD_BYTES / 2);
+            if b < half {
+                h * pt * HEAD_BYTES + ((b / eb) * pt + t) * eb + b % eb
+            } else {
+                h * pt * HEAD_BYTES + pt * half + t * half + (b - half)
+            }
+        }
     };
     u64::from(r) * layout.region_stride
         + u64::from(l) * layout.layer_stride
@@ -191,6 +199,14 @@ async fn smaller_prefill_pages_into_larger_decode_pages() {
     one(BackendKind::Ucx, 16, 32, HeadOrder::TokenMajor).await;
     one(BackendKind::Ucx, 16, 48, HeadOrder::HeadMajor).await;
     one(BackendKind::Nixl, 16, 32, HeadOrder::HeadMajor).await;
+    // vLLM's CPU blocks: K by columns of 4-byte elements inside a head's part.
+    one(
+        BackendKind::Ucx,
+        32,
+        64,
+        HeadOrder::KeyColumns { elem_bytes: 4 },
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -198,6 +214,20 @@ async fn larger_prefill_pages_into_smaller_decode_pages() {
     one(BackendKind::Ucx, 32, 16, HeadOrder::HeadMajor).await;
     one(BackendKind::Ucx, 48, 16, HeadOrder::TokenMajor).await;
     one(BackendKind::Nixl, 32, 12, HeadOrder::TokenMajor).await;
+    one(
+        BackendKind::Ucx,
+        64,
+        32,
+        HeadOrder::KeyColumns { elem_bytes: 4 },
+    )
+    .await;
+    one(
+        BackendKind::Nixl,
+        96,
+        32,
+        HeadOrder::KeyColumns { elem_bytes: 2 },
+    )
+    .await;
 }
 
 /// As `kvx.sglang` sends it: decode expects its whole pages (a 17-token prompt in two pages of 16 is

@@ -320,6 +320,7 @@ async fn raw_rank(d: &DecodeEngine, instance: &str) -> Connection {
         tp_mode: TpMode::Identical,
         model_kv_heads: 0,
         token_major: false,
+        key_column_bytes: 0,
     };
     let mut hello = Hello::new(
         "raw",

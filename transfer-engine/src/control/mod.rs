@@ -15,7 +15,7 @@
 //! let layout = LayoutInfo {
 //!     num_layers: 32, first_layer: 0, layers: 32, kv_regions: 2, page_tokens: 16,
 //!     bytes_per_token_per_layer: 4096, pages: 1024, kv_heads: 8, tp_mode: TpMode::Identical,
-//!     model_kv_heads: 8, token_major: true,
+//!     model_kv_heads: 8, token_major: true, key_column_bytes: 0,
 //! };
 //! let backend = BackendInfo {
 //!     kind: BackendKind::Ucx, worker_or_agent: vec![1, 2, 3], agent_name: String::new(), regions: vec![],

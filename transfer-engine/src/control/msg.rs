@@ -66,6 +66,10 @@ pub struct LayoutInfo {
     /// Inside a page, one token's heads are contiguous (`[token][head][bytes]`, SGLang's and
     /// vLLM's order) rather than one head's tokens (protocol version 6).
     pub token_major: bool,
+    /// Where heads lie head-major with K by columns inside a head's part (vLLM's CPU blocks,
+    /// [`HeadOrder::KeyColumns`](crate::core::planner::HeadOrder::KeyColumns)): the bytes of one
+    /// element of K; 0 otherwise (protocol version 12).
+    pub key_column_bytes: u32,
 }
 
 /// Which transfer library a side uses.
@@ -558,12 +562,32 @@ pub(crate) fn check_self_consistent(h: &Hello) -> Result<(), RejectReason> {
             l.page_tokens, l.bytes_per_token_per_layer
         ));
     }
+    if l.key_column_bytes != 0
+        && (l.kv_heads == 0
+            || l.token_major
+            || !l
+                .bytes_per_token_per_layer
+                .is_multiple_of(u64::from(l.kv_heads))
+            || !(l.bytes_per_token_per_layer / u64::from(l.kv_heads))
+                .is_multiple_of(2 * u64::from(l.key_column_bytes)))
+    {
+        return bad(format!(
+            "K by columns of {} bytes needs head-major heads of whole K and V elements ({} heads, {} bytes per token)",
+            l.key_column_bytes, l.kv_heads, l.bytes_per_token_per_layer
+        ));
+    }
     Ok(())
 }
 
 /// Checks that the TP layouts of a prefill and a decode side map onto each other.
 fn check_tp(local: &Hello, remote: &Hello) -> Result<(), RejectReason> {
     let (l, r) = (&local.layout, &remote.layout);
+    if l.key_column_bytes != r.key_column_bytes {
+        return Err(RejectReason::LayoutMismatch(format!(
+            "K lies by columns of {} bytes inside a head's part on this side, of {} at the peer (0: not by columns)",
+            l.key_column_bytes, r.key_column_bytes
+        )));
+    }
     if l.tp_mode != r.tp_mode {
         return Err(RejectReason::TpMismatch(format!(
             "this side maps TP as {:?}, the peer as {:?}",

@@ -46,6 +46,22 @@ pub enum HeadOrder {
     HeadMajor,
     /// `[token][head][head_bytes]`: one token's heads are contiguous (SGLang, vLLM default).
     TokenMajor,
+    /// Head-major, and inside a head's part of the page first K, then V, `head_bytes / 2` of
+    /// each per token: K by columns (`[element][token]`, `elem_bytes` per element), V by rows
+    /// (`[token][head_bytes / 2]`). vLLM's CPU attention keeps its blocks so (its `vec` kernels).
+    /// A head's part is contiguous, as in [`HeadMajor`](Self::HeadMajor); only a run of tokens
+    /// inside it is not.
+    KeyColumns {
+        /// Bytes of one element of K.
+        elem_bytes: u32,
+    },
+}
+
+impl HeadOrder {
+    /// Whether one head's tokens lie together in a page (its part is contiguous).
+    pub const fn head_major(self) -> bool {
+        !matches!(self, Self::TokenMajor)
+    }
 }
 
 /// Head geometry of a page, needed only for head-sliced TP.
@@ -200,6 +216,11 @@ impl KvLayout {
                 .and_then(|b| b.checked_mul(u64::from(h.page_tokens)));
             if h.num_heads == 0 || bytes != Some(self.page_bytes) {
                 return bad("heads * head_bytes * page_tokens != page_bytes");
+            }
+            if let HeadOrder::KeyColumns { elem_bytes } = h.order
+                && (elem_bytes == 0 || !h.head_bytes.is_multiple_of(2 * u64::from(elem_bytes)))
+            {
+                return bad("K columns: head bytes are not whole elements of K and V");
             }
         }
         Ok(())
@@ -634,7 +655,8 @@ pub struct Planner {
 /// How a run of tokens of one source page maps into one destination page, for pages that hold
 /// different numbers of tokens on the two sides. A page is `[token][head][head_bytes]`
 /// (token-major; a layout without head geometry is one "head" of a token's bytes) or
-/// `[head][token][head_bytes]` (head-major); the heads written are the source's local heads
+/// `[head][token][head_bytes]` (head-major, or head-major with K by columns,
+/// [`HeadOrder::KeyColumns`]); the heads written are the source's local heads
 /// `src_head..src_head + heads`, the destination's `dst_head..`.
 #[derive(Debug, Clone, Copy)]
 struct TokenMap {
@@ -650,37 +672,62 @@ struct TokenMap {
 }
 
 impl TokenMap {
-    /// The write of `n` tokens from token `ts` of a source page to token `td` of a destination
-    /// page, relative to the pages' starts.
-    fn run(&self, ts: u64, td: u64, n: u64) -> Write {
+    /// The writes of `n` tokens from token `ts` of a source page to token `td` of a destination
+    /// page, relative to the pages' starts, handed to `emit` in order: one write, or for
+    /// [`HeadOrder::KeyColumns`] two per head (K's columns as rows of a strided write, then V).
+    fn runs(&self, ts: u64, td: u64, n: u64, mut emit: impl FnMut(Write)) {
         let hb = self.head_bytes;
-        let w = match self.order {
+        let mut put = |w: Write| {
+            emit(if w.rows == 1 {
+                Write::contiguous(w.src_offset, w.dst_offset, w.len)
+            } else if w.len == w.src_stride && w.len == w.dst_stride {
+                Write::contiguous(w.src_offset, w.dst_offset, w.len * w.rows)
+            } else {
+                w
+            });
+        };
+        match self.order {
             HeadOrder::TokenMajor => {
                 let (row_s, row_d) = (self.src_heads * hb, self.dst_heads * hb);
-                Write {
+                put(Write {
                     src_offset: ts * row_s + self.src_head * hb,
                     dst_offset: td * row_d + self.dst_head * hb,
                     len: self.heads * hb,
                     rows: n,
                     src_stride: row_s,
                     dst_stride: row_d,
-                }
+                });
             }
-            HeadOrder::HeadMajor => Write {
+            HeadOrder::HeadMajor => put(Write {
                 src_offset: self.src_head * self.src_pt * hb + ts * hb,
                 dst_offset: self.dst_head * self.dst_pt * hb + td * hb,
                 len: n * hb,
                 rows: self.heads,
                 src_stride: self.src_pt * hb,
                 dst_stride: self.dst_pt * hb,
-            },
-        };
-        if w.rows == 1 {
-            Write::contiguous(w.src_offset, w.dst_offset, w.len)
-        } else if w.len == w.src_stride && w.len == w.dst_stride {
-            Write::contiguous(w.src_offset, w.dst_offset, w.len * w.rows)
-        } else {
-            w
+            }),
+            HeadOrder::KeyColumns { elem_bytes } => {
+                let (eb, half) = (u64::from(elem_bytes), hb / 2);
+                for i in 0..self.heads {
+                    let s0 = (self.src_head + i) * self.src_pt * hb;
+                    let d0 = (self.dst_head + i) * self.dst_pt * hb;
+                    // K: one column of the run per element, a column being a page's tokens.
+                    put(Write {
+                        src_offset: s0 + ts * eb,
+                        dst_offset: d0 + td * eb,
+                        len: n * eb,
+                        rows: half / eb,
+                        src_stride: self.src_pt * eb,
+                        dst_stride: self.dst_pt * eb,
+                    });
+                    // V: the run's rows, after the page's K.
+                    put(Write::contiguous(
+                        s0 + self.src_pt * half + ts * half,
+                        d0 + self.dst_pt * half + td * half,
+                        n * half,
+                    ));
+                }
+            }
         }
     }
 }
@@ -1007,16 +1054,17 @@ impl Planner {
                     let n = (tm.src_pt - ts).min(tm.dst_pt - td).min(tokens.end - t);
                     let so = self.src.offset(layer, region, src_pages[sp as usize]);
                     let d0 = self.dst.offset(dl, region, dst_pages[dp as usize]);
-                    let w = tm.run(ts, td, n);
-                    push_merged(
-                        out,
-                        base,
-                        Write {
-                            src_offset: so + w.src_offset,
-                            dst_offset: d0 + w.dst_offset,
-                            ..w
-                        },
-                    );
+                    tm.runs(ts, td, n, |w| {
+                        push_merged(
+                            out,
+                            base,
+                            Write {
+                                src_offset: so + w.src_offset,
+                                dst_offset: d0 + w.dst_offset,
+                                ..w
+                            },
+                        );
+                    });
                     t += n;
                 }
             }
@@ -1192,7 +1240,8 @@ fn slice_segments(hs: HeadLayout, hd: HeadLayout, s0: u64, d0: u64, a: u64, b: u
     let hb = hs.head_bytes;
     let pt = u64::from(hs.page_tokens);
     match hs.order {
-        HeadOrder::HeadMajor => vec![Write::contiguous(
+        // A head's part of the page moves whole, whatever its inside.
+        HeadOrder::HeadMajor | HeadOrder::KeyColumns { .. } => vec![Write::contiguous(
             (a - s0) * pt * hb,
             (a - d0) * pt * hb,
             (b - a) * pt * hb,

@@ -385,6 +385,10 @@ fn layout_info(
         token_major: layout
             .heads
             .is_some_and(|h| h.order == crate::core::planner::HeadOrder::TokenMajor),
+        key_column_bytes: match layout.heads.map(|h| h.order) {
+            Some(crate::core::planner::HeadOrder::KeyColumns { elem_bytes }) => elem_bytes,
+            _ => 0,
+        },
     }
 }
 
@@ -425,6 +429,10 @@ fn layout_from_info(info: &control::LayoutInfo) -> Result<KvLayout, EngineError>
         page_tokens: info.page_tokens,
         order: if info.token_major {
             crate::core::planner::HeadOrder::TokenMajor
+        } else if info.key_column_bytes != 0 {
+            crate::core::planner::HeadOrder::KeyColumns {
+                elem_bytes: info.key_column_bytes,
+            }
         } else {
             crate::core::planner::HeadOrder::HeadMajor
         },

@@ -6,7 +6,9 @@ sizes that differ: the TP 2 prefill into a decode of one rank (both prefill rank
 head's part of each block into it), a prefill of one rank into the TP 2 decode (its one rank
 writes one head into each decode rank), both answering like the normal instance. And the
 blocks prefill holds for decode: released at once when decode refuses the request, handed back
-when the lease ends with no decode asking (a later decode then fails and recomputes).
+when the lease ends with no decode asking (a later decode then fails and recomputes). And block
+sizes that differ (64 tokens into 32 and back, and with TP sizes that differ too), with and
+without decode's prefix hits.
 
 Its own module, after ``test_vllm.py`` has stopped its instances. Run with the provisioned vLLM
 (``scripts/provision-vllm``): ``.deps/vllm/bin/python -m pytest python/tests/test_vllm_tp.py``."""
@@ -23,6 +25,9 @@ import vllm_instances as V
 MAX_TOKENS = 16
 PROMPTS = V.prompts(8, 100, seed=17)
 CORRUPT_PROMPTS = V.prompts(4, 130, seed=19)
+# Fresh prompts for each pairing of block sizes (a decode's prefix cache holds what it loaded).
+BLOCK_PROMPTS = {"p64_d32": V.prompts(8, 100, seed=23), "p32_d64": V.prompts(8, 100, seed=29),
+                 "tp2_d64": V.prompts(8, 100, seed=31)}
 CORRUPT = "corrupt"
 TP = 2
 LEASE_S = 30
@@ -62,11 +67,19 @@ def cluster(tmp_path_factory):
                                                     kv_lease_duration=LEASE_S))
         made["kvx_d1"] = V.Instance("kvx-decode-tp1", model, d,
                                     kv=V.kvx_config("kv_consumer", secret))
+        # Blocks of 64 tokens against the others' 32.
+        made["kvx_p64"] = V.Instance("kvx-prefill-b64", model, d, block_size=64,
+                                     kv=V.kvx_config("kv_producer", secret))
+        made["kvx_d64"] = V.Instance("kvx-decode-b64", model, d, block_size=64,
+                                     kv=V.kvx_config("kv_consumer", secret))
         V.start_all([i for i in made.values() if isinstance(i, V.Instance)], timeout=420)
         ref = made["ref"].generate(PROMPTS + CORRUPT_PROMPTS, MAX_TOKENS)
         tokens = [o["tokens"] for o in ref["outputs"]]
         made["expected"], made["expected_corrupt"] = tokens[:len(PROMPTS)], tokens[len(PROMPTS):]
         assert all(len(t) == MAX_TOKENS for t in tokens)
+        made["expected_blocks"] = {
+            k: [o["tokens"] for o in made["ref"].generate(v, MAX_TOKENS)["outputs"]]
+            for k, v in BLOCK_PROMPTS.items()}
         yield made
     finally:
         for inst in made.values():
@@ -135,6 +148,46 @@ def test_tp_sizes_that_differ_answer_like_one_instance(prefill, decode, sessions
     served = [line[line.rindex("(TP "):] for line in text.splitlines()
               if "serves prefill instance" in line]
     assert served == sessions, text[-4000:]
+
+
+@pytest.mark.parametrize("prefill,decode,prompts", [
+    ("kvx_p64", "kvx_d1", "p64_d32"), ("kvx_p1", "kvx_d64", "p32_d64"),
+    ("kvx_p", "kvx_d64", "tp2_d64")])
+def test_block_sizes_that_differ_answer_like_one_instance(prefill, decode, prompts, cluster):
+    """Blocks of 64 tokens into blocks of 32 and back, and a TP 2 prefill of 32-token blocks into
+    a decode of one rank and 64-token blocks: vLLM's CPU blocks keep K by columns inside a head's
+    part (both sides probe their kernel and say so at HELLO), so each run of tokens moves as a
+    strided write of K's columns and one of V's rows. Decode generates the single instance's
+    tokens with no load failure."""
+    d_log = Log(cluster[decode])
+    _, d = V.pair_generate(cluster[prefill], cluster[decode], BLOCK_PROMPTS[prompts], MAX_TOKENS)
+    assert [o["tokens"] for o in d["outputs"]] == cluster["expected_blocks"][prompts]
+    text = d_log.text()
+    assert "KV load failed" not in text and "Recovered from KV load failure" not in text, \
+        text[-4000:]
+
+
+def test_a_prefix_hit_across_block_sizes(cluster):
+    """The same prompts again: a decode of 64-token blocks holds their first 64 tokens, whole
+    blocks of its 32-token prefill, and loads only the rest; a decode of 32-token blocks holds
+    96 tokens, not whole blocks of its 64-token prefill: it refuses the load (the prefill's
+    blocks are released) and vLLM recomputes. Both answer with the single instance's tokens."""
+    d_log = Log(cluster["kvx_d64"])
+    prompts, want = BLOCK_PROMPTS["p32_d64"], cluster["expected_blocks"]["p32_d64"]
+    _, d = V.pair_generate(cluster["kvx_p1"], cluster["kvx_d64"], prompts, MAX_TOKENS)
+    assert [o["tokens"] for o in d["outputs"]] == want
+    text = d_log.text()
+    assert "KV load failed" not in text and "Recovered from KV load failure" not in text, \
+        text[-4000:]
+    d_log, p_log = Log(cluster["kvx_d1"]), Log(cluster["kvx_p64"])
+    prompts, want = BLOCK_PROMPTS["p64_d32"], cluster["expected_blocks"]["p64_d32"]
+    _, d = V.pair_generate(cluster["kvx_p64"], cluster["kvx_d1"], prompts, MAX_TOKENS)
+    assert [o["tokens"] for o in d["outputs"]] == want
+    assert "not whole blocks of the prefill's 64 tokens" in d_log.text(), d_log.text()[-4000:]
+    deadline = time.monotonic() + LEASE_S / 2
+    while "decode gave it up: blocks released" not in p_log.text():
+        assert time.monotonic() < deadline, p_log.text()[-4000:]
+        time.sleep(0.5)
 
 
 def test_a_request_decode_refuses_is_released_by_prefill_at_once(cluster):

@@ -175,12 +175,12 @@ if threading.current_thread() is threading.main_thread():
 class Instance:
     """One ``vllm.LLM`` in its own process (and session)."""
 
-    def __init__(self, name, model, log_dir, kv=None, env=None, tp=1):
+    def __init__(self, name, model, log_dir, kv=None, env=None, tp=1, block_size=BLOCK_SIZE):
         self.name = name
         self.log_path = Path(log_dir) / f"{name}.log"
         self._listener = Listener(("127.0.0.1", 0), authkey=(key := secrets.token_bytes(16)))
         cfg = {"address": list(self._listener.address), "authkey": key.hex(),
-               "model": str(model), "block_size": BLOCK_SIZE, "max_model_len": MAX_MODEL_LEN,
+               "model": str(model), "block_size": block_size, "max_model_len": MAX_MODEL_LEN,
                "kv_cache_bytes": KV_CACHE_BYTES, "kv": kv, "tp": tp}
         self._log = open(self.log_path, "a")
         self.proc = subprocess.Popen([sys.executable, str(ROLE), json.dumps(cfg)],

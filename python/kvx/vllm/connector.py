@@ -50,6 +50,24 @@ def _compat(vllm_config) -> dict:
     return facts
 
 
+def _key_column_bytes(vllm_config, compat: dict) -> int:
+    """The bytes of a K element where this worker's CPU attention keeps K by columns inside a
+    head's part of a block (then blocks of other sizes map); 0 where it does not or is unknown."""
+    isa = compat.get("cpu_attn_isa")
+    if isa is None:
+        return 0
+    from .pool import key_columns
+
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    try:
+        return key_columns(isa, mc.dtype, str(cc.cache_dtype), int(cc.block_size),
+                           int(mc.get_head_size()))
+    except Exception as e:  # a kernel that moved or refuses the probe: whole blocks only
+        logger.info("kvx: could not probe the arrangement of a block (%s): blocks of other "
+                    "sizes will not map", e)
+        return 0
+
+
 class KvxWorker:
     """A worker's connector: a prefill side (kv_producer), a decode side (kv_consumer), or both."""
 
@@ -73,6 +91,7 @@ class KvxWorker:
         backend = settings.backend(extra)
         host = settings.host(extra)
         compat = _compat(vllm_config)
+        self.key_column_bytes = _key_column_bytes(vllm_config, compat)
         dp = int(getattr(pc, "data_parallel_index", 0) or 0)
         metrics = settings.metrics(extra, dp * tp_size + tp_rank)
         self.prefill: Optional[PrefillSide] = None
@@ -99,7 +118,7 @@ class KvxWorker:
             raise ValueError("kvx.vllm: models with several KV cache groups (sliding window, "
                              "hybrid) are not supported yet")
         pool = Pool(kv_caches, self.block_size, self.kv_cache_config.num_blocks,
-                    self.model_kv_heads)
+                    self.model_kv_heads, self.key_column_bytes)
         if self.prefill is not None:
             self.prefill.register(pool)
         if self.decode is not None:

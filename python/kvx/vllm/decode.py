@@ -37,6 +37,7 @@ class _Load:
     rid: int
     dst: list
     prefix_tokens: int
+    tokens: int
     remote: Optional[dict]
     error: Optional[str] = None
     pending: Any = None
@@ -91,7 +92,8 @@ class DecodeSide:
             for req_id, r in meta.recv.items():
                 remote = r.get("remote")
                 rid = request_key(remote["request_id"]) if remote else 0
-                load = _Load(req_id, rid, list(r["dst"]), int(r["prefix_tokens"]), remote,
+                load = _Load(req_id, rid, list(r["dst"]), int(r["prefix_tokens"]),
+                             int(r.get("tokens") or 0), remote,
                              error=r.get("refused"))
                 self._loads[req_id] = load
                 if load.error is None:
@@ -189,10 +191,12 @@ class DecodeSide:
         try:
             self._ensure_session(remote)
             bs = self.pool.block_size
+            # The prompt's tokens after the prefix (in blocks of either size), or whole blocks.
+            tokens = min(load.tokens, len(load.dst) * bs) or len(load.dst) * bs
             load.started = time.monotonic()
             pending = self.engine.expect(
-                load.rid, prompt_tokens=len(load.dst) * bs, chunk_tokens=len(load.dst) * bs,
-                dst_pages=load.dst, timeout=self.request_timeout,
+                load.rid, prompt_tokens=tokens, chunk_tokens=tokens,
+                dst_pages=load.dst[:-(-tokens // bs)], timeout=self.request_timeout,
                 prefix_tokens=load.prefix_tokens, instance=remote["engine_id"])
         except Exception as e:  # any failure fails the load, never leaves it waiting
             with self._lock:

@@ -97,8 +97,11 @@ class PrefillSide:
         # Both sides' TP sizes may differ (heads sliced); everything else must agree.
         mine = {**self.compat, **self.pool.facts()}
         theirs = msg.get("compat", {})
+        # Block sizes may differ where both sides keep K by columns (the planner maps runs of
+        # tokens); otherwise a block is opaque and moves whole.
+        free = {"block_size"} if mine["key_column_bytes"] else set()
         diff = [f"{k}: prefill {mine[k]!r}, decode {theirs.get(k)!r}"
-                for k in sorted(mine) if theirs.get(k) != mine[k]]
+                for k in sorted(mine) if k not in free and theirs.get(k) != mine[k]]
         try:
             if self.tp_rank not in kvx.tp_sources(self.tp_size, int(theirs["tp_size"]),
                                                   self.pool.model_kv_heads,

@@ -54,7 +54,8 @@ def remote_of(params: dict) -> dict:
     return {"engine_id": str(params["remote_engine_id"]),
             "request_id": str(params["remote_request_id"]),
             "side_channels": [str(a) for a in params["kvx_side_channels"]],
-            "tp_size": int(params.get("tp_size", 1) or 1)}
+            "tp_size": int(params.get("tp_size", 1) or 1),
+            "block_size": int(params.get("kvx_block_size", 0) or 0)}
 
 
 class KvxScheduler:
@@ -124,6 +125,15 @@ class KvxScheduler:
             return "a prefill instance with PP > 1: not supported by kvx.vllm yet"
         return None
 
+    def _prefix_refusal(self, params: dict, prefix: int) -> Optional[str]:
+        """Why a load after a local prefix hit of `prefix` tokens cannot be served, or None: the
+        moved tokens must start a block on both sides."""
+        theirs = int(params.get("kvx_block_size", 0) or 0) or self.block_size
+        if prefix % theirs:
+            return (f"a local prefix hit of {prefix} tokens is not whole blocks of the prefill's "
+                    f"{theirs} tokens: kvx.vllm does not map that yet")
+        return None
+
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
@@ -132,11 +142,13 @@ class KvxScheduler:
         if num_external_tokens > 0:
             dst = [int(b) for b in blocks.get_unhashed_block_ids()]
             prefix = len(request.prompt_token_ids or ()) - num_external_tokens
+            refused = refused or self._prefix_refusal(params, prefix)
             try:
                 remote = remote_of(params)
             except (KeyError, TypeError, ValueError):
                 remote = None  # refused: nothing to tell a prefill
             self._recv[request.request_id] = {"dst": dst, "prefix_tokens": prefix,
+                                              "tokens": int(num_external_tokens),
                                               "refused": refused, "remote": remote}
             if refused:
                 logger.error("kvx: request %s: %s; its blocks are reported as load errors",
@@ -191,7 +203,7 @@ class KvxScheduler:
             "remote_block_ids": [int(b) for b in block_ids],
             "remote_num_tokens": int(request.num_computed_tokens),
             "tp_size": self.tp_size, "pp_size": self.pp_size,
-            "transfer_mode": TRANSFER_MODE}
+            "kvx_block_size": self.block_size, "transfer_mode": TRANSFER_MODE}
 
     def update_connector_output(self, output) -> None:
         for req_id in output.finished_sending or ():

@@ -54,8 +54,7 @@ def remote_of(params: dict) -> dict:
     return {"engine_id": str(params["remote_engine_id"]),
             "request_id": str(params["remote_request_id"]),
             "side_channels": [str(a) for a in params["kvx_side_channels"]],
-            "tp_size": int(params.get("tp_size", 1) or 1),
-            "block_size": int(params.get("kvx_block_size", 0) or 0)}
+            "tp_size": int(params.get("tp_size", 1) or 1)}
 
 
 class KvxScheduler:

@@ -454,11 +454,24 @@ async fn until(what: &str, bound: Duration, cond: impl Fn() -> bool) -> Duration
 
 /// An etcd that stops answering without closing anything (SIGSTOP: its sockets stay open) is
 /// noticed by a directory within two of its liveness bounds (`is_live` turns false); once etcd
-/// answers again the directory lists afresh and follows new records.
+/// answers again the directory lists afresh and follows new records. Here the directory's watch is
+/// established before etcd stops (two workers: the follower runs at once).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_directory_notices_a_silent_etcd_and_follows_again_when_it_answers() {
+    silent_etcd_noticed("silent").await;
+}
+
+/// The same when etcd stops between the directory's listing and its watch: on one thread the
+/// follower has not run when `open` returns, so its watch request meets a stopped etcd. That
+/// request is bounded by the liveness bound too, not by the client's own 5 s timeout.
+#[tokio::test(flavor = "current_thread")]
+async fn a_directory_notices_an_etcd_that_went_silent_before_its_watch_began() {
+    silent_etcd_noticed("silent-early").await;
+}
+
+async fn silent_etcd_noticed(cluster: &str) {
     let server = EtcdServer::start().unwrap();
-    let mut c = cfg(&server, "silent", 30);
+    let mut c = cfg(&server, cluster, 30);
     c.watch_liveness = Duration::from_millis(300);
     let dir = Directory::open(&c).await.unwrap();
     assert!(dir.is_live());
@@ -475,7 +488,7 @@ async fn a_directory_notices_a_silent_etcd_and_follows_again_when_it_answers() {
         .await
         .unwrap();
     until("the new record seen", BOUND, || dir.records().len() == 1).await;
-    eprintln!("a silent etcd noticed after {noticed:?} (liveness bound 300 ms)");
+    eprintln!("{cluster}: a silent etcd noticed after {noticed:?} (liveness bound 300 ms)");
 }
 
 /// An engine that starts before etcd waits for it (within `start_deadline`) instead of failing;

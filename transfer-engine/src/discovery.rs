@@ -777,7 +777,10 @@ async fn follow(
             .with_prev_key()
             .with_progress_notify()
             .with_start_revision(rev + 1);
-        if let Ok(mut stream) = client.watch(prefix.as_str(), Some(opts)).await {
+        // Creating the watch waits on a stopped etcd too (up to the client's own 5 s timeout), so it
+        // is bounded like every answer the follower waits for.
+        let watch = tokio::time::timeout(bound, client.watch(prefix.as_str(), Some(opts))).await;
+        if let Ok(Ok(mut stream)) = watch {
             // Whether a progress notification was asked for and has not come yet.
             let mut asked = false;
             loop {

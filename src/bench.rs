@@ -264,8 +264,9 @@ pub(crate) enum Event<'a> {
     },
 }
 
-/// What a run measured.
-#[derive(Debug, Default)]
+/// What a run measured. With `kvbench --processes` and several decode instances, each decode
+/// process but the first hands its own to the first ([`merge`](Self::merge)) as JSON.
+#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
 pub(crate) struct Tally {
     pub latencies_us: Vec<f64>,
     pub completes_us: Vec<f64>,
@@ -318,6 +319,24 @@ impl Tally {
             done: self.done,
             total,
         });
+    }
+
+    /// Adds what another decode process measured over the same span: its samples and counts join
+    /// these, and the timed span is the longer of the two (the processes ran side by side, so the
+    /// bytes of both went by in that time).
+    pub(crate) fn merge(&mut self, other: Tally) {
+        self.latencies_us.extend(other.latencies_us);
+        self.completes_us.extend(other.completes_us);
+        self.posts_us.extend(other.posts_us);
+        self.done += other.done;
+        self.failed += other.failed;
+        self.failed_during_absence += other.failed_during_absence;
+        self.completed_across_absence += other.completed_across_absence;
+        self.after_failure += other.after_failure;
+        self.verified_requests += other.verified_requests;
+        self.mismatches += other.mismatches;
+        self.timed = self.timed.max(other.timed);
+        self.cpu += other.cpu;
     }
 
     /// What was measured, as a report whose baseline fields are left at zero.
@@ -676,7 +695,9 @@ async fn one_request(
     // Both instants come from the progress threads: the last rank's final chunk over, and the
     // decode tracker emitting Complete. Decode can see it first (its notification overtook the
     // sender's own completion callback): that counts as zero.
-    let completed = cluster.decode.completed_at(request);
+    let completed = cluster
+        .decode_at(decode)
+        .and_then(|d| d.completed_at(request));
     let complete = completed
         .map(|t| t.saturating_duration_since(last_done))
         .unwrap_or_default();

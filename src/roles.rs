@@ -6,7 +6,7 @@
 //! source pages no other request in flight uses, writing the pattern of the requests decode will
 //! check before sending them; it exits when the decode process closes.
 
-use crate::bench::{Event, Ran, Report, Workload, drive};
+use crate::bench::{Event, Ran, Report, Tally, Workload, drive};
 use crate::verify;
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -90,8 +90,9 @@ pub enum Place {
 /// How a prefill role finds decode and its PP peers.
 #[derive(Debug, Clone)]
 pub enum Find {
-    /// Decode's control address and every rank's vote mesh address.
-    Fixed(SocketAddr, Vec<SocketAddr>),
+    /// Every decode instance's control address (the first one's workload is served) and every
+    /// rank's vote mesh address.
+    Fixed(Vec<SocketAddr>, Vec<SocketAddr>),
     /// Through etcd (the rank registers itself there too).
     Etcd(EtcdConfig),
 }
@@ -121,6 +122,16 @@ pub struct Served {
     pub checksums: bool,
     /// The transfer library.
     pub backend: String,
+    /// Prefill instances (pipelines of `pp` ranks) every decode instance serves.
+    pub prefill_instances: u16,
+    /// Decode instances every prefill rank serves.
+    pub decode_instances: u16,
+}
+
+/// The name prefill instance `k` of a run with several goes by (its ranks' `instance`, the one
+/// decode adds); a run of one instance uses decode's default, unnamed one.
+pub fn instance_name(k: u16) -> String {
+    format!("prefill-{k}")
 }
 
 impl Served {
@@ -137,6 +148,8 @@ impl Served {
             concurrency: w.concurrency,
             checksums: w.checksums,
             backend: backend.to_string(),
+            prefill_instances: w.prefill_instances.max(1),
+            decode_instances: w.decode_instances.max(1),
         }
     }
 
@@ -151,7 +164,7 @@ impl Served {
             "--split-kv",
             "--page-tokens",
         ];
-        let fields: [(&[&str], &str, String, String); 10] = [
+        let fields: [(&[&str], &str, String, String); 12] = [
             (
                 &shape,
                 "layers",
@@ -212,6 +225,18 @@ impl Served {
                 mine.backend.clone(),
                 self.backend.clone(),
             ),
+            (
+                &["--prefill-instances"],
+                "--prefill-instances",
+                mine.prefill_instances.to_string(),
+                self.prefill_instances.to_string(),
+            ),
+            (
+                &["--decode-instances"],
+                "--decode-instances",
+                mine.decode_instances.to_string(),
+                self.decode_instances.to_string(),
+            ),
         ];
         fields
             .into_iter()
@@ -245,13 +270,16 @@ impl Served {
             && u32::from(self.pp) <= self.layers
             && self.prompt_tokens > 0
             && self.chunk_tokens > 0
-            && self.concurrency > 0;
-        // The pool a prefill rank holds: a request's pages for each slot and one more, of every
-        // layer and region; a count that does not fit is no run's.
+            && self.concurrency > 0
+            && self.prefill_instances > 0
+            && self.decode_instances > 0;
+        // The pool a prefill rank holds: a request's pages for each slot of every decode instance
+        // and one more each, of every layer and region; a count that does not fit is no run's.
         let pages = self.prompt_tokens.div_ceil(self.page_tokens.max(1));
         let pool = self
             .concurrency
             .checked_add(1)
+            .and_then(|slots| slots.checked_mul(u32::from(self.decode_instances)))
             .and_then(|slots| pages.checked_mul(slots))
             .and_then(|p| {
                 (self.bytes_per_token / u64::from(regions.count()))
@@ -277,6 +305,8 @@ impl Served {
         w.chunk_tokens = self.chunk_tokens;
         w.concurrency = self.concurrency;
         w.checksums = self.checksums;
+        w.prefill_instances = self.prefill_instances;
+        w.decode_instances = self.decode_instances;
         Ok((w, backend))
     }
 }
@@ -299,7 +329,9 @@ pub async fn learn_workload(
     token: Option<&[u8]>,
 ) -> Result<(Workload, BackendKind), String> {
     let addr = match find {
-        Find::Fixed(addr, _) => *addr,
+        Find::Fixed(decodes, _) => *decodes
+            .first()
+            .ok_or("prefill needs a decode address to connect to")?,
         Find::Etcd(etcd) => {
             let dir = discovery::Directory::open(etcd)
                 .await
@@ -336,10 +368,17 @@ const DISCOVERY_WAIT: Duration = Duration::from_secs(120);
 /// shared secret; `None` admits anyone) are let in. `heartbeat` replaces the engine's default
 /// interval. `progress(done, total)` is called as requests end.
 ///
+/// This is decode instance `index` of `w.decode_instances`, each a process of its own that drives
+/// its own requests (ids apart, `index` in bits 40 and up) into the same prefill instances, in turn
+/// over them. With `stamps`, every instance but the first leaves what it measured there, and the
+/// first waits for those and reports the whole run.
+///
 /// # Errors
 /// Engine failures, as text.
+#[allow(clippy::too_many_arguments)] // one role's whole description, as its flags give it
 pub async fn run_decode(
     place: Place,
+    index: u16,
     w: &Workload,
     backend: BackendKind,
     token: Option<Vec<u8>>,
@@ -357,15 +396,35 @@ pub async fn run_decode(
         w.shape.page_bytes(),
         decode_pages,
     );
-    let mut cfg = DecodeConfig::new(w.shape.layers, w.shape.page_tokens, layout.clone(), w.pp);
+    let instances = w.prefill_instances.max(1);
+    let decodes = w.decode_instances.max(1);
+    if index >= decodes {
+        return Err(format!(
+            "--decode-index {index} is not below --decode-instances {decodes}"
+        ));
+    }
+    // One prefill instance is decode's default one; several are named, each added below.
+    let names: Vec<String> = if instances == 1 {
+        vec![String::new()]
+    } else {
+        (0..instances).map(instance_name).collect()
+    };
+    let default_pp = if instances == 1 { w.pp } else { 0 };
+    let mut cfg = DecodeConfig::new(
+        w.shape.layers,
+        w.shape.page_tokens,
+        layout.clone(),
+        default_pp,
+    );
     let (listen, etcd) = match place {
         Place::Fixed(l, etcd) => (l, etcd),
         Place::Etcd(etcd) => (SocketAddr::from(([127, 0, 0, 1], 0)), Some(etcd)),
     };
     cfg.listen = listen;
-    cfg.backend = w
-        .decode_progress
-        .apply(BackendConfig::default_for(backend, "decode"));
+    cfg.backend = w.decode_progress.apply(BackendConfig::default_for(
+        backend,
+        &format!("decode-{index}-{}", std::process::id()),
+    ));
     cfg.verify_checksums = w.checksums;
     cfg.token = token.as_deref().map(Secret::new);
     if let Some(h) = heartbeat {
@@ -383,6 +442,13 @@ pub async fn run_decode(
             .await
             .map_err(|e| e.to_string())?,
     );
+    if instances > 1 {
+        for name in &names {
+            decode
+                .add_instance(name, w.pp, 1)
+                .map_err(|e| e.to_string())?;
+        }
+    }
     eprintln!("kvbench decode: listening on {}", decode.local_addr());
     let membership = match &etcd {
         Some(etcd) => {
@@ -411,10 +477,21 @@ pub async fn run_decode(
         }
         None => None,
     };
-    decode
-        .wait_for_ranks(Duration::from_secs(120))
-        .await
-        .map_err(|e| e.to_string())?;
+    if instances == 1 {
+        decode
+            .wait_for_ranks(Duration::from_secs(120))
+            .await
+            .map_err(|e| e.to_string())?;
+    } else {
+        for name in &names {
+            decode
+                .wait_for_instance(name, Duration::from_secs(120))
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+    }
+    // Counted once every rank is here, before any request.
+    let at_start = decode.stats();
     let ranks = ranks_of(w)?;
     // When each request completed, on the wall clock: matched after the run against the instants the
     // prefill processes stamped their last writes at.
@@ -442,9 +519,14 @@ pub async fn run_decode(
             eprintln!("kvbench decode: verification failed: request {n}: {error}");
         }
     };
+    let names = Arc::new(names);
     let tally = drive(
         w,
-        |i, checked| RequestId((i + 1) | if checked { CHECKED_REQUEST } else { 0 }),
+        |i, checked| {
+            RequestId(
+                (u64::from(index) << 40) | (i + 1) | if checked { CHECKED_REQUEST } else { 0 },
+            )
+        },
         |request, slot| {
             let t0 = Instant::now();
             let decode = decode.clone();
@@ -452,13 +534,23 @@ pub async fn run_decode(
             let mut dst = slots.pages(slot);
             let (slots, layout) = (slots.clone(), layout.clone());
             let (prompt, chunk, timeout) = (w.prompt_tokens, w.chunk_tokens, w.request_timeout);
+            // Each slot's requests come from one prefill instance, in turn over the slots.
+            let instance = names[slot as usize % names.len()].clone();
             Ok(async move {
                 // A slot whose last request failed without every rank's confirmation is quarantined:
                 // it moves to a spare slot (poisoned first, as the drive poisoned this one), or,
                 // with none left, waits (bounded) until its pages are released rather than fail
                 // the run.
                 let fut = loop {
-                    match decode.expect(request, prompt, chunk, dst.clone(), timeout) {
+                    let expected = transfer_engine::engine::Expected {
+                        instance: instance.clone(),
+                        prefix_tokens: 0,
+                        prompt_tokens: prompt,
+                        chunk_tokens: chunk,
+                        dst_pages: dst.clone(),
+                        timeout,
+                    };
+                    match decode.expect_request(request, expected) {
                         Err(EngineError::PageHeld { by, .. }) if let Some(spare) = slots.replace(slot) => {
                             eprintln!(
                                 "kvbench decode: pages of request {} stay quarantined; slot {slot} moves to spare pages",
@@ -536,9 +628,34 @@ pub async fn run_decode(
         eprintln!("kvbench decode: pool leaked, ranks did not confirm shutdown: {closed:?}");
     }
     let mut tally = tally;
+    let mut completed = std::mem::take(&mut *lock(&completed));
+    let mut share = Share {
+        tally: Tally::default(),
+        completed: Vec::new(),
+        registrations: at_start.registrations,
+        connected_ranks: at_start.connected_ranks,
+    };
+    if let Some(dir) = stamps
+        && decodes > 1
+    {
+        if index > 0 {
+            // The first decode instance reports the run: it gets what this one measured.
+            share.tally = std::mem::take(&mut tally);
+            share.completed = completed.into_iter().collect();
+            write_share(dir, index, &share)
+                .map_err(|e| format!("writing into {}: {e}", dir.display()))?;
+            return Ok(share.tally.report(w, backend));
+        }
+        for m in 1..decodes {
+            let other = read_share(dir, m, SHARE_WAIT).await?;
+            tally.merge(other.tally);
+            completed.extend(other.completed);
+            share.registrations = share.registrations.max(other.registrations);
+            share.connected_ranks = share.connected_ranks.max(other.connected_ranks);
+        }
+    }
     if let Some(dir) = stamps {
-        let completed = std::mem::take(&mut *lock(&completed));
-        match read_stamps(dir, w.pp, STAMPS_WAIT).await {
+        match read_stamps(dir, instances, w.pp, STAMPS_WAIT).await {
             Ok(last) => tally.completes_us = complete_latencies(&completed, &last),
             Err(e) => eprintln!("kvbench decode: no last-write stamps, cmpl columns read 0: {e}"),
         }
@@ -547,9 +664,21 @@ pub async fn run_decode(
     report.baseline = "none (multi-process)".into();
     report.decode_pool_bytes = decode_stats.registered_bytes;
     report.register_ms = decode_stats.register_micros as f64 / 1e3;
+    report.prefill_instances = u64::from(instances);
+    report.decode_instances = u64::from(decodes);
+    report.registrations_per_process = share.registrations;
+    report.connections_per_decode = share.connected_ranks;
     if let Some(dir) = stamps {
-        match prefill_cpu(dir, w.pp) {
-            Ok((cpu, copy)) => {
+        match prefill_cpu(dir, instances, w.pp) {
+            Ok(PrefillEnd {
+                cpu,
+                copy,
+                registrations,
+                decodes,
+            }) => {
+                report.registrations_per_process =
+                    report.registrations_per_process.max(registrations);
+                report.decodes_per_prefill_rank = decodes;
                 let requests = report.requests.max(1) as f64;
                 // Each rank sends every chunk of its layers.
                 let chunks = requests
@@ -580,6 +709,53 @@ pub async fn run_decode(
 /// How long decode waits, after its run, for every prefill process's stamps file.
 const STAMPS_WAIT: Duration = Duration::from_secs(15);
 
+/// How long the first decode instance waits, after its run, for every other one's [`Share`]: they
+/// ran as many requests side by side, so they end about when it does.
+const SHARE_WAIT: Duration = Duration::from_secs(120);
+
+/// What a decode instance other than the first hands it after its run (`decode-<index>.share` in
+/// the stamps folder, JSON).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Share {
+    tally: Tally,
+    /// When each of its requests completed, wall clock nanoseconds.
+    completed: Vec<(u64, u128)>,
+    /// Its engine's registrations and connected ranks once every rank was there.
+    registrations: u64,
+    connected_ranks: u64,
+}
+
+fn share_file(dir: &Path, index: u16) -> PathBuf {
+    dir.join(format!("decode-{index}.share"))
+}
+
+fn write_share(dir: &Path, index: u16, share: &Share) -> std::io::Result<()> {
+    let text = serde_json::to_vec(share).map_err(std::io::Error::other)?;
+    let tmp = dir.join(format!(".decode-{index}.share.{}", std::process::id()));
+    std::fs::write(&tmp, text)?;
+    std::fs::rename(&tmp, share_file(dir, index))
+}
+
+async fn read_share(dir: &Path, index: u16, within: Duration) -> Result<Share, String> {
+    let path = share_file(dir, index);
+    let deadline = Instant::now() + within;
+    let bytes = loop {
+        match std::fs::read(&path) {
+            Ok(b) => break b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => {
+                return Err(format!(
+                    "decode instance {index} left no results within {within:?}: {}: {e}",
+                    path.display()
+                ));
+            }
+        }
+    };
+    serde_json::from_slice(&bytes).map_err(|e| format!("{}: {e}", path.display()))
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
@@ -597,53 +773,89 @@ fn wall_ns(t: Instant) -> Option<u128> {
     )
 }
 
-/// Where prefill rank `rank` writes its CPU time (nanoseconds) in `dir`.
-fn cpu_file(dir: &Path, rank: u16) -> PathBuf {
-    dir.join(format!("rank-{rank}.cpu"))
+/// Where rank `rank` of prefill instance `instance` writes its CPU time (nanoseconds) in `dir`.
+fn cpu_file(dir: &Path, instance: u16, rank: u16) -> PathBuf {
+    dir.join(format!("i{instance}-rank-{rank}.cpu"))
 }
 
-/// The prefill ranks' CPU time and the part of it their progress threads spent copying, each
-/// summed, from the files they left in `dir` (read after their stamps, which they write last): one
-/// line, `cpu_ns copy_ns`.
-fn prefill_cpu(dir: &Path, pp: u16) -> Result<(Duration, Duration), String> {
-    let (mut cpu, mut copy) = (Duration::ZERO, Duration::ZERO);
-    for rank in 0..pp {
-        let path = cpu_file(dir, rank);
+/// What the prefill processes left in their CPU files: one line, `cpu_ns copy_ns registrations
+/// decodes`.
+struct PrefillEnd {
+    /// CPU time, summed over the processes.
+    cpu: Duration,
+    /// Of it, the time their progress threads spent copying, summed.
+    copy: Duration,
+    /// The most registrations one process's transport held.
+    registrations: u64,
+    /// The fewest decode instances one process was linked to once every link was up.
+    decodes: u64,
+}
+
+/// Reads every prefill process's CPU file in `dir` (after their stamps, which they write last).
+fn prefill_cpu(dir: &Path, instances: u16, pp: u16) -> Result<PrefillEnd, String> {
+    let mut end = PrefillEnd {
+        cpu: Duration::ZERO,
+        copy: Duration::ZERO,
+        registrations: 0,
+        decodes: u64::MAX,
+    };
+    for (instance, rank) in (0..instances).flat_map(|k| (0..pp).map(move |r| (k, r))) {
+        let path = cpu_file(dir, instance, rank);
         let bad = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
         let text = std::fs::read_to_string(&path).map_err(|e| bad(&e))?;
-        let mut fields = text.split_whitespace().map(str::parse::<u64>);
-        match (fields.next(), fields.next(), fields.next()) {
-            (Some(Ok(c)), Some(Ok(k)), None) => {
-                cpu += Duration::from_nanos(c);
-                copy += Duration::from_nanos(k);
-            }
-            _ => return Err(bad(&format!("not `cpu_ns copy_ns`: {text:?}"))),
-        }
+        let fields: Vec<u64> = text
+            .split_whitespace()
+            .map(str::parse::<u64>)
+            .collect::<Result<_, _>>()
+            .map_err(|e| bad(&e))?;
+        let [c, k, regs, decodes] = fields[..] else {
+            return Err(bad(&format!(
+                "not `cpu_ns copy_ns registrations decodes`: {text:?}"
+            )));
+        };
+        end.cpu += Duration::from_nanos(c);
+        end.copy += Duration::from_nanos(k);
+        end.registrations = end.registrations.max(regs);
+        end.decodes = end.decodes.min(decodes);
     }
-    Ok((cpu, copy))
+    Ok(end)
 }
 
-/// Where prefill rank `rank` writes its stamps in `dir`.
-fn stamps_file(dir: &Path, rank: u16) -> PathBuf {
-    dir.join(format!("rank-{rank}.stamps"))
+/// Where rank `rank` of prefill instance `instance` writes its stamps in `dir`.
+fn stamps_file(dir: &Path, instance: u16, rank: u16) -> PathBuf {
+    dir.join(format!("i{instance}-rank-{rank}.stamps"))
 }
 
-/// Writes one line per request, `request wall_ns`, to `rank`'s file in `dir`, atomically (a reader
-/// sees the whole file or none).
-fn write_stamps(dir: &Path, rank: u16, stamps: &[(u64, u128)]) -> std::io::Result<()> {
+/// Writes one line per request, `request wall_ns`, to the rank's file in `dir`, atomically (a
+/// reader sees the whole file or none).
+fn write_stamps(
+    dir: &Path,
+    instance: u16,
+    rank: u16,
+    stamps: &[(u64, u128)],
+) -> std::io::Result<()> {
     let text: String = stamps.iter().map(|(r, t)| format!("{r} {t}\n")).collect();
-    let tmp = dir.join(format!(".rank-{rank}.stamps.{}", std::process::id()));
+    let tmp = dir.join(format!(
+        ".i{instance}-rank-{rank}.stamps.{}",
+        std::process::id()
+    ));
     std::fs::write(&tmp, text)?;
-    std::fs::rename(&tmp, stamps_file(dir, rank))
+    std::fs::rename(&tmp, stamps_file(dir, instance, rank))
 }
 
-/// Every rank's stamps, merged: for each request, the latest last write of any rank. Waits up to
-/// `within` for the files (a prefill process writes its own when decode closed it).
-async fn read_stamps(dir: &Path, pp: u16, within: Duration) -> Result<HashMap<u64, u128>, String> {
+/// Every rank's stamps, merged: for each request, the latest last write of any rank of any
+/// instance. Waits up to `within` for the files (a prefill process writes its own when its last
+/// decode closed it).
+async fn read_stamps(
+    dir: &Path,
+    instances: u16,
+    pp: u16,
+    within: Duration,
+) -> Result<HashMap<u64, u128>, String> {
     let deadline = Instant::now() + within;
     let mut last: HashMap<u64, u128> = HashMap::new();
-    for rank in 0..pp {
-        let path = stamps_file(dir, rank);
+    for (instance, rank) in (0..instances).flat_map(|k| (0..pp).map(move |r| (k, r))) {
+        let path = stamps_file(dir, instance, rank);
         let text = loop {
             match std::fs::read_to_string(&path) {
                 Ok(t) => break t,
@@ -679,13 +891,17 @@ fn complete_latencies(completed: &HashMap<u64, u128>, last: &HashMap<u64, u128>)
         .collect()
 }
 
-/// Runs one prefill rank until the decode process closes, presenting `token` (the shared secret, if
-/// any) to its peers; `heartbeat` replaces the engine's default interval.
+/// Runs rank `rank` of prefill instance `instance` (of `w.prefill_instances`) until every decode
+/// process it serves closed, presenting `token` (the shared secret, if any) to its peers;
+/// `heartbeat` replaces the engine's default interval. One engine serves every decode instance:
+/// one transport, one registration of its pool.
 ///
 /// # Errors
 /// Engine failures, as text.
+#[allow(clippy::too_many_arguments)] // one role's whole description, as its flags give it
 pub async fn run_prefill(
     find: Find,
+    instance: u16,
     rank: u16,
     w: &Workload,
     backend: BackendKind,
@@ -698,10 +914,23 @@ pub async fn run_prefill(
         "--pp-rank {rank} is not below the PP size {} decode runs",
         w.pp
     ))?;
+    let instances = w.prefill_instances.max(1);
+    if instance >= instances {
+        return Err(format!(
+            "--instance {instance} is not below the {instances} prefill instances decode serves"
+        ));
+    }
     let pages = w.pages();
     // A rank holds a request's source pages until every rank decided it, which can be a moment
-    // after decode saw it complete and issued the next one: one slot more than decode's.
-    let slots = w.concurrency.max(1) + 1;
+    // after decode saw it complete and issued the next one: one slot more than each decode's.
+    // With a slot for every request that can be in flight, a rank never waits for one: ranks of
+    // an instance may see several decodes' requests in different orders.
+    let slots = w
+        .concurrency
+        .max(1)
+        .checked_add(1)
+        .and_then(|s| s.checked_mul(u32::from(w.decode_instances.max(1))))
+        .ok_or("too many request slots for one pool")?;
     let layout = KvLayout::packed(
         range.start,
         range.len() as u32,
@@ -709,10 +938,16 @@ pub async fn run_prefill(
         w.shape.page_bytes(),
         pages * slots,
     );
-    let (connect, peers, etcd) = match find {
-        Find::Fixed(c, p) => (c, p, None),
+    let (connect, more, peers, etcd) = match find {
+        Find::Fixed(decodes, p) => {
+            let (first, more) = decodes
+                .split_first()
+                .ok_or("prefill needs a decode address to connect to")?;
+            (*first, more.to_vec(), p, None)
+        }
         Find::Etcd(etcd) => (
             SocketAddr::from(([127, 0, 0, 1], 0)),
+            Vec::new(),
             Vec::new(),
             Some(etcd),
         ),
@@ -725,8 +960,13 @@ pub async fn run_prefill(
         w.shape.page_tokens,
         layout.clone(),
     );
-    cfg.backend =
-        BackendConfig::default_for(backend, &format!("prefill-{rank}-{}", std::process::id()));
+    cfg.backend = BackendConfig::default_for(
+        backend,
+        &format!("prefill-{instance}-{rank}-{}", std::process::id()),
+    );
+    if instances > 1 {
+        cfg.instance = instance_name(instance);
+    }
     cfg.peers = peers;
     cfg.checksums = w.checksums;
     cfg.connect_timeout = Duration::from_secs(60);
@@ -757,6 +997,11 @@ pub async fn run_prefill(
     let engine = PrefillEngine::start(cfg, Pool::Owned(buf))
         .await
         .map_err(|e| e.to_string())?;
+    for addr in more {
+        engine.add_decode(addr).await.map_err(|e| e.to_string())?;
+    }
+    // Counted once every decode is linked, before any request can end.
+    let linked = engine.stats().decodes;
     let membership = found.map(|(reg, dir)| discovery::join_prefill(&engine, reg, dir, 0));
     // This process's CPU from here to its end is what serving the run cost it.
     let cpu0 = crate::bench::cpu_time();
@@ -790,11 +1035,18 @@ pub async fn run_prefill(
         // The CPU file first: decode reads it once the stamps file is there.
         let cpu = crate::bench::cpu_time().saturating_sub(cpu0);
         let copy = engine.transport_stats().copy_nanos.saturating_sub(copy0);
-        let tmp = dir.join(format!(".rank-{rank}.cpu.{}", std::process::id()));
-        std::fs::write(&tmp, format!("{} {copy}\n", cpu.as_nanos()))
-            .and_then(|()| std::fs::rename(&tmp, cpu_file(dir, rank)))
-            .map_err(|e| format!("writing CPU time into {}: {e}", dir.display()))?;
-        write_stamps(dir, rank, &lock(&last_writes))
+        let regions = engine.transport_stats().regions;
+        let tmp = dir.join(format!(
+            ".i{instance}-rank-{rank}.cpu.{}",
+            std::process::id()
+        ));
+        std::fs::write(
+            &tmp,
+            format!("{} {copy} {regions} {linked}\n", cpu.as_nanos()),
+        )
+        .and_then(|()| std::fs::rename(&tmp, cpu_file(dir, instance, rank)))
+        .map_err(|e| format!("writing CPU time into {}: {e}", dir.display()))?;
+        write_stamps(dir, instance, rank, &lock(&last_writes))
             .map_err(|e| format!("writing stamps into {}: {e}", dir.display()))?;
     }
     Ok(())

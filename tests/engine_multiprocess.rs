@@ -350,6 +350,71 @@ fn one_command_runs_every_engine_in_its_own_process() {
     );
 }
 
+/// `kvbench --processes` with two prefill instances (PP 2 each) and two decode instances: six
+/// processes, one engine each. Every prefill rank serves both decodes from its one engine (one
+/// registration of its pool), each decode drives its own requests into both instances in turn,
+/// and the first decode reports them all, every byte of every request verified, on each backend.
+#[test]
+fn instances_in_processes_serve_every_decode_from_one_engine() {
+    for backend in ["ucx", "nixl"] {
+        let json = std::env::temp_dir().join(format!(
+            "kvbench-instances-{backend}-{}.json",
+            std::process::id()
+        ));
+        // WORKLOAD at PP 2.
+        let mut workload = WORKLOAD.to_vec();
+        let pp = workload.iter().position(|a| *a == "--pp").unwrap();
+        workload[pp + 1] = "2";
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvbench"))
+            .args(&workload)
+            .args([
+                "--requests",
+                "4",
+                "--prefill-instances",
+                "2",
+                "--decode-instances",
+                "2",
+                "--backend",
+                backend,
+                "--no-baseline",
+                "--processes",
+                "--json",
+            ])
+            .arg(&json)
+            .env_remove("KVX_TOKEN")
+            .output()
+            .unwrap();
+        let table = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{backend}: kvbench --processes ended with {}\n{table}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = std::fs::read_to_string(&json).unwrap();
+        let _ = std::fs::remove_file(&json);
+        let report: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let r = &report[0];
+        // Each decode ran its 4 requests, all checked (--verify all) and stamped by the ranks.
+        for (key, want) in [
+            ("requests", 8),
+            ("failed", 0),
+            ("verified_requests", 8),
+            ("complete_samples", 8),
+            ("prefill_instances", 2),
+            ("decode_instances", 2),
+            ("registrations_per_process", 1),
+            // Both instances' two ranks connected to each decode.
+            ("connections_per_decode", 4),
+            ("decodes_per_prefill_rank", 2),
+        ] {
+            assert_eq!(r[key], want, "{backend}: {key} in {text}");
+        }
+        assert_eq!(r["verified"], true, "{backend}: {text}");
+        assert!(r["writes_per_request"].as_u64().unwrap_or(0) > 0, "{text}");
+    }
+}
+
 /// A `kvbench --processes` killed by a signal (SIGKILL, which it cannot catch) takes its role
 /// processes with it: none is left running on its own.
 #[test]

@@ -97,6 +97,10 @@ fn arb_served() -> impl Strategy<Value = Served> {
             any::<bool>(),
             prop_oneof![Just("ucx".to_string()), Just("nixl".to_string()), ".{0,8}"],
         ),
+        (
+            prop_oneof![0u16..4, any::<u16>()],
+            prop_oneof![0u16..4, any::<u16>()],
+        ),
     )
         .prop_map(
             |(
@@ -104,6 +108,7 @@ fn arb_served() -> impl Strategy<Value = Served> {
                 (page_tokens, split_kv, pp),
                 (prompt_tokens, chunk_tokens, concurrency),
                 (checksums, backend),
+                (prefill_instances, decode_instances),
             )| Served {
                 layers,
                 bytes_per_token,
@@ -115,6 +120,8 @@ fn arb_served() -> impl Strategy<Value = Served> {
                 concurrency,
                 checksums,
                 backend,
+                prefill_instances,
+                decode_instances,
             },
         )
 }
@@ -126,12 +133,15 @@ proptest! {
     #[test]
     fn any_workload_a_peer_sends_is_refused_or_laid_out(s in arb_served()) {
         let given = ["--model", "--pp", "--prompt-tokens", "--chunk-tokens", "--concurrency",
-                     "--checksums", "--backend"];
+                     "--checksums", "--backend", "--prefill-instances", "--decode-instances"];
         let _ = s.differences(&Served::of(&defaults(), BackendKind::Ucx), &given);
         match s.apply(&defaults()) {
             Err(e) => prop_assert!(!e.is_empty()),
             Ok((w, _)) => {
-                let slots = w.concurrency.checked_add(1).unwrap();
+                prop_assert!(w.prefill_instances > 0 && w.decode_instances > 0);
+                // A slot for each request every decode instance can have in flight, and one more.
+                let slots = w.concurrency.checked_add(1).unwrap()
+                    .checked_mul(u32::from(w.decode_instances)).unwrap();
                 let pages = w.pages().checked_mul(slots).unwrap();
                 // Any rank's pool (the split is linear in the PP size, so a few ranks of each).
                 for rank in [0, w.pp / 2, w.pp - 1] {

@@ -85,14 +85,16 @@ struct Opts {
     /// Prefill PP size.
     #[arg(long, default_value_t = 4, global = true)]
     pp: u16,
-    /// Prefill instances (pipelines of --pp ranks each) into the one decode engine, in one
-    /// process: requests go to them in turn. The decode engine registers its pool once for all.
-    #[arg(long, default_value_t = 1)]
+    /// Prefill instances (pipelines of --pp ranks each) into every decode engine: each decode's
+    /// requests go to them in turn. The decode engine registers its pool once for all. With
+    /// --processes every rank of every instance is a process of its own.
+    #[arg(long, default_value_t = 1, global = true)]
     prefill_instances: u16,
-    /// Decode engines (instances, each with its own pool), in one process: every prefill rank
-    /// serves all of them from its one engine, and requests go to them in turn. Each engine,
-    /// prefill or decode, registers its pool once.
-    #[arg(long, default_value_t = 1)]
+    /// Decode engines (instances, each with its own pool): every prefill rank serves all of them
+    /// from its one engine. In one process requests go to them in turn; with --processes each is a
+    /// process of its own that runs --requests at --concurrency of its own, and the first reports
+    /// them all. Each engine, prefill or decode, registers its pool once.
+    #[arg(long, default_value_t = 1, global = true)]
     decode_instances: u16,
     /// Prefill TP size (with --decode-tp; one process): every decode TP rank is an engine, every
     /// prefill (PP, TP) rank one engine writing into every decode rank it shares heads with. Runs
@@ -233,12 +235,21 @@ enum Role {
         /// Control address to listen on (with --etcd, default 127.0.0.1 on any free port).
         #[arg(long)]
         listen: Option<std::net::SocketAddr>,
+        /// Which of --decode-instances this process is (0 first). Its request ids are its own;
+        /// with --stamps, every one but the first leaves its results there and the first prints
+        /// the table of them all.
+        #[arg(long, default_value_t = 0)]
+        decode_index: u16,
     },
-    /// Run one prefill PP rank that connects to a decode process and serves its requests.
+    /// Run one prefill PP rank that connects to decode processes and serves their requests.
     Prefill {
-        /// The decode process's control address (found through --etcd otherwise).
-        #[arg(long)]
-        connect: Option<std::net::SocketAddr>,
+        /// The decode processes' control addresses, comma-separated, the first decode instance's
+        /// first (found through --etcd otherwise). One engine serves them all.
+        #[arg(long, value_delimiter = ',')]
+        connect: Vec<std::net::SocketAddr>,
+        /// Which of the --prefill-instances this rank belongs to (0 first).
+        #[arg(long, default_value_t = 0)]
+        instance: u16,
         /// This rank.
         #[arg(long)]
         pp_rank: u16,
@@ -777,11 +788,9 @@ fn main() -> ExitCode {
             "kvbench: no --token-file or {TOKEN_ENV}: this process accepts and trusts any peer"
         );
     }
-    if (w.prefill_instances > 1 || w.decode_instances > 1)
-        && (cli.opts.processes || cli.role.is_some())
-    {
+    if (w.prefill_instances > 1 || w.decode_instances > 1) && cli.opts.etcd.is_some() {
         eprintln!(
-            "kvbench: --prefill-instances and --decode-instances run in one process only, so far (not with --processes or a role)"
+            "kvbench: --prefill-instances and --decode-instances find each other by address only, so far (not with --etcd)"
         );
         return ExitCode::from(2);
     }
@@ -817,7 +826,10 @@ fn main() -> ExitCode {
     };
     let result = match cli.role {
         None => rt.block_on(run_local(&cli.opts, &w)),
-        Some(Role::Decode { listen }) => rt
+        Some(Role::Decode {
+            listen,
+            decode_index,
+        }) => rt
             .block_on(async {
                 let place = match (listen, cli.opts.discovery()?) {
                     (Some(l), etcd) => roles::Place::Fixed(l, etcd),
@@ -834,6 +846,7 @@ fn main() -> ExitCode {
                 };
                 let r = roles::run_decode(
                     place,
+                    decode_index,
                     &w,
                     backend,
                     token,
@@ -848,14 +861,16 @@ fn main() -> ExitCode {
             })
             .map(|mut r| {
                 // Measured after the run, when the prefill processes have exited, so that they do
-                // not compete with it; the same baselines as the one-process run.
-                if !cli.opts.no_baseline {
+                // not compete with it; the same baselines as the one-process run. Only by the
+                // decode instance that reports the run.
+                if !cli.opts.no_baseline && decode_index == 0 {
                     baselines(&w).apply(&mut r);
                 }
                 vec![r]
             }),
         Some(Role::Prefill {
             connect,
+            instance,
             pp_rank,
             pp_size,
             peers,
@@ -863,10 +878,10 @@ fn main() -> ExitCode {
             let mut w = w.clone();
             w.pp = pp_size.unwrap_or(w.pp);
             rt.block_on(async {
-                let find = match (connect, cli.opts.discovery()?) {
-                    (Some(c), None) => roles::Find::Fixed(c, peers),
+                let find = match (connect.is_empty(), cli.opts.discovery()?) {
+                    (false, None) => roles::Find::Fixed(connect, peers),
                     (_, Some(etcd)) => roles::Find::Etcd(etcd),
-                    (None, None) => return Err("prefill needs --connect or --etcd".to_string()),
+                    (true, None) => return Err("prefill needs --connect or --etcd".to_string()),
                 };
                 // The workload is decode's; flags given here must agree with it.
                 let (w, backend) = roles::learn_workload(
@@ -879,6 +894,7 @@ fn main() -> ExitCode {
                 .await?;
                 roles::run_prefill(
                     find,
+                    instance,
                     pp_rank,
                     &w,
                     backend,
@@ -1323,9 +1339,13 @@ fn run_processes(opts: &Opts, w: &Workload) -> ExitCode {
         Some(urls) => Some(urls.to_string()),
     };
     let mut ok = true;
+    let instances = usize::from(w.prefill_instances.max(1));
+    let decodes = usize::from(w.decode_instances.max(1));
+    let pp = usize::from(w.pp);
     for backend in opts.backends() {
         let cluster = format!("{}-{}-{backend}", opts.cluster, std::process::id());
-        let addrs = match kvbench::cluster::free_addrs(usize::from(w.pp) + 1) {
+        // Each decode instance's control address, then each prefill instance's vote mesh.
+        let addrs = match kvbench::cluster::free_addrs(decodes + instances * pp) {
             Ok(a) => a,
             Err(e) => {
                 eprintln!("kvbench: no free ports: {e}");
@@ -1342,11 +1362,13 @@ fn run_processes(opts: &Opts, w: &Workload) -> ExitCode {
             eprintln!("kvbench: cannot make {}: {e}", stamps.display());
             return ExitCode::FAILURE;
         }
-        let peers = addrs[1..]
-            .iter()
-            .map(|a| a.to_string())
-            .collect::<Vec<_>>()
-            .join(",");
+        let joined = |a: &[std::net::SocketAddr]| {
+            a.iter()
+                .map(|a| a.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        let decode_addrs = joined(&addrs[..decodes]);
         let role = |args: Vec<String>| {
             // The roles die with this process, killed by a signal or not.
             let mut c = dies_with_us(&exe);
@@ -1362,48 +1384,69 @@ fn run_processes(opts: &Opts, w: &Workload) -> ExitCode {
             }
             c
         };
-        let mut decode_args = if etcd.is_some() {
-            vec!["decode".into()]
-        } else {
-            vec!["decode".into(), "--listen".into(), addrs[0].to_string()]
-        };
-        if let Some(m) = opts.metrics {
-            decode_args.extend(["--metrics".into(), m.to_string()]);
-        }
-        let mut decode = match role(decode_args).spawn() {
-            Ok(c) => c,
-            Err(e) => {
-                eprintln!("kvbench: cannot start decode: {e}");
-                return ExitCode::FAILURE;
+        // The first decode instance prints the table of them all (and serves --metrics).
+        let mut decode_procs = Vec::new();
+        for (m, addr) in addrs[..decodes].iter().enumerate() {
+            let mut decode_args = if etcd.is_some() {
+                vec!["decode".into()]
+            } else {
+                vec!["decode".into(), "--listen".into(), addr.to_string()]
+            };
+            decode_args.extend(["--decode-index".into(), m.to_string()]);
+            if let Some(metrics) = opts.metrics.filter(|_| m == 0) {
+                decode_args.extend(["--metrics".into(), metrics.to_string()]);
             }
-        };
-        let mut prefills = Vec::new();
-        for rank in 0..w.pp {
-            let mut args = vec!["prefill".into(), "--pp-rank".into(), rank.to_string()];
-            if etcd.is_none() {
-                args.extend(["--connect".into(), addrs[0].to_string()]);
-                args.extend(["--peers".into(), peers.clone()]);
+            let mut c = role(decode_args);
+            if m > 0 {
+                c.stdout(std::process::Stdio::null());
             }
-            let mut c = role(args);
-            match c.stdout(std::process::Stdio::null()).spawn() {
-                Ok(p) => prefills.push((rank, p)),
+            match c.spawn() {
+                Ok(c) => decode_procs.push((m, c)),
                 Err(e) => {
-                    eprintln!("kvbench: cannot start prefill rank {rank}: {e}");
-                    ok = false;
+                    eprintln!("kvbench: cannot start decode {m}: {e}");
+                    return ExitCode::FAILURE;
                 }
             }
         }
-        let decode_ok = match decode.wait() {
-            Ok(s) if s.success() => true,
-            Ok(s) => {
-                eprintln!("kvbench: {backend} decode exited with {s}");
-                false
+        let mut prefills = Vec::new();
+        for k in 0..instances {
+            let mesh = &addrs[decodes + k * pp..decodes + (k + 1) * pp];
+            for rank in 0..w.pp {
+                let mut args = vec![
+                    "prefill".into(),
+                    "--pp-rank".into(),
+                    rank.to_string(),
+                    "--instance".into(),
+                    k.to_string(),
+                ];
+                if etcd.is_none() {
+                    args.extend(["--connect".into(), decode_addrs.clone()]);
+                    args.extend(["--peers".into(), joined(mesh)]);
+                }
+                let mut c = role(args);
+                match c.stdout(std::process::Stdio::null()).spawn() {
+                    Ok(p) => prefills.push((format!("instance {k} rank {rank}"), p)),
+                    Err(e) => {
+                        eprintln!("kvbench: cannot start prefill instance {k} rank {rank}: {e}");
+                        ok = false;
+                    }
+                }
             }
-            Err(e) => {
-                eprintln!("kvbench: waiting for {backend} decode: {e}");
-                false
-            }
-        };
+        }
+        let mut decode_ok = true;
+        for (m, mut decode) in decode_procs {
+            decode_ok &= match decode.wait() {
+                Ok(s) if s.success() => true,
+                Ok(s) => {
+                    eprintln!("kvbench: {backend} decode {m} exited with {s}");
+                    false
+                }
+                Err(e) => {
+                    eprintln!("kvbench: waiting for {backend} decode {m}: {e}");
+                    false
+                }
+            };
+        }
         ok &= decode_ok;
         // Decode closes every rank when it is done; each exits on its own, within a bound. Without
         // decode nothing will close them: they are stopped at once.
@@ -1430,12 +1473,12 @@ fn run_processes(opts: &Opts, w: &Workload) -> ExitCode {
             match status {
                 Some(s) if s.success() => {}
                 Some(s) => {
-                    eprintln!("kvbench: {backend} prefill rank {rank} exited with {s}");
+                    eprintln!("kvbench: {backend} prefill {rank} exited with {s}");
                     ok = false;
                 }
                 None if decode_ok => {
                     eprintln!(
-                        "kvbench: {backend} prefill rank {rank} still ran {bound:?} after decode \
+                        "kvbench: {backend} prefill {rank} still ran {bound:?} after decode \
                          ended: stopped"
                     );
                     ok = false;

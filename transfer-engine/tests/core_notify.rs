@@ -28,8 +28,9 @@ fn notification() -> impl Strategy<Value = ChunkNotification> {
         any::<u32>(),
         status(),
         any::<Option<u64>>(),
+        any::<Option<u32>>(),
     )
-        .prop_map(|(r, p, c, s, sum)| {
+        .prop_map(|(r, p, c, s, sum, posted)| {
             let mut n = ChunkNotification::new(RequestId(r), p, c, s);
             // Keep the generated value valid: a LAST count above the id, no checksum on failure.
             if let ChunkStatus::Last { count } = &mut n.status {
@@ -41,6 +42,7 @@ fn notification() -> impl Strategy<Value = ChunkNotification> {
             if !matches!(n.status, ChunkStatus::Failed { .. }) {
                 n.checksum = sum;
             }
+            n.posted_us = posted;
             n
         })
 }
@@ -53,6 +55,19 @@ proptest! {
         let bytes = n.encode();
         prop_assert_eq!(notify::decode(&bytes), Ok(Notification::Chunk(n)));
         prop_assert_eq!(notify::decode_binary(&bytes), Ok(n));
+    }
+
+    /// A stamp read on a clock within 35 minutes of the sender's (either way) gives back the
+    /// sender's whole instant, whatever the instant.
+    #[test]
+    fn a_posted_stamp_is_found_whole_near_the_readers_clock(
+        posted in (1u64 << 32)..u64::MAX - (1 << 32),
+        ahead in -(1i64 << 31) + 1..(1i64 << 31),
+    ) {
+        let now = posted.checked_add_signed(ahead).unwrap();
+        let n = ChunkNotification::new(RequestId(1), 0, 0, ChunkStatus::More).with_posted(posted);
+        let got = notify::decode_binary(&n.encode()).unwrap().posted_us.unwrap();
+        prop_assert_eq!(notify::posted_near(got, now), posted);
     }
 
     #[test]

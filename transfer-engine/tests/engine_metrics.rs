@@ -154,6 +154,25 @@ async fn a_scrape_counts_what_the_run_did() {
         ),
         COMPLETE as f64
     );
+    // Each completed request's time from the last post its rank stamped (the prefill's wall
+    // clock, in the notification) to its Complete: one sample each, none for the aborted one, and
+    // within its expect-to-Complete time (the posts came after expect; the stamp keeps whole
+    // microseconds, so each may read up to 1 µs long).
+    assert_eq!(
+        sample(&text, "kvx_last_post_to_complete_seconds_count", &dec),
+        COMPLETE as f64
+    );
+    let last_post = sample(&text, "kvx_last_post_to_complete_seconds_sum", &dec);
+    let expect_to_complete = sample(
+        &text,
+        "kvx_request_duration_seconds_sum",
+        &with(&dec, &["outcome=\"complete\""]),
+    );
+    assert!(
+        last_post > 0.0 && last_post <= expect_to_complete + COMPLETE as f64 * 1e-6,
+        "last post to Complete {last_post} s, expect to Complete {expect_to_complete} s"
+    );
+    assert_eq!(sample(&text, "kvx_last_post_ahead_total", &dec), 0.0);
     // Every layer of every moved page, for each completed request, landed in this decode.
     let moved = COMPLETE * u64::from(LAYERS) * src.len() as u64 * PAGE_BYTES;
     let peer = format!("peer=\"{}\"", d.local_addr());

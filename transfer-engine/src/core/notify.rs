@@ -12,7 +12,8 @@
 //!   count field must be 0 (a count announced early could disagree with the final one);
 //! - `FAILURE` excludes `LAST` and `HAS_CHECKSUM` (a failed chunk has no final count and no
 //!   bytes to vouch for); without `FAILURE` the failure code must be 0;
-//! - without `HAS_CHECKSUM` the checksum field must be 0; the reserved field must be 0.
+//! - without `HAS_CHECKSUM` the checksum field must be 0; without `POSTED` the `posted_us` field
+//!   must be 0.
 //!
 //! Every zero-unless rule keeps one encoding per notification, so a record that was corrupted in
 //! an unused field is caught instead of silently accepted.
@@ -37,8 +38,11 @@ pub mod flags {
     pub const FAILURE: u16 = 1 << 1;
     /// `checksum` holds the xxh3-64 of the chunk's bytes.
     pub const HAS_CHECKSUM: u16 = 1 << 2;
+    /// `posted_us` holds when the sender posted the chunk (see
+    /// [`ChunkNotification::posted_us`](super::ChunkNotification::posted_us)).
+    pub const POSTED: u16 = 1 << 3;
     /// Every bit a v1 decoder understands.
-    pub const ALL: u16 = LAST | FAILURE | HAS_CHECKSUM;
+    pub const ALL: u16 = LAST | FAILURE | HAS_CHECKSUM | POSTED;
 }
 
 /// The v1 record as it lies on the wire. Every field is little-endian bytes, so the struct has
@@ -64,8 +68,9 @@ pub struct WireRecordV1 {
     pub pp_rank: [u8; 2],
     /// [`FailureCode`] number (with `FAILURE`), else 0.
     pub failure_code: [u8; 2],
-    /// Must be 0.
-    pub reserved: [u8; 4],
+    /// With `POSTED`, the low 32 bits of the sender's wall clock in microseconds since the Unix
+    /// epoch when it posted the chunk's writes; else 0.
+    pub posted_us: [u8; 4],
 }
 
 const _: () = assert!(std::mem::size_of::<WireRecordV1>() == RECORD_LEN);
@@ -100,6 +105,30 @@ pub struct ChunkNotification {
     pub status: ChunkStatus,
     /// xxh3-64 of the chunk's bytes, when the sender computed it.
     pub checksum: Option<u64>,
+    /// When the sender posted the chunk's writes: the low 32 bits of its wall clock in
+    /// microseconds since the Unix epoch (they wrap every 71.6 minutes; a receiver whose clock is
+    /// within half of that of the sender's finds the whole instant, [`posted_near`]).
+    pub posted_us: Option<u32>,
+}
+
+/// The wall clock now, in microseconds since the Unix epoch (0 for a clock set before it).
+pub fn wall_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+}
+
+/// The instant (microseconds since the Unix epoch) whose low 32 bits are `low` that lies nearest
+/// to `now_us`: a [`ChunkNotification::posted_us`] read on a clock within 35 minutes of the
+/// sender's.
+pub fn posted_near(low: u32, now_us: u64) -> u64 {
+    const WRAP: u64 = 1 << 32;
+    let base = (now_us & !(WRAP - 1)) | u64::from(low);
+    [base.checked_sub(WRAP), Some(base), base.checked_add(WRAP)]
+        .into_iter()
+        .flatten()
+        .min_by_key(|c| c.abs_diff(now_us))
+        .unwrap_or(base)
 }
 
 /// Anything [`decode`] recognises.
@@ -198,8 +227,8 @@ pub enum DecodeError {
     /// A non-zero checksum without `HAS_CHECKSUM`.
     #[error("checksum without the HAS_CHECKSUM flag")]
     ChecksumWithoutFlag,
-    /// The reserved field is not zero.
-    #[error("reserved field is {value:#x}, must be 0")]
+    /// The `posted_us` field is not zero and `POSTED` is not set.
+    #[error("posted_us field is {value:#x} without the POSTED flag, must be 0")]
     ReservedNonZero {
         /// Value found.
         value: u32,
@@ -276,7 +305,16 @@ impl ChunkNotification {
             chunk_id,
             status,
             checksum: None,
+            posted_us: None,
         }
+    }
+
+    /// The same notification saying it was posted at `wall_us` (microseconds since the Unix epoch
+    /// on the sender's wall clock; the record keeps the low 32 bits).
+    #[must_use]
+    pub const fn with_posted(mut self, wall_us: u64) -> Self {
+        self.posted_us = Some(wall_us as u32);
+        self
     }
 
     /// The same notification carrying `checksum` (see [`crate::core::checksum`]).
@@ -300,6 +338,9 @@ impl ChunkNotification {
         if self.checksum.is_some() {
             fl |= flags::HAS_CHECKSUM;
         }
+        if self.posted_us.is_some() {
+            fl |= flags::POSTED;
+        }
         let rec = WireRecordV1 {
             magic: MAGIC.to_le_bytes(),
             version: VERSION.to_le_bytes(),
@@ -310,7 +351,7 @@ impl ChunkNotification {
             checksum: self.checksum.unwrap_or(0).to_le_bytes(),
             pp_rank: self.pp_rank.to_le_bytes(),
             failure_code: code.to_le_bytes(),
-            reserved: [0; 4],
+            posted_us: self.posted_us.unwrap_or(0).to_le_bytes(),
         };
         bytemuck::cast(rec)
     }
@@ -412,9 +453,10 @@ pub fn decode_binary(bytes: &[u8]) -> Result<ChunkNotification, DecodeError> {
     let count = u32::from_le_bytes(rec.chunk_count);
     let code = u16::from_le_bytes(rec.failure_code);
     let sum = u64::from_le_bytes(rec.checksum);
-    let reserved = u32::from_le_bytes(rec.reserved);
-    if reserved != 0 {
-        return Err(DecodeError::ReservedNonZero { value: reserved });
+    let posted = u32::from_le_bytes(rec.posted_us);
+    let has_posted = fl & flags::POSTED != 0;
+    if !has_posted && posted != 0 {
+        return Err(DecodeError::ReservedNonZero { value: posted });
     }
     let last = fl & flags::LAST != 0;
     let failed = fl & flags::FAILURE != 0;
@@ -457,6 +499,7 @@ pub fn decode_binary(bytes: &[u8]) -> Result<ChunkNotification, DecodeError> {
         chunk_id,
         status,
         checksum: has_sum.then_some(sum),
+        posted_us: has_posted.then_some(posted),
     })
 }
 
@@ -641,7 +684,7 @@ mod tests {
             Err(DecodeError::ChecksumWithoutFlag)
         );
         assert_eq!(
-            with(&|r| r.reserved = 1u32.to_le_bytes()),
+            with(&|r| r.posted_us = 1u32.to_le_bytes()),
             Err(DecodeError::ReservedNonZero { value: 1 })
         );
         assert_eq!(

@@ -280,6 +280,9 @@ struct ReqInfo {
     prefix_tokens: u32,
     /// When `expect` took it (the start of its duration in the metrics).
     started: Instant,
+    /// The latest instant a rank of its instance said it posted a chunk of it (microseconds since
+    /// the Unix epoch on that rank's wall clock): the start of its last-post-to-Complete time.
+    last_posted_us: Option<u64>,
 }
 
 /// A prefill instance's key in the engine's state; callers name instances by string.
@@ -660,6 +663,12 @@ struct Counters {
     /// Seconds from `expect` to the outcome, of requests that completed and that failed.
     seconds_complete: prometheus_client::metrics::histogram::Histogram,
     seconds_failed: prometheus_client::metrics::histogram::Histogram,
+    /// Seconds from the last post any rank stamped on a completed request's chunks to its
+    /// Complete, on decode's wall clock.
+    seconds_last_post: prometheus_client::metrics::histogram::Histogram,
+    /// Completed requests whose last post stamp lay after their Complete on decode's clock (the
+    /// clocks are out of step): observed as 0 above.
+    last_post_ahead: AtomicU64,
 }
 
 impl Default for Counters {
@@ -682,6 +691,8 @@ impl Default for Counters {
             probes: AtomicU64::default(),
             seconds_complete: crate::metrics::seconds_histogram(),
             seconds_failed: crate::metrics::seconds_histogram(),
+            seconds_last_post: crate::metrics::seconds_histogram(),
+            last_post_ahead: AtomicU64::default(),
         }
     }
 }
@@ -695,6 +706,16 @@ impl Counters {
             &self.seconds_failed
         };
         h.observe(started.elapsed().as_secs_f64());
+    }
+
+    /// Records a completed request's last post (wall clock µs) to now.
+    fn observe_last_post(&self, posted_us: u64) {
+        let now = crate::core::notify::wall_us();
+        if now < posted_us {
+            self.last_post_ahead.fetch_add(1, Ordering::Relaxed);
+        }
+        self.seconds_last_post
+            .observe(now.saturating_sub(posted_us) as f64 / 1e6);
     }
 }
 
@@ -840,6 +861,20 @@ impl crate::metrics::Source for Inner {
             "",
             with("outcome", "failed"),
             Histogram(c.seconds_failed.clone()),
+        );
+        out.add(
+            "kvx_last_post_to_complete_seconds",
+            "Seconds from the last chunk post any prefill rank stamped on a completed request (its \
+             wall clock, carried in the notification) to its Complete (decode's wall clock)",
+            base(),
+            Histogram(c.seconds_last_post.clone()),
+        );
+        out.add(
+            "kvx_last_post_ahead",
+            "Completed requests whose last post stamp lay after their Complete on decode's clock \
+             (clocks out of step; observed as 0 seconds)",
+            base(),
+            Counter(c.last_post_ahead.load(Ordering::Relaxed)),
         );
         let gauge = |n: u64| Gauge(i64::try_from(n).unwrap_or(i64::MAX));
         for (name, help, v) in [
@@ -1500,6 +1535,7 @@ impl DecodeEngine {
                     dst_pages: Arc::new(dst_pages),
                     prefix_tokens,
                     started: now,
+                    last_posted_us: None,
                 },
             );
             st.waiters.insert(request, tx);
@@ -2112,6 +2148,9 @@ impl Inner {
             };
             if let Some(info) = st.requests.get(&id) {
                 self.counters.observe(complete, info.started);
+                if let (true, Some(posted)) = (complete, info.last_posted_us) {
+                    self.counters.observe_last_post(posted);
+                }
             }
             let (request, outcome) = match ev {
                 TrackerEvent::Complete { request } => {
@@ -2266,6 +2305,15 @@ impl Inner {
         }
         if st.tracker.handle_notification(now, peer, &n).is_err() {
             self.counters.refused.fetch_add(1, Ordering::Relaxed);
+        } else if let Some(low) = n.posted_us
+            && let Some(info) = st
+                .requests
+                .get_mut(&n.request)
+                .filter(|r| r.session == session)
+        {
+            // Taken only from a rank the tracker accepted for the request.
+            let posted = notify::posted_near(low, notify::wall_us());
+            info.last_posted_us = Some(info.last_posted_us.map_or(posted, |p| p.max(posted)));
         }
         self.drain(&mut st);
     }

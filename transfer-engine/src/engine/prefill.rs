@@ -1384,6 +1384,9 @@ impl Inner {
             }
             n = n.with_checksum(h.finish());
         }
+        // When the chunk goes to the transport, on the wall clock decode can compare with its own
+        // (decode's last-post-to-Complete histogram).
+        n = n.with_posted(crate::core::notify::wall_us());
         let mut writes: Vec<WriteOp> = Vec::with_capacity(plan.len());
         match (self.pool.single(), link.dst_seg >= link.dst_whole) {
             // One registration on each side (the usual pools): the plan's offsets are the writes'.

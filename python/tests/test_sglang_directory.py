@@ -156,6 +156,46 @@ def test_the_directory_keeps_the_ranks_and_meshes_of_dp_groups_apart(directory):
     assert http("GET", f"{url}/kvx/mesh?tp_rank=0", key=SECRET)["mesh"]["0"] == "10.0.0.0:1"
 
 
+def test_sglangs_decode_finds_the_dp_group_a_prefill_sender_registered(directory):
+    """A prefill sender registers its room's DP group with the secret; SGLang's own decode-side
+    query (``CommonKVReceiver.query_prefill_dp_ranks``, its client, no secret) gets the groups of
+    the rooms it names that were registered, and nothing else. A registration without the secret
+    is refused and changes nothing; a body that is not SGLang's query is a 400."""
+    from kvx.sglang.directory import http
+    from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+
+    addr = f"127.0.0.1:{directory.port}"
+    url = f"http://{addr}"
+    rooms = [(1 << 62) + 7, 12345, 99]
+    http("PUT", f"{url}/kvx/dp_rank", {"bootstrap_room": rooms[0], "dp_rank": 1}, key=SECRET)
+    http("PUT", f"{url}/kvx/dp_rank", {"bootstrap_room": rooms[1], "dp_rank": 0}, key=SECRET)
+    got = CommonKVReceiver.query_prefill_dp_ranks(addr, rooms)
+    assert got == {str(rooms[0]): 1, str(rooms[1]): 0}, got
+    # A stranger cannot move a room to another group.
+    status, _ = raw("PUT", f"{url}/kvx/dp_rank", {"bootstrap_room": rooms[0], "dp_rank": 0})
+    assert status == 401
+    assert CommonKVReceiver.query_prefill_dp_ranks(addr, rooms[:1]) == {str(rooms[0]): 1}
+    assert raw("POST", f"{url}/query_dp_ranks", {"rooms": rooms})[0] == 400
+    assert raw("POST", f"{url}/query_dp_ranks", {"bootstrap_rooms": "x"})[0] == 400
+
+
+def test_rooms_are_forgotten_after_their_time_and_past_the_cap(directory, monkeypatch):
+    """A room's group is kept ROOM_TTL_S, and at most MAX_ROOMS rooms are kept (the oldest go)."""
+    import kvx.sglang.directory as d
+    from kvx.sglang.directory import http
+
+    url = f"http://127.0.0.1:{directory.port}"
+    monkeypatch.setattr(d, "MAX_ROOMS", 3)
+    for room in range(5):
+        http("PUT", f"{url}/kvx/dp_rank", {"bootstrap_room": room, "dp_rank": room % 2},
+             key=SECRET)
+    body = {"bootstrap_rooms": list(range(5))}
+    assert raw("POST", f"{url}/query_dp_ranks", body) == (200, {"2": 0, "3": 1, "4": 0})
+    monkeypatch.setattr(d, "ROOM_TTL_S", 0.0)
+    time.sleep(0.01)
+    assert raw("POST", f"{url}/query_dp_ranks", body) == (200, {})
+
+
 def test_each_start_of_a_directory_has_its_own_instance(monkeypatch):
     monkeypatch.setenv("KVX_SECRET", SECRET.decode())
     from kvx.sglang.directory import KvxBootstrapServer
@@ -216,14 +256,13 @@ def test_dp_groups_are_sglangs_and_what_kvx_cannot_route_is_refused():
     # No parallel state published (outside a scheduler): one group of --tp-size.
     t = _topology(args, server_args, decode, object())
     assert (t.dp_rank, t.dp_size, t.tp_rank, t.tp_size) == (0, 1, 3, 4)
-    # A prefill server whose rooms decode could not place by their number is refused at start.
+    # A prefill server that routes rooms otherwise than by their number: its senders register
+    # each room's group, and decode asks for it.
     server_args.load_balance_method = "round_robin"
-    with pytest.raises(kvx.ConfigError, match="follow_bootstrap_room"):
-        _topology(args, server_args, prefill, parallel())
-    _topology(args, server_args, decode, parallel())  # decode routes as it likes
+    assert not _topology(args, server_args, prefill, parallel()).follow_room
     for method in ("auto", "follow_bootstrap_room"):
         server_args.load_balance_method = method
-        _topology(args, server_args, prefill, parallel())
+        assert _topology(args, server_args, prefill, parallel()).follow_room
     with pytest.raises(kvx.ConfigError, match="context parallelism"):
         _topology(args, server_args, prefill, parallel(attn_cp_size=2))
     # One group keeps the instance's address as its session's name.

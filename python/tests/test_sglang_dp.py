@@ -5,8 +5,12 @@ prompt exactly as one normal server does, token for token; a request whose moved
 corrupted on decode (``KVX_TEST_CORRUPT_ROOM``) answers otherwise, so the check reads the moved
 pages.
 
-SGLang's prefill gives a room to DP rank ``room % 2``; its decode gives requests to its DP ranks in
-turn. kvx.sglang takes DP attention's groups (``--enable-dp-attention``) by the same path, but
+The module runs twice. First the DP prefill server routes rooms SGLang's default way
+(``follow_bootstrap_room``: DP rank ``room % 2``), which decode follows without asking. Then it
+routes them round robin (``--load-balance-method round_robin``) and every room is even: half of
+them land on DP rank 1, which ``room % 2`` would never name, so each request finds its prefill
+group only through the directory (each sender registers its room's group, SGLang's decode asks
+``/query_dp_ranks``). SGLang's decode gives requests to its DP ranks in turn. kvx.sglang takes DP attention's groups (``--enable-dp-attention``) by the same path, but
 SGLang's CPU engine does not run DP attention correctly here: with the torch-native backend it
 fails on its first batch, and with two of its gaps filled a normal server of two attention-DP
 ranks answered other tokens than a normal server of one rank or of two TP ranks (which agree), so
@@ -39,10 +43,12 @@ def prompts():
     return [[rng.randrange(1, 1000) for _ in range(n)] for n in LENGTHS]
 
 
-@pytest.fixture(scope="module")
-def servers(model, tmp_path_factory, prompts):
+@pytest.fixture(scope="module", params=["follow_bootstrap_room", "round_robin"])
+def servers(model, tmp_path_factory, prompts, request):
     """A normal server (its greedy tokens for every prompt), and kvx servers: prefill and decode
-    of one rank, and of two DP ranks; both prefill servers' bootstrap ports."""
+    of one rank, and of two DP ranks (the prefill routing rooms by `request.param`); both prefill
+    servers' bootstrap ports, and the routing under ``method``."""
+    method = request.param
     logs = tmp_path_factory.mktemp("server-logs")
     free = [int(a.rsplit(":", 1)[1]) for a in free_addrs(7)]
     env = {"KVX_SECRET": SECRET, "KVX_BACKEND": "ucx", "KVX_CHUNK_TOKENS": "64",
@@ -52,7 +58,8 @@ def servers(model, tmp_path_factory, prompts):
     normal = S.Server("normal", model, free.pop(), logs)
     kvx = {}
     for name, mode, args, e in (("prefill", "prefill", [], env),
-                                ("prefill_dp", "prefill", DP, dp_env),
+                                ("prefill_dp", "prefill",
+                                 DP + ["--load-balance-method", method], dp_env),
                                 ("decode", "decode", [], env),
                                 ("decode_dp", "decode", DP, dp_env)):
         extra = ["--disaggregation-mode", mode, "--disaggregation-transfer-backend", "kvx", *args]
@@ -66,16 +73,19 @@ def servers(model, tmp_path_factory, prompts):
     try:
         S.start_all(all_servers)
         normal.expected = [S.generate(normal, p, NEW_TOKENS) for p in prompts]
+        kvx["method"] = method
         yield normal, kvx
     finally:
         for server in all_servers:
             server.kill()
 
 
-def dp_rooms(rng, n):
-    """`n` rooms of both parities in turn: a prefill server of two DP ranks gives each room to rank
-    room % 2, so both ranks hold some."""
-    return [rng.randrange(1 << 61) * 2 + i % 2 for i in range(n)]
+def dp_rooms(rng, n, kvx):
+    """`n` rooms for the DP prefill's routing. Following the room, rooms of both parities in turn
+    (it gives each to rank room % 2, so both ranks hold some); round robin, even rooms only (both
+    ranks hold some all the same, and decode cannot place those of rank 1 by their number)."""
+    odd = kvx["method"] == "follow_bootstrap_room"
+    return [rng.randrange(1 << 61) * 2 + (i % 2 if odd else 0) for i in range(n)]
 
 
 def run(kvx, prefill, decode, prompts, rooms, concurrency):
@@ -111,7 +121,7 @@ def test_dp_servers_answer_like_one_server(prefill, decode, concurrency, servers
     four at a time, with rooms on both of a DP prefill's ranks."""
     normal, kvx = servers
     rng = random.Random(f"{prefill}-{decode}-{concurrency}")
-    results = run(kvx, prefill, decode, prompts, dp_rooms(rng, len(prompts)), concurrency)
+    results = run(kvx, prefill, decode, prompts, dp_rooms(rng, len(prompts), kvx), concurrency)
     check(kvx, prefill, decode, normal, prompts, results,
           f"{prefill} into {decode}, concurrency {concurrency}")
 
@@ -124,7 +134,7 @@ def test_each_dp_rank_runs_its_engine_and_is_a_session_of_its_own(servers, promp
     rng = random.Random("sessions")
     # The pairings above ran before this test; one more round of each, in case it runs alone.
     for prefill, decode in PAIRINGS:
-        results = run(kvx, prefill, decode, prompts[:4], dp_rooms(rng, 4), 4)
+        results = run(kvx, prefill, decode, prompts[:4], dp_rooms(rng, 4, kvx), 4)
         check(kvx, prefill, decode, normal, prompts[:4], results, f"{prefill} into {decode}")
     text = kvx["prefill_dp"].log_path.read_text()
     for rank in (0, 1):
@@ -142,8 +152,8 @@ def test_each_dp_rank_runs_its_engine_and_is_a_session_of_its_own(servers, promp
 
 
 def test_a_corrupted_page_changes_the_tokens_through_dp_servers(servers, prompts):
-    """One byte of one moved page flipped on the DP decode (the room is odd: the DP prefill's rank
-    1 sent it): that request's tokens differ from the normal server's, both servers answer, and
+    """One byte of one moved page flipped on the DP decode (the room is odd: following the room,
+    the DP prefill's rank 1 sent it): that request's tokens differ from the normal server's, both servers answer, and
     the requests after it are intact."""
     normal, kvx = servers
     victim = LENGTHS.index(200)
@@ -153,7 +163,7 @@ def test_a_corrupted_page_changes_the_tokens_through_dp_servers(servers, prompts
     assert got["decode"][1]["output_ids"] != normal.expected[victim], (
         "a corrupted page did not change decode's tokens: the check does not read moved KV")
     rng = random.Random("after-corrupt")
-    after = run(kvx, "prefill_dp", "decode_dp", prompts[:4], dp_rooms(rng, 4), 2)
+    after = run(kvx, "prefill_dp", "decode_dp", prompts[:4], dp_rooms(rng, 4, kvx), 2)
     check(kvx, "prefill_dp", "decode_dp", normal, prompts[:4], after, "after the corrupted one")
 
 

@@ -15,6 +15,13 @@ request. Without a secret the directory is open, as the engines are (they warn):
 open the boxes. Worker addresses, rkeys and agent metadata never travel here: only kvx's
 authenticated control connections carry them.
 
+One path answers without the secret: ``POST /query_dp_ranks``, SGLang's own (its decode scheduler
+asks it with its own client, for a prefill whose DP groups do not take rooms by the modulo): the DP
+group of each room named in the body that a prefill sender registered. Rooms are random 63-bit
+numbers the caller must already know, and the answer is a group index, neither secret nor an
+address; registering a room's group takes the secret (``PUT /kvx/dp_rank``), so nobody else can
+send a room to the wrong group.
+
 Every directory draws an ``instance`` token at start: decode tells a prefill instance that
 restarted on the same address from one that stayed up, and announces itself again."""
 
@@ -45,6 +52,10 @@ MAX_SKEW_S = 120
 MAX_BODY = 1 << 20
 # The longest a GET of /kvx/decode waits for a new announcement (its `wait` parameter).
 MAX_WAIT_S = 30.0
+# How long a room's registered DP group is kept (SGLang's bootstrap server keeps its entries 120 s
+# by default), and the most rooms kept at once: the oldest go first.
+ROOM_TTL_S = 120.0
+MAX_ROOMS = 1 << 16
 
 
 def _mac(key: bytes, stamp: str, method: str, path: str, body: bytes) -> str:
@@ -120,6 +131,7 @@ class KvxBootstrapServer(BaseKVBootstrapServer):
         self._prefill: dict = {}  # "dp/tp/pp" -> info
         self._decodes: list = []  # announcements, in order
         self._mesh: dict = {}  # (dp, tp) -> {pp: addr}
+        self._rooms: dict = {}  # room -> (dp_rank, when registered), oldest first
         # Wakes the prefill ranks' long polls of /kvx/decode when a decode announces itself.
         self._announced = threading.Condition(self._lock)
         server = self
@@ -187,6 +199,25 @@ class KvxBootstrapServer(BaseKVBootstrapServer):
                     return self._reply(400, {"error": str(e)})
                 return self._reply(404)
 
+            def do_POST(self):
+                u = urlparse(self.path)
+                if u.path != "/query_dp_ranks":
+                    return self._reply(404)
+                try:
+                    n = int(self.headers.get("Content-Length") or 0)
+                    if n < 0 or n > MAX_BODY:
+                        return self._reply(413, {"error": "body too large"})
+                    rooms = json.loads(self.rfile.read(n))["bootstrap_rooms"]
+                    if not isinstance(rooms, list):
+                        raise TypeError("bootstrap_rooms is not a list")
+                    with server._lock:
+                        server._expire_rooms()
+                        found = {str(int(r)): server._rooms[int(r)][0] for r in rooms
+                                 if int(r) in server._rooms}
+                except (KeyError, ValueError, TypeError) as e:
+                    return self._reply(400, {"error": str(e)})
+                return self._reply(200, found)
+
             def do_PUT(self):
                 u = urlparse(self.path)
                 try:
@@ -218,6 +249,11 @@ class KvxBootstrapServer(BaseKVBootstrapServer):
                         elif u.path == "/kvx/mesh":
                             key = (int(b.get("dp_rank", 0)), int(b["tp_rank"]))
                             server._mesh.setdefault(key, {})[str(int(b["pp_rank"]))] = str(b["addr"])
+                        elif u.path == "/kvx/dp_rank":
+                            room, dp = int(b["bootstrap_room"]), int(b["dp_rank"])
+                            server._rooms.pop(room, None)
+                            server._rooms[room] = (dp, time.monotonic())
+                            server._expire_rooms()
                         else:
                             return self._reply(404)
                     return self._sealed("PUT", {})
@@ -229,6 +265,16 @@ class KvxBootstrapServer(BaseKVBootstrapServer):
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
                                         name="kvx-bootstrap")
         self._thread.start()
+
+    def _expire_rooms(self) -> None:
+        """Forgets rooms registered more than ROOM_TTL_S ago, and the oldest past MAX_ROOMS (under
+        the lock)."""
+        now = time.monotonic()
+        while self._rooms:
+            room, (_, when) = next(iter(self._rooms.items()))
+            if now - when <= ROOM_TTL_S and len(self._rooms) <= MAX_ROOMS:
+                break
+            del self._rooms[room]
 
     @property
     def address(self) -> str:

@@ -13,6 +13,7 @@ rejoin their session."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import json
 import logging
@@ -108,7 +109,8 @@ def _topology(args: KVArgs, server_args, mode, parallel=None) -> types.SimpleNam
         attn_dp, attn_dp_rank = int(p.attn_dp_size), int(p.attn_dp_rank)
         replicas, cp = int(p.dp_size), int(p.attn_cp_size)
     except (ImportError, AttributeError, ValueError, RuntimeError):
-        return types.SimpleNamespace(tp_rank=engine_rank, tp_size=tp_size, dp_rank=0, dp_size=1)
+        return types.SimpleNamespace(tp_rank=engine_rank, tp_size=tp_size, dp_rank=0, dp_size=1,
+                                     follow_room=True)
     if cp > 1:
         raise kvx.ConfigError("kvx: attention context parallelism (attn_cp_size > 1) is not mapped "
                               "by kvx: use another --disaggregation-transfer-backend")
@@ -116,17 +118,25 @@ def _topology(args: KVArgs, server_args, mode, parallel=None) -> types.SimpleNam
         dp_rank, dp_size = int(getattr(args, "system_dp_rank", 0) or 0), replicas
     else:
         dp_rank, dp_size = attn_dp_rank, attn_dp
-    if dp_size > 1 and mode == DisaggregationMode.PREFILL:
-        method = getattr(server_args, "load_balance_method", None) or "auto"
-        method = str(getattr(method, "value", method))
-        if method not in ("auto", "follow_bootstrap_room"):  # auto: follow, on a prefill server
-            # Decode then asks the bootstrap server which DP rank took each room, a query kvx's
-            # directory does not answer: refused here rather than left to hang.
-            raise kvx.ConfigError(
-                f"kvx: a prefill server of {dp_size} DP ranks must route rooms by "
-                f"--load-balance-method follow_bootstrap_room (the default), not {method}")
+    # Whether a prefill server's DP ranks take rooms by room modulo DP size, so that decode knows a
+    # room's group without asking; otherwise each sender registers its room's group in the
+    # directory, and decode asks it (SGLang's /query_dp_ranks), as SGLang's own backends do.
+    method = getattr(server_args, "load_balance_method", None) or "auto"
+    method = str(getattr(method, "value", method))
+    follow = method in ("auto", "follow_bootstrap_room") and not _force_query()
     return types.SimpleNamespace(tp_rank=attn_tp_rank, tp_size=attn_tp, dp_rank=dp_rank,
-                                 dp_size=dp_size)
+                                 dp_size=dp_size, follow_room=follow)
+
+
+def _force_query() -> bool:
+    """SGLang's ``SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK``: register and ask every
+    room's DP group even where rooms follow the modulo."""
+    try:
+        from sglang.srt.environ import envs
+
+        return bool(envs.SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK.get())
+    except (ImportError, AttributeError):
+        return False
 
 
 def _dp_size(ranks: list) -> int:
@@ -225,6 +235,8 @@ class KvxKVManager(BaseKVManager):
         where = _topology(args, server_args, disaggregation_mode)
         self.tp_rank, self.tp_size = where.tp_rank, where.tp_size
         self.dp_rank, self.dp_size = where.dp_rank, where.dp_size
+        # Prefill: whether decode finds a room's DP group by the modulo (else it asks).
+        self.follow_room = where.follow_room
         self.page_size = int(args.page_size)
         self.local_ip = settings.local_ip()
         self.backend = os.environ.get("KVX_BACKEND", "ucx")
@@ -287,6 +299,9 @@ class KvxKVManager(BaseKVManager):
             # What the decode scheduler reads of each prefill instance (one DP rank each).
             self.prefill_info_table: dict = {}
             self.id = f"{os.getpid()}-{self.tp_rank}-{id(self):x}"
+            # SGLang's decode scheduler asks a prefill's directory for rooms' DP groups
+            # (/query_dp_ranks) on a pool it takes from the manager, made on first use.
+            self._queries: Optional[concurrent.futures.ThreadPoolExecutor] = None
             _release_failed_rooms_on_kvx_decision()
             threading.Thread(target=self._heartbeat, daemon=True, name="kvx-heartbeat").start()
         if settings.state_log_interval() is not None:
@@ -325,6 +340,16 @@ class KvxKVManager(BaseKVManager):
 
     # Prefill side.
 
+    def register_room(self, room: int) -> None:
+        """Tells the directory that this rank's DP group took `room`, where decode cannot know it
+        from the room (a prefill of several DP groups that does not route by the modulo).
+
+        Raises OSError when the directory cannot be told (decode would wait for the room in vain)."""
+        if self.dp_size <= 1 or self.follow_room:
+            return
+        self._put(f"{self.bootstrap_url}/kvx/dp_rank",
+                  {"bootstrap_room": int(room), "dp_rank": self.dp_rank})
+
     def register_to_bootstrap(self):
         """Publishes this prefill rank in its instance's directory (once; called from __init__)."""
         if self.disaggregation_mode != DisaggregationMode.PREFILL or self._registered:
@@ -334,7 +359,8 @@ class KvxKVManager(BaseKVManager):
                 "first_layer": self.pool.first_layer, "num_layers": self.pool.num_layers,
                 "page_size": self.page_size, "page_bytes": self.pool.page_bytes,
                 "split_kv": self.pool.split, "backend": self.backend,
-                "kv_heads": self.pool.kv_heads, "head_bytes": self.pool.head_bytes}
+                "kv_heads": self.pool.kv_heads, "head_bytes": self.pool.head_bytes,
+                "follow_bootstrap_room": self.follow_room}
         deadline = time.monotonic() + settings.bootstrap_timeout()
         while True:
             try:
@@ -674,10 +700,12 @@ class KvxKVManager(BaseKVManager):
             pp_size = int(mine[0]["pp_size"])
         with self._lock:
             self._dp_sizes[bootstrap_addr] = dp_size
-        # SGLang's decode takes a room's prefill DP group as the room modulo dp_size (prefill
-        # routes rooms so, see _topology).
+        # Where prefill routes rooms by the modulo, SGLang's decode takes a room's DP group as
+        # the room modulo dp_size; otherwise it asks the directory (/query_dp_ranks), where each
+        # prefill sender registered its room (register_room).
+        follow = all(bool(r.get("follow_bootstrap_room", True)) for r in ranks)
         self.prefill_info_table[bootstrap_addr] = types.SimpleNamespace(
-            dp_size=dp_size, follow_bootstrap_room=True, pp_size=pp_size)
+            dp_size=dp_size, follow_bootstrap_room=follow, pp_size=pp_size)
         return True
 
     def aux_row(self, index: int) -> bytes:
@@ -742,11 +770,26 @@ class KvxKVManager(BaseKVManager):
             self._rooms.pop(bootstrap_room, None)
             self._quarantined.discard(bootstrap_room)
 
+    def _ensure_prefill_recompute_executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The decode manager's thread pool on which SGLang's decode scheduler runs its queries of
+        a prefill's directory for the DP group of rooms (``prefetch_prefill_dp_rank_queries``, for a
+        prefill whose rooms do not follow the modulo). SGLang's own managers name it for their
+        other use of it, re-running a retracted request's prefill (`submit_prefill_recompute`),
+        which kvx's manager does not offer."""
+        with self._lock:
+            if self._queries is None:
+                self._queries = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=2, thread_name_prefix="kvx-dp-query")
+            return self._queries
+
     def close(self):
         self._closed.set()
         with self._lock:
             prefills = [p for p in [getattr(self, "_prefill", None)] if p is not None]
             decode = getattr(self, "_engine", None)
+            queries, self._queries = getattr(self, "_queries", None), None
+        if queries is not None:
+            queries.shutdown(wait=False, cancel_futures=True)
         for p in prefills:
             p.close()
         if decode is not None:

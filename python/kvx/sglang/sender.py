@@ -51,6 +51,14 @@ class KvxKVSender(BaseKVSender):
         self._early_send_wait_event = None
         # Set while such an event has not fired: nothing is posted meanwhile.
         self._gate = None
+        if not req_has_disagg_prefill_dp_rank:
+            # Decode learns this room's DP group from the directory, where it does not follow
+            # from the room.
+            try:
+                mgr.register_room(self.bootstrap_room)
+            except OSError as e:
+                self._fail(settings.failed("bootstrap", f"room {self.bootstrap_room}: cannot "
+                                                        f"register its DP group: {e}"))
 
     def _fail(self, e: BaseException):
         if self.failed is None:

@@ -366,6 +366,7 @@ impl DecodeEngine {
                 ("requests", s.requests),
                 ("instances", s.instances),
                 ("connected_ranks", s.connected_ranks),
+                ("waiting_for_rank", s.waiting_for_rank),
                 ("awaiting_abort_ack", s.awaiting_abort_ack),
                 ("abort_ack_timeouts", s.abort_ack_timeouts),
                 ("quarantined", s.quarantined),

@@ -125,6 +125,13 @@ impl Collector for Sources {
         for s in self.live() {
             s.collect(&mut samples);
         }
+        // The process's, not one engine's: no engine labels.
+        samples.add(
+            "kvx_leaked_pools",
+            "Pools this process leaked rather than freed while a peer's write could still land",
+            Labels::new(),
+            Value::Counter(crate::transport::leaked_pools()),
+        );
         for (name, family) in samples.families {
             let kind = match family.rows.first().map(|r| &r.1) {
                 Some(Value::Counter(_)) => MetricType::Counter,

@@ -1,7 +1,7 @@
 //! The metrics endpoint, scraped over HTTP from a live run over real loopback UCX: the counts it
-//! serves are the ones the run made (requests by outcome, bytes written into the decode,
-//! registrations, durations), a decode and a prefill engine share one endpoint, and the endpoint
-//! goes once its engines are gone.
+//! serves are the ones the run made (requests by outcome, a request waiting for its rank, bytes and
+//! writes into the decode, registrations, durations, the process's leaked pools), a decode and a
+//! prefill engine share one endpoint, and the endpoint goes once its engines are gone.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -68,6 +68,29 @@ async fn a_scrape_counts_what_the_run_did() {
     let buf = HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).unwrap();
     let d = DecodeEngine::start(dcfg, Pool::Owned(buf)).await.unwrap();
     let endpoint = d.metrics_addr().unwrap();
+    let dec = [
+        "role=\"decode\"",
+        "engine=\"metrics-decode\"",
+        "backend=\"ucx\"",
+    ];
+    let pre = ["role=\"prefill\"", "engine=\"metrics-prefill\""];
+    let scrape = || async move {
+        tokio::task::spawn_blocking(move || get(endpoint, "/metrics"))
+            .await
+            .unwrap()
+    };
+
+    // The first request is expected before its rank connected: it waits for the rank.
+    const COMPLETE: u64 = 6;
+    let src: Vec<u32> = (0..PROMPT / PAGE_TOKENS).collect();
+    let last = PROMPT.div_ceil(CHUNK) - 1;
+    let dst_of = |n: u64| -> Vec<u32> { src.iter().map(|s| s + 4 * n as u32).collect() };
+    let mut first = Some(
+        d.expect(RequestId(100), PROMPT, CHUNK, dst_of(0), BOUND)
+            .unwrap(),
+    );
+    let (_, text) = scrape().await;
+    assert_eq!(sample(&text, "kvx_requests_waiting_for_rank", &dec), 1.0);
 
     let (play, pbuf) = common::patterned_rank(LAYERS, 1, 0, PAGE_BYTES, PREFILL_PAGES, pattern);
     let mut pcfg = PrefillConfig::new(d.local_addr(), 0, 1, LAYERS, PAGE_TOKENS, play);
@@ -79,13 +102,12 @@ async fn a_scrape_counts_what_the_run_did() {
     assert_eq!(p.metrics_addr(), Some(endpoint));
     d.wait_for_ranks(BOUND).await.unwrap();
 
-    const COMPLETE: u64 = 5;
-    let src: Vec<u32> = (0..PROMPT / PAGE_TOKENS).collect();
-    let last = PROMPT.div_ceil(CHUNK) - 1;
     for n in 0..COMPLETE {
         let request = RequestId(100 + n);
-        let dst: Vec<u32> = src.iter().map(|s| s + 4 * n as u32).collect();
-        let done = d.expect(request, PROMPT, CHUNK, dst, BOUND).unwrap();
+        let done = match first.take() {
+            Some(done) => done,
+            None => d.expect(request, PROMPT, CHUNK, dst_of(n), BOUND).unwrap(),
+        };
         assert_eq!(p.next_request().await.unwrap().request, request);
         for chunk in 0..=last {
             p.send_chunk(request, chunk, &src, chunk == last)
@@ -109,16 +131,8 @@ async fn a_scrape_counts_what_the_run_did() {
         Outcome::Failed(_)
     ));
 
-    let (status, text) = tokio::task::spawn_blocking(move || get(endpoint, "/metrics"))
-        .await
-        .unwrap();
+    let (status, text) = scrape().await;
     assert!(status.contains(" 200 "), "{status}");
-    let dec = [
-        "role=\"decode\"",
-        "engine=\"metrics-decode\"",
-        "backend=\"ucx\"",
-    ];
-    let pre = ["role=\"prefill\"", "engine=\"metrics-prefill\""];
     let with = |base: &[&'static str], more: &[&'static str]| -> Vec<&'static str> {
         base.iter().chain(more).copied().collect()
     };
@@ -186,6 +200,23 @@ async fn a_scrape_counts_what_the_run_did() {
         moved
     );
     assert_eq!(p.stats().bytes, moved);
+    // Every write went into that decode, and the request that waited is no longer waiting.
+    let writes = sample(&text, "kvx_writes_total", &pre);
+    assert!(
+        writes >= (COMPLETE * u64::from(last + 1)) as f64,
+        "{writes} writes"
+    );
+    assert_eq!(
+        sample(&text, "kvx_peer_writes_total", &[pre[0], pre[1], &peer]),
+        writes
+    );
+    assert_eq!(sample(&text, "kvx_requests_waiting_for_rank", &dec), 0.0);
+    // The process's leaked pools, once, without engine labels.
+    assert_eq!(
+        sample(&text, "kvx_leaked_pools_total", &[]),
+        transfer_engine::transport::leaked_pools() as f64
+    );
+    assert!(!text.contains("kvx_leaked_pools_total{role"), "{text}");
     assert_eq!(sample(&text, "kvx_registrations", &dec), 1.0);
     assert_eq!(sample(&text, "kvx_registrations", &pre), 1.0);
     assert_eq!(

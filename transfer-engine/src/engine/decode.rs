@@ -214,6 +214,9 @@ pub struct DecodeStats {
     pub instances: u64,
     /// Prefill ranks connected now, over every instance.
     pub connected_ranks: u64,
+    /// Requests expected while a rank of their instance was absent, waiting for it (at most
+    /// `rank_wait`): their pages are held and no rank was asked for them yet.
+    pub waiting_for_rank: u64,
     /// Failed requests whose future waits for ranks to confirm their writes are over.
     pub awaiting_abort_ack: u64,
     /// Failed requests resolved without every rank's confirmation, after `abort_ack_timeout`.
@@ -763,7 +766,15 @@ impl Inner {
     /// The counters and state sizes [`DecodeEngine::stats`] reports.
     fn stats(&self) -> DecodeStats {
         let c = &self.counters;
-        let (in_flight, requests, awaiting_abort_ack, quarantined, instances, connected_ranks) = {
+        let (
+            in_flight,
+            requests,
+            awaiting_abort_ack,
+            quarantined,
+            instances,
+            connected_ranks,
+            waiting,
+        ) = {
             let st = self.lock();
             let held = st.unacked.values().filter(|u| u.outcome.is_some()).count() as u64;
             let quarantined = st.unacked.len() as u64 - held;
@@ -773,6 +784,7 @@ impl Inner {
                 .values()
                 .map(|s| s.ranks.iter().flatten().count() as u64)
                 .sum();
+            let waiting = st.sessions.values().map(|s| s.parked.len() as u64).sum();
             (
                 st.tracker.in_flight() as u64,
                 st.requests.len() as u64,
@@ -780,6 +792,7 @@ impl Inner {
                 quarantined,
                 instances,
                 connected,
+                waiting,
             )
         };
         DecodeStats {
@@ -803,6 +816,7 @@ impl Inner {
             requests,
             instances,
             connected_ranks,
+            waiting_for_rank: waiting,
             awaiting_abort_ack,
             abort_ack_timeouts: c.abort_ack_timeouts.load(Ordering::Relaxed),
             quarantined,
@@ -892,6 +906,11 @@ impl crate::metrics::Source for Inner {
                 "kvx_requests_quarantined",
                 "Ended requests whose pages stay held until every rank confirms it stopped writing",
                 s.quarantined,
+            ),
+            (
+                "kvx_requests_waiting_for_rank",
+                "Requests expected while a rank of their instance was absent, waiting for it",
+                s.waiting_for_rank,
             ),
             (
                 "kvx_requests_awaiting_abort_ack",

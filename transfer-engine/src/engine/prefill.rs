@@ -403,6 +403,13 @@ impl State {
     }
 }
 
+/// What a rank's completed chunks wrote into one decode.
+#[derive(Default, Clone, Copy)]
+struct Written {
+    bytes: u64,
+    writes: u64,
+}
+
 #[derive(Default)]
 struct Counters {
     chunks: AtomicU64,
@@ -415,9 +422,9 @@ struct Counters {
     write_rows: AtomicU64,
     refused: AtomicU64,
     refused_connections: AtomicU64,
-    /// Bytes of completed chunks by decode (control address), for the metrics: one entry per
-    /// decode this rank ever wrote into.
-    bytes_by_peer: Mutex<std::collections::BTreeMap<SocketAddr, u64>>,
+    /// Bytes and writes of completed chunks by decode (control address), for the metrics: one
+    /// entry per decode this rank ever wrote into.
+    by_peer: Mutex<std::collections::BTreeMap<SocketAddr, Written>>,
 }
 
 struct Inner {
@@ -490,18 +497,26 @@ impl crate::metrics::Source for Inner {
         );
         let base = || labels.base();
         let with = |k: &'static str, v: &str| labels.with(k, v);
-        for (peer, bytes) in self
+        let by_peer = self
             .counters
-            .bytes_by_peer
+            .by_peer
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .iter()
-        {
+            .clone();
+        for (peer, w) in &by_peer {
             out.add(
                 "kvx_written_bytes",
                 "Bytes of completed chunks written into each decode",
                 with("peer", &peer.to_string()),
-                Counter(*bytes),
+                Counter(w.bytes),
+            );
+        }
+        for (peer, w) in &by_peer {
+            out.add(
+                "kvx_peer_writes",
+                "Writes of completed chunks into each decode (as kvx_writes counts them)",
+                with("peer", &peer.to_string()),
+                Counter(w.writes),
             );
         }
         out.add(
@@ -1203,6 +1218,7 @@ impl PrefillEngine {
             let (tx, rx) = oneshot::channel();
             let weak = Arc::downgrade(inner);
             let (link_id, bytes) = (link.id, post.bytes);
+            let writes = post.writes.len() as u64;
             batch.push(Post {
                 peer: link.peer,
                 writes: post.writes,
@@ -1210,7 +1226,7 @@ impl PrefillEngine {
                 done: Box::new(move |res: Result<(), TransportError>| {
                     // Runs on the transport's progress thread: the vote is cast right here.
                     if let Some(inner) = weak.upgrade() {
-                        inner.chunk_done(link_id, request, chunk, last, bytes, &res);
+                        inner.chunk_done(link_id, request, chunk, last, (bytes, writes), &res);
                     }
                     let _ = tx.send(res);
                 }),
@@ -1476,7 +1492,7 @@ impl Inner {
         request: RequestId,
         chunk: u32,
         last: bool,
-        bytes: u64,
+        (bytes, writes): (u64, u64),
         res: &Result<(), TransportError>,
     ) {
         let (ack, close, peer) = {
@@ -1526,13 +1542,14 @@ impl Inner {
                 self.counters.chunks.fetch_add(1, Ordering::Relaxed);
                 self.counters.bytes.fetch_add(bytes, Ordering::Relaxed);
                 if let Some(peer) = peer {
-                    *self
+                    let mut by_peer = self
                         .counters
-                        .bytes_by_peer
+                        .by_peer
                         .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner)
-                        .entry(peer)
-                        .or_default() += bytes;
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    let w = by_peer.entry(peer).or_default();
+                    w.bytes += bytes;
+                    w.writes += writes;
                 }
                 self.settle_vote(request, None);
             }

@@ -51,6 +51,7 @@ fn datapath(c: &mut Criterion) {
             prefill_instances: 1,
             decode_instances: 1,
             metrics: None,
+            metrics_linger: Duration::ZERO,
             decode_progress: Default::default(),
         };
         let page_kib = shape(page_tokens).page_bytes() / 1024;

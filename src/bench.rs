@@ -7,7 +7,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use transfer_engine::core::{FailureCode, RequestId};
-use transfer_engine::engine::{EngineError, Outcome};
+use transfer_engine::engine::{DecodeEngine, EngineError, Outcome};
 use transfer_engine::mem::{HostBuffer, HostOptions, Pool};
 use transfer_engine::transport::ucx::{UcxConfig, UcxTransport};
 use transfer_engine::transport::{BackendKind, Registration, Transport, WriteOp};
@@ -68,6 +68,9 @@ pub struct Workload {
     pub decode_instances: u16,
     /// Where every engine of the run serves its Prometheus metrics, if anywhere.
     pub metrics: Option<std::net::SocketAddr>,
+    /// How long the engines stay up, serving those metrics, after the last request ended and
+    /// before they shut down (so that a scraper reads the run's final counts).
+    pub metrics_linger: Duration,
     /// How decode engines' progress threads run (`--progress-fifo`, `--progress-spin-us`).
     pub decode_progress: crate::cluster::DecodeProgress,
 }
@@ -608,6 +611,14 @@ pub async fn run_workload(
         &on,
     )
     .await?;
+    linger(
+        w,
+        cluster
+            .decodes()
+            .next()
+            .and_then(DecodeEngine::metrics_addr),
+    )
+    .await;
     let (pool_bytes, register_ms) = cluster.decodes().next().map_or((0, 0.0), |d| {
         let s = d.stats();
         (s.registered_bytes, s.register_micros as f64 / 1e3)
@@ -932,4 +943,18 @@ pub fn memcpy_bw(span: u64, secs: f64) -> Result<f64, EngineError> {
         bytes += span;
     }
     Ok(bytes as f64 / start.elapsed().as_secs_f64() / 1e9)
+}
+
+/// With `--metrics` and `--metrics-linger`: says on stderr that the run is over and keeps the
+/// engines (and their endpoint at `addr`) up for the linger.
+pub async fn linger(w: &Workload, addr: Option<std::net::SocketAddr>) {
+    if let Some(addr) = addr
+        && !w.metrics_linger.is_zero()
+    {
+        eprintln!(
+            "kvbench: run over; metrics stay on http://{addr}/metrics for {:.1} s",
+            w.metrics_linger.as_secs_f64()
+        );
+        tokio::time::sleep(w.metrics_linger).await;
+    }
 }

@@ -298,7 +298,7 @@ impl Cluster {
     }
 
     async fn start_inner(
-        spec: ClusterSpec,
+        mut spec: ClusterSpec,
         instances: u16,
         decodes: u16,
         mut backend: impl FnMut(Option<u16>, &str) -> BackendConfig,
@@ -338,6 +338,9 @@ impl Cluster {
                 .pool(dst_layout.buffer_len)
                 .map_err(|e| EngineError::Config(format!("decode pool: {e}")))?;
             let decode = DecodeEngine::start(dcfg, dpool).await?;
+            // Every later engine joins the first decode's endpoint (a port 0 asked for bound
+            // one of its own: asked for again, it would bind another).
+            spec.metrics = decode.metrics_addr().or(spec.metrics);
             if instances > 1 {
                 for name in &names {
                     decode.add_instance(name, spec.pp, 1)?;

@@ -613,6 +613,7 @@ pub async fn run_decode(
     // Before shutdown, whose closing ranks would count as absences too.
     let away = decode.absences().len().saturating_sub(1);
     let decode_stats = decode.stats();
+    crate::bench::linger(w, decode.metrics_addr()).await;
     // Revokes the record and lets go of the engine handle its watch held.
     if let Some(m) = membership
         && let Err(e) = m.leave().await

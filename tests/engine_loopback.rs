@@ -129,6 +129,7 @@ async fn grid(backend: BackendKind, instances: u16, decodes: u16) {
         prefill_instances: instances,
         decode_instances: decodes,
         metrics: None,
+        metrics_linger: Duration::ZERO,
         decode_progress: Default::default(),
     };
     let r = tokio::time::timeout(Duration::from_secs(120), run_workload(&w, backend, None))

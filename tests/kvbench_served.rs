@@ -29,6 +29,7 @@ fn defaults() -> Workload {
         prefill_instances: 1,
         decode_instances: 1,
         metrics: None,
+        metrics_linger: Duration::ZERO,
         decode_progress: Default::default(),
     }
 }

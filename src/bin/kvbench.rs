@@ -188,6 +188,10 @@ struct Opts {
     /// on this address while it runs. With `--processes`, the decode process serves it.
     #[arg(long, global = true)]
     metrics: Option<std::net::SocketAddr>,
+    /// With `--metrics`: seconds the engines stay up after the run, serving its final counts,
+    /// before they shut down (default 0). The decode side says on stderr when it begins.
+    #[arg(long, global = true, default_value_t = 0.0)]
+    metrics_linger: f64,
     /// Run decode engines' progress threads (the threads that see prefill's notifications arrive)
     /// under `SCHED_FIFO` at this priority (1 to 99), so a notification is seen as soon as it arrives
     /// however busy the cores are. Needs `CAP_SYS_NICE` or an `RLIMIT_RTPRIO` of at least it; the
@@ -380,6 +384,8 @@ impl Opts {
             prefill_instances: self.prefill_instances.max(1),
             decode_instances: self.decode_instances.max(1),
             metrics: self.metrics,
+            metrics_linger: Duration::try_from_secs_f64(self.metrics_linger)
+                .map_err(|e| format!("--metrics-linger {}: {e}", self.metrics_linger))?,
             decode_progress: kvbench::cluster::DecodeProgress {
                 scheduling: self
                     .progress_fifo

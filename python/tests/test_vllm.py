@@ -2,7 +2,7 @@
 decode pair answers like one normal instance, token for token (greedy), and so does vLLM's own
 NixlConnector pair on the same prompts; a corrupted moved block changes its request's tokens; a
 prefill killed while decode waits for a request's KV leaves decode recomputing it within a bound,
-never hanging.
+never hanging; a request decode's vLLM aborts while it waits for its KV ends on both sides.
 
 Five instances (one normal, a kvx pair, a NixlConnector pair), each a ``vllm.LLM`` in its own
 process group with vLLM's engine core and worker processes (see ``vllm_instances``), start
@@ -26,6 +26,7 @@ MAX_TOKENS = 16
 PROMPTS = V.prompts(8, 100)
 CORRUPT_PROMPTS = V.prompts(4, 130, seed=11)
 KILL_PROMPT = V.prompts(1, 140, seed=13)[0]
+ABORT_PROMPT = V.prompts(1, 150, seed=17)[0]
 CORRUPT, STALL = "corrupt", "stall"
 # How long decode may take to give up on a killed prefill and answer: the kvx control
 # connection's loss is seen at once, kvx's heartbeat bounds a silent peer at 15 s.
@@ -171,6 +172,33 @@ def test_a_corrupted_moved_block_changes_that_requests_tokens(cluster):
     assert "KVX_TEST_CORRUPT_TAG: corrupted block" in p_log.text()
     assert got[1] != want[1]
     assert got[:1] + got[2:] == want[:1] + want[2:]
+
+
+def test_a_request_decode_aborts_while_its_kv_is_awaited_ends_on_both_sides(cluster):
+    """The prefill takes decode's allocation for a request and never writes it (the stall hook);
+    decode's vLLM aborts the request meanwhile, as a server does when its client goes away. The
+    request ends within seconds; kvx's failed decision reaches the prefill within 20 s (not at
+    decode's 60 s bound on the wait), which gives its blocks back to vLLM then; both instances
+    then serve the next requests of the pair with the normal tokens."""
+    prefill, decode = cluster["kvx_p"], cluster["kvx_d"]
+    p_log, d_log = Log(prefill), Log(decode)
+    prompt = ABORT_PROMPT
+    p = prefill.generate([prompt], 1, [{"do_remote_decode": True, "kvx_test_tag": STALL}])
+    params = p["outputs"][0]["kv_transfer_params"]
+    got = decode.generate_abort([prompt], MAX_TOKENS, [params], abort_after_s=3.0)
+    assert "KVX_TEST_STALL_TAG" in p_log.text(), p_log.text()[-4000:]
+    # vLLM hands no output back for a request its caller aborted; none finished otherwise.
+    assert got["outputs"] == [{"finish_reason": None, "tokens": None}], got
+    assert got["after_abort_s"] < 10, got
+    failed = f"kvx: request {params['remote_request_id']} failed:"
+    deadline = time.monotonic() + 20
+    while failed not in p_log.text():
+        assert time.monotonic() < deadline, p_log.text()[-4000:]
+        time.sleep(0.2)
+    assert "within the lease" not in p_log.text()
+    # Neither side is harmed: the pair answers the next requests as the single instance does.
+    _, d = V.pair_generate(prefill, decode, PROMPTS[:2], MAX_TOKENS)
+    assert [o["tokens"] for o in d["outputs"]] == cluster["expected"][:2]
 
 
 def test_a_prefill_killed_mid_request_leaves_decode_recomputing_within_a_bound(cluster):

@@ -240,6 +240,19 @@ class Instance:
                 raise AssertionError(f"{self.name}: no answer in {timeout} s\n{self.log()}")
         return self.conn.recv()
 
+    def generate_abort(self, prompts, max_tokens, params, abort_after_s, timeout=120):
+        """Sends `prompts` with `params` and aborts them after `abort_after_s` seconds, as a server
+        does for a client that went away (see ``vllm_role.generate_abort``)."""
+        self.conn.send({"op": "generate_abort", "prompts": prompts, "max_tokens": max_tokens,
+                        "params": params, "abort_after_s": abort_after_s})
+        deadline = time.monotonic() + timeout
+        while not self.conn.poll(0.2):
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{self.name} died ({self.proc.returncode})\n{self.log()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.name}: no answer in {timeout} s\n{self.log()}")
+        return self.conn.recv()
+
     def alive(self):
         return self.proc.poll() is None
 

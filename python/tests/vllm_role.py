@@ -14,6 +14,43 @@ import sys
 import time
 
 
+def generate_abort(llm, msg):
+    """Adds the requests to the engine, aborts them (``LLMEngine.abort_request``, as a server does
+    when its client goes away) once ``abort_after_s`` passed, and steps the engine until every one
+    finished: each request's finish reason and tokens, and the seconds from the abort to the
+    last of them."""
+    import threading
+
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    ids = [f"abort-{os.getpid()}-{i}" for i in range(len(msg["prompts"]))]
+    for rid, prompt, p in zip(ids, msg["prompts"], msg["params"]):
+        engine.add_request(rid, {"prompt_token_ids": list(prompt)},
+                           SamplingParams(max_tokens=msg["max_tokens"], temperature=0.0,
+                                          ignore_eos=True,
+                                          extra_args={"kv_transfer_params": dict(p)}))
+    aborted = {}
+
+    def abort():
+        aborted["at"] = time.monotonic()
+        engine.abort_request(ids)
+
+    # The engine's step blocks while no request makes progress (they wait for their KV): the
+    # abort comes from beside it.
+    timer = threading.Timer(msg["abort_after_s"], abort)
+    timer.start()
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+    timer.join()
+    return {"after_abort_s": time.monotonic() - aborted["at"], "outputs": [
+        {"finish_reason": done[r].outputs[0].finish_reason if r in done else None,
+         "tokens": list(done[r].outputs[0].token_ids) if r in done else None} for r in ids]}
+
+
 def main():
     cfg = json.loads(sys.argv[1])
     from multiprocessing.connection import Client
@@ -42,6 +79,9 @@ def main():
         msg = conn.recv()
         if msg["op"] == "exit":
             break
+        if msg["op"] == "generate_abort":
+            conn.send(generate_abort(llm, msg))
+            continue
         if msg["op"] == "generate":
             params = msg.get("params") or [None] * len(msg["prompts"])
             sps = []

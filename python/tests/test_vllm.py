@@ -205,7 +205,8 @@ def test_a_prefill_killed_mid_request_leaves_decode_recomputing_within_a_bound(c
     """The prefill takes decode's page allocation for one request and never writes it (a test
     hook); it is then killed with its engine core and worker. Decode's kvx engine sees the
     prefill rank lost and fails the load; vLLM (kv_load_failure_policy=recompute) recomputes the
-    prompt: decode answers the single instance's tokens within the bound, never hangs."""
+    prompt: decode answers the single instance's tokens within the bound, never hangs; and decode's
+    engine then forgets the instance that went away."""
     prefill, decode = cluster["kvx_p"], cluster["kvx_d"]
     p_log, d_log = Log(prefill), Log(decode)
     prompt = KILL_PROMPT
@@ -239,3 +240,10 @@ def test_a_prefill_killed_mid_request_leaves_decode_recomputing_within_a_bound(c
     # Decode still serves: a plain request after it.
     again = decode.generate([PROMPTS[0]], MAX_TOKENS)["outputs"][0]["tokens"]
     assert again == cluster["expected"][0]
+    # The killed instance stops being a session of decode's engine once its ranks stayed away
+    # for kvx.vllm's GONE_AFTER_S (15 s), as no load of it is left.
+    removed = f"kvx: prefill instance {params['remote_engine_id']} removed"
+    deadline = killed + 15 + 30
+    while removed not in d_log.text():
+        assert time.monotonic() < deadline, d_log.text()[-4000:]
+        time.sleep(0.5)

@@ -10,7 +10,12 @@ load once it is over. A load that failed (refused, unreachable prefill, kvx fail
 abort) reports its blocks in ``get_block_ids_with_load_errors`` in the same pass as its
 ``finished_recving``, so vLLM recomputes or fails it by ``kv_load_failure_policy``; a failed
 load whose blocks kvx keeps quarantined (a prefill rank did not confirm that its writes are
-over) is reported only once kvx released them."""
+over) is reported only once kvx released them.
+
+A prefill instance whose ranks stay disconnected for ``GONE_AFTER_S`` while no load of it is in
+progress is removed from the engine (``remove_instance``), so a deployment whose prefill
+instances come and go keeps no session per instance that left; a later request of that instance
+announces this rank to it again."""
 
 from __future__ import annotations
 
@@ -29,6 +34,12 @@ from .pool import Pool
 from .prefill import request_key
 
 logger = logging.getLogger("vllm." + __name__)  # vLLM's handlers and level
+
+# How often the background thread looks for prefill instances that went away, and how long an
+# instance's ranks must stay disconnected (kvx's own bound on a silent rank is three 5 s
+# heartbeats) before it is removed.
+GONE_CHECK_S = 1.0
+GONE_AFTER_S = 15.0
 
 
 @dataclass
@@ -68,6 +79,7 @@ class DecodeSide:
         self._loads: dict = {}  # vLLM request id -> _Load
         self._invalid: set = set()
         self._queue: "queue.Queue" = queue.Queue()
+        self._away: dict = {}  # prefill instance -> since when its ranks are not all connected
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="kvx-vllm-decode")
 
@@ -167,9 +179,16 @@ class DecodeSide:
     # The background thread: handshakes and expects, off the model runner's thread.
 
     def _run(self) -> None:
+        next_check = time.monotonic() + GONE_CHECK_S
         while not self._closed.is_set():
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + GONE_CHECK_S
+                try:
+                    self._forget_gone(time.monotonic())
+                except Exception:  # never lose the thread
+                    logger.exception("kvx: looking for prefill instances that left failed")
             try:
-                kind, item = self._queue.get(timeout=0.5)
+                kind, item = self._queue.get(timeout=GONE_CHECK_S / 2)
             except queue.Empty:
                 continue
             try:
@@ -217,6 +236,27 @@ class DecodeSide:
         """The prefill TP ranks that write into this rank: those holding its heads (one source
         per head where prefill replicates them)."""
         return kvx.tp_sources(prefill_tp, self.tp_size, self.pool.model_kv_heads, self.tp_rank)
+
+    def _forget_gone(self, now: float) -> None:
+        """Removes each prefill instance whose ranks were not all connected for `GONE_AFTER_S`
+        and that no load in progress is from (the background thread, which alone adds them)."""
+        with self._lock:
+            busy = {load.remote["engine_id"] for load in self._loads.values()
+                    if load.remote is not None}
+        for instance, _ in self.engine.instances():
+            try:
+                self.engine.wait_for_ranks(0, instance=instance)
+                self._away.pop(instance, None)
+                continue
+            except kvx.KvxError:
+                pass
+            since = self._away.setdefault(instance, now)
+            if instance in busy or now - since < GONE_AFTER_S:
+                continue
+            del self._away[instance]
+            if self.engine.remove_instance(instance):
+                logger.warning("kvx: prefill instance %s removed: its ranks were disconnected "
+                               "for %.0f s", instance, now - since)
 
     def _ensure_session(self, remote: dict) -> None:
         """The prefill instance's ranks that write into this rank are connected to this engine

@@ -3,9 +3,10 @@ for every prefill instance (each a session of it, named by the instance's engine
 loads vLLM is waiting for.
 
 A load comes in the step metadata (``recv``): the destination blocks vLLM allocated and the
-prefill request's params. A background thread makes sure the prefill instance's ranks are
-connected (the first time: ``add_instance``, then the side channel's HELLO with this engine's
-address, then ``wait_for_ranks``) and ``expect``s the request; ``get_finished`` reports each
+prefill request's params. Where the prefill instance's ranks are all connected, the
+model runner's thread ``expect``s the request at once; otherwise a background thread makes sure
+they are (the first time: ``add_instance``, then the side channel's HELLO with this engine's
+address, then ``wait_for_ranks``) and ``expect``s it; ``get_finished`` reports each
 load once it is over. A load that failed (refused, unreachable prefill, kvx failure, timeout,
 abort) reports its blocks in ``get_block_ids_with_load_errors`` in the same pass as its
 ``finished_recving``, so vLLM recomputes or fails it by ``kv_load_failure_policy``; a failed
@@ -100,6 +101,7 @@ class DecodeSide:
     # Steps (the model runner's thread).
 
     def start_load_kv(self, meta) -> None:
+        now = []
         with self._lock:
             for req_id, r in meta.recv.items():
                 remote = r.get("remote")
@@ -109,11 +111,48 @@ class DecodeSide:
                              error=r.get("refused"))
                 self._loads[req_id] = load
                 if load.error is None:
-                    self._queue.put(("load", load))
+                    now.append(load)
                 elif remote is not None:
                     self._queue.put(("release", remote))
+        for load in now:
+            if not self._start_now(load):
+                self._queue.put(("load", load))
         for rel in meta.release:
             self._queue.put(("release_many", rel))
+
+    def _start_now(self, load: _Load) -> bool:
+        """Expects `load` here, on the model runner's thread, where every rank of its prefill
+        instance is connected already: `expect` only hands the request to the engine, and the
+        background thread would add its wake-up (tens of milliseconds, more with the model
+        runner holding the GIL) to the request's wait. False where the background thread must
+        start it (a first request of an instance: its handshake may take seconds)."""
+        remote = load.remote
+        try:
+            self.engine.wait_for_ranks(0, instance=remote["engine_id"])
+        except kvx.KvxError:
+            return False
+        try:
+            pending = self._expect(load)
+        except Exception as e:  # any failure fails the load, never leaves it waiting
+            with self._lock:
+                load.error = f"{type(e).__name__}: {e}"
+            # The prefill may hold the blocks still: the background thread tells it.
+            self._queue.put(("release", remote))
+            return True
+        with self._lock:
+            load.pending = pending
+        return True
+
+    def _expect(self, load: _Load):
+        """Hands `load` to the engine: its `Pending`."""
+        bs = self.pool.block_size
+        # The prompt's tokens after the prefix (in blocks of either size), or whole blocks.
+        tokens = min(load.tokens, len(load.dst) * bs) or len(load.dst) * bs
+        load.started = time.monotonic()
+        return self.engine.expect(
+            load.rid, prompt_tokens=tokens, chunk_tokens=tokens,
+            dst_pages=load.dst[:-(-tokens // bs)], timeout=self.request_timeout,
+            prefix_tokens=load.prefix_tokens, instance=load.remote["engine_id"])
 
     def get_finished(self, finished_req_ids: "set[str]") -> set:
         done: set = set()
@@ -209,14 +248,7 @@ class DecodeSide:
         remote = load.remote
         try:
             self._ensure_session(remote)
-            bs = self.pool.block_size
-            # The prompt's tokens after the prefix (in blocks of either size), or whole blocks.
-            tokens = min(load.tokens, len(load.dst) * bs) or len(load.dst) * bs
-            load.started = time.monotonic()
-            pending = self.engine.expect(
-                load.rid, prompt_tokens=tokens, chunk_tokens=tokens,
-                dst_pages=load.dst[:-(-tokens // bs)], timeout=self.request_timeout,
-                prefix_tokens=load.prefix_tokens, instance=remote["engine_id"])
+            pending = self._expect(load)
         except Exception as e:  # any failure fails the load, never leaves it waiting
             with self._lock:
                 load.error = f"{type(e).__name__}: {e}"

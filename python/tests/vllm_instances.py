@@ -230,21 +230,19 @@ class Instance:
         with ``wall_s`` and ``outputs`` (``tokens``, ``finish_reason``, ``kv_transfer_params``,
         ``ttft_s`` per prompt). Raises AssertionError when the instance does not answer within
         `timeout` seconds, or died."""
-        self.conn.send({"op": "generate", "prompts": prompts, "max_tokens": max_tokens,
-                        "params": params})
-        deadline = time.monotonic() + timeout
-        while not self.conn.poll(0.2):
-            if self.proc.poll() is not None:
-                raise AssertionError(f"{self.name} died ({self.proc.returncode})\n{self.log()}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{self.name}: no answer in {timeout} s\n{self.log()}")
-        return self.conn.recv()
+        return self._call({"op": "generate", "prompts": prompts, "max_tokens": max_tokens,
+                           "params": params}, timeout)
 
     def generate_abort(self, prompts, max_tokens, params, abort_after_s, timeout=120):
         """Sends `prompts` with `params` and aborts them after `abort_after_s` seconds, as a server
         does for a client that went away (see ``vllm_role.generate_abort``)."""
-        self.conn.send({"op": "generate_abort", "prompts": prompts, "max_tokens": max_tokens,
-                        "params": params, "abort_after_s": abort_after_s})
+        return self._call({"op": "generate_abort", "prompts": prompts, "max_tokens": max_tokens,
+                           "params": params, "abort_after_s": abort_after_s}, timeout)
+
+    def _call(self, msg, timeout):
+        """Sends `msg` to the instance and returns its answer; AssertionError when it does not
+        answer within `timeout` seconds, or died."""
+        self.conn.send(msg)
         deadline = time.monotonic() + timeout
         while not self.conn.poll(0.2):
             if self.proc.poll() is not None:

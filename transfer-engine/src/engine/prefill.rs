@@ -497,25 +497,24 @@ impl crate::metrics::Source for Inner {
         );
         let base = || labels.base();
         let with = |k: &'static str, v: &str| labels.with(k, v);
-        let by_peer = self
+        for (peer, w) in self
             .counters
             .by_peer
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone();
-        for (peer, w) in &by_peer {
+            .iter()
+        {
+            let peer = peer.to_string();
             out.add(
                 "kvx_written_bytes",
                 "Bytes of completed chunks written into each decode",
-                with("peer", &peer.to_string()),
+                with("peer", &peer),
                 Counter(w.bytes),
             );
-        }
-        for (peer, w) in &by_peer {
             out.add(
                 "kvx_peer_writes",
                 "Writes of completed chunks into each decode (as kvx_writes counts them)",
-                with("peer", &peer.to_string()),
+                with("peer", &peer),
                 Counter(w.writes),
             );
         }

@@ -53,6 +53,7 @@ fn datapath(c: &mut Criterion) {
             metrics: None,
             metrics_linger: Duration::ZERO,
             decode_progress: Default::default(),
+            tp: None,
         };
         let page_kib = shape(page_tokens).page_bytes() / 1024;
         g.throughput(Throughput::Bytes(

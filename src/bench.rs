@@ -73,6 +73,9 @@ pub struct Workload {
     pub metrics_linger: Duration,
     /// How decode engines' progress threads run (`--progress-fifo`, `--progress-spin-us`).
     pub decode_progress: crate::cluster::DecodeProgress,
+    /// TP sizes (and decode page size) of the two sides, where a run sets them
+    /// ([`crate::tp`]); `None`: TP 1 on both, one page size.
+    pub tp: Option<crate::tp::TpPlan>,
 }
 
 impl Workload {
@@ -186,6 +189,10 @@ pub struct Report {
     pub prefill_instances: u64,
     /// Decode engines every prefill rank served.
     pub decode_instances: u64,
+    /// Prefill TP size (1 unless the run sets TP sizes).
+    pub prefill_tp: u16,
+    /// Decode TP size (1 unless the run sets TP sizes).
+    pub decode_tp: u16,
     /// The most registrations any engine's transport held, decode or prefill: one for its pool,
     /// however many peers it served.
     pub registrations_per_process: u64,
@@ -342,10 +349,20 @@ impl Tally {
         self.cpu += other.cpu;
     }
 
+    /// Adds what another decode TP rank saw of the same requests: a failure or mismatch on any
+    /// rank counts (failures as the most any rank saw), and a request is verified only where every
+    /// rank verified it; its latencies and windows are this rank's again.
+    pub(crate) fn merge_rank(&mut self, other: &Tally) {
+        self.failed = self.failed.max(other.failed);
+        self.failed_during_absence = self.failed_during_absence.max(other.failed_during_absence);
+        self.mismatches += other.mismatches;
+        self.verified_requests = self.verified_requests.min(other.verified_requests);
+    }
+
     /// What was measured, as a report whose baseline fields are left at zero.
     pub(crate) fn report(mut self, w: &Workload, backend: BackendKind) -> Report {
         let secs = self.timed.as_secs_f64().max(f64::MIN_POSITIVE);
-        let ok = (self.done - self.failed) as f64;
+        let ok = self.done.saturating_sub(self.failed) as f64;
         self.latencies_us.sort_by(f64::total_cmp);
         self.completes_us.sort_by(f64::total_cmp);
         self.posts_us.sort_by(f64::total_cmp);
@@ -383,6 +400,8 @@ impl Tally {
             verified_requests: self.verified_requests,
             prefill_instances: 1,
             decode_instances: 1,
+            prefill_tp: 1,
+            decode_tp: 1,
             registrations_per_process: 0,
             connections_per_decode: 0,
             decodes_per_prefill_rank: 0,

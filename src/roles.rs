@@ -5,9 +5,15 @@
 //! destination pages first. A prefill process serves whatever page allocations arrive, each from
 //! source pages no other request in flight uses, writing the pattern of the requests decode will
 //! check before sending them; it exits when the decode process closes.
+//!
+//! With TP sizes (`--prefill-tp`, `--decode-tp`, [`crate::tp`]), each decode TP rank is a process
+//! of its own that drives the same requests (same ids, in the same order, into pages of its own),
+//! and each prefill (TP, PP) rank that writes somewhere is one too, writing every decode TP rank
+//! it shares heads with; bytes are checked per head on every decode rank.
 
 use crate::bench::{Event, Ran, Report, Tally, Workload, drive};
-use crate::verify;
+use crate::tp::{TpPlan, TpSpec};
+use crate::verify::{self, VerifyError};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -126,6 +132,9 @@ pub struct Served {
     pub prefill_instances: u16,
     /// Decode instances every prefill rank serves.
     pub decode_instances: u16,
+    /// TP sizes and decode's page size, where the run sets them.
+    #[serde(default)]
+    pub tp: Option<TpPlan>,
 }
 
 /// The name prefill instance `k` of a run with several goes by (its ranks' `instance`, the one
@@ -150,6 +159,7 @@ impl Served {
             backend: backend.to_string(),
             prefill_instances: w.prefill_instances.max(1),
             decode_instances: w.decode_instances.max(1),
+            tp: w.tp,
         }
     }
 
@@ -164,7 +174,7 @@ impl Served {
             "--split-kv",
             "--page-tokens",
         ];
-        let fields: [(&[&str], &str, String, String); 12] = [
+        let fields: [(&[&str], &str, String, String); 13] = [
             (
                 &shape,
                 "layers",
@@ -237,6 +247,17 @@ impl Served {
                 mine.decode_instances.to_string(),
                 self.decode_instances.to_string(),
             ),
+            (
+                &[
+                    "--prefill-tp",
+                    "--decode-tp",
+                    "--kv-heads",
+                    "--decode-page-tokens",
+                ],
+                "TP",
+                format!("{:?}", mine.tp),
+                format!("{:?}", self.tp),
+            ),
         ];
         fields
             .into_iter()
@@ -307,8 +328,70 @@ impl Served {
         w.checksums = self.checksums;
         w.prefill_instances = self.prefill_instances;
         w.decode_instances = self.decode_instances;
+        w.tp = self.tp;
+        if let Some(plan) = self.tp {
+            tp_run(&w, plan, backend)
+                .map_err(|e| format!("decode's TP plan is not one a run can have: {e}"))?;
+        }
         Ok((w, backend))
     }
+}
+
+/// The largest TP size, decode page and head count a run takes (a peer's plan past them is refused).
+const MAX_TP: u16 = 1024;
+const MAX_PAGE_TOKENS: u32 = 1 << 20;
+const MAX_KV_HEADS: u32 = 1 << 16;
+
+/// The spec of a multi-process run of `w` with TP plan `plan`, checked: one instance of each side,
+/// requests counted (not timed), contiguous pages, sizes in bounds and offsets that fit.
+///
+/// # Errors
+/// What the run cannot do, named.
+pub fn tp_run(w: &Workload, plan: TpPlan, backend: BackendKind) -> Result<TpSpec, String> {
+    if w.prefill_instances > 1 || w.decode_instances > 1 {
+        return Err("TP sizes run with one prefill and one decode instance, so far".into());
+    }
+    if w.duration.is_some() || w.scatter {
+        return Err(
+            "TP sizes run a count of requests in contiguous pages (no --duration, no --scatter)"
+                .into(),
+        );
+    }
+    if !(1..=MAX_TP).contains(&plan.prefill_tp)
+        || !(1..=MAX_TP).contains(&plan.decode_tp)
+        || plan.kv_heads > MAX_KV_HEADS
+        || !(1..=MAX_PAGE_TOKENS).contains(&plan.decode_page_tokens)
+    {
+        return Err(format!(
+            "TP sizes 1 to {MAX_TP}, at most {MAX_KV_HEADS} KV heads, decode pages of 1 to \
+             {MAX_PAGE_TOKENS} tokens: {plan:?}"
+        ));
+    }
+    let spec = TpSpec::of(w, plan, backend);
+    spec.validate()?;
+    // The prefill pool of those slots fits in memory's address range.
+    tp_prefill_slots(w)
+        .and_then(|slots| w.pages().checked_mul(slots))
+        .and_then(|p| w.shape.page_bytes().checked_mul(u64::from(p)))
+        .and_then(|b| b.checked_mul(u64::from(w.shape.layers)))
+        .and_then(|b| b.checked_mul(u64::from(w.shape.regions.count())))
+        .filter(|b| usize::try_from(*b).is_ok())
+        .ok_or("a prefill rank's pool overflows")?;
+    // Every head stream's offset fits (layers x regions x the span of a request x head bytes).
+    let span =
+        u64::from(w.prompt_tokens) + u64::from(w.shape.page_tokens.max(plan.decode_page_tokens));
+    u64::from(w.shape.layers)
+        .checked_mul(u64::from(w.shape.regions.count()))
+        .and_then(|n| n.checked_mul(span))
+        .and_then(|n| n.checked_mul(w.shape.bytes_per_token))
+        .ok_or("a request's head streams overflow")?;
+    Ok(spec)
+}
+
+/// Source slots of a prefill rank of a TP run: its decode TP ranks drive the same requests, each at
+/// its own pace, so the rank may hold one slot's worth more of every one of them.
+fn tp_prefill_slots(w: &Workload) -> Option<u32> {
+    w.concurrency.max(1).checked_mul(2)?.checked_add(1)
 }
 
 /// How long a prefill role waits for decode to answer its probe (decode may start after it).
@@ -371,7 +454,9 @@ const DISCOVERY_WAIT: Duration = Duration::from_secs(120);
 /// This is decode instance `index` of `w.decode_instances`, each a process of its own that drives
 /// its own requests (ids apart, `index` in bits 40 and up) into the same prefill instances, in turn
 /// over them. With `stamps`, every instance but the first leaves what it measured there, and the
-/// first waits for those and reports the whole run.
+/// first waits for those and reports the whole run. With TP sizes (`w.tp`) it is decode TP rank
+/// `tp_rank` of the one instance, driving the same requests as the other ranks; every rank but
+/// the first leaves its results as another instance would, and the first reports.
 ///
 /// # Errors
 /// Engine failures, as text.
@@ -379,6 +464,7 @@ const DISCOVERY_WAIT: Duration = Duration::from_secs(120);
 pub async fn run_decode(
     place: Place,
     index: u16,
+    tp_rank: u16,
     w: &Workload,
     backend: BackendKind,
     token: Option<Vec<u8>>,
@@ -386,16 +472,45 @@ pub async fn run_decode(
     heartbeat: Option<Duration>,
     progress: Option<&(dyn Fn(u64, u64) + Sync)>,
 ) -> Result<Report, String> {
-    let pages = w.pages();
+    let spec = match w.tp {
+        Some(plan) => Some(tp_run(w, plan, backend)?),
+        None => None,
+    };
+    // The workload as decode's pages cut it (its own page size in a TP run).
+    let mut dw = w.clone();
     // Each slot and a spare for it (see `Slots`).
-    let decode_pages = pages * w.concurrency.max(1) * 2;
-    let layout = KvLayout::packed(
-        0,
-        w.shape.layers,
-        w.shape.regions,
-        w.shape.page_bytes(),
-        decode_pages,
-    );
+    let slots_held = w.concurrency.max(1) * 2;
+    let layout = match &spec {
+        Some(s) => {
+            if tp_rank >= s.decode_tp {
+                return Err(format!(
+                    "--tp-rank {tp_rank} is not below --decode-tp {}",
+                    s.decode_tp
+                ));
+            }
+            dw.shape.page_tokens = s.decode_page_tokens;
+            s.layout_slots(
+                s.decode_tp,
+                0,
+                w.shape.layers,
+                s.decode_page_tokens,
+                slots_held,
+            )
+        }
+        None if tp_rank > 0 => return Err("--tp-rank needs --decode-tp".into()),
+        None => KvLayout::packed(
+            0,
+            w.shape.layers,
+            w.shape.regions,
+            w.shape.page_bytes(),
+            w.pages() * slots_held,
+        ),
+    };
+    // Who reports the run, and who hands it results: decode instances, or a TP run's ranks.
+    let (member, members) = match &spec {
+        Some(s) => (tp_rank, s.decode_tp),
+        None => (index, w.decode_instances.max(1)),
+    };
     let instances = w.prefill_instances.max(1);
     let decodes = w.decode_instances.max(1);
     if index >= decodes {
@@ -412,10 +527,16 @@ pub async fn run_decode(
     let default_pp = if instances == 1 { w.pp } else { 0 };
     let mut cfg = DecodeConfig::new(
         w.shape.layers,
-        w.shape.page_tokens,
+        dw.shape.page_tokens,
         layout.clone(),
         default_pp,
     );
+    if let Some(s) = &spec {
+        cfg.tp = s.tp(tp_rank, s.decode_tp);
+        cfg.prefill_tp = Some(s.prefill_tp);
+        // Prefill ranks group one request's TP legs by the decode instance's name.
+        cfg.instance = "decode".into();
+    }
     let (listen, etcd) = match place {
         Place::Fixed(l, etcd) => (l, etcd),
         Place::Etcd(etcd) => (SocketAddr::from(([127, 0, 0, 1], 0)), Some(etcd)),
@@ -423,7 +544,7 @@ pub async fn run_decode(
     cfg.listen = listen;
     cfg.backend = w.decode_progress.apply(BackendConfig::default_for(
         backend,
-        &format!("decode-{index}-{}", std::process::id()),
+        &format!("decode-{index}-{tp_rank}-{}", std::process::id()),
     ));
     cfg.verify_checksums = w.checksums;
     cfg.token = token.as_deref().map(Secret::new);
@@ -496,7 +617,7 @@ pub async fn run_decode(
     // When each request completed, on the wall clock: matched after the run against the instants the
     // prefill processes stamped their last writes at.
     let completed: Arc<Mutex<HashMap<u64, u128>>> = Arc::default();
-    let slots = Arc::new(Slots::new(w));
+    let slots = Arc::new(Slots::new(&dw));
     let layout = Arc::new(layout);
     let on = |e: Event<'_>| match e {
         Event::Ended {
@@ -602,9 +723,11 @@ pub async fn run_decode(
             .map_err(|e| e.to_string())
         },
         |request, slot| {
-            verify::check(&layout, &ranks, request, &slots.pages(slot), |at, b| {
-                decode.read_pool(at, b)
-            })
+            let read = |at, b: &mut [u8]| decode.read_pool(at, b);
+            match &spec {
+                Some(s) => s.check_rank(tp_rank, &layout, request, &slots.pages(slot), read),
+                None => verify::check(&layout, &ranks, request, &slots.pages(slot), read),
+            }
         },
         |e| format!("request task: {e}"),
         &on,
@@ -637,26 +760,44 @@ pub async fn run_decode(
         connected_ranks: at_start.connected_ranks,
     };
     if let Some(dir) = stamps
-        && decodes > 1
+        && members > 1
     {
-        if index > 0 {
-            // The first decode instance reports the run: it gets what this one measured.
+        if member > 0 {
+            // The first decode instance (or TP rank) reports the run: it gets what this one
+            // measured.
             share.tally = std::mem::take(&mut tally);
             share.completed = completed.into_iter().collect();
-            write_share(dir, index, &share)
+            write_share(dir, member, &share)
                 .map_err(|e| format!("writing into {}: {e}", dir.display()))?;
             return Ok(share.tally.report(w, backend));
         }
-        for m in 1..decodes {
+        for m in 1..members {
             let other = read_share(dir, m, SHARE_WAIT).await?;
-            tally.merge(other.tally);
-            completed.extend(other.completed);
+            if spec.is_some() {
+                // The same requests: their failures and mismatches count, once.
+                tally.merge_rank(&other.tally);
+            } else {
+                tally.merge(other.tally);
+            }
+            // A request is complete when its last TP rank is.
+            for (r, at) in other.completed {
+                let e = completed.entry(r).or_insert(at);
+                *e = (*e).max(at);
+            }
             share.registrations = share.registrations.max(other.registrations);
             share.connected_ranks = share.connected_ranks.max(other.connected_ranks);
         }
     }
+    // The prefill processes of each instance, in the files they leave.
+    let file_ranks = match &spec {
+        Some(s) => {
+            let writers = u16::try_from(s.writing_ranks()?.len()).map_err(|e| e.to_string())?;
+            w.pp.saturating_mul(writers)
+        }
+        None => w.pp,
+    };
     if let Some(dir) = stamps {
-        match read_stamps(dir, instances, w.pp, STAMPS_WAIT).await {
+        match read_stamps(dir, instances, file_ranks, STAMPS_WAIT).await {
             Ok(last) => tally.completes_us = complete_latencies(&completed, &last),
             Err(e) => eprintln!("kvbench decode: no last-write stamps, cmpl columns read 0: {e}"),
         }
@@ -669,13 +810,18 @@ pub async fn run_decode(
     report.decode_instances = u64::from(decodes);
     report.registrations_per_process = share.registrations;
     report.connections_per_decode = share.connected_ranks;
+    if let Some(s) = &spec {
+        report.prefill_tp = s.prefill_tp;
+        report.decode_tp = s.decode_tp;
+    }
     if let Some(dir) = stamps {
-        match prefill_cpu(dir, instances, w.pp) {
+        match prefill_cpu(dir, instances, file_ranks) {
             Ok(PrefillEnd {
                 cpu,
                 copy,
                 registrations,
                 decodes,
+                writes,
             }) => {
                 report.registrations_per_process =
                     report.registrations_per_process.max(registrations);
@@ -683,7 +829,11 @@ pub async fn run_decode(
                 let requests = report.requests.max(1) as f64;
                 // Each rank sends every chunk of its layers.
                 let chunks = requests
-                    * f64::from(w.prompt_tokens.div_ceil(w.chunk_tokens) * u32::from(w.pp));
+                    * f64::from(w.prompt_tokens.div_ceil(w.chunk_tokens) * u32::from(file_ranks));
+                if spec.is_some() {
+                    // Counted by the prefill engines: sliced heads make their own writes.
+                    report.writes_per_request = writes / report.requests.max(1);
+                }
                 report.prefill_cpu_us_per_request = cpu.as_secs_f64() * 1e6 / requests;
                 report.prefill_copy_us_per_request = copy.as_secs_f64() * 1e6 / requests;
                 report.prefill_cpu_us_per_chunk = cpu.as_secs_f64() * 1e6 / chunks.max(1.0);
@@ -774,13 +924,32 @@ fn wall_ns(t: Instant) -> Option<u128> {
     )
 }
 
+/// The number a prefill process's files go by in its instance: its PP rank, or in a TP run
+/// `i * pp + pp_rank` for the `i`-th of the TP ranks that write somewhere.
+fn file_rank(spec: Option<&TpSpec>, tp_rank: u16, pp_rank: u16) -> Result<u16, String> {
+    let Some(s) = spec else {
+        return Ok(pp_rank);
+    };
+    let i = s
+        .writing_ranks()?
+        .iter()
+        .position(|&t| t == tp_rank)
+        .ok_or(format!(
+            "prefill TP rank {tp_rank} writes into no decode TP rank: it runs no engine"
+        ))?;
+    u16::try_from(i)
+        .ok()
+        .and_then(|i| i.checked_mul(s.pp)?.checked_add(pp_rank))
+        .ok_or("too many prefill ranks".into())
+}
+
 /// Where rank `rank` of prefill instance `instance` writes its CPU time (nanoseconds) in `dir`.
 fn cpu_file(dir: &Path, instance: u16, rank: u16) -> PathBuf {
     dir.join(format!("i{instance}-rank-{rank}.cpu"))
 }
 
 /// What the prefill processes left in their CPU files: one line, `cpu_ns copy_ns registrations
-/// decodes`.
+/// decodes writes`.
 struct PrefillEnd {
     /// CPU time, summed over the processes.
     cpu: Duration,
@@ -790,17 +959,21 @@ struct PrefillEnd {
     registrations: u64,
     /// The fewest decode instances one process was linked to once every link was up.
     decodes: u64,
+    /// Writes the processes posted, summed.
+    writes: u64,
 }
 
-/// Reads every prefill process's CPU file in `dir` (after their stamps, which they write last).
-fn prefill_cpu(dir: &Path, instances: u16, pp: u16) -> Result<PrefillEnd, String> {
+/// Reads every prefill process's CPU file in `dir` (after their stamps, which they write last):
+/// `ranks` of each instance (see [`file_rank`]).
+fn prefill_cpu(dir: &Path, instances: u16, ranks: u16) -> Result<PrefillEnd, String> {
     let mut end = PrefillEnd {
         cpu: Duration::ZERO,
         copy: Duration::ZERO,
         registrations: 0,
         decodes: u64::MAX,
+        writes: 0,
     };
-    for (instance, rank) in (0..instances).flat_map(|k| (0..pp).map(move |r| (k, r))) {
+    for (instance, rank) in (0..instances).flat_map(|k| (0..ranks).map(move |r| (k, r))) {
         let path = cpu_file(dir, instance, rank);
         let bad = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
         let text = std::fs::read_to_string(&path).map_err(|e| bad(&e))?;
@@ -809,11 +982,12 @@ fn prefill_cpu(dir: &Path, instances: u16, pp: u16) -> Result<PrefillEnd, String
             .map(str::parse::<u64>)
             .collect::<Result<_, _>>()
             .map_err(|e| bad(&e))?;
-        let [c, k, regs, decodes] = fields[..] else {
+        let [c, k, regs, decodes, writes] = fields[..] else {
             return Err(bad(&format!(
-                "not `cpu_ns copy_ns registrations decodes`: {text:?}"
+                "not `cpu_ns copy_ns registrations decodes writes`: {text:?}"
             )));
         };
+        end.writes += writes;
         end.cpu += Duration::from_nanos(c);
         end.copy += Duration::from_nanos(k);
         end.registrations = end.registrations.max(regs);
@@ -845,17 +1019,17 @@ fn write_stamps(
 }
 
 /// Every rank's stamps, merged: for each request, the latest last write of any rank of any
-/// instance. Waits up to `within` for the files (a prefill process writes its own when its last
-/// decode closed it).
+/// instance (`ranks` of each, see [`file_rank`]). Waits up to `within` for the files (a prefill
+/// process writes its own when its last decode closed it).
 async fn read_stamps(
     dir: &Path,
     instances: u16,
-    pp: u16,
+    ranks: u16,
     within: Duration,
 ) -> Result<HashMap<u64, u128>, String> {
     let deadline = Instant::now() + within;
     let mut last: HashMap<u64, u128> = HashMap::new();
-    for (instance, rank) in (0..instances).flat_map(|k| (0..pp).map(move |r| (k, r))) {
+    for (instance, rank) in (0..instances).flat_map(|k| (0..ranks).map(move |r| (k, r))) {
         let path = stamps_file(dir, instance, rank);
         let text = loop {
             match std::fs::read_to_string(&path) {
@@ -895,7 +1069,9 @@ fn complete_latencies(completed: &HashMap<u64, u128>, last: &HashMap<u64, u128>)
 /// Runs rank `rank` of prefill instance `instance` (of `w.prefill_instances`) until every decode
 /// process it serves closed, presenting `token` (the shared secret, if any) to its peers;
 /// `heartbeat` replaces the engine's default interval. One engine serves every decode instance:
-/// one transport, one registration of its pool.
+/// one transport, one registration of its pool. With TP sizes (`w.tp`) it is the rank of prefill
+/// TP rank `tp_rank`'s pipeline, writing the decode TP ranks (`Find::Fixed` lists them all, in
+/// rank order) it shares heads with.
 ///
 /// # Errors
 /// Engine failures, as text.
@@ -904,6 +1080,7 @@ pub async fn run_prefill(
     find: Find,
     instance: u16,
     rank: u16,
+    tp_rank: u16,
     w: &Workload,
     backend: BackendKind,
     token: Option<Vec<u8>>,
@@ -921,24 +1098,62 @@ pub async fn run_prefill(
             "--instance {instance} is not below the {instances} prefill instances decode serves"
         ));
     }
+    let spec = match w.tp {
+        Some(plan) => Some(tp_run(w, plan, backend)?),
+        None if tp_rank > 0 => return Err("--tp-rank needs --prefill-tp".into()),
+        None => None,
+    };
+    let files = file_rank(spec.as_ref(), tp_rank, rank)?;
     let pages = w.pages();
     // A rank holds a request's source pages until every rank decided it, which can be a moment
     // after decode saw it complete and issued the next one: one slot more than each decode's.
     // With a slot for every request that can be in flight, a rank never waits for one: ranks of
     // an instance may see several decodes' requests in different orders.
-    let slots = w
-        .concurrency
-        .max(1)
-        .checked_add(1)
-        .and_then(|s| s.checked_mul(u32::from(w.decode_instances.max(1))))
-        .ok_or("too many request slots for one pool")?;
-    let layout = KvLayout::packed(
-        range.start,
-        range.len() as u32,
-        w.shape.regions,
-        w.shape.page_bytes(),
-        pages * slots,
-    );
+    let slots = match &spec {
+        Some(_) => tp_prefill_slots(w),
+        None => w
+            .concurrency
+            .max(1)
+            .checked_add(1)
+            .and_then(|s| s.checked_mul(u32::from(w.decode_instances.max(1)))),
+    }
+    .ok_or("too many request slots for one pool")?;
+    let layout = match &spec {
+        Some(s) => s.layout_slots(
+            s.prefill_tp,
+            range.start,
+            range.len() as u32,
+            w.shape.page_tokens,
+            slots,
+        ),
+        None => KvLayout::packed(
+            range.start,
+            range.len() as u32,
+            w.shape.regions,
+            w.shape.page_bytes(),
+            pages * slots,
+        ),
+    };
+    let find = match (find, &spec) {
+        // The decode TP ranks this one writes, out of all of them.
+        (Find::Fixed(decodes, p), Some(s)) => {
+            let mine = s
+                .targets(tp_rank)?
+                .into_iter()
+                .map(|d| {
+                    decodes.get(usize::from(d)).copied().ok_or(format!(
+                        "no address for decode TP rank {d} among --connect's {}",
+                        decodes.len()
+                    ))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            Find::Fixed(mine, p)
+        }
+        (Find::Etcd(_), Some(_)) => {
+            return Err("TP sizes find decode by address only, so far".into());
+        }
+        (find, None) => find,
+    };
     let (connect, more, peers, etcd) = match find {
         Find::Fixed(decodes, p) => {
             let (first, more) = decodes
@@ -963,10 +1178,13 @@ pub async fn run_prefill(
     );
     cfg.backend = BackendConfig::default_for(
         backend,
-        &format!("prefill-{instance}-{rank}-{}", std::process::id()),
+        &format!("prefill-{instance}-{tp_rank}-{rank}-{}", std::process::id()),
     );
     if instances > 1 {
         cfg.instance = instance_name(instance);
+    }
+    if let Some(s) = &spec {
+        cfg.tp = s.tp(tp_rank, s.prefill_tp);
     }
     cfg.peers = peers;
     cfg.checksums = w.checksums;
@@ -1007,7 +1225,18 @@ pub async fn run_prefill(
     // This process's CPU from here to its end is what serving the run cost it.
     let cpu0 = crate::bench::cpu_time();
     let copy0 = engine.transport_stats().copy_nanos;
-    let layout = Arc::new(layout);
+    // Writes a checked request's bytes into its source pages, as this rank holds them.
+    let source: Source = {
+        let (e, layout, layers) = (engine.clone(), layout.clone(), range.clone());
+        let pp_rank = engine.pp_rank();
+        Arc::new(move |request, src| {
+            let write = |at, b: &[u8]| e.write_pool(at, b);
+            match &spec {
+                Some(s) => s.write_source(tp_rank, &layout, layers.clone(), request, src, write),
+                None => verify::write_source(&layout, request, pp_rank, src, write),
+            }
+        })
+    };
     // Free source slots, taken in the order requests arrive (the same on every rank), so a rank
     // waiting for a slot only ever waits on older requests, which never wait on it.
     let (free_tx, mut free) = tokio::sync::mpsc::unbounded_channel::<u32>();
@@ -1017,11 +1246,14 @@ pub async fn run_prefill(
     let last_writes: Arc<Mutex<Vec<(u64, u128)>>> = Arc::default();
     while let Some(req) = engine.next_request().await {
         let Some(slot) = free.recv().await else { break };
-        let (e, layout, free_tx) = (engine.clone(), layout.clone(), free_tx.clone());
+        let (e, source, free_tx) = (engine.clone(), source.clone(), free_tx.clone());
         let last_writes = last_writes.clone();
         tokio::spawn(async move {
             let src: Vec<u32> = (slot * pages..(slot + 1) * pages).collect();
-            if let Some(at) = serve(&e, &layout, &req, &src).await.and_then(wall_ns) {
+            if let Some(at) = serve(&e, source.as_ref(), &req, &src)
+                .await
+                .and_then(wall_ns)
+            {
                 lock(&last_writes).push((req.request.0, at));
             }
             let _ = free_tx.send(slot);
@@ -1037,34 +1269,38 @@ pub async fn run_prefill(
         let cpu = crate::bench::cpu_time().saturating_sub(cpu0);
         let copy = engine.transport_stats().copy_nanos.saturating_sub(copy0);
         let regions = engine.transport_stats().regions;
+        let writes = engine.stats().writes;
         let tmp = dir.join(format!(
-            ".i{instance}-rank-{rank}.cpu.{}",
+            ".i{instance}-rank-{files}.cpu.{}",
             std::process::id()
         ));
         std::fs::write(
             &tmp,
-            format!("{} {copy} {regions} {linked}\n", cpu.as_nanos()),
+            format!("{} {copy} {regions} {linked} {writes}\n", cpu.as_nanos()),
         )
-        .and_then(|()| std::fs::rename(&tmp, cpu_file(dir, instance, rank)))
+        .and_then(|()| std::fs::rename(&tmp, cpu_file(dir, instance, files)))
         .map_err(|e| format!("writing CPU time into {}: {e}", dir.display()))?;
-        write_stamps(dir, instance, rank, &lock(&last_writes))
+        write_stamps(dir, instance, files, &lock(&last_writes))
             .map_err(|e| format!("writing stamps into {}: {e}", dir.display()))?;
     }
     Ok(())
 }
 
-/// Sends one request from `src` (pages no other request in flight uses) and waits for its decision.
-/// Returns when its last chunk's writes were over (stamped on the progress thread), if it sent them.
+/// How a prefill role writes a checked request's bytes into its source pages.
+type WriteSource = dyn Fn(RequestId, &[u32]) -> Result<(), VerifyError> + Send + Sync;
+type Source = Arc<WriteSource>;
+
+/// Sends one request from `src` (pages no other request in flight uses, written by `source` first
+/// if decode checks it) and waits for its decision. Returns when its last chunk's writes were over
+/// (stamped on the progress thread), if it sent them.
 async fn serve(
     e: &PrefillEngine,
-    layout: &KvLayout,
+    source: &WriteSource,
     req: &transfer_engine::engine::IncomingRequest,
     src: &[u32],
 ) -> Option<Instant> {
     if req.request.0 & CHECKED_REQUEST != 0
-        && let Err(err) = verify::write_source(layout, req.request, e.pp_rank(), src, |at, b| {
-            e.write_pool(at, b)
-        })
+        && let Err(err) = source(req.request, src)
     {
         eprintln!("kvbench prefill {}: {err}", e.pp_rank());
         e.fail(req.request, FailureCode::WriteFailed);

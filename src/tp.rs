@@ -13,7 +13,7 @@
 //! wave, and checked after it, outside the timed window.
 
 use crate::cluster::Shape;
-use crate::verify::{self, POISON};
+use crate::verify::{self, POISON, VerifyError};
 use std::time::{Duration, Instant};
 use transfer_engine::control::Secret;
 use transfer_engine::control::TpMode;
@@ -25,6 +25,21 @@ use transfer_engine::engine::{
     PrefillEngine, TpConfig,
 };
 use transfer_engine::transport::BackendKind;
+
+/// The TP part of a workload (`--prefill-tp`, `--decode-tp`, `--kv-heads`,
+/// `--decode-page-tokens`): what a multi-process run's decode tells its prefill roles beside the
+/// rest of the workload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TpPlan {
+    /// Prefill TP size.
+    pub prefill_tp: u16,
+    /// Decode TP size.
+    pub decode_tp: u16,
+    /// The model's KV heads (0 for MLA).
+    pub kv_heads: u32,
+    /// Tokens in a decode page.
+    pub decode_page_tokens: u32,
+}
 
 /// What to run.
 #[derive(Debug, Clone, Copy)]
@@ -88,6 +103,24 @@ pub struct TpReport {
 }
 
 impl TpSpec {
+    /// The spec of `w` with its TP part `plan`, on `backend`.
+    pub fn of(w: &crate::bench::Workload, plan: TpPlan, backend: BackendKind) -> Self {
+        TpSpec {
+            shape: w.shape,
+            kv_heads: plan.kv_heads,
+            pp: w.pp,
+            prefill_tp: plan.prefill_tp,
+            decode_tp: plan.decode_tp,
+            decode_page_tokens: plan.decode_page_tokens,
+            prompt_tokens: w.prompt_tokens,
+            chunk_tokens: w.chunk_tokens,
+            concurrency: w.concurrency,
+            requests: w.requests,
+            backend,
+            decode_progress: w.decode_progress,
+        }
+    }
+
     fn mode(&self) -> TpMode {
         if self.kv_heads == 0 {
             TpMode::Replicated
@@ -103,7 +136,8 @@ impl TpSpec {
         }
     }
 
-    fn tp(&self, rank: u16, size: u16) -> TpConfig {
+    /// The TP settings of rank `rank` of a side of TP size `size`.
+    pub fn tp(&self, rank: u16, size: u16) -> TpConfig {
         TpConfig {
             rank,
             size,
@@ -118,7 +152,8 @@ impl TpSpec {
         per_region / u64::from(self.kv_heads.max(1))
     }
 
-    fn held(&self, tp: u16, rank: u16) -> std::ops::Range<u32> {
+    /// The global heads rank `rank` of a side of TP size `tp` holds (MLA: the one latent, 0).
+    pub fn held(&self, tp: u16, rank: u16) -> std::ops::Range<u32> {
         if self.kv_heads == 0 {
             0..1
         } else {
@@ -127,7 +162,7 @@ impl TpSpec {
     }
 
     /// Pages of `page_tokens` a prompt fills.
-    fn pages(&self, page_tokens: u32) -> u32 {
+    pub fn pages(&self, page_tokens: u32) -> u32 {
         self.prompt_tokens.div_ceil(page_tokens.max(1))
     }
 
@@ -142,8 +177,20 @@ impl TpSpec {
     }
 
     /// The layout of a rank at TP size `tp` holding `layers` from `first`, in pages of
-    /// `page_tokens`, `slots` requests' pages.
+    /// `page_tokens`, `concurrency` requests' pages.
     fn layout(&self, tp: u16, first: u32, layers: u32, page_tokens: u32) -> KvLayout {
+        self.layout_slots(tp, first, layers, page_tokens, self.concurrency.max(1))
+    }
+
+    /// [`layout`](Self::layout) with room for `slots` requests' pages.
+    pub fn layout_slots(
+        &self,
+        tp: u16,
+        first: u32,
+        layers: u32,
+        page_tokens: u32,
+        slots: u32,
+    ) -> KvLayout {
         let held = self.held(tp, 0).len() as u64;
         let page_bytes = held * self.head_bytes() * u64::from(page_tokens);
         let l = KvLayout::packed(
@@ -151,7 +198,7 @@ impl TpSpec {
             layers,
             self.shape.regions,
             page_bytes,
-            self.pages(page_tokens) * self.concurrency.max(1),
+            self.pages(page_tokens) * slots,
         );
         if self.kv_heads == 0 {
             return l;
@@ -199,6 +246,111 @@ impl TpSpec {
     }
 }
 
+impl TpSpec {
+    /// The decode TP ranks prefill TP rank `t` writes into, in rank order (none: MLA's latent
+    /// has one writer per decode rank, so some prefill ranks write nowhere).
+    ///
+    /// # Errors
+    /// A rank or shape topology refuses.
+    pub fn targets(&self, t: u16) -> Result<Vec<u16>, String> {
+        let targets = topology::targets(
+            self.shape(self.prefill_tp),
+            self.shape(self.decode_tp),
+            u32::from(t),
+        )
+        .map_err(|e| e.to_string())?;
+        targets
+            .into_iter()
+            .map(|(d, _)| u16::try_from(d).map_err(|_| format!("decode rank {d}")))
+            .collect()
+    }
+
+    /// The prefill TP ranks that write somewhere: the ones a run starts.
+    ///
+    /// # Errors
+    /// As [`targets`](Self::targets).
+    pub fn writing_ranks(&self) -> Result<Vec<u16>, String> {
+        let mut out = Vec::new();
+        for t in 0..self.prefill_tp {
+            if !self.targets(t)?.is_empty() {
+                out.push(t);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Writes `request`'s bytes, as prefill TP rank `t` holding `layers` has them, into `pages`
+    /// of its pool `layout` through `write(offset, bytes)`. Call it only while no chunk in flight
+    /// reads those pages.
+    ///
+    /// # Errors
+    /// The first error `write` returns.
+    pub fn write_source<E: std::fmt::Display>(
+        &self,
+        t: u16,
+        layout: &KvLayout,
+        layers: std::ops::Range<u32>,
+        request: RequestId,
+        pages: &[u32],
+        mut write: impl FnMut(u64, &[u8]) -> Result<(), E>,
+    ) -> Result<(), VerifyError> {
+        let mut buf = vec![0u8; self.head_bytes() as usize];
+        for_each_head_run(
+            self,
+            self.shape.page_tokens,
+            layout,
+            self.held(self.prefill_tp, t),
+            layers,
+            pages,
+            |at, head, off, len| {
+                verify::fill(request, stream(head), off, &mut buf[..len]);
+                write(at, &buf[..len]).map_err(|e| VerifyError::Pool(e.to_string()))
+            },
+        )
+    }
+
+    /// Checks decode TP rank `d`'s `pages` of its pool `layout` against `request`'s bytes of the
+    /// heads it holds, reading through `read(offset, buffer)`; returns the bytes checked.
+    ///
+    /// # Errors
+    /// The first head that differs ([`VerifyError::Head`]), or the first error `read` returns.
+    pub fn check_rank<E: std::fmt::Display>(
+        &self,
+        d: u16,
+        layout: &KvLayout,
+        request: RequestId,
+        pages: &[u32],
+        mut read: impl FnMut(u64, &mut [u8]) -> Result<(), E>,
+    ) -> Result<u64, VerifyError> {
+        let hb = self.head_bytes() as usize;
+        let (mut got, mut want) = (vec![0u8; hb], vec![0u8; hb]);
+        let mut checked = 0;
+        for_each_head_run(
+            self,
+            self.decode_page_tokens,
+            layout,
+            self.held(self.decode_tp, d),
+            0..self.shape.layers,
+            pages,
+            |at, head, off, len| {
+                read(at, &mut got[..len]).map_err(|e| VerifyError::Pool(e.to_string()))?;
+                verify::fill(request, stream(head), off, &mut want[..len]);
+                if got[..len] != want[..len] {
+                    return Err(VerifyError::Head {
+                        rank: d,
+                        head,
+                        offset: at,
+                        still_poisoned: got[..len].iter().all(|&b| b == POISON),
+                    });
+                }
+                checked += len as u64;
+                Ok(())
+            },
+        )?;
+        Ok(checked)
+    }
+}
+
 /// Where (region, layer, token) of a request lies in a head's stream: the same on both sides,
 /// whatever their page sizes.
 fn stream_offset(s: &TpSpec, region: u32, layer: u32, token: u64) -> u64 {
@@ -213,15 +365,15 @@ fn stream(head: u32) -> u16 {
 
 /// Writes (`write`) or checks (`check`) a rank's pages of one request (pages of `page_tokens`):
 /// for every region, layer of `layers`, page position and token, the held heads' bytes.
-fn for_each_head_run(
+fn for_each_head_run<E>(
     s: &TpSpec,
     page_tokens: u32,
     layout: &KvLayout,
     held: std::ops::Range<u32>,
     layers: std::ops::Range<u32>,
     pages: &[u32],
-    mut run: impl FnMut(u64, u32, u64, usize) -> Result<(), String>,
-) -> Result<(), String> {
+    mut run: impl FnMut(u64, u32, u64, usize) -> Result<(), E>,
+) -> Result<(), E> {
     let hb = s.head_bytes();
     let n_held = held.len() as u64;
     for region in 0..s.shape.regions.count() {
@@ -283,20 +435,15 @@ impl TpCluster {
         }
         let mut starts = Vec::new();
         for t in 0..spec.prefill_tp {
-            let targets = topology::targets(
-                spec.shape(spec.prefill_tp),
-                spec.shape(spec.decode_tp),
-                u32::from(t),
-            )
-            .map_err(|e| EngineError::Config(e.to_string()))?;
+            let targets = spec.targets(t).map_err(EngineError::Config)?;
             // A rank that writes nowhere (MLA: one rank writes each decode rank's latent) runs
             // no engine.
-            let Some(((first, _), rest)) = targets.split_first() else {
+            let Some((first, rest)) = targets.split_first() else {
                 continue;
             };
             let rest: Vec<_> = rest
                 .iter()
-                .map(|(d, _)| decodes[*d as usize].local_addr())
+                .map(|d| decodes[usize::from(*d)].local_addr())
                 .collect();
             let (sockets, peers) = crate::cluster::mesh_sockets(spec.pp)?;
             for pp in 0..spec.pp {
@@ -313,7 +460,7 @@ impl TpCluster {
                     s.page_tokens,
                 );
                 let mut cfg = PrefillConfig::new(
-                    decodes[*first as usize].local_addr(),
+                    decodes[usize::from(*first)].local_addr(),
                     pp,
                     spec.pp,
                     s.layers,
@@ -357,7 +504,6 @@ impl TpCluster {
     fn prepare(&self, request: RequestId, slot: u32) -> Result<(), String> {
         let s = &self.spec;
         let (pages, dst_pages) = (self.src_pages(slot), self.dst_pages(slot));
-        let mut buf = vec![0u8; s.head_bytes() as usize];
         for (_, t, range, e) in &self.prefills {
             let layout = s.layout(
                 s.prefill_tp,
@@ -365,33 +511,15 @@ impl TpCluster {
                 range.len() as u32,
                 s.shape.page_tokens,
             );
-            for_each_head_run(
-                s,
-                s.shape.page_tokens,
-                &layout,
-                s.held(s.prefill_tp, *t),
-                range.clone(),
-                &pages,
-                |at, head, off, len| {
-                    verify::fill(request, stream(head), off, &mut buf[..len]);
-                    e.write_pool(at, &buf[..len]).map_err(|e| e.to_string())
-                },
-            )?;
+            s.write_source(*t, &layout, range.clone(), request, &pages, |at, b| {
+                e.write_pool(at, b)
+            })
+            .map_err(|e| e.to_string())?;
         }
         let dst = s.layout(s.decode_tp, 0, s.shape.layers, s.decode_page_tokens);
-        let poison = vec![POISON; dst.page_bytes as usize];
         for d in &self.decodes {
-            let layout = &dst;
-            for region in 0..s.shape.regions.count() {
-                for layer in 0..s.shape.layers {
-                    for &p in &dst_pages {
-                        let at = u64::from(region) * layout.region_stride
-                            + u64::from(layer) * layout.layer_stride
-                            + u64::from(p) * layout.page_bytes;
-                        d.write_pool(at, &poison).map_err(|e| e.to_string())?;
-                    }
-                }
-            }
+            verify::poison(&dst, &dst_pages, |at, b| d.write_pool(at, b))
+                .map_err(|e| e.to_string())?;
         }
         Ok(())
     }
@@ -400,34 +528,12 @@ impl TpCluster {
     fn check(&self, request: RequestId, slot: u32) -> Result<(), String> {
         let s = &self.spec;
         let pages = self.dst_pages(slot);
-        let (mut got, mut want) = (
-            vec![0u8; s.head_bytes() as usize],
-            vec![0u8; s.head_bytes() as usize],
-        );
+        let layout = s.layout(s.decode_tp, 0, s.shape.layers, s.decode_page_tokens);
         for (rank, d) in self.decodes.iter().enumerate() {
-            let layout = s.layout(s.decode_tp, 0, s.shape.layers, s.decode_page_tokens);
-            let held = s.held(s.decode_tp, rank as u16);
-            for_each_head_run(
-                s,
-                s.decode_page_tokens,
-                &layout,
-                held,
-                0..s.shape.layers,
-                &pages,
-                |at, head, off, len| {
-                    d.read_pool(at, &mut got[..len])
-                        .map_err(|e| e.to_string())?;
-                    verify::fill(request, stream(head), off, &mut want[..len]);
-                    if got[..len] == want[..len] {
-                        Ok(())
-                    } else {
-                        Err(format!(
-                            "request {}: decode TP rank {rank}, head {head}: bytes at pool offset {at} differ",
-                            request.0
-                        ))
-                    }
-                },
-            )?;
+            s.check_rank(rank as u16, &layout, request, &pages, |at, b| {
+                d.read_pool(at, b)
+            })
+            .map_err(|e| format!("request {}: {e}", request.0))?;
         }
         Ok(())
     }

@@ -112,6 +112,18 @@ pub enum VerifyError {
         /// The whole page still holds [`POISON`]: its write never landed.
         still_poisoned: bool,
     },
+    /// A head's bytes for one token differ from their pattern (a run whose two sides' TP sizes
+    /// or page sizes may differ, [`crate::tp`]).
+    Head {
+        /// The decode TP rank.
+        rank: u16,
+        /// The global KV head (0 for MLA's latent).
+        head: u32,
+        /// Where in that rank's pool.
+        offset: u64,
+        /// They still hold [`POISON`]: their write never landed.
+        still_poisoned: bool,
+    },
 }
 
 impl fmt::Display for VerifyError {
@@ -135,6 +147,21 @@ impl fmt::Display for VerifyError {
                 )?;
                 if *still_poisoned {
                     f.write_str(": the page is still poisoned, its write never landed")?;
+                }
+                Ok(())
+            }
+            VerifyError::Head {
+                rank,
+                head,
+                offset,
+                still_poisoned,
+            } => {
+                write!(
+                    f,
+                    "decode TP rank {rank}, head {head}: bytes at pool offset {offset} differ"
+                )?;
+                if *still_poisoned {
+                    f.write_str(" (still poisoned, their write never landed)")?;
                 }
                 Ok(())
             }

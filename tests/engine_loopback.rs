@@ -131,6 +131,7 @@ async fn grid(backend: BackendKind, instances: u16, decodes: u16) {
         metrics: None,
         metrics_linger: Duration::ZERO,
         decode_progress: Default::default(),
+        tp: None,
     };
     let r = tokio::time::timeout(Duration::from_secs(120), run_workload(&w, backend, None))
         .await

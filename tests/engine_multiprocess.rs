@@ -415,6 +415,109 @@ fn instances_in_processes_serve_every_decode_from_one_engine() {
     }
 }
 
+/// `kvbench --processes` with TP sizes: every decode TP rank and every prefill (TP, PP) rank that
+/// writes somewhere is a process of its own. Each backend runs identical TP and then the mapping,
+/// every byte of every decode rank's pages checked against the heads it holds; the rows carry the
+/// TP sizes, the writes the prefill engines counted and one registration per process.
+#[test]
+fn tp_sizes_that_differ_run_with_every_rank_in_its_own_process() {
+    // (backend, flags, (identical, mapped) prefill ranks connected to each decode TP rank).
+    let runs: [(&str, &[&str], (u64, u64)); 2] = [
+        // GQA, 4 heads: prefill TP 2 into decode TP 4, decode pages twice prefill's. Each decode
+        // rank's one head comes from one prefill TP rank's pipeline of 2.
+        (
+            "ucx",
+            &[
+                "--prefill-tp",
+                "2",
+                "--decode-tp",
+                "4",
+                "--kv-heads",
+                "4",
+                "--decode-page-tokens",
+                "32",
+            ],
+            (2, 2),
+        ),
+        // MLA into fewer decode ranks: prefill TP 2 into decode TP 1, only prefill TP rank 0
+        // writes (one writer per destination), so its pipeline of 2 is all decode sees.
+        (
+            "nixl",
+            &["--model", "mla", "--prefill-tp", "2", "--decode-tp", "1"],
+            (2, 2),
+        ),
+    ];
+    for (backend, flags, (identical, mapped)) in runs {
+        let json = std::env::temp_dir().join(format!(
+            "kvbench-tp-processes-{backend}-{}.json",
+            std::process::id()
+        ));
+        let mut workload = WORKLOAD.to_vec();
+        let pp = workload.iter().position(|a| *a == "--pp").unwrap();
+        workload[pp + 1] = "2";
+        let prompt = workload
+            .iter()
+            .position(|a| *a == "--prompt-tokens")
+            .unwrap();
+        // Whole pages of 16 and of 32 tokens.
+        workload[prompt + 1] = "1024";
+        if flags.contains(&"mla") {
+            let model = workload.iter().position(|a| *a == "--model").unwrap();
+            workload.drain(model..model + 2);
+        }
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvbench"))
+            .args(&workload)
+            .args(flags)
+            .args(["--requests", "4", "--backend", backend, "--no-baseline"])
+            .args(["--processes", "--json"])
+            .arg(&json)
+            .env_remove("KVX_TOKEN")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{backend} {flags:?}: ended with {}\n{stdout}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = std::fs::read_to_string(&json).unwrap();
+        let _ = std::fs::remove_file(&json);
+        let rows: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let rows = rows.as_array().unwrap();
+        assert_eq!(rows.len(), 2, "{text}");
+        let tp = |i: usize| {
+            let at = flags
+                .iter()
+                .position(|f| *f == ["--prefill-tp", "--decode-tp"][i]);
+            flags[at.unwrap() + 1].parse::<u64>().unwrap()
+        };
+        for (r, (prefill_tp, ranks)) in rows.iter().zip([(tp(1), identical), (tp(0), mapped)]) {
+            for (key, want) in [
+                ("prefill_tp", prefill_tp),
+                ("decode_tp", tp(1)),
+                ("requests", 4),
+                ("failed", 0),
+                ("verified_requests", 4),
+                ("registrations_per_process", 1),
+                ("connections_per_decode", ranks),
+            ] {
+                assert_eq!(r[key], want, "{backend}: {key} in {text}");
+            }
+            assert_eq!(r["verified"], true, "{backend}: {text}");
+            assert!(r["writes_per_request"].as_u64().unwrap_or(0) > 0, "{text}");
+        }
+        assert!(
+            stdout.contains(&format!(
+                "kvbench: {backend} TP {} into {}, each rank a process",
+                tp(0),
+                tp(1)
+            )),
+            "{stdout}"
+        );
+    }
+}
+
 /// A `kvbench --processes` killed by a signal (SIGKILL, which it cannot catch) takes its role
 /// processes with it: none is left running on its own.
 #[test]

@@ -96,25 +96,25 @@ struct Opts {
     /// them all. Each engine, prefill or decode, registers its pool once.
     #[arg(long, default_value_t = 1, global = true)]
     decode_instances: u16,
-    /// Prefill TP size (with --decode-tp; one process): every decode TP rank is an engine, every
-    /// prefill (PP, TP) rank one engine writing into every decode rank it shares heads with. Runs
-    /// identical TP
-    /// (--decode-tp on both sides) and this mapping on the same workload, every byte of every
-    /// decode rank's pages checked against the heads it holds.
-    #[arg(long)]
+    /// Prefill TP size (with --decode-tp): every decode TP rank is an engine, every prefill (PP,
+    /// TP) rank one engine writing into every decode rank it shares heads with, every byte of
+    /// every decode rank's pages checked against the heads it holds. In one process it runs
+    /// identical TP (--decode-tp on both sides) and this mapping on the same workload; with
+    /// --processes every engine is a process of its own, one instance of each side.
+    #[arg(long, global = true)]
     prefill_tp: Option<u16>,
     /// Decode TP size (with --prefill-tp).
-    #[arg(long)]
+    #[arg(long, global = true)]
     decode_tp: Option<u16>,
     /// Tokens in a decode page for --prefill-tp/--decode-tp (prefill's are the model's): the
     /// mapped run writes prefill's pages into decode pages of this size (the identical run keeps
     /// the model's on both sides). The prompt must be whole pages of both sizes.
-    #[arg(long)]
+    #[arg(long, global = true)]
     decode_page_tokens: Option<u32>,
     /// The model's KV heads for --prefill-tp/--decode-tp: heads are sliced over TP ranks (or
     /// replicated, with fewer heads than ranks). Default: 8 for --model gqa, none (MLA's latent,
     /// whole on every rank) for mla.
-    #[arg(long)]
+    #[arg(long, global = true)]
     kv_heads: Option<u32>,
     /// Prompt length in tokens.
     #[arg(long, default_value_t = 8192, global = true)]
@@ -244,6 +244,9 @@ enum Role {
         /// the table of them all.
         #[arg(long, default_value_t = 0)]
         decode_index: u16,
+        /// With --decode-tp: which decode TP rank this process is (0 first, which reports).
+        #[arg(long, default_value_t = 0)]
+        tp_rank: u16,
     },
     /// Run one prefill PP rank that connects to decode processes and serves their requests.
     Prefill {
@@ -257,6 +260,10 @@ enum Role {
         /// This rank.
         #[arg(long)]
         pp_rank: u16,
+        /// With --prefill-tp: this rank's TP rank (0 first). It connects to the decode TP ranks
+        /// it shares heads with, out of --connect's (all of them, in rank order).
+        #[arg(long, default_value_t = 0)]
+        tp_rank: u16,
         /// PP size: decode's, which the role reads from it (given, it must equal decode's).
         #[arg(long)]
         pp_size: Option<u16>,
@@ -361,8 +368,9 @@ impl Opts {
                 ));
             }
         };
+        let shape = self.shape()?;
         Ok(Workload {
-            shape: self.shape()?,
+            shape,
             pp: self.pp,
             prompt_tokens: self.prompt_tokens,
             chunk_tokens: self.chunk_tokens,
@@ -392,7 +400,22 @@ impl Opts {
                     .map_or(ProgressScheduling::Normal, ProgressScheduling::Fifo),
                 spin: self.progress_spin_us.map(Duration::from_micros),
             },
+            tp: self.tp_run().then(|| self.tp_plan(shape.page_tokens)),
         })
+    }
+
+    /// The TP plan the flags give (each side TP 1, the model's page size, unless set).
+    fn tp_plan(&self, page_tokens: u32) -> kvbench::tp::TpPlan {
+        let decode_tp = self.decode_tp.unwrap_or(1);
+        kvbench::tp::TpPlan {
+            prefill_tp: self.prefill_tp.unwrap_or(decode_tp),
+            decode_tp,
+            kv_heads: self.kv_heads.unwrap_or(match self.model {
+                Model::Gqa => 8,
+                Model::Mla => 0,
+            }),
+            decode_page_tokens: self.decode_page_tokens.unwrap_or(page_tokens),
+        }
     }
 
     /// The etcd settings of the multi-process roles, if `--etcd` was given.
@@ -498,6 +521,25 @@ fn print_table(w: &Workload, reports: &[Report]) {
         w.chunk_tokens,
         w.write_size()
     );
+    if let (Some(r), Some(plan)) = (reports.first(), w.tp) {
+        println!(
+            "TP {} into {} ({} KV heads{}, decode pages of {} tokens), each rank a process: {} writes \
+             per request (counted by the prefill engines), at most {} registration(s) per process, \
+             {} prefill ranks connected to each decode TP rank",
+            r.prefill_tp,
+            r.decode_tp,
+            plan.kv_heads,
+            if plan.kv_heads == 0 {
+                ", MLA latent"
+            } else {
+                ""
+            },
+            plan.decode_page_tokens,
+            r.writes_per_request,
+            r.registrations_per_process,
+            r.connections_per_decode,
+        );
+    }
     if let Some(r) = reports
         .first()
         .filter(|_| w.prefill_instances > 1 || w.decode_instances > 1)
@@ -800,6 +842,17 @@ fn main() -> ExitCode {
         );
         return ExitCode::from(2);
     }
+    if let Some(plan) = w.tp.filter(|_| cli.opts.processes || cli.role.is_some()) {
+        let refused = if cli.opts.etcd.is_some() {
+            Some("TP sizes find decode by address only, so far (not with --etcd)".to_string())
+        } else {
+            kvbench::roles::tp_run(&w, plan, cli.opts.backends()[0]).err()
+        };
+        if let Some(why) = refused {
+            eprintln!("kvbench: {why}");
+            return ExitCode::from(2);
+        }
+    }
     if cli.opts.processes {
         if cli.role.is_some() {
             eprintln!("kvbench: --processes starts the roles itself; give it no subcommand");
@@ -807,14 +860,10 @@ fn main() -> ExitCode {
         }
         return run_processes(&cli.opts, &w);
     }
-    if cli.opts.tp_run() {
-        if cli.role.is_some()
-            || cli.opts.processes
-            || w.prefill_instances > 1
-            || w.decode_instances > 1
-        {
+    if cli.opts.tp_run() && cli.role.is_none() {
+        if w.prefill_instances > 1 || w.decode_instances > 1 {
             eprintln!(
-                "kvbench: --prefill-tp/--decode-tp/--decode-page-tokens run in one process, one instance, so far"
+                "kvbench: --prefill-tp/--decode-tp/--decode-page-tokens run one instance of each side, so far"
             );
             return ExitCode::from(2);
         }
@@ -835,6 +884,7 @@ fn main() -> ExitCode {
         Some(Role::Decode {
             listen,
             decode_index,
+            tp_rank,
         }) => rt
             .block_on(async {
                 let place = match (listen, cli.opts.discovery()?) {
@@ -853,6 +903,7 @@ fn main() -> ExitCode {
                 let r = roles::run_decode(
                     place,
                     decode_index,
+                    tp_rank,
                     &w,
                     backend,
                     token,
@@ -869,7 +920,7 @@ fn main() -> ExitCode {
                 // Measured after the run, when the prefill processes have exited, so that they do
                 // not compete with it; the same baselines as the one-process run. Only by the
                 // decode instance that reports the run.
-                if !cli.opts.no_baseline && decode_index == 0 {
+                if !cli.opts.no_baseline && decode_index == 0 && tp_rank == 0 {
                     baselines(&w).apply(&mut r);
                 }
                 vec![r]
@@ -880,6 +931,7 @@ fn main() -> ExitCode {
             pp_rank,
             pp_size,
             peers,
+            tp_rank,
         }) => {
             let mut w = w.clone();
             w.pp = pp_size.unwrap_or(w.pp);
@@ -902,6 +954,7 @@ fn main() -> ExitCode {
                     find,
                     instance,
                     pp_rank,
+                    tp_rank,
                     &w,
                     backend,
                     token,
@@ -1179,14 +1232,13 @@ async fn run_local(opts: &Opts, w: &Workload) -> Result<Vec<Report>, String> {
 /// `--prefill-tp N --decode-tp M`: for each backend, identical TP (M on both sides) and then N
 /// into M on the same workload, in this process; prints one row each and the ratio.
 async fn run_tp(opts: &Opts, w: &Workload) -> ExitCode {
-    let decode_tp = opts.decode_tp.unwrap_or(1);
-    let prefill_tp = opts.prefill_tp.unwrap_or(decode_tp);
     let page_tokens = w.shape.page_tokens;
-    let decode_page_tokens = opts.decode_page_tokens.unwrap_or(page_tokens);
-    let kv_heads = opts.kv_heads.unwrap_or(match opts.model {
-        Model::Gqa => 8,
-        Model::Mla => 0,
-    });
+    let kvbench::tp::TpPlan {
+        prefill_tp,
+        decode_tp,
+        kv_heads,
+        decode_page_tokens,
+    } = opts.tp_plan(page_tokens);
     println!(
         "kvbench TP: {} layers x {} B/token/layer, {} KV heads{}, {}-token pages, PP={}, {}-token prompts in {}-token chunks, {} requests {} at a time",
         w.shape.layers,
@@ -1286,9 +1338,11 @@ async fn run_tp(opts: &Opts, w: &Workload) -> ExitCode {
 
 /// `--processes`: for each backend, one `kvbench decode` and one `kvbench prefill` per PP rank, each
 /// in its own process on loopback, sharing a fresh secret through `KVX_TOKEN`. Decode's output (the
-/// table) goes to ours; the run fails if any process does.
+/// table) goes to ours; the run fails if any process does. With TP sizes, each backend runs
+/// identical TP (decode's on both sides, the model's pages) and then the mapping, every rank a
+/// process, and the mapping's GB/s is told against identical TP's.
 fn run_processes(opts: &Opts, w: &Workload) -> ExitCode {
-    if opts.json.is_some() && opts.backends().len() > 1 {
+    if opts.json.is_some() && opts.backends().len() > 1 && w.tp.is_none() {
         eprintln!("kvbench: --processes with --json runs one backend at a time: give --backend");
         return ExitCode::from(2);
     }
@@ -1315,6 +1369,12 @@ fn run_processes(opts: &Opts, w: &Workload) -> ExitCode {
             "--backend" | "--stamps" | "--etcd" | "--cluster" | "--metrics" => {
                 let _ = args.next();
             }
+            // A TP run gives each run's plan itself, and gathers the rows.
+            "--json" | "--prefill-tp" | "--decode-tp" | "--kv-heads" | "--decode-page-tokens"
+                if w.tp.is_some() =>
+            {
+                let _ = args.next();
+            }
             _ if [
                 "--backend=",
                 "--stamps=",
@@ -1324,6 +1384,16 @@ fn run_processes(opts: &Opts, w: &Workload) -> ExitCode {
             ]
             .iter()
             .any(|p| a.starts_with(p)) => {}
+            _ if w.tp.is_some()
+                && [
+                    "--json=",
+                    "--prefill-tp=",
+                    "--decode-tp=",
+                    "--kv-heads=",
+                    "--decode-page-tokens=",
+                ]
+                .iter()
+                .any(|p| a.starts_with(p)) => {}
             _ => passed.push(a),
         }
     }
@@ -1344,79 +1414,219 @@ fn run_processes(opts: &Opts, w: &Workload) -> ExitCode {
         },
         Some(urls) => Some(urls.to_string()),
     };
+    let kids = Children {
+        exe: &exe,
+        passed: &passed,
+        secret: &secret,
+        etcd: etcd.as_deref(),
+    };
+    let mut ok = true;
+    let mut rows = Vec::new();
+    for backend in opts.backends() {
+        let Some(plan) = w.tp else {
+            ok &= run_set(opts, w, &kids, backend, None);
+            continue;
+        };
+        let identical = kvbench::tp::TpPlan {
+            prefill_tp: plan.decode_tp,
+            decode_page_tokens: w.shape.page_tokens,
+            ..plan
+        };
+        let plans = if identical == plan {
+            vec![plan]
+        } else {
+            vec![identical, plan]
+        };
+        let mut base = None;
+        for p in plans {
+            let json = std::env::temp_dir().join(format!(
+                "kvbench-tp-{}-{backend}-{}-{}.json",
+                std::process::id(),
+                p.prefill_tp,
+                p.decode_tp
+            ));
+            let mut wp = w.clone();
+            wp.tp = Some(p);
+            let ran = run_set(opts, &wp, &kids, backend, Some(&json));
+            let row = std::fs::read(&json)
+                .ok()
+                .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+                .and_then(|v| v.get(0).cloned());
+            let _ = std::fs::remove_file(&json);
+            let Some(row) = row.filter(|_| ran) else {
+                eprintln!(
+                    "kvbench: {backend} TP {} into {} left no report",
+                    p.prefill_tp, p.decode_tp
+                );
+                ok = false;
+                break;
+            };
+            let gbps = row["gbps"].as_f64().unwrap_or(0.0);
+            let b = *base.get_or_insert(gbps);
+            println!(
+                "kvbench: {backend} TP {} into {}, each rank a process: {gbps:.2} GB/s, {:.3} of \
+                 identical TP {} into {} ({b:.2} GB/s) in the same run",
+                p.prefill_tp,
+                p.decode_tp,
+                gbps / b.max(f64::MIN_POSITIVE),
+                plan.decode_tp,
+                plan.decode_tp,
+            );
+            rows.push(row);
+        }
+    }
+    if w.tp.is_some()
+        && let Some(path) = &opts.json
+    {
+        let text = serde_json::to_string_pretty(&rows).unwrap_or_default();
+        if let Err(e) = std::fs::write(path, text) {
+            eprintln!("kvbench: cannot write {}: {e}", path.display());
+            ok = false;
+        }
+    }
+    if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+/// What every role process of a `--processes` run gets alike.
+struct Children<'a> {
+    exe: &'a Path,
+    /// The parent's own options, less the ones it decides for its children.
+    passed: &'a [String],
+    secret: &'a str,
+    etcd: Option<&'a str>,
+}
+
+/// One `--processes` run of `w` on `backend`: starts its decode and prefill processes, waits for
+/// them, and says whether every one succeeded. With `json`, the reporting decode writes its row
+/// there.
+fn run_set(
+    opts: &Opts,
+    w: &Workload,
+    kids: &Children<'_>,
+    backend: BackendKind,
+    json: Option<&Path>,
+) -> bool {
     let mut ok = true;
     let instances = usize::from(w.prefill_instances.max(1));
-    let decodes = usize::from(w.decode_instances.max(1));
-    let pp = usize::from(w.pp);
-    for backend in opts.backends() {
-        let cluster = format!("{}-{}-{backend}", opts.cluster, std::process::id());
-        // Each decode instance's control address, then each prefill instance's vote mesh.
-        let addrs = match kvbench::cluster::free_addrs(decodes + instances * pp) {
-            Ok(a) => a,
-            Err(e) => {
-                eprintln!("kvbench: no free ports: {e}");
-                return ExitCode::FAILURE;
-            }
-        };
-        // Where the prefill processes leave their last-write stamps for decode.
-        let stamps = match &opts.stamps {
-            Some(d) => d.clone(),
-            None => std::env::temp_dir()
-                .join(format!("kvbench-stamps-{}-{backend}", std::process::id())),
-        };
-        if let Err(e) = std::fs::create_dir_all(&stamps) {
-            eprintln!("kvbench: cannot make {}: {e}", stamps.display());
-            return ExitCode::FAILURE;
-        }
-        let joined = |a: &[std::net::SocketAddr]| {
-            a.iter()
-                .map(|a| a.to_string())
-                .collect::<Vec<_>>()
-                .join(",")
-        };
-        let decode_addrs = joined(&addrs[..decodes]);
-        let role = |args: Vec<String>| {
-            // The roles die with this process, killed by a signal or not.
-            let mut c = dies_with_us(&exe);
-            c.args(args)
-                .args(&passed)
-                .args(["--backend", &backend.to_string()])
-                .arg("--stamps")
-                .arg(&stamps)
-                .env(TOKEN_ENV, &secret)
-                .stdin(std::process::Stdio::null());
-            if let Some(url) = &etcd {
-                c.args(["--etcd", url, "--cluster", &cluster]);
-            }
-            c
-        };
-        // The first decode instance prints the table of them all (and serves --metrics).
-        let mut decode_procs = Vec::new();
-        for (m, addr) in addrs[..decodes].iter().enumerate() {
-            let mut decode_args = if etcd.is_some() {
-                vec!["decode".into()]
-            } else {
-                vec!["decode".into(), "--listen".into(), addr.to_string()]
-            };
-            decode_args.extend(["--decode-index".into(), m.to_string()]);
-            if let Some(metrics) = opts.metrics.filter(|_| m == 0) {
-                decode_args.extend(["--metrics".into(), metrics.to_string()]);
-            }
-            let mut c = role(decode_args);
-            if m > 0 {
-                c.stdout(std::process::Stdio::null());
-            }
-            match c.spawn() {
-                Ok(c) => decode_procs.push((m, c)),
+    // Decode processes (instances, or a TP run's ranks of the one instance) and the prefill TP
+    // ranks that write somewhere (each a pipeline of --pp processes).
+    let (decodes, tp_ranks) = match w.tp {
+        Some(plan) => {
+            let spec = kvbench::tp::TpSpec::of(w, plan, BackendKind::Ucx);
+            match spec.writing_ranks() {
+                Ok(t) => (usize::from(plan.decode_tp), Some(t)),
                 Err(e) => {
-                    eprintln!("kvbench: cannot start decode {m}: {e}");
-                    return ExitCode::FAILURE;
+                    eprintln!("kvbench: {e}");
+                    return false;
                 }
             }
         }
-        let mut prefills = Vec::new();
-        for k in 0..instances {
-            let mesh = &addrs[decodes + k * pp..decodes + (k + 1) * pp];
+        None => (usize::from(w.decode_instances.max(1)), None),
+    };
+    let pipelines: Vec<Option<u16>> = match &tp_ranks {
+        Some(t) => t.iter().copied().map(Some).collect(),
+        None => vec![None],
+    };
+    let pp = usize::from(w.pp);
+    let cluster = format!("{}-{}-{backend}", opts.cluster, std::process::id());
+    // Each decode process's control address, then the vote mesh of each prefill instance's
+    // pipelines.
+    let addrs = match kvbench::cluster::free_addrs(decodes + instances * pipelines.len() * pp) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("kvbench: no free ports: {e}");
+            return false;
+        }
+    };
+    // Where the prefill processes leave their last-write stamps for decode.
+    let top = match &opts.stamps {
+        Some(d) => d.clone(),
+        None => {
+            std::env::temp_dir().join(format!("kvbench-stamps-{}-{backend}", std::process::id()))
+        }
+    };
+    // Each TP run's own, so that none reads another's files.
+    let stamps = match w.tp {
+        Some(p) => top.join(format!("tp-{}-{}", p.prefill_tp, p.decode_tp)),
+        None => top.clone(),
+    };
+    if let Err(e) = std::fs::create_dir_all(&stamps) {
+        eprintln!("kvbench: cannot make {}: {e}", stamps.display());
+        return false;
+    }
+    let joined = |a: &[std::net::SocketAddr]| {
+        a.iter()
+            .map(|a| a.to_string())
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let decode_addrs = joined(&addrs[..decodes]);
+    let role = |args: Vec<String>| {
+        // The roles die with this process, killed by a signal or not.
+        let mut c = dies_with_us(kids.exe);
+        c.args(args)
+            .args(kids.passed)
+            .args(["--backend", &backend.to_string()])
+            .arg("--stamps")
+            .arg(&stamps)
+            .env(TOKEN_ENV, kids.secret)
+            .stdin(std::process::Stdio::null());
+        if let Some(url) = kids.etcd {
+            c.args(["--etcd", url, "--cluster", &cluster]);
+        }
+        if let Some(p) = w.tp {
+            for (flag, v) in [
+                ("--prefill-tp", u32::from(p.prefill_tp)),
+                ("--decode-tp", u32::from(p.decode_tp)),
+                ("--kv-heads", p.kv_heads),
+                ("--decode-page-tokens", p.decode_page_tokens),
+            ] {
+                c.args([flag.to_string(), v.to_string()]);
+            }
+        }
+        c
+    };
+    // The first decode instance prints the table of them all (and serves --metrics).
+    let mut decode_procs = Vec::new();
+    for (m, addr) in addrs[..decodes].iter().enumerate() {
+        let mut decode_args = if kids.etcd.is_some() {
+            vec!["decode".into()]
+        } else {
+            vec!["decode".into(), "--listen".into(), addr.to_string()]
+        };
+        let index = if tp_ranks.is_some() {
+            "--tp-rank"
+        } else {
+            "--decode-index"
+        };
+        decode_args.extend([index.into(), m.to_string()]);
+        if let Some(metrics) = opts.metrics.filter(|_| m == 0) {
+            decode_args.extend(["--metrics".into(), metrics.to_string()]);
+        }
+        if let Some(path) = json.filter(|_| m == 0) {
+            decode_args.extend(["--json".into(), path.display().to_string()]);
+        }
+        let mut c = role(decode_args);
+        if m > 0 {
+            c.stdout(std::process::Stdio::null());
+        }
+        match c.spawn() {
+            Ok(c) => decode_procs.push((m, c)),
+            Err(e) => {
+                eprintln!("kvbench: cannot start decode {m}: {e}");
+                return false;
+            }
+        }
+    }
+    let mut prefills = Vec::new();
+    for k in 0..instances {
+        for (i, tp_rank) in pipelines.iter().enumerate() {
+            let at = decodes + (k * pipelines.len() + i) * pp;
+            let mesh = &addrs[at..at + pp];
             for rank in 0..w.pp {
                 let mut args = vec![
                     "prefill".into(),
@@ -1425,82 +1635,85 @@ fn run_processes(opts: &Opts, w: &Workload) -> ExitCode {
                     "--instance".into(),
                     k.to_string(),
                 ];
-                if etcd.is_none() {
+                if let Some(t) = tp_rank {
+                    args.extend(["--tp-rank".into(), t.to_string()]);
+                }
+                if kids.etcd.is_none() {
                     args.extend(["--connect".into(), decode_addrs.clone()]);
                     args.extend(["--peers".into(), joined(mesh)]);
                 }
+                let name = match tp_rank {
+                    Some(t) => format!("instance {k} TP rank {t} PP rank {rank}"),
+                    None => format!("instance {k} rank {rank}"),
+                };
                 let mut c = role(args);
                 match c.stdout(std::process::Stdio::null()).spawn() {
-                    Ok(p) => prefills.push((format!("instance {k} rank {rank}"), p)),
+                    Ok(p) => prefills.push((name, p)),
                     Err(e) => {
-                        eprintln!("kvbench: cannot start prefill instance {k} rank {rank}: {e}");
+                        eprintln!("kvbench: cannot start prefill {name}: {e}");
                         ok = false;
                     }
                 }
             }
         }
-        let mut decode_ok = true;
-        for (m, mut decode) in decode_procs {
-            decode_ok &= match decode.wait() {
-                Ok(s) if s.success() => true,
-                Ok(s) => {
-                    eprintln!("kvbench: {backend} decode {m} exited with {s}");
-                    false
-                }
-                Err(e) => {
-                    eprintln!("kvbench: waiting for {backend} decode {m}: {e}");
-                    false
-                }
-            };
-        }
-        ok &= decode_ok;
-        // Decode closes every rank when it is done; each exits on its own, within a bound. Without
-        // decode nothing will close them: they are stopped at once.
-        let bound = if decode_ok {
-            Duration::from_secs(30)
-        } else {
-            Duration::ZERO
-        };
-        let deadline = std::time::Instant::now() + bound;
-        for (rank, mut p) in prefills {
-            let status = loop {
-                match p.try_wait() {
-                    Ok(Some(s)) => break Some(s),
-                    Ok(None) if std::time::Instant::now() < deadline => {
-                        std::thread::sleep(Duration::from_millis(20));
-                    }
-                    _ => {
-                        let _ = p.kill();
-                        let _ = p.wait();
-                        break None;
-                    }
-                }
-            };
-            match status {
-                Some(s) if s.success() => {}
-                Some(s) => {
-                    eprintln!("kvbench: {backend} prefill {rank} exited with {s}");
-                    ok = false;
-                }
-                None if decode_ok => {
-                    eprintln!(
-                        "kvbench: {backend} prefill {rank} still ran {bound:?} after decode \
-                         ended: stopped"
-                    );
-                    ok = false;
-                }
-                None => {}
+    }
+    let mut decode_ok = true;
+    for (m, mut decode) in decode_procs {
+        decode_ok &= match decode.wait() {
+            Ok(s) if s.success() => true,
+            Ok(s) => {
+                eprintln!("kvbench: {backend} decode {m} exited with {s}");
+                false
             }
-        }
-        if opts.stamps.is_none() {
-            let _ = std::fs::remove_dir_all(&stamps);
-        }
+            Err(e) => {
+                eprintln!("kvbench: waiting for {backend} decode {m}: {e}");
+                false
+            }
+        };
     }
-    if ok {
-        ExitCode::SUCCESS
+    ok &= decode_ok;
+    // Decode closes every rank when it is done; each exits on its own, within a bound. Without
+    // decode nothing will close them: they are stopped at once.
+    let bound = if decode_ok {
+        Duration::from_secs(30)
     } else {
-        ExitCode::FAILURE
+        Duration::ZERO
+    };
+    let deadline = std::time::Instant::now() + bound;
+    for (rank, mut p) in prefills {
+        let status = loop {
+            match p.try_wait() {
+                Ok(Some(s)) => break Some(s),
+                Ok(None) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                _ => {
+                    let _ = p.kill();
+                    let _ = p.wait();
+                    break None;
+                }
+            }
+        };
+        match status {
+            Some(s) if s.success() => {}
+            Some(s) => {
+                eprintln!("kvbench: {backend} prefill {rank} exited with {s}");
+                ok = false;
+            }
+            None if decode_ok => {
+                eprintln!(
+                    "kvbench: {backend} prefill {rank} still ran {bound:?} after decode \
+                     ended: stopped"
+                );
+                ok = false;
+            }
+            None => {}
+        }
     }
+    if opts.stamps.is_none() {
+        let _ = std::fs::remove_dir_all(&top);
+    }
+    ok
 }
 
 /// 32 random bytes from the kernel, hex-encoded, for the processes of one `--processes` run.

@@ -585,7 +585,12 @@ pub async fn run_decode(
                 first_layer: 0,
                 num_layers: w.shape.layers,
                 incarnation: transfer_engine::engine::fresh_incarnation(),
-                instance: String::new(),
+                // Each decode instance's record a key of its own.
+                instance: if decodes > 1 {
+                    format!("decode-{index}")
+                } else {
+                    String::new()
+                },
             };
             let m = discovery::join_decode(etcd, &decode, record)
                 .await
@@ -1219,9 +1224,19 @@ pub async fn run_prefill(
     for addr in more {
         engine.add_decode(addr).await.map_err(|e| e.to_string())?;
     }
+    let membership = found.map(|(reg, dir)| discovery::join_prefill(&engine, reg, dir, 0));
+    if membership.is_some() {
+        // The other decode instances come through etcd: linked before any of them can finish,
+        // since each waits for every prefill rank.
+        let deadline = Instant::now() + DISCOVERY_WAIT;
+        while engine.stats().decodes < u64::from(w.decode_instances.max(1))
+            && Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
     // Counted once every decode is linked, before any request can end.
     let linked = engine.stats().decodes;
-    let membership = found.map(|(reg, dir)| discovery::join_prefill(&engine, reg, dir, 0));
     // This process's CPU from here to its end is what serving the run cost it.
     let cpu0 = crate::bench::cpu_time();
     let copy0 = engine.transport_stats().copy_nanos;

@@ -354,11 +354,14 @@ fn one_command_runs_every_engine_in_its_own_process() {
 /// processes, one engine each. Every prefill rank serves both decodes from its one engine (one
 /// registration of its pool), each decode drives its own requests into both instances in turn,
 /// and the first decode reports them all, every byte of every request verified, on each backend.
+/// Once more on UCX with the processes finding each other through etcd (a local server): each
+/// prefill rank serves every decode instance registered there, and its PP peers are its own
+/// instance's ranks.
 #[test]
 fn instances_in_processes_serve_every_decode_from_one_engine() {
-    for backend in ["ucx", "nixl"] {
+    for (backend, etcd) in [("ucx", false), ("nixl", false), ("ucx", true)] {
         let json = std::env::temp_dir().join(format!(
-            "kvbench-instances-{backend}-{}.json",
+            "kvbench-instances-{backend}-{etcd}-{}.json",
             std::process::id()
         ));
         // WORKLOAD at PP 2.
@@ -381,13 +384,14 @@ fn instances_in_processes_serve_every_decode_from_one_engine() {
                 "--json",
             ])
             .arg(&json)
+            .args(if etcd { &["--etcd", "auto"][..] } else { &[] })
             .env_remove("KVX_TOKEN")
             .output()
             .unwrap();
         let table = String::from_utf8_lossy(&out.stdout);
         assert!(
             out.status.success(),
-            "{backend}: kvbench --processes ended with {}\n{table}\n{}",
+            "{backend} (etcd {etcd}): kvbench --processes ended with {}\n{table}\n{}",
             out.status,
             String::from_utf8_lossy(&out.stderr)
         );

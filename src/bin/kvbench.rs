@@ -836,12 +836,6 @@ fn main() -> ExitCode {
             "kvbench: no --token-file or {TOKEN_ENV}: this process accepts and trusts any peer"
         );
     }
-    if (w.prefill_instances > 1 || w.decode_instances > 1) && cli.opts.etcd.is_some() {
-        eprintln!(
-            "kvbench: --prefill-instances and --decode-instances find each other by address only, so far (not with --etcd)"
-        );
-        return ExitCode::from(2);
-    }
     if let Some(plan) = w.tp.filter(|_| cli.opts.processes || cli.role.is_some()) {
         let refused = if cli.opts.etcd.is_some() {
             Some("TP sizes find decode by address only, so far (not with --etcd)".to_string())

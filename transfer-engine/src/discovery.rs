@@ -999,25 +999,47 @@ pub async fn find_prefill_cluster(
     Ok((registration, directory))
 }
 
-/// Follows `directory` for prefill rank `engine` (TP rank `tp_rank`): a PP peer that registers a
-/// new address (a restarted rank listens on a new port) is reconnected to there. A peer whose
+/// Follows `directory` for prefill rank `engine` (TP rank `tp_rank`): a PP peer (a rank of the same
+/// prefill instance) that registers a new address (a restarted rank listens on a new port) is reconnected to there. A peer whose
 /// lease ends is left to decode, which evicts it; this rank's board still waits for that peer's
-/// votes (a stopped peer that resumes casts them) up to their deadline. Runs until the directory
-/// closes.
+/// votes (a stopped peer that resumes casts them) up to their deadline. Every decode engine of
+/// `tp_rank` registered in the cluster, now or later (other decode instances, a decode restarted on
+/// a new address), is served too ([`PrefillEngine::add_decode`]). Runs until the directory closes.
 pub async fn watch_prefill(engine: PrefillEngine, directory: Directory, tp_rank: u16) {
     let mut events = directory.events();
+    let serve = |r: &EngineRecord| {
+        let (engine, addr) = (engine.clone(), r.address);
+        tokio::spawn(async move {
+            if let Err(e) = engine.add_decode(addr).await {
+                tracing::warn!(decode = %addr, error = %e, "registered decode engine not served");
+            }
+        });
+    };
+    for r in directory.records() {
+        if r.role == RecordRole::Decode && r.tp_rank == tp_rank {
+            serve(&r);
+        }
+    }
     loop {
         let ev = match events.recv().await {
             Ok(ev) => ev,
             Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
             Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
         };
-        if let DirectoryEvent::Put(r) = ev
-            && r.role == RecordRole::Prefill
-            && r.tp_rank == tp_rank
-            && r.pp_rank != engine.pp_rank()
-        {
-            engine.set_peer_address(r.pp_rank, r.address);
+        let DirectoryEvent::Put(r) = ev else {
+            continue;
+        };
+        if r.tp_rank != tp_rank {
+            continue;
+        }
+        match r.role {
+            RecordRole::Decode => serve(&r),
+            RecordRole::Prefill
+                if r.instance == engine.instance() && r.pp_rank != engine.pp_rank() =>
+            {
+                engine.set_peer_address(r.pp_rank, r.address);
+            }
+            RecordRole::Prefill => {}
         }
     }
 }

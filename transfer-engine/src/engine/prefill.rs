@@ -1091,6 +1091,11 @@ impl PrefillEngine {
         self.inner.cfg.pp_rank
     }
 
+    /// The prefill instance this rank belongs to ([`PrefillConfig::instance`]).
+    pub fn instance(&self) -> &str {
+        &self.inner.cfg.instance
+    }
+
     /// Copies `src` into this rank's pool at `offset` (host pools): how a server (or a benchmark)
     /// puts a request's KV into pages before sending them. Write only pages that no chunk in flight
     /// reads.

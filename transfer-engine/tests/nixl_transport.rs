@@ -9,7 +9,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use transfer_engine::mem::{HostBuffer, HostOptions, Pool};
-use transfer_engine::transport::nixl::{NixlConfig, NixlTransport};
+use transfer_engine::transport::nixl::{NixlConfig, NixlTransport, STAGING_BYTES};
 use transfer_engine::transport::ucx::{self, UcxConfig, UcxTransport};
 use transfer_engine::transport::{
     BackendKind, Done, Incoming, PeerId, Registration, Sender, Sink, Transport, TransportError,
@@ -232,13 +232,31 @@ fn notification_only_posts() {
     assert!(all_bytes(&dst, 0));
 }
 
-/// A write of many rows is one descriptor per row for NIXL: each row lands where its stride says,
-/// and nothing between the rows.
+/// A write of many rows is one descriptor per row for NIXL, or, where the rows are contiguous at
+/// the peer and strided here, one descriptor from staging memory the rows were copied into: each
+/// row lands where its stride says, and nothing between the rows. With the default staging, with
+/// staging too small for one of the writes (it goes row by row, the other through staging), and
+/// with none.
 #[test]
 fn rows_land_at_their_strides() {
+    for staging in [STAGING_BYTES, 64 << 10, 0] {
+        rows_land_with_staging(staging);
+    }
+}
+
+fn rows_land_with_staging(staging_bytes: u64) {
     let len: usize = 1 << 20;
-    let (rx_t, _seen) = receiver("rows-rx", Arc::default());
-    let tx_t = nixl("rows-tx", noop_sink());
+    let (rx_t, _seen) = receiver(&format!("rows-rx-{staging_bytes}"), Arc::default());
+    let tx_t = Arc::new(
+        NixlTransport::new(
+            NixlConfig {
+                staging_bytes,
+                ..config(&format!("rows-tx-{staging_bytes}"))
+            },
+            noop_sink(),
+        )
+        .unwrap(),
+    );
     let dst = Registration::new(&dynamic(&rx_t), host(len)).unwrap();
     dst.fill_at(0, len, 0xEE).unwrap();
     let src = Registration::new(&dynamic(&tx_t), host(len)).unwrap();
@@ -247,11 +265,15 @@ fn rows_land_at_their_strides() {
     let peer = tx_t
         .connect(&rx_t.metadata().unwrap(), &[dst.remote().clone()], 0)
         .unwrap();
-    // (source offset, source stride, destination offset, destination stride, row length, rows)
-    let shapes: [(u64, u64, u64, u64, u64, u64); 3] = [
+    // (source offset, source stride, destination offset, destination stride, row length, rows);
+    // the first and the last two are contiguous at the destination (staged: 28,800, 40,000 and
+    // 204,800 bytes; in 64 KiB of staging only the first fits).
+    let shapes: [(u64, u64, u64, u64, u64, u64); 5] = [
         (64, 256, 0, 96, 96, 300),
         (40_000, 80, 100_001, 512, 80, 200),
         (200_000, 1000, 300_003, 700, 333, 128),
+        (430_000, 300, 400_000, 100, 100, 400),
+        (520_000, 2048, 760_000, 1024, 1024, 200),
     ];
     let writes = shapes
         .iter()
@@ -277,7 +299,10 @@ fn rows_land_at_their_strides() {
     let mut back = vec![0u8; len];
     dst.read_at(0, &mut back).unwrap();
     let first_bad = back.iter().zip(&want).position(|(a, b)| a != b);
-    assert_eq!(first_bad, None, "wrong byte at this offset");
+    assert_eq!(
+        first_bad, None,
+        "staging {staging_bytes}: wrong byte at this offset"
+    );
     let moved: u64 = shapes.iter().map(|s| s.4 * s.5).sum();
     assert_eq!(tx_t.stats().bytes_posted, moved);
 }

@@ -76,7 +76,16 @@ pub struct NixlConfig {
     pub sender_nice: i32,
     /// How the system schedules the progress thread (see [`ProgressScheduling`]).
     pub scheduling: ProgressScheduling,
+    /// Bytes of host memory, allocated and registered with the agent at the first write that needs
+    /// them, into which the progress thread copies a write's rows when they are strided in host
+    /// memory here and contiguous at the peer: the write is then one descriptor instead of one
+    /// per row (NIXL's descriptors are contiguous ranges). A write that finds no room left goes row
+    /// by row. 0: never.
+    pub staging_bytes: u64,
 }
+
+/// [`NixlConfig::staging_bytes`] by default.
+pub const STAGING_BYTES: u64 = 128 << 20;
 
 impl Default for NixlConfig {
     fn default() -> Self {
@@ -103,6 +112,7 @@ impl Default for NixlConfig {
             backend_params: Vec::new(),
             sender_nice: super::ucx::SENDER_NICE,
             scheduling: ProgressScheduling::Normal,
+            staging_bytes: STAGING_BYTES,
         }
     }
 }
@@ -502,7 +512,54 @@ struct Op {
     req: ffi::nixl_capi_xfer_req_t,
     peer: u64,
     regions: Vec<u64>,
+    /// Offsets of the staging ranges its writes read from, held until it is over.
+    staged: Vec<u64>,
     done: Option<Done>,
+}
+
+/// Registered host memory that strided source rows are copied into ([`NixlConfig::staging_bytes`]).
+/// It is freed only by [`Worker::close`] after deregistration; dropped otherwise, it is leaked.
+struct Staging {
+    /// The memory, owned through `base` (from `Box::into_raw`) so that no reference to it exists
+    /// while the agent reads it.
+    base: *mut u8,
+    len: usize,
+    /// Its registration with the agent.
+    reg: RegList,
+    /// Ranges held by requests in flight, `(offset, len)`, in offset order.
+    live: Vec<(u64, u64)>,
+}
+
+impl Staging {
+    /// The lowest free range of `len` bytes (64-byte aligned), taken; `None` when none is free.
+    fn take(&mut self, len: u64) -> Option<u64> {
+        let cap = self.len as u64;
+        let mut at = 0u64;
+        let mut slot = self.live.len();
+        for (i, &(off, l)) in self.live.iter().enumerate() {
+            if off.checked_sub(at)? >= len {
+                slot = i;
+                break;
+            }
+            at = (off + l).next_multiple_of(64);
+        }
+        if slot == self.live.len() && cap.checked_sub(at)? < len {
+            return None;
+        }
+        self.live.insert(slot, (at, len));
+        Some(at)
+    }
+
+    /// Frees the range taken at `off`.
+    fn give(&mut self, off: u64) {
+        if let Ok(i) = self.live.binary_search_by_key(&off, |&(o, _)| o) {
+            self.live.remove(i);
+        }
+    }
+
+    fn addr(&self) -> u64 {
+        self.base as u64
+    }
 }
 
 struct Worker {
@@ -521,6 +578,9 @@ struct Worker {
     sender_nice: i32,
     /// Whether `sender_nice` was applied (at the first post).
     reniced: bool,
+    /// Staging memory, once a write needed it; `staging_bytes` 0 once it could not be had.
+    staging: Option<Staging>,
+    staging_bytes: u64,
     sink: Sink,
     shared: Arc<Shared>,
     agent: Agent,
@@ -559,6 +619,8 @@ impl Worker {
             expecting_max_sleep: config.expecting_max_sleep.max(config.min_sleep),
             sender_nice: config.sender_nice,
             reniced: false,
+            staging: None,
+            staging_bytes: config.staging_bytes,
             sink,
             shared,
             agent,
@@ -652,11 +714,13 @@ impl Worker {
         Ok(bytes)
     }
 
-    fn register(&mut self, mem: MemDesc) -> Result<(RegionId, RemoteRegion), TransportError> {
-        let (kind, dev_id) = match mem.kind() {
-            MemKind::Host => (ffi::NIXL_CAPI_MEM_DRAM, 0),
-            MemKind::Cuda { device } => (ffi::NIXL_CAPI_MEM_VRAM, u64::from(device)),
-        };
+    /// A registration list of one range.
+    fn reg_list(
+        kind: ffi::nixl_capi_mem_type_t,
+        addr: u64,
+        len: u64,
+        dev_id: u64,
+    ) -> Result<RegList, TransportError> {
         let mut raw = ptr::null_mut();
         // SAFETY: raw is a valid out pointer; the list is owned by the RegList guard.
         unsafe { ffi::nixl_capi_create_reg_dlist(kind, &mut raw) }
@@ -666,14 +730,23 @@ impl Worker {
         unsafe {
             ffi::nixl_capi_reg_dlist_add_desc(
                 reg.0,
-                mem.addr() as usize,
-                mem.len() as usize,
+                addr as usize,
+                len as usize,
                 dev_id,
                 ptr::null(),
                 0,
             )
         }
         .result("nixl_capi_reg_dlist_add_desc")?;
+        Ok(reg)
+    }
+
+    fn register(&mut self, mem: MemDesc) -> Result<(RegionId, RemoteRegion), TransportError> {
+        let (kind, dev_id) = match mem.kind() {
+            MemKind::Host => (ffi::NIXL_CAPI_MEM_DRAM, 0),
+            MemKind::Cuda { device } => (ffi::NIXL_CAPI_MEM_VRAM, u64::from(device)),
+        };
+        let reg = Self::reg_list(kind, mem.addr(), mem.len(), dev_id)?;
         // SAFETY: `Transport::register`'s caller promised the range is live memory of that kind
         // (on that device) for the registration's life; the agent, list and arguments are live.
         unsafe { ffi::nixl_capi_register_mem(self.agent.raw, reg.0, self.args.0) }
@@ -703,6 +776,95 @@ impl Worker {
                 rkey: Vec::new(),
             },
         ))
+    }
+
+    /// Allocates and registers the staging memory; on failure says why once and stages nothing
+    /// from then on.
+    fn open_staging(&mut self) -> Option<Staging> {
+        let len = usize::try_from(self.staging_bytes).ok()?;
+        let base = Box::into_raw(vec![0u8; len].into_boxed_slice()) as *mut u8;
+        let free = |base: *mut u8| {
+            // SAFETY: `base` came from `Box::into_raw` of a boxed slice of `len` bytes above and is
+            // given back once, unregistered.
+            drop(unsafe { Box::from_raw(ptr::slice_from_raw_parts_mut(base, len)) });
+        };
+        let reg = match Self::reg_list(ffi::NIXL_CAPI_MEM_DRAM, base as u64, len as u64, 0) {
+            Ok(reg) => reg,
+            Err(e) => {
+                tracing::warn!(error = %e, "no staging memory: strided writes go row by row");
+                self.staging_bytes = 0;
+                free(base);
+                return None;
+            }
+        };
+        // SAFETY: the range is live host memory owned by the staging, freed only after it is
+        // deregistered (`close`); the agent, list and arguments are live.
+        let st = unsafe { ffi::nixl_capi_register_mem(self.agent.raw, reg.0, self.args.0) }
+            .result("nixl_capi_register_mem");
+        if let Err(e) = st {
+            tracing::warn!(error = %e, "no staging memory: strided writes go row by row");
+            self.staging_bytes = 0;
+            drop(reg);
+            free(base);
+            return None;
+        }
+        Some(Staging {
+            base,
+            len,
+            reg,
+            live: Vec::new(),
+        })
+    }
+
+    /// For each of `writes` (validated), the staging address its rows were copied to where they
+    /// are strided in host memory here and contiguous at the peer and staging had room, `None`
+    /// for the others; and the staging ranges taken.
+    fn stage(&mut self, writes: &[WriteOp]) -> (Vec<Option<u64>>, Vec<u64>) {
+        let mut at = vec![None; writes.len()];
+        let mut taken = Vec::new();
+        for (i, w) in writes.iter().enumerate() {
+            if w.rows < 2 || w.remote_stride != w.len || w.local_stride == w.len || w.bytes() == 0 {
+                continue;
+            }
+            if self.staging.is_none() && self.staging_bytes > 0 {
+                self.staging = self.open_staging();
+            }
+            let (Some(st), Some(r)) = (self.staging.as_mut(), self.regions.get(&w.local.0)) else {
+                break;
+            };
+            if r.kind != ffi::NIXL_CAPI_MEM_DRAM {
+                continue;
+            }
+            let Some(off) = st.take(w.bytes()) else {
+                continue;
+            };
+            for (k, (lo, _)) in w.pieces().enumerate() {
+                // SAFETY: the source row lies inside region `r` (`WriteOp::fits`, checked by
+                // `post`), host memory that `Transport::register`'s caller keeps live and
+                // unchanged while a write from it is in flight; the destination lies inside the
+                // range just taken from the staging memory (`take`: `bytes()` from `off`, inside
+                // its `len`), which no request in flight reads and which is not the caller's.
+                unsafe {
+                    ptr::copy_nonoverlapping(
+                        (r.addr + lo) as *const u8,
+                        st.base.add(off as usize + k * w.len as usize),
+                        w.len as usize,
+                    );
+                }
+            }
+            at[i] = Some(st.addr() + off);
+            taken.push(off);
+        }
+        (at, taken)
+    }
+
+    /// Gives back staging ranges taken by [`stage`](Self::stage).
+    fn unstage(&mut self, taken: &mut Vec<u64>) {
+        if let Some(st) = self.staging.as_mut() {
+            for off in taken.drain(..) {
+                st.give(off);
+            }
+        }
     }
 
     fn deregister(&mut self, id: RegionId, reply: chan::Sender<Result<(), TransportError>>) {
@@ -911,15 +1073,28 @@ impl Worker {
             bytes += w.bytes();
         }
 
+        // Rows strided here and contiguous at the peer go through staging memory: one descriptor.
+        let (staged_at, mut staged) = match local_kind {
+            Some(ffi::NIXL_CAPI_MEM_DRAM) if self.staging_bytes > 0 => self.stage(&writes),
+            _ => (vec![None; writes.len()], Vec::new()),
+        };
+        let Some(p) = self.peers.get(&peer.0) else {
+            self.unstage(&mut staged);
+            done(Err(TransportError::UnknownPeer(peer)));
+            return;
+        };
         let req = match (local_kind, remote_kind) {
-            (Some(lk), Some(rk)) => match self.create_request(p, lk, rk, &writes, &notification) {
-                Ok(req) => req,
-                Err(e) => {
-                    self.peer_error(peer.0, &e);
-                    done(Err(e));
-                    return;
+            (Some(lk), Some(rk)) => {
+                match self.create_request(p, lk, rk, &writes, &staged_at, &notification) {
+                    Ok(req) => req,
+                    Err(e) => {
+                        self.unstage(&mut staged);
+                        self.peer_error(peer.0, &e);
+                        done(Err(e));
+                        return;
+                    }
                 }
-            },
+            }
             _ => {
                 // No bytes to move: the notification, if any, goes alone.
                 let res = if notification.is_empty() {
@@ -961,6 +1136,7 @@ impl Worker {
             req,
             peer: peer.0,
             regions,
+            staged,
             done: Some(done),
         };
 
@@ -982,19 +1158,25 @@ impl Worker {
         local_kind: ffi::nixl_capi_mem_type_t,
         remote_kind: ffi::nixl_capi_mem_type_t,
         writes: &[WriteOp],
+        staged_at: &[Option<u64>],
         notification: &[u8],
     ) -> Result<ffi::nixl_capi_xfer_req_t, TransportError> {
         let mut local = XferList::new(local_kind)?;
         let mut remote = XferList::new(remote_kind)?;
         // NIXL's descriptor lists are contiguous ranges: a write of many rows is one descriptor
-        // per row.
-        for w in writes.iter().filter(|w| w.bytes() > 0) {
+        // per row, unless its rows were staged (then contiguous on both sides).
+        for (i, w) in writes.iter().enumerate().filter(|(_, w)| w.bytes() > 0) {
             let (Some(r), Some(rr)) = (
                 self.regions.get(&w.local.0),
                 p.remote.get(w.remote as usize),
             ) else {
                 return Err(TransportError::UnknownRegion(w.local));
             };
+            if let Some(at) = staged_at.get(i).copied().flatten() {
+                local.add(at, w.bytes(), 0)?;
+                remote.add(rr.addr + w.remote_offset, w.bytes(), rr.dev_id)?;
+                continue;
+            }
             for (lo, ro) in w.pieces() {
                 local.add(r.addr + lo, w.len, r.dev_id)?;
                 remote.add(rr.addr + ro, w.len, rr.dev_id)?;
@@ -1145,6 +1327,9 @@ impl Worker {
             }
             op.req = ptr::null_mut();
         }
+        // The agent reads no staged row of it any more.
+        let mut staged = std::mem::take(&mut op.staged);
+        self.unstage(&mut staged);
         // The failure that marks the peer failed keeps the library's status; later ones to a peer
         // already failed say so.
         if let Err(e) = &res
@@ -1265,6 +1450,25 @@ impl Worker {
             if let Some(reply) = reply {
                 let _ = reply.send(res.and(Err(TransportError::Shutdown)));
             }
+        }
+        if let Some(st) = self.staging.take() {
+            // SAFETY: no request is active, so the agent reads none of it; the list describes
+            // exactly the memory registered with it on this agent.
+            let res =
+                unsafe { ffi::nixl_capi_deregister_mem(self.agent.raw, st.reg.0, self.args.0) }
+                    .result("nixl_capi_deregister_mem");
+            match res {
+                Ok(()) => {
+                    // SAFETY: `base` came from `Box::into_raw` of a boxed slice of `len` bytes
+                    // (`open_staging`), now unregistered, and is given back only here (`Staging`
+                    // has no drop of its own).
+                    drop(unsafe { Box::from_raw(ptr::slice_from_raw_parts_mut(st.base, st.len)) });
+                }
+                // Still registered: leaked rather than freed.
+                Err(e) => tracing::warn!("{e} (staging memory leaked)"),
+            }
+            let Staging { reg, .. } = st;
+            drop(reg);
         }
         // Dropping the worker destroys the arguments and the map, then the agent.
     }

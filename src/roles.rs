@@ -342,15 +342,12 @@ const MAX_TP: u16 = 1024;
 const MAX_PAGE_TOKENS: u32 = 1 << 20;
 const MAX_KV_HEADS: u32 = 1 << 16;
 
-/// The spec of a multi-process run of `w` with TP plan `plan`, checked: one instance of each side,
-/// requests counted (not timed), contiguous pages, sizes in bounds and offsets that fit.
+/// The spec of a multi-process run of `w` with TP plan `plan`, checked: requests counted (not
+/// timed), contiguous pages, sizes in bounds and offsets that fit.
 ///
 /// # Errors
 /// What the run cannot do, named.
 pub fn tp_run(w: &Workload, plan: TpPlan, backend: BackendKind) -> Result<TpSpec, String> {
-    if w.prefill_instances > 1 || w.decode_instances > 1 {
-        return Err("TP sizes run with one prefill and one decode instance, so far".into());
-    }
     if w.duration.is_some() || w.scatter {
         return Err(
             "TP sizes run a count of requests in contiguous pages (no --duration, no --scatter)"
@@ -388,10 +385,14 @@ pub fn tp_run(w: &Workload, plan: TpPlan, backend: BackendKind) -> Result<TpSpec
     Ok(spec)
 }
 
-/// Source slots of a prefill rank of a TP run: its decode TP ranks drive the same requests, each at
-/// its own pace, so the rank may hold one slot's worth more of every one of them.
+/// Source slots of a prefill rank of a TP run: each decode instance's TP ranks drive the same
+/// requests, each at its own pace, so the rank may hold one slot's worth more of every one of them.
 fn tp_prefill_slots(w: &Workload) -> Option<u32> {
-    w.concurrency.max(1).checked_mul(2)?.checked_add(1)
+    w.concurrency
+        .max(1)
+        .checked_mul(2)?
+        .checked_add(1)?
+        .checked_mul(u32::from(w.decode_instances.max(1)))
 }
 
 /// How long a prefill role waits for decode to answer its probe (decode may start after it).
@@ -455,8 +456,9 @@ const DISCOVERY_WAIT: Duration = Duration::from_secs(120);
 /// its own requests (ids apart, `index` in bits 40 and up) into the same prefill instances, in turn
 /// over them. With `stamps`, every instance but the first leaves what it measured there, and the
 /// first waits for those and reports the whole run. With TP sizes (`w.tp`) it is decode TP rank
-/// `tp_rank` of the one instance, driving the same requests as the other ranks; every rank but
-/// the first leaves its results as another instance would, and the first reports.
+/// `tp_rank` of instance `index`, driving the same requests as the instance's other ranks; every
+/// rank but the first of the first instance leaves its results as another instance would, and
+/// that one reports.
 ///
 /// # Errors
 /// Engine failures, as text.
@@ -506,11 +508,15 @@ pub async fn run_decode(
             w.pages() * slots_held,
         ),
     };
-    // Who reports the run, and who hands it results: decode instances, or a TP run's ranks.
-    let (member, members) = match &spec {
-        Some(s) => (tp_rank, s.decode_tp),
-        None => (index, w.decode_instances.max(1)),
-    };
+    // Who reports the run, and who hands it results: decode instances, or in a TP run each
+    // instance's ranks (`index * decode_tp + tp_rank`).
+    let tp_size = spec.as_ref().map_or(1, |s| s.decode_tp);
+    let (member, members) = w
+        .decode_instances
+        .max(1)
+        .checked_mul(tp_size)
+        .map(|n| (index * tp_size + tp_rank, n))
+        .ok_or("too many decode processes")?;
     let instances = w.prefill_instances.max(1);
     let decodes = w.decode_instances.max(1);
     if index >= decodes {
@@ -535,7 +541,7 @@ pub async fn run_decode(
         cfg.tp = s.tp(tp_rank, s.decode_tp);
         cfg.prefill_tp = Some(s.prefill_tp);
         // Prefill ranks group one request's TP legs by the decode instance's name.
-        cfg.instance = "decode".into();
+        cfg.instance = format!("decode-{index}");
     }
     let (listen, etcd) = match place {
         Place::Fixed(l, etcd) => (l, etcd),
@@ -566,7 +572,7 @@ pub async fn run_decode(
     if instances > 1 {
         for name in &names {
             decode
-                .add_instance(name, w.pp, 1)
+                .add_instance(name, w.pp, spec.as_ref().map_or(1, |s| s.prefill_tp))
                 .map_err(|e| e.to_string())?;
         }
     }
@@ -776,13 +782,15 @@ pub async fn run_decode(
                 .map_err(|e| format!("writing into {}: {e}", dir.display()))?;
             return Ok(share.tally.report(w, backend));
         }
+        // Each decode instance's tally: its TP ranks ran the same requests, whose failures and
+        // mismatches count once; the instances' own requests add up.
+        let mut instances_seen = vec![std::mem::take(&mut tally)];
         for m in 1..members {
             let other = read_share(dir, m, SHARE_WAIT).await?;
-            if spec.is_some() {
-                // The same requests: their failures and mismatches count, once.
-                tally.merge_rank(&other.tally);
-            } else {
-                tally.merge(other.tally);
+            if m % tp_size == 0 {
+                instances_seen.push(other.tally);
+            } else if let Some(t) = instances_seen.last_mut() {
+                t.merge_rank(&other.tally);
             }
             // A request is complete when its last TP rank is.
             for (r, at) in other.completed {
@@ -791,6 +799,9 @@ pub async fn run_decode(
             }
             share.registrations = share.registrations.max(other.registrations);
             share.connected_ranks = share.connected_ranks.max(other.connected_ranks);
+        }
+        for t in instances_seen {
+            tally.merge(t);
         }
     }
     // The prefill processes of each instance, in the files they leave.
@@ -1075,8 +1086,8 @@ fn complete_latencies(completed: &HashMap<u64, u128>, last: &HashMap<u64, u128>)
 /// process it serves closed, presenting `token` (the shared secret, if any) to its peers;
 /// `heartbeat` replaces the engine's default interval. One engine serves every decode instance:
 /// one transport, one registration of its pool. With TP sizes (`w.tp`) it is the rank of prefill
-/// TP rank `tp_rank`'s pipeline, writing the decode TP ranks (`Find::Fixed` lists them all, in
-/// rank order) it shares heads with.
+/// TP rank `tp_rank`'s pipeline, writing the decode TP ranks it shares heads with in every decode
+/// instance (`Find::Fixed` lists every decode process, instance by instance, in rank order).
 ///
 /// # Errors
 /// Engine failures, as text.
@@ -1140,14 +1151,19 @@ pub async fn run_prefill(
         ),
     };
     let find = match (find, &spec) {
-        // The decode TP ranks this one writes, out of all of them.
+        // The decode TP ranks this one writes in every decode instance, out of all of them
+        // (instance by instance, in rank order).
         (Find::Fixed(decodes, p), Some(s)) => {
-            let mine = s
-                .targets(tp_rank)?
-                .into_iter()
-                .map(|d| {
-                    decodes.get(usize::from(d)).copied().ok_or(format!(
-                        "no address for decode TP rank {d} among --connect's {}",
+            let targets = s.targets(tp_rank)?;
+            let mine = (0..usize::from(w.decode_instances.max(1)))
+                .flat_map(|k| {
+                    targets
+                        .iter()
+                        .map(move |&d| k * usize::from(s.decode_tp) + usize::from(d))
+                })
+                .map(|i| {
+                    decodes.get(i).copied().ok_or(format!(
+                        "no address for decode process {i} among --connect's {}",
                         decodes.len()
                     ))
                 })

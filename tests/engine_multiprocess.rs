@@ -419,19 +419,30 @@ fn instances_in_processes_serve_every_decode_from_one_engine() {
     }
 }
 
+/// One `--processes` TP run of the test below.
+struct TpCase {
+    backend: &'static str,
+    flags: &'static [&'static str],
+    /// Prefill ranks connected to each decode TP rank: identical TP, the mapping.
+    connected: (u64, u64),
+    /// Requests of the whole run.
+    requests: u64,
+}
+
 /// `kvbench --processes` with TP sizes: every decode TP rank and every prefill (TP, PP) rank that
 /// writes somewhere is a process of its own. Each backend runs identical TP and then the mapping,
 /// every byte of every decode rank's pages checked against the heads it holds; the rows carry the
-/// TP sizes, the writes the prefill engines counted and one registration per process.
+/// TP sizes, the writes the prefill engines counted and one registration per process. Once with
+/// two prefill and two decode instances: each decode instance's requests (4 each) are checked on
+/// its TP ranks, and every prefill rank serves both.
 #[test]
 fn tp_sizes_that_differ_run_with_every_rank_in_its_own_process() {
-    // (backend, flags, (identical, mapped) prefill ranks connected to each decode TP rank).
-    let runs: [(&str, &[&str], (u64, u64)); 2] = [
+    let runs = [
         // GQA, 4 heads: prefill TP 2 into decode TP 4, decode pages twice prefill's. Each decode
         // rank's one head comes from one prefill TP rank's pipeline of 2.
-        (
-            "ucx",
-            &[
+        TpCase {
+            backend: "ucx",
+            flags: &[
                 "--prefill-tp",
                 "2",
                 "--decode-tp",
@@ -441,17 +452,42 @@ fn tp_sizes_that_differ_run_with_every_rank_in_its_own_process() {
                 "--decode-page-tokens",
                 "32",
             ],
-            (2, 2),
-        ),
+            connected: (2, 2),
+            requests: 4,
+        },
         // MLA into fewer decode ranks: prefill TP 2 into decode TP 1, only prefill TP rank 0
         // writes (one writer per destination), so its pipeline of 2 is all decode sees.
-        (
-            "nixl",
-            &["--model", "mla", "--prefill-tp", "2", "--decode-tp", "1"],
-            (2, 2),
-        ),
+        TpCase {
+            backend: "nixl",
+            flags: &["--model", "mla", "--prefill-tp", "2", "--decode-tp", "1"],
+            connected: (2, 2),
+            requests: 4,
+        },
+        // GQA, 8 heads, prefill TP 2 into decode TP 1, two instances of each side: each decode
+        // sees both instances' pipelines of 2, of one TP rank (identical) or two (mapped).
+        TpCase {
+            backend: "ucx",
+            flags: &[
+                "--prefill-tp",
+                "2",
+                "--decode-tp",
+                "1",
+                "--prefill-instances",
+                "2",
+                "--decode-instances",
+                "2",
+            ],
+            connected: (4, 8),
+            requests: 8,
+        },
     ];
-    for (backend, flags, (identical, mapped)) in runs {
+    for TpCase {
+        backend,
+        flags,
+        connected: (identical, mapped),
+        requests,
+    } in runs
+    {
         let json = std::env::temp_dir().join(format!(
             "kvbench-tp-processes-{backend}-{}.json",
             std::process::id()
@@ -500,9 +536,9 @@ fn tp_sizes_that_differ_run_with_every_rank_in_its_own_process() {
             for (key, want) in [
                 ("prefill_tp", prefill_tp),
                 ("decode_tp", tp(1)),
-                ("requests", 4),
+                ("requests", requests),
                 ("failed", 0),
-                ("verified_requests", 4),
+                ("verified_requests", requests),
                 ("registrations_per_process", 1),
                 ("connections_per_decode", ranks),
             ] {

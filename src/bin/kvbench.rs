@@ -100,7 +100,7 @@ struct Opts {
     /// TP) rank one engine writing into every decode rank it shares heads with, every byte of
     /// every decode rank's pages checked against the heads it holds. In one process it runs
     /// identical TP (--decode-tp on both sides) and this mapping on the same workload; with
-    /// --processes every engine is a process of its own, one instance of each side.
+    /// --processes every engine is a process of its own, with any number of instances.
     #[arg(long, global = true)]
     prefill_tp: Option<u16>,
     /// Decode TP size (with --prefill-tp).
@@ -857,7 +857,7 @@ fn main() -> ExitCode {
     if cli.opts.tp_run() && cli.role.is_none() {
         if w.prefill_instances > 1 || w.decode_instances > 1 {
             eprintln!(
-                "kvbench: --prefill-tp/--decode-tp/--decode-page-tokens run one instance of each side, so far"
+                "kvbench: --prefill-tp/--decode-tp/--decode-page-tokens run one instance of each side in one process, so far (several with --processes)"
             );
             return ExitCode::from(2);
         }
@@ -1506,13 +1506,14 @@ fn run_set(
 ) -> bool {
     let mut ok = true;
     let instances = usize::from(w.prefill_instances.max(1));
-    // Decode processes (instances, or a TP run's ranks of the one instance) and the prefill TP
-    // ranks that write somewhere (each a pipeline of --pp processes).
+    // Decode processes (instances, in a TP run each instance's ranks) and the prefill TP ranks
+    // that write somewhere (each a pipeline of --pp processes).
+    let decode_tp = usize::from(w.tp.map_or(1, |p| p.decode_tp));
     let (decodes, tp_ranks) = match w.tp {
         Some(plan) => {
             let spec = kvbench::tp::TpSpec::of(w, plan, BackendKind::Ucx);
             match spec.writing_ranks() {
-                Ok(t) => (usize::from(plan.decode_tp), Some(t)),
+                Ok(t) => (decode_tp * usize::from(w.decode_instances.max(1)), Some(t)),
                 Err(e) => {
                     eprintln!("kvbench: {e}");
                     return false;
@@ -1592,12 +1593,10 @@ fn run_set(
         } else {
             vec!["decode".into(), "--listen".into(), addr.to_string()]
         };
-        let index = if tp_ranks.is_some() {
-            "--tp-rank"
-        } else {
-            "--decode-index"
-        };
-        decode_args.extend([index.into(), m.to_string()]);
+        decode_args.extend(["--decode-index".into(), (m / decode_tp).to_string()]);
+        if tp_ranks.is_some() {
+            decode_args.extend(["--tp-rank".into(), (m % decode_tp).to_string()]);
+        }
         if let Some(metrics) = opts.metrics.filter(|_| m == 0) {
             decode_args.extend(["--metrics".into(), metrics.to_string()]);
         }

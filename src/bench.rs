@@ -349,14 +349,18 @@ impl Tally {
         self.cpu += other.cpu;
     }
 
-    /// Adds what another decode TP rank saw of the same requests: a failure or mismatch on any
-    /// rank counts (failures as the most any rank saw), and a request is verified only where every
-    /// rank verified it; its latencies and windows are this rank's again.
+    /// Adds what another decode TP rank saw of the same requests: failures as the most any rank
+    /// saw (a lower bound on the requests that failed somewhere), mismatches summed over the ranks
+    /// (a request that differs on two ranks counts twice), requests verified as the fewest any rank
+    /// verified; the timed window is the longer one and CPU time adds up (each rank is a process),
+    /// while latencies stay this rank's.
     pub(crate) fn merge_rank(&mut self, other: &Tally) {
         self.failed = self.failed.max(other.failed);
         self.failed_during_absence = self.failed_during_absence.max(other.failed_during_absence);
         self.mismatches += other.mismatches;
         self.verified_requests = self.verified_requests.min(other.verified_requests);
+        self.timed = self.timed.max(other.timed);
+        self.cpu += other.cpu;
     }
 
     /// What was measured, as a report whose baseline fields are left at zero.

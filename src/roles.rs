@@ -508,15 +508,6 @@ pub async fn run_decode(
             w.pages() * slots_held,
         ),
     };
-    // Who reports the run, and who hands it results: decode instances, or in a TP run each
-    // instance's ranks (`index * decode_tp + tp_rank`).
-    let tp_size = spec.as_ref().map_or(1, |s| s.decode_tp);
-    let (member, members) = w
-        .decode_instances
-        .max(1)
-        .checked_mul(tp_size)
-        .map(|n| (index * tp_size + tp_rank, n))
-        .ok_or("too many decode processes")?;
     let instances = w.prefill_instances.max(1);
     let decodes = w.decode_instances.max(1);
     if index >= decodes {
@@ -524,6 +515,13 @@ pub async fn run_decode(
             "--decode-index {index} is not below --decode-instances {decodes}"
         ));
     }
+    // Who reports the run, and who hands it results: decode instances, or in a TP run each
+    // instance's ranks (`index * decode_tp + tp_rank`).
+    let tp_size = spec.as_ref().map_or(1, |s| s.decode_tp);
+    let (member, members) = decodes
+        .checked_mul(tp_size)
+        .map(|n| (index * tp_size + tp_rank, n))
+        .ok_or("too many decode processes")?;
     // One prefill instance is decode's default one; several are named, each added below.
     let names: Vec<String> = if instances == 1 {
         vec![String::new()]
@@ -782,8 +780,8 @@ pub async fn run_decode(
                 .map_err(|e| format!("writing into {}: {e}", dir.display()))?;
             return Ok(share.tally.report(w, backend));
         }
-        // Each decode instance's tally: its TP ranks ran the same requests, whose failures and
-        // mismatches count once; the instances' own requests add up.
+        // Each decode instance's tally: its TP ranks ran the same requests (`Tally::merge_rank`);
+        // the instances' own requests add up.
         let mut instances_seen = vec![std::mem::take(&mut tally)];
         for m in 1..members {
             let other = read_share(dir, m, SHARE_WAIT).await?;
@@ -808,7 +806,7 @@ pub async fn run_decode(
     let file_ranks = match &spec {
         Some(s) => {
             let writers = u16::try_from(s.writing_ranks()?.len()).map_err(|e| e.to_string())?;
-            w.pp.saturating_mul(writers)
+            w.pp.checked_mul(writers).ok_or("too many prefill ranks")?
         }
         None => w.pp,
     };
@@ -845,7 +843,8 @@ pub async fn run_decode(
                 let requests = report.requests.max(1) as f64;
                 // Each rank sends every chunk of its layers.
                 let chunks = requests
-                    * f64::from(w.prompt_tokens.div_ceil(w.chunk_tokens) * u32::from(file_ranks));
+                    * f64::from(w.prompt_tokens.div_ceil(w.chunk_tokens))
+                    * f64::from(file_ranks);
                 if spec.is_some() {
                     // Counted by the prefill engines: sliced heads make their own writes.
                     report.writes_per_request = writes / report.requests.max(1);

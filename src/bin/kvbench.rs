@@ -1549,6 +1549,10 @@ fn run_set(
         Some(p) => top.join(format!("tp-{}-{}", p.prefill_tp, p.decode_tp)),
         None => top.clone(),
     };
+    // A TP run's folder is its own: what an earlier run left there goes first.
+    if w.tp.is_some() {
+        let _ = std::fs::remove_dir_all(&stamps);
+    }
     if let Err(e) = std::fs::create_dir_all(&stamps) {
         eprintln!("kvbench: cannot make {}: {e}", stamps.display());
         return false;

@@ -1015,15 +1015,22 @@ pub async fn watch_prefill(engine: PrefillEngine, directory: Directory, tp_rank:
             }
         });
     };
-    for r in directory.records() {
-        if r.role == RecordRole::Decode && r.tp_rank == tp_rank {
-            serve(&r);
+    let serve_all = || {
+        for r in directory.records() {
+            if r.role == RecordRole::Decode && r.tp_rank == tp_rank {
+                serve(&r);
+            }
         }
-    }
+    };
+    serve_all();
     loop {
         let ev = match events.recv().await {
             Ok(ev) => ev,
-            Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
+            // Events were lost: every decode registered now (one already linked keeps its link).
+            Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
+                serve_all();
+                continue;
+            }
             Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
         };
         let DirectoryEvent::Put(r) = ev else {

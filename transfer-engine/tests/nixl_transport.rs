@@ -305,6 +305,14 @@ fn rows_land_with_staging(staging_bytes: u64) {
     );
     let moved: u64 = shapes.iter().map(|s| s.4 * s.5).sum();
     assert_eq!(tx_t.stats().bytes_posted, moved);
+    // The rows that went through staging: all three writes contiguous at the destination, the
+    // first alone, or none.
+    let staged = match staging_bytes {
+        0 => 0,
+        b if b < 100_000 => 28_800,
+        _ => 28_800 + 40_000 + 204_800,
+    };
+    assert_eq!(tx_t.stats().staged_bytes, staged, "staging {staging_bytes}");
 }
 
 #[test]

@@ -218,6 +218,10 @@ pub struct TransportStats {
     /// itself: the CPU a sender's chunks cost in moving bytes, against what the rest of the engine
     /// costs. 0 where the library moves every byte.
     pub copy_nanos: u64,
+    /// Bytes the progress thread copied into staging memory so that a write of strided rows
+    /// went as one descriptor (NIXL's [`staging_bytes`](nixl::NixlConfig::staging_bytes)); 0
+    /// elsewhere.
+    pub staged_bytes: u64,
 }
 
 /// A transport error, keeping the library's raw status where there is one.

@@ -531,7 +531,8 @@ struct Staging {
 }
 
 impl Staging {
-    /// The lowest free range of `len` bytes (64-byte aligned), taken; `None` when none is free.
+    /// The lowest free range of `len` bytes (at an offset that is a multiple of 64), taken; `None`
+    /// when none is free.
     fn take(&mut self, len: u64) -> Option<u64> {
         let cap = self.len as u64;
         let mut at = 0u64;
@@ -854,6 +855,10 @@ impl Worker {
             }
             at[i] = Some(st.addr() + off);
             taken.push(off);
+            self.shared
+                .counters
+                .staged_bytes
+                .fetch_add(w.bytes(), Ordering::Relaxed);
         }
         (at, taken)
     }
@@ -1311,6 +1316,7 @@ impl Worker {
 
     /// Ends a posted chunk: frees its request, releases what it held and runs its `Done`.
     fn finish(&mut self, mut op: Op, mut res: Result<(), TransportError>) {
+        let mut released = true;
         if !op.req.is_null() {
             // The request is over (complete or failed), so releasing it cancels nothing.
             // SAFETY: the agent and request are live; the request is released once.
@@ -1324,12 +1330,16 @@ impl Worker {
                     "{} (request leaked)",
                     status_error("nixl_capi_release_xfer_req", st)
                 );
+                released = false;
             }
             op.req = ptr::null_mut();
         }
-        // The agent reads no staged row of it any more.
         let mut staged = std::mem::take(&mut op.staged);
-        self.unstage(&mut staged);
+        if released {
+            // The agent reads no staged row of it any more.
+            self.unstage(&mut staged);
+        }
+        // Otherwise its staging ranges stay taken for good: the leaked request may still read them.
         // The failure that marks the peer failed keeps the library's status; later ones to a peer
         // already failed say so.
         if let Err(e) = &res

@@ -88,6 +88,7 @@ pub(crate) struct Counters {
     pub(crate) leaked: AtomicU64,
     pub(crate) direct_regions: AtomicU64,
     pub(crate) copy_nanos: AtomicU64,
+    pub(crate) staged_bytes: AtomicU64,
 }
 
 /// State shared between a progress thread and the threads that talk to it.
@@ -232,6 +233,7 @@ impl Shared {
             bytes_posted: c.bytes_posted.load(Ordering::Relaxed),
             direct_regions: c.direct_regions.load(Ordering::Relaxed),
             copy_nanos: c.copy_nanos.load(Ordering::Relaxed),
+            staged_bytes: c.staged_bytes.load(Ordering::Relaxed),
         }
     }
 }

@@ -41,6 +41,18 @@ pub struct TpPlan {
     pub decode_page_tokens: u32,
 }
 
+impl TpPlan {
+    /// The identical-TP run a mapping is measured against: decode's TP size on both sides, the
+    /// model's `page_tokens` on decode too.
+    pub fn identical(self, page_tokens: u32) -> TpPlan {
+        TpPlan {
+            prefill_tp: self.decode_tp,
+            decode_page_tokens: page_tokens,
+            ..self
+        }
+    }
+}
+
 /// What to run.
 #[derive(Debug, Clone, Copy)]
 pub struct TpSpec {

@@ -36,6 +36,44 @@ const WORKLOAD: &[&str] = &[
     "true",
 ];
 
+/// WORKLOAD with the values of `set` (flag, value) in place of its own.
+fn workload_with(set: &[(&str, &'static str)]) -> Vec<&'static str> {
+    let mut w = WORKLOAD.to_vec();
+    for (flag, value) in set {
+        let at = w.iter().position(|a| a == flag).unwrap();
+        w[at + 1] = value;
+    }
+    w
+}
+
+/// Runs `kvbench --processes` with `args`, its JSON into a file of its own; asserts that it
+/// succeeded (naming `what`) and returns its stdout and the JSON.
+fn processes_json(args: &[&str], what: &str) -> (String, serde_json::Value) {
+    static RUN: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let json = std::env::temp_dir().join(format!(
+        "kvbench-processes-{}-{}.json",
+        std::process::id(),
+        RUN.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvbench"))
+        .args(args)
+        .args(["--processes", "--json"])
+        .arg(&json)
+        .env_remove("KVX_TOKEN")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{what}: kvbench --processes ended with {}\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = std::fs::read_to_string(&json).unwrap();
+    let _ = std::fs::remove_file(&json);
+    (stdout, serde_json::from_str(&text).unwrap())
+}
+
 /// Bound on the decode process, from spawn to exit (debug builds, five processes on two cores).
 const DECODE_BOUND: Duration = Duration::from_secs(90);
 /// Bound on each prefill process's exit once the decode process is gone.
@@ -360,44 +398,23 @@ fn one_command_runs_every_engine_in_its_own_process() {
 #[test]
 fn instances_in_processes_serve_every_decode_from_one_engine() {
     for (backend, etcd) in [("ucx", false), ("nixl", false), ("ucx", true)] {
-        let json = std::env::temp_dir().join(format!(
-            "kvbench-instances-{backend}-{etcd}-{}.json",
-            std::process::id()
-        ));
-        // WORKLOAD at PP 2.
-        let mut workload = WORKLOAD.to_vec();
-        let pp = workload.iter().position(|a| *a == "--pp").unwrap();
-        workload[pp + 1] = "2";
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvbench"))
-            .args(&workload)
-            .args([
-                "--requests",
-                "4",
-                "--prefill-instances",
-                "2",
-                "--decode-instances",
-                "2",
-                "--backend",
-                backend,
-                "--no-baseline",
-                "--processes",
-                "--json",
-            ])
-            .arg(&json)
-            .args(if etcd { &["--etcd", "auto"][..] } else { &[] })
-            .env_remove("KVX_TOKEN")
-            .output()
-            .unwrap();
-        let table = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success(),
-            "{backend} (etcd {etcd}): kvbench --processes ended with {}\n{table}\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let text = std::fs::read_to_string(&json).unwrap();
-        let _ = std::fs::remove_file(&json);
-        let report: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let mut args = workload_with(&[("--pp", "2")]);
+        args.extend([
+            "--requests",
+            "4",
+            "--prefill-instances",
+            "2",
+            "--decode-instances",
+            "2",
+            "--backend",
+            backend,
+            "--no-baseline",
+        ]);
+        if etcd {
+            args.extend(["--etcd", "auto"]);
+        }
+        let (_, report) = processes_json(&args, &format!("{backend} (etcd {etcd})"));
+        let text = report.to_string();
         let r = &report[0];
         // Each decode ran its 4 requests, all checked (--verify all) and stamped by the ranks.
         for (key, want) in [
@@ -488,42 +505,16 @@ fn tp_sizes_that_differ_run_with_every_rank_in_its_own_process() {
         requests,
     } in runs
     {
-        let json = std::env::temp_dir().join(format!(
-            "kvbench-tp-processes-{backend}-{}.json",
-            std::process::id()
-        ));
-        let mut workload = WORKLOAD.to_vec();
-        let pp = workload.iter().position(|a| *a == "--pp").unwrap();
-        workload[pp + 1] = "2";
-        let prompt = workload
-            .iter()
-            .position(|a| *a == "--prompt-tokens")
-            .unwrap();
         // Whole pages of 16 and of 32 tokens.
-        workload[prompt + 1] = "1024";
+        let mut args = workload_with(&[("--pp", "2"), ("--prompt-tokens", "1024")]);
         if flags.contains(&"mla") {
-            let model = workload.iter().position(|a| *a == "--model").unwrap();
-            workload.drain(model..model + 2);
+            let model = args.iter().position(|a| *a == "--model").unwrap();
+            args.drain(model..model + 2);
         }
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvbench"))
-            .args(&workload)
-            .args(flags)
-            .args(["--requests", "4", "--backend", backend, "--no-baseline"])
-            .args(["--processes", "--json"])
-            .arg(&json)
-            .env_remove("KVX_TOKEN")
-            .output()
-            .unwrap();
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success(),
-            "{backend} {flags:?}: ended with {}\n{stdout}\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let text = std::fs::read_to_string(&json).unwrap();
-        let _ = std::fs::remove_file(&json);
-        let rows: serde_json::Value = serde_json::from_str(&text).unwrap();
+        args.extend(flags);
+        args.extend(["--requests", "4", "--backend", backend, "--no-baseline"]);
+        let (stdout, rows) = processes_json(&args, &format!("{backend} {flags:?}"));
+        let text = rows.to_string();
         let rows = rows.as_array().unwrap();
         assert_eq!(rows.len(), 2, "{text}");
         let tp = |i: usize| {

@@ -1226,13 +1226,8 @@ async fn run_local(opts: &Opts, w: &Workload) -> Result<Vec<Report>, String> {
 /// `--prefill-tp N --decode-tp M`: for each backend, identical TP (M on both sides) and then N
 /// into M on the same workload, in this process; prints one row each and the ratio.
 async fn run_tp(opts: &Opts, w: &Workload) -> ExitCode {
-    let page_tokens = w.shape.page_tokens;
-    let kvbench::tp::TpPlan {
-        prefill_tp,
-        decode_tp,
-        kv_heads,
-        decode_page_tokens,
-    } = opts.tp_plan(page_tokens);
+    let plan = opts.tp_plan(w.shape.page_tokens);
+    let kv_heads = plan.kv_heads;
     println!(
         "kvbench TP: {} layers x {} B/token/layer, {} KV heads{}, {}-token pages, PP={}, {}-token prompts in {}-token chunks, {} requests {} at a time",
         w.shape.layers,
@@ -1252,24 +1247,10 @@ async fn run_tp(opts: &Opts, w: &Workload) -> ExitCode {
     let mut rows = Vec::new();
     for backend in opts.backends() {
         let mut identical = None;
-        for (p, d, dpt) in [
-            (decode_tp, decode_tp, page_tokens),
-            (prefill_tp, decode_tp, decode_page_tokens),
-        ] {
-            let spec = kvbench::tp::TpSpec {
-                shape: w.shape,
-                kv_heads,
-                pp: w.pp,
-                prefill_tp: p,
-                decode_tp: d,
-                decode_page_tokens: dpt,
-                prompt_tokens: w.prompt_tokens,
-                chunk_tokens: w.chunk_tokens,
-                concurrency: w.concurrency,
-                requests: w.requests,
-                backend,
-                decode_progress: w.decode_progress,
-            };
+        let identical_plan = plan.identical(w.shape.page_tokens);
+        for run_plan in [identical_plan, plan] {
+            let spec = kvbench::tp::TpSpec::of(w, run_plan, backend);
+            let (p, d) = (run_plan.prefill_tp, run_plan.decode_tp);
             let run = async {
                 let c = kvbench::tp::TpCluster::start(spec)
                     .await
@@ -1309,7 +1290,7 @@ async fn run_tp(opts: &Opts, w: &Workload) -> ExitCode {
                 if r.verified { "yes" } else { "NO" }
             );
             rows.push(r);
-            if prefill_tp == decode_tp && decode_page_tokens == page_tokens {
+            if identical_plan == plan {
                 break;
             }
         }
@@ -1421,11 +1402,7 @@ fn run_processes(opts: &Opts, w: &Workload) -> ExitCode {
             ok &= run_set(opts, w, &kids, backend, None);
             continue;
         };
-        let identical = kvbench::tp::TpPlan {
-            prefill_tp: plan.decode_tp,
-            decode_page_tokens: w.shape.page_tokens,
-            ..plan
-        };
+        let identical = plan.identical(w.shape.page_tokens);
         let plans = if identical == plan {
             vec![plan]
         } else {

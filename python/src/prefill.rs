@@ -457,6 +457,27 @@ impl PrefillEngine {
             .map_err(errors::engine)
     }
 
+    /// Offers `request`'s source pages (the prompt's pages from its first token on) before decode
+    /// asks for it: once its allocation is complete the engine posts every chunk itself, from
+    /// the page where decode's prefix ends, with no Python thread between decode's request and
+    /// the writes. Such a request does not come through `next_request`, except where its
+    /// allocation was complete before the offer: then posting starts here, and the caller must
+    /// not post it too. The pages are the engine's until `decided(request)` ends, or until
+    /// `withdraw(request)` returns True.
+    fn offer(&self, request: u64, src_pages: Vec<u32>) -> PyResult<()> {
+        let e = self.engine()?;
+        e.offer(RequestId(request), src_pages)
+            .map_err(errors::engine)
+    }
+
+    /// Takes back an offer nothing was posted from: True where it still waited for its
+    /// allocation (the pages are the caller's again; an allocation that completes later comes
+    /// through `next_request`), False where there is none (never made, or posting started:
+    /// wait for `decided`).
+    fn withdraw(&self, request: u64) -> PyResult<bool> {
+        Ok(self.engine()?.withdraw(RequestId(request)))
+    }
+
     /// Fails `request` from this rank (decode and the PP peers are told), with a failure code:
     /// `aborted` (default), `write_failed`, `timeout`, `peer_lost`, `out_of_resources`, `internal`
     /// or `unspecified`.
@@ -526,6 +547,7 @@ impl PrefillEngine {
                 ("rejected_requests", s.rejected_requests),
                 ("registered_bytes", s.registered_bytes),
                 ("writes", s.writes),
+                ("offers_posted", s.offers_posted),
                 ("decodes", s.decodes),
                 ("refused", s.refused),
             ],

@@ -152,11 +152,16 @@ def test_a_nixl_pair_answers_like_one_instance(cluster):
 def test_a_decode_prefix_hit_moves_only_the_blocks_after_it(cluster):
     """The same prompts again: decode's prefix cache holds their full blocks from the first run,
     so prefill is asked for the blocks after that prefix only, and must send those (its blocks
-    from the prefix on), not its first ones."""
+    from the prefix on), not its first ones. Its engine runs since the first test, so each
+    finished request's blocks are offered to it and it posts them itself when decode's
+    allocation comes: prefill's engine counts eight more offers posted (KVX_METRICS)."""
     d_log = Log(cluster["kvx_d"])
+    port = cluster["metrics"]["prefill"]
+    offered = scrape(port, "kvx_offers_posted_total")
     _, d = V.pair_generate(cluster["kvx_p"], cluster["kvx_d"], PROMPTS, MAX_TOKENS)
     assert [o["tokens"] for o in d["outputs"]] == cluster["expected"]
     assert "KV load failed" not in d_log.text(), d_log.text()[-4000:]
+    assert scrape(port, "kvx_offers_posted_total") == offered + len(PROMPTS)
 
 
 def test_a_corrupted_moved_block_changes_that_requests_tokens(cluster):

@@ -1,7 +1,8 @@
 //! One decode engine serving several prefill instances over real loopback UCX: one registration of
 //! the pool, each instance's requests completed by its own ranks only, one instance's loss or
 //! removal failing only its own requests, and a rank that speaks about another instance's request
-//! counted and ignored. Every byte is checked on poisoned destination pages; every wait is bounded.
+//! counted and ignored; requests offered to the prefill ranks before decode asks, posted by the
+//! ranks themselves. Every byte is checked on poisoned destination pages; every wait is bounded.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -387,5 +388,114 @@ async fn a_rank_cannot_fail_confirm_or_feed_another_instances_request() {
         None,
         "m's payload must not count for a's request"
     );
+    d.shutdown(BOUND).await;
+}
+
+/// Whether any rank hands out an allocation through `next_request` within a moment.
+async fn handed_out(ranks: &[PrefillEngine]) -> Vec<RequestId> {
+    let mut out = Vec::new();
+    for r in ranks {
+        if let Ok(Some(inc)) =
+            tokio::time::timeout(Duration::from_millis(300), r.next_request()).await
+        {
+            out.push(inc.request);
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn offered_requests_are_posted_by_the_ranks_themselves() {
+    let d = decode().await;
+    d.add_instance("a", 2, 1).unwrap();
+    let a = instance(&d, "a", 4, 2).await;
+    let src = [0u32, 1, 2, 3];
+
+    // Offered before decode asks: every rank posts it on its own, nothing is handed out.
+    let r1 = RequestId(40);
+    for r in &a {
+        r.offer(r1, src.to_vec()).unwrap();
+        assert!(
+            matches!(r.offer(r1, src.to_vec()), Err(EngineError::Config(_))),
+            "a second offer of one request is refused"
+        );
+    }
+    let dst1 = [4, 5, 6, 7];
+    let done = d.expect_request(r1, want("a", &dst1)).unwrap();
+    assert_eq!(bounded(done).await, Outcome::Complete);
+    assert_landed(&d, 4, &src, &dst1);
+    for r in &a {
+        assert_eq!(
+            bounded(r.decided(r1)).await,
+            transfer_engine::core::vote::Decision::Completed
+        );
+        assert!(!r.withdraw(r1), "nothing to withdraw once posted");
+    }
+    assert!(handed_out(&a).await.is_empty());
+
+    // Decode holds the first page (its prefix): the ranks send the offered pages after it.
+    let r2 = RequestId(41);
+    for r in &a {
+        r.offer(r2, src.to_vec()).unwrap();
+    }
+    let dst2 = [8, 9, 10];
+    let mut asked = want("a", &dst2);
+    asked.prefix_tokens = PAGE_TOKENS;
+    asked.prompt_tokens = PROMPT - PAGE_TOKENS;
+    let done = d.expect_request(r2, asked).unwrap();
+    assert_eq!(bounded(done).await, Outcome::Complete);
+    assert_landed(&d, 4, &src[1..], &dst2);
+
+    // Offered once the allocation came: posted at once; the allocation, handed out before the
+    // offer, is not posted a second time by anyone.
+    let r3 = RequestId(42);
+    let dst3 = [12, 13, 14, 15];
+    let done = d.expect_request(r3, want("a", &dst3)).unwrap();
+    assert_eq!(handed_out(&a).await, vec![r3, r3]);
+    for r in &a {
+        r.offer(r3, src.to_vec()).unwrap();
+    }
+    assert_eq!(bounded(done).await, Outcome::Complete);
+    assert_landed(&d, 4, &src, &dst3);
+
+    // Withdrawn before decode asks: the allocation is handed out and nothing is posted.
+    let r4 = RequestId(43);
+    for r in &a {
+        r.offer(r4, src.to_vec()).unwrap();
+        assert!(r.withdraw(r4));
+        assert!(!r.withdraw(r4));
+    }
+    let dst4 = [16, 17, 18, 19];
+    let done = d.expect_request(r4, want("a", &dst4)).unwrap();
+    assert_eq!(handed_out(&a).await, vec![r4, r4]);
+    assert_poisoned(&d, &dst4);
+    for r in &a {
+        r.fail(r4, FailureCode::Aborted);
+    }
+    assert!(matches!(bounded(done).await, Outcome::Failed(_)));
+    assert_poisoned(&d, &dst4);
+
+    // Fewer pages offered than decode asks for: failed on both sides, nothing written.
+    let r5 = RequestId(44);
+    for r in &a {
+        r.offer(r5, src[..3].to_vec()).unwrap();
+    }
+    let dst5 = [20, 21, 22, 23];
+    let done = d.expect_request(r5, want("a", &dst5)).unwrap();
+    let got = bounded(done).await;
+    assert!(matches!(got, Outcome::Failed(_)), "{got:?}");
+    assert_poisoned(&d, &dst5);
+    for r in &a {
+        assert!(matches!(
+            bounded(r.decided(r5)).await,
+            transfer_engine::core::vote::Decision::Failed { .. }
+        ));
+        assert!(matches!(
+            r.offer(r5, src.to_vec()),
+            Err(EngineError::RequestFailed { .. })
+        ));
+    }
+    let s = d.stats();
+    assert_eq!((s.completed, s.failed), (3, 2), "{s:?}");
     d.shutdown(BOUND).await;
 }

@@ -1,12 +1,15 @@
 """The prefill side of a ``KvxConnector`` worker: the side channel that decodes announce themselves
 on, the one ``kvx.PrefillEngine`` that writes into every decode, and the blocks held for them.
 
-A finished request's blocks come in the step metadata (``send``). Decode's page allocation comes
-through kvx (``next_request``): the serve thread posts the request's blocks after decode's prefix
-as one kvx chunk per allocation chunk, then waits for kvx's decision (every write over, or the
-request failed on both sides) before the request is reported in ``finished_sending`` and vLLM
-may reuse its blocks. A request nobody asked for within its lease is reported then; a decode that
-asks later is failed at once."""
+A finished request's blocks come in the step metadata (``send``) and are offered to the engine
+(``offer``): when decode's page allocation comes through kvx, the engine posts the blocks after
+decode's prefix itself, on the task that read the allocation, with no Python thread to wake in
+between. Before the engine runs (no decode said HELLO yet), or where the allocation came first,
+the serve thread takes the allocation (``next_request``) and posts them. Either way the request
+is reported in ``finished_sending``, and vLLM may reuse its blocks, only once kvx decided it
+(every write over, or the request failed on both sides). A request nobody asked for within its
+lease is taken back (``withdraw``) and reported then; a decode that asks later is failed at
+once."""
 
 from __future__ import annotations
 
@@ -44,7 +47,9 @@ class _Held:
     blocks: list
     deadline: float
     tag: Optional[str]
-    state: str = "held"  # held -> sending -> (reported) | expired | released
+    # held -> sending (the serve thread posts), or offered -> (the engine posts); then reported
+    # on kvx's decision; or, unsent, expired | released
+    state: str = "held"
 
 
 class PrefillSide:
@@ -142,7 +147,9 @@ class PrefillSide:
         with self._lock:
             for req_id in req_ids:
                 h = self._held.get(req_id)
-                if h is not None and h.state == "held":
+                if h is not None and h.state == "offered" and not self._withdrawn(h):
+                    continue
+                if h is not None and h.state in ("held", "offered"):
                     logger.info("kvx: request %s: decode gave it up: blocks released", req_id)
                     h.state = "released"
                     self._hand_back(h)
@@ -158,12 +165,14 @@ class PrefillSide:
 
     def start_load_kv(self, meta) -> None:
         now = time.monotonic()
-        ready = []
+        ready, offers = [], []
+        engine = self.engine
         with self._lock:
             for req_id, s in meta.send.items():
                 rid = request_key(req_id)
-                self._held[req_id] = _Held(req_id, rid, list(s["blocks"]),
-                                           now + float(s["lease_s"]), s.get("tag"))
+                h = _Held(req_id, rid, list(s["blocks"]), now + float(s["lease_s"]),
+                          s.get("tag"))
+                self._held[req_id] = h
                 self._by_rid[rid] = req_id
                 self._gone.pop(rid, None)
                 # Decode's allocation came before these blocks did: send it now rather than
@@ -171,14 +180,52 @@ class PrefillSide:
                 parked = self._parked.pop(rid, None)
                 if parked is not None:
                     ready.append(parked)
+                elif engine is not None and (self._stall_tag is None
+                                             or h.tag != self._stall_tag):
+                    # Marked before the engine hears of it: an allocation the serve thread
+                    # reads meanwhile is the engine's to post.
+                    h.state = "offered"
+                    offers.append(h)
+        for h in offers:
+            self._offer(engine, h)
         for inc, until in ready:
             self._take(self.engine, inc, until)
+
+    def _offer(self, engine, h: _Held) -> None:
+        """Hands `h`'s blocks to the engine, which posts them when decode's allocation comes."""
+        if self._corrupt_tag is not None and h.tag == self._corrupt_tag:
+            self._corrupt(h.blocks[0], h.req_id)
+        try:
+            engine.offer(h.rid, h.blocks)
+        except kvx.KvxError as e:
+            logger.warning("kvx: request %s: the engine did not take its blocks (%s): they wait "
+                           "for the serve thread", h.req_id, e)
+            with self._lock:
+                if h.state == "offered":
+                    h.state = "held"
+            return
+        # The engine keeps a decision until it is released, so none is missed here.
+        decision = engine.decided(h.rid)
+        decision.add_done_callback(lambda: self._decided(engine, h, decision))
+
+    def _withdrawn(self, h: _Held) -> bool:
+        """Holds `_lock`: takes an offer back from the engine; False where the engine posts it
+        already (its blocks then come back with kvx's decision)."""
+        try:
+            if self.engine.withdraw(h.rid):
+                return True
+        except kvx.KvxError:
+            pass
+        h.state = "sending"
+        return False
 
     def get_finished(self) -> set:
         now = time.monotonic()
         with self._lock:
             for h in list(self._held.values()):
-                if h.state == "held" and now > h.deadline:
+                if h.state in ("held", "offered") and now > h.deadline:
+                    if h.state == "offered" and not self._withdrawn(h):
+                        continue
                     logger.warning("kvx: request %s: no decode asked for its blocks within the "
                                    "lease: released", h.req_id)
                     h.state = "expired"
@@ -218,6 +265,8 @@ class PrefillSide:
                 self._parked[rid] = (inc, until)
                 return
             if h is not None:
+                if h.state == "offered":
+                    return  # the engine posts it: its allocation was complete before the offer
                 if h.state != "held":
                     h = None
                 else:
@@ -289,6 +338,9 @@ class PrefillSide:
 
     def _decided(self, engine, h: _Held, decision) -> None:
         """kvx decided: no write of this request can still run; vLLM may reuse its blocks."""
+        with self._lock:
+            if self._held.get(h.req_id) is not h:
+                return  # handed back unsent already (its offer was taken back)
         try:
             outcome = decision.wait(0)
             if not outcome.complete:

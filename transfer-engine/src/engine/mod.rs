@@ -14,7 +14,7 @@ pub use decode::{
     Absence, DecodeConfig, DecodeEngine, DecodeStage, DecodeStats, Expected, ShutdownReport,
 };
 pub use prefill::{
-    ExternalDecode, IncomingRequest, LinkId, MeshSocket, NotifyFormat, PrefillConfig,
+    ExternalDecode, IncomingRequest, LinkId, MAX_OFFERS, MeshSocket, NotifyFormat, PrefillConfig,
     PrefillEngine, PrefillStats,
 };
 

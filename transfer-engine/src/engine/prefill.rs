@@ -249,6 +249,8 @@ pub struct PrefillStats {
     pub writes: u64,
     /// Contiguous pieces those writes are made of: a write of `n` rows counts `n`.
     pub write_rows: u64,
+    /// Requests the engine posted itself from offered pages ([`PrefillEngine::offer`]).
+    pub offers_posted: u64,
     /// Decode engines connected now.
     pub decodes: u64,
     /// Control messages from a decode engine about a request another decode engine owns, dropped.
@@ -319,6 +321,8 @@ struct Leg {
 /// heads go to several decode ranks of one instance, which all allocate the same request id).
 struct ReqState {
     geometry: ChunkGeometry,
+    /// Tokens decode already holds (its first allocation's prefix).
+    prefix_tokens: u32,
     legs: Vec<Leg>,
     /// Legs the request has once every allocation came.
     expected: usize,
@@ -384,6 +388,9 @@ struct State {
     /// The mesh formed once and the decodes were told (`Ready`): from then on every mesh change
     /// is announced to them (`NotReady` on a loss, `Ready` when it formed again).
     announced: bool,
+    /// Source pages offered for requests whose allocation is not complete yet
+    /// ([`PrefillEngine::offer`]): the read loop that completes one posts it from them.
+    offers: HashMap<RequestId, Vec<u32>>,
 }
 
 impl State {
@@ -420,6 +427,7 @@ struct Counters {
     rejected: AtomicU64,
     writes: AtomicU64,
     write_rows: AtomicU64,
+    offers_posted: AtomicU64,
     refused: AtomicU64,
     refused_connections: AtomicU64,
     /// Bytes and writes of completed chunks by decode (control address), for the metrics: one
@@ -451,6 +459,8 @@ struct Inner {
     /// one after the other, so the later ones find the first one's link. An entry goes when its
     /// last caller leaves.
     linking: Mutex<HashMap<SocketAddr, Arc<tokio::sync::Mutex<()>>>>,
+    /// The runtime the engine started on: offered requests are posted on tasks of it.
+    runtime: tokio::runtime::Handle,
 }
 
 impl Inner {
@@ -478,6 +488,7 @@ impl Inner {
             registered_bytes: self.transport.stats().registered_bytes,
             writes: c.writes.load(Ordering::Relaxed),
             write_rows: c.write_rows.load(Ordering::Relaxed),
+            offers_posted: c.offers_posted.load(Ordering::Relaxed),
             decodes,
             refused: c.refused.load(Ordering::Relaxed),
             refused_connections: c.refused_connections.load(Ordering::Relaxed),
@@ -541,6 +552,12 @@ impl crate::metrics::Source for Inner {
             "Contiguous pieces of the writes posted (a write of n rows counts n)",
             base(),
             Counter(s.write_rows),
+        );
+        out.add(
+            "kvx_offers_posted",
+            "Requests the engine posted itself from offered pages",
+            base(),
+            Counter(s.offers_posted),
         );
         out.add(
             "kvx_requests_decided",
@@ -844,6 +861,7 @@ impl PrefillEngine {
                 closed: false,
                 incoming: conn.is_some().then(|| itx.clone()),
                 announced: false,
+                offers: HashMap::new(),
             }),
             cfg,
             secret,
@@ -858,6 +876,7 @@ impl PrefillEngine {
             metrics: std::sync::OnceLock::new(),
             register_micros,
             linking: Mutex::new(HashMap::new()),
+            runtime: tokio::runtime::Handle::current(),
         });
         if let Some(addr) = inner.cfg.metrics {
             let source: std::sync::Weak<dyn crate::metrics::Source> = Arc::downgrade(&inner) as _;
@@ -1138,127 +1157,81 @@ impl PrefillEngine {
         src_pages: &[u32],
         last: bool,
     ) -> Result<(), EngineError> {
+        send_chunk_of(&self.inner, request, chunk, src_pages, last).await
+    }
+
+    /// Offers `request`'s source pages before decode asks for it: the prompt's pages from its
+    /// first token on, in token order. Once every decode rank the request goes to has sent its
+    /// allocation, the engine posts every chunk itself, from the page where decode's prefix
+    /// ends, on the task that read the last allocation: no caller's thread has to wake between
+    /// decode's request and the writes. An offered request does not come through
+    /// [`next_request`](Self::next_request), except where its allocation was complete before
+    /// the offer: then posting starts here, and whoever reads that allocation from
+    /// `next_request` must not post it too. Pages that do not cover decode's request (fewer than
+    /// its prefix and prompt span) fail it as [`FailureCode::Aborted`] on both sides; a chunk
+    /// that cannot be posted fails it as [`FailureCode::WriteFailed`]. Either way the pages are
+    /// the engine's until [`decided`](Self::decided) resolves, or until
+    /// [`withdraw`](Self::withdraw) returns true.
+    ///
+    /// # Errors
+    /// The engine closed ([`EngineError::Shutdown`]); the request offered already, failed
+    /// already ([`EngineError::RequestFailed`]), or already being posted by the caller
+    /// ([`EngineError::Config`]); more than [`MAX_OFFERS`] offers waiting.
+    pub fn offer(&self, request: RequestId, src_pages: Vec<u32>) -> Result<(), EngineError> {
         let inner = &self.inner;
-        let (geometry, legs, parent) = inner.wait_for_request(request).await?;
-        let status = if last {
-            let count = geometry.num_chunks() as u32;
-            if chunk + 1 != count {
-                return Err(EngineError::Config(format!(
-                    "LAST chunk {chunk} but the prompt has {count} chunks"
-                )));
-            }
-            ChunkStatus::Last { count }
-        } else {
-            ChunkStatus::More
-        };
-        let mut posts = Vec::with_capacity(legs.len());
-        for (link, dst_pages) in &legs {
-            posts.push(inner.plan_leg(
-                request, chunk, status, &geometry, link, dst_pages, src_pages,
-            )?);
-        }
-        let span = tracing::trace_span!(
-            parent: parent.as_ref().and_then(tracing::Span::id),
-            "chunk",
-            request = request.0,
-            pp_rank = inner.cfg.pp_rank,
-            chunk
-        );
-        let _g = span.enter();
-        // Counted under the same lock an abort takes, so an abort either sees this chunk posted (and
-        // waits for it before acknowledging) or stops it here.
-        {
+        let ready = {
             let mut st = lock(&inner.state);
             if st.closed {
                 return Err(EngineError::Shutdown);
             }
-            let open = legs
-                .iter()
-                .all(|(l, _)| st.links.get(&l.id).is_some_and(|l| !l.closed));
-            match st.requests.get_mut(&request) {
-                Some(r) if r.failed.is_none() && !r.voted && open => {
-                    for (link, _) in &legs {
-                        if let Some(leg) = r.leg_mut(link.id) {
-                            leg.posted += 1;
-                        }
-                    }
-                }
-                // A decode of it is gone; the request fails with it (its read loop is on the way).
-                Some(r) if r.failed.is_none() && !r.voted => {
-                    return Err(EngineError::RequestFailed {
-                        request,
-                        code: FailureCode::PeerLost,
-                    });
-                }
-                Some(r) if r.failed.is_none() => {
-                    return Err(EngineError::Config(format!(
-                        "request {} already finished on this rank (its LAST chunk is over)",
-                        request.0
-                    )));
-                }
-                Some(r) => {
+            if st.offers.contains_key(&request) {
+                return Err(EngineError::Config(format!(
+                    "request {} is offered already",
+                    request.0
+                )));
+            }
+            let ready = match st.requests.get(&request) {
+                Some(r) if r.failed.is_some() => {
                     let code = r.failed.unwrap_or(FailureCode::Aborted);
                     return Err(EngineError::RequestFailed { request, code });
                 }
-                None => return Err(EngineError::UnknownRequest(request)),
-            }
-            for (link, _) in &legs {
-                if let Some(l) = st.links.get_mut(&link.id) {
-                    l.posted += 1;
+                Some(r) if r.voted || r.legs.iter().any(|l| l.posted > 0 || l.done_count > 0) => {
+                    return Err(EngineError::Config(format!(
+                        "request {} is being posted already",
+                        request.0
+                    )));
                 }
-            }
-        }
-        let mut waits = Vec::with_capacity(posts.len());
-        let mut batch = Vec::with_capacity(posts.len());
-        for ((link, _), post) in legs.iter().zip(posts) {
-            inner
-                .counters
-                .writes
-                .fetch_add(post.writes.len() as u64, Ordering::Relaxed);
-            inner
-                .counters
-                .write_rows
-                .fetch_add(post.writes.iter().map(|w| w.rows).sum(), Ordering::Relaxed);
-            let (tx, rx) = oneshot::channel();
-            let weak = Arc::downgrade(inner);
-            let (link_id, bytes) = (link.id, post.bytes);
-            let writes = post.writes.len() as u64;
-            batch.push(Post {
-                peer: link.peer,
-                writes: post.writes,
-                notification: post.notification,
-                done: Box::new(move |res: Result<(), TransportError>| {
-                    // Runs on the transport's progress thread: the vote is cast right here.
-                    if let Some(inner) = weak.upgrade() {
-                        inner.chunk_done(link_id, request, chunk, last, (bytes, writes), &res);
-                    }
-                    let _ = tx.send(res);
-                }),
-            });
-            waits.push(rx);
-        }
-        if last {
-            lock(&inner.state)
-                .last_posted_at
-                .record(request, Instant::now());
-        }
-        // The legs go together: a backend may read a source row once for every decode rank its
-        // slices go to.
-        inner.transport.post_many(batch);
-        let mut first_error = None;
-        for rx in waits {
-            let err = match rx.await {
-                Ok(Ok(())) => continue,
-                Ok(Err(source)) => EngineError::Write {
-                    request,
-                    chunk,
-                    source,
-                },
-                Err(_) => EngineError::Shutdown,
+                Some(r) => r.ready(),
+                None => false,
             };
-            first_error.get_or_insert(err);
+            if !ready {
+                if st.offers.len() >= MAX_OFFERS {
+                    return Err(EngineError::Config(format!(
+                        "{MAX_OFFERS} offers wait for their allocations already"
+                    )));
+                }
+                st.offers.insert(request, src_pages.clone());
+            }
+            ready
+        };
+        if ready {
+            inner.start_offered(request, src_pages);
         }
-        first_error.map_or(Ok(()), Err)
+        Ok(())
+    }
+
+    /// Takes back an offer that nothing was posted from: true where it still waited for its
+    /// allocation (its pages are the caller's again; an allocation that completes later comes
+    /// through [`next_request`](Self::next_request)), false where there is no such offer (never
+    /// made, or posting started: the pages are the engine's until [`decided`](Self::decided)).
+    pub fn withdraw(&self, request: RequestId) -> bool {
+        let mut st = lock(&self.inner.state);
+        let had = st.offers.remove(&request).is_some();
+        if had && !st.requests.contains_key(&request) {
+            // No allocation of it came: nothing will decide it here, so its waiters hear now.
+            st.decided_waiters.remove(&request);
+        }
+        had
     }
 
     /// Sends the decode engine of `request` a small payload beside the pages (at most
@@ -1756,6 +1729,7 @@ impl Inner {
                     None => {
                         let r = ReqState {
                             geometry: g,
+                            prefix_tokens: req.prefix_tokens,
                             legs: vec![leg],
                             expected: link.fan_out.max(1),
                             failed: None,
@@ -1898,6 +1872,15 @@ impl Inner {
         lock(&self.state).closed
     }
 
+    /// Posts an offered request, whose allocation is complete, on a task of its own.
+    fn start_offered(self: &Arc<Self>, request: RequestId, src_pages: Vec<u32>) {
+        let inner = self.clone();
+        let task = self
+            .runtime
+            .spawn(async move { send_offered(&inner, request, src_pages).await });
+        self.keep_task(task);
+    }
+
     /// Keeps a task spawned after start, to be stopped with the engine.
     fn keep_task(&self, task: tokio::task::JoinHandle<()>) {
         if let Ok(mut tasks) = self.mesh_tasks.0.lock() {
@@ -1935,6 +1918,213 @@ impl Inner {
         }
         let _ = st.board.handle_peer_lost(Instant::now(), rank);
         self.flush_board(&mut st);
+    }
+}
+
+/// [`PrefillEngine::send_chunk`] on the engine's state, for the engine's own tasks too.
+async fn send_chunk_of(
+    inner: &Arc<Inner>,
+    request: RequestId,
+    chunk: u32,
+    src_pages: &[u32],
+    last: bool,
+) -> Result<(), EngineError> {
+    let (geometry, legs, parent) = inner.wait_for_request(request).await?;
+    let status = if last {
+        let count = geometry.num_chunks() as u32;
+        if chunk + 1 != count {
+            return Err(EngineError::Config(format!(
+                "LAST chunk {chunk} but the prompt has {count} chunks"
+            )));
+        }
+        ChunkStatus::Last { count }
+    } else {
+        ChunkStatus::More
+    };
+    let mut posts = Vec::with_capacity(legs.len());
+    for (link, dst_pages) in &legs {
+        posts.push(inner.plan_leg(
+            request, chunk, status, &geometry, link, dst_pages, src_pages,
+        )?);
+    }
+    let span = tracing::trace_span!(
+        parent: parent.as_ref().and_then(tracing::Span::id),
+        "chunk",
+        request = request.0,
+        pp_rank = inner.cfg.pp_rank,
+        chunk
+    );
+    let _g = span.enter();
+    // Counted under the same lock an abort takes, so an abort either sees this chunk posted (and
+    // waits for it before acknowledging) or stops it here.
+    {
+        let mut st = lock(&inner.state);
+        if st.closed {
+            return Err(EngineError::Shutdown);
+        }
+        let open = legs
+            .iter()
+            .all(|(l, _)| st.links.get(&l.id).is_some_and(|l| !l.closed));
+        match st.requests.get_mut(&request) {
+            Some(r) if r.failed.is_none() && !r.voted && open => {
+                for (link, _) in &legs {
+                    if let Some(leg) = r.leg_mut(link.id) {
+                        leg.posted += 1;
+                    }
+                }
+            }
+            // A decode of it is gone; the request fails with it (its read loop is on the way).
+            Some(r) if r.failed.is_none() && !r.voted => {
+                return Err(EngineError::RequestFailed {
+                    request,
+                    code: FailureCode::PeerLost,
+                });
+            }
+            Some(r) if r.failed.is_none() => {
+                return Err(EngineError::Config(format!(
+                    "request {} already finished on this rank (its LAST chunk is over)",
+                    request.0
+                )));
+            }
+            Some(r) => {
+                let code = r.failed.unwrap_or(FailureCode::Aborted);
+                return Err(EngineError::RequestFailed { request, code });
+            }
+            None => return Err(EngineError::UnknownRequest(request)),
+        }
+        for (link, _) in &legs {
+            if let Some(l) = st.links.get_mut(&link.id) {
+                l.posted += 1;
+            }
+        }
+    }
+    let mut waits = Vec::with_capacity(posts.len());
+    let mut batch = Vec::with_capacity(posts.len());
+    for ((link, _), post) in legs.iter().zip(posts) {
+        inner
+            .counters
+            .writes
+            .fetch_add(post.writes.len() as u64, Ordering::Relaxed);
+        inner
+            .counters
+            .write_rows
+            .fetch_add(post.writes.iter().map(|w| w.rows).sum(), Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        let weak = Arc::downgrade(inner);
+        let (link_id, bytes) = (link.id, post.bytes);
+        let writes = post.writes.len() as u64;
+        batch.push(Post {
+            peer: link.peer,
+            writes: post.writes,
+            notification: post.notification,
+            done: Box::new(move |res: Result<(), TransportError>| {
+                // Runs on the transport's progress thread: the vote is cast right here.
+                if let Some(inner) = weak.upgrade() {
+                    inner.chunk_done(link_id, request, chunk, last, (bytes, writes), &res);
+                }
+                let _ = tx.send(res);
+            }),
+        });
+        waits.push(rx);
+    }
+    if last {
+        lock(&inner.state)
+            .last_posted_at
+            .record(request, Instant::now());
+    }
+    // The legs go together: a backend may read a source row once for every decode rank its
+    // slices go to.
+    inner.transport.post_many(batch);
+    let mut first_error = None;
+    for rx in waits {
+        let err = match rx.await {
+            Ok(Ok(())) => continue,
+            Ok(Err(source)) => EngineError::Write {
+                request,
+                chunk,
+                source,
+            },
+            Err(_) => EngineError::Shutdown,
+        };
+        first_error.get_or_insert(err);
+    }
+    first_error.map_or(Ok(()), Err)
+}
+
+/// Posts every chunk of an offered request whose allocation is complete, from the offered pages
+/// after decode's prefix, each chunk's writes handed to the transport before the next chunk's;
+/// fails the request where the pages do not cover it or a chunk cannot be posted.
+async fn send_offered(inner: &Arc<Inner>, request: RequestId, src: Vec<u32>) {
+    let geometry = match inner.wait_for_request(request).await {
+        Ok((g, _, _)) => g,
+        // Failed or forgotten meanwhile: whoever failed it told decode.
+        Err(_) => return,
+    };
+    let Some(prefix) = lock(&inner.state)
+        .requests
+        .get(&request)
+        .map(|r| r.prefix_tokens)
+    else {
+        return;
+    };
+    // The prefix is whole pages here (checked when the allocation came).
+    let page = u64::from(inner.cfg.page_tokens.max(1));
+    let (skip, want) = (
+        u64::from(prefix) / page,
+        geometry.prompt_tokens.div_ceil(page),
+    );
+    let pages = usize::try_from(skip)
+        .ok()
+        .zip(usize::try_from(want).ok())
+        .and_then(|(skip, want)| src.get(skip..)?.get(..want));
+    let Some(pages) = pages else {
+        tracing::warn!(
+            request = request.0,
+            offered = src.len(),
+            needed = skip.saturating_add(want),
+            "the offered pages do not cover decode's request: failed"
+        );
+        inner.fail_local(request, FailureCode::Aborted);
+        return;
+    };
+    inner.counters.offers_posted.fetch_add(1, Ordering::Relaxed);
+    // At most `prompt_tokens` (a u32) chunks.
+    let count = u32::try_from(geometry.num_chunks()).unwrap_or(u32::MAX);
+    let mut first_error = None;
+    let mut posted = Vec::new();
+    {
+        // The allocation is complete, so a chunk's first poll posts its writes: each chunk is
+        // handed to the transport before the next, and all of them before any is awaited.
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        for chunk in 0..count {
+            let mut f = Box::pin(send_chunk_of(
+                inner,
+                request,
+                chunk,
+                pages,
+                chunk + 1 == count,
+            ));
+            match f.as_mut().poll(&mut cx) {
+                std::task::Poll::Ready(Ok(())) => {}
+                std::task::Poll::Ready(Err(e)) => {
+                    first_error = Some(e);
+                    break;
+                }
+                std::task::Poll::Pending => posted.push(f),
+            }
+        }
+    }
+    for f in posted {
+        if let Err(e) = f.await {
+            first_error.get_or_insert(e);
+        }
+    }
+    match first_error {
+        None | Some(EngineError::RequestFailed { .. } | EngineError::Shutdown) => {}
+        Some(e) => {
+            tracing::warn!(request = request.0, error = %e, "posting an offered request failed");
+            inner.fail_local(request, FailureCode::WriteFailed);
+        }
     }
 }
 
@@ -1980,7 +2170,14 @@ async fn decode_read_loop(
                     prefix_tokens: r.prefix_tokens,
                 };
                 if i.on_transfer_request(&link, r) {
-                    let _ = incoming.send(next);
+                    // Its pages were offered: posted from here, not handed to the caller.
+                    let offered = lock(&i.state).offers.remove(&next.request);
+                    match offered {
+                        Some(src) => i.start_offered(next.request, src),
+                        None => {
+                            let _ = incoming.send(next);
+                        }
+                    }
                 }
             }
             Msg::Abort(a) => {
@@ -2245,6 +2442,9 @@ fn link_to(
 }
 
 /// How often a rank tries again to reach a lower rank whose connection ended.
+/// Offers ([`PrefillEngine::offer`]) that may wait for their allocations at once.
+pub const MAX_OFFERS: usize = 1 << 16;
+
 const MESH_RETRY: Duration = Duration::from_millis(100);
 /// Bound on one such attempt (connection and handshake).
 const MESH_ATTEMPT: Duration = Duration::from_secs(2);

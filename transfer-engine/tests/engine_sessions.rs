@@ -490,12 +490,39 @@ async fn offered_requests_are_posted_by_the_ranks_themselves() {
             bounded(r.decided(r5)).await,
             transfer_engine::core::vote::Decision::Failed { .. }
         ));
-        assert!(matches!(
-            r.offer(r5, src.to_vec()),
-            Err(EngineError::RequestFailed { .. })
-        ));
+        assert!(
+            matches!(r.offer(r5, src.to_vec()), Err(EngineError::Config(_))),
+            "a decided request is not offered again"
+        );
     }
+    // Failed before decode asks: the offer goes with the decision and is never posted from; the
+    // allocation that comes later is handed out.
+    let r6 = RequestId(45);
+    for r in &a {
+        r.offer(r6, src.to_vec()).unwrap();
+        r.fail(r6, FailureCode::Aborted);
+    }
+    for r in &a {
+        assert!(matches!(
+            bounded(r.decided(r6)).await,
+            transfer_engine::core::vote::Decision::Failed { .. }
+        ));
+        assert!(!r.withdraw(r6), "the decision took the offer");
+        r.release(r6);
+    }
+    let dst6 = [24, 25, 26, 27];
+    let done = d.expect_request(r6, want("a", &dst6)).unwrap();
+    assert_eq!(handed_out(&a).await, vec![r6, r6]);
+    assert_poisoned(&d, &dst6);
+    for r in &a {
+        r.fail(r6, FailureCode::Aborted);
+    }
+    assert!(matches!(bounded(done).await, Outcome::Failed(_)));
+    assert_poisoned(&d, &dst6);
     let s = d.stats();
-    assert_eq!((s.completed, s.failed), (3, 2), "{s:?}");
+    assert_eq!((s.completed, s.failed), (3, 3), "{s:?}");
+    for r in &a {
+        assert_eq!(r.stats().offers_posted, 3, "r1, r2 and r3");
+    }
     d.shutdown(BOUND).await;
 }

@@ -3,8 +3,7 @@ on, the one ``kvx.PrefillEngine`` that writes into every decode, and the blocks 
 
 A finished request's blocks come in the step metadata (``send``) and are offered to the engine
 (``offer``): when decode's page allocation comes through kvx, the engine posts the blocks after
-decode's prefix itself, on the task that read the allocation, with no Python thread to wake in
-between. Before the engine runs (no decode said HELLO yet), or where the allocation came first,
+decode's prefix itself, on a task of its own, with no Python thread to wake in between. Before the engine runs (no decode said HELLO yet), or where the allocation came first,
 the serve thread takes the allocation (``next_request``) and posts them. Either way the request
 is reported in ``finished_sending``, and vLLM may reuse its blocks, only once kvx decided it
 (every write over, or the request failed on both sides). A request nobody asked for within its
@@ -182,31 +181,33 @@ class PrefillSide:
                     ready.append(parked)
                 elif engine is not None and (self._stall_tag is None
                                              or h.tag != self._stall_tag):
-                    # Marked before the engine hears of it: an allocation the serve thread
-                    # reads meanwhile is the engine's to post.
-                    h.state = "offered"
-                    offers.append(h)
+                    # Under the lock, so that the serve thread, a RELEASE or a lease sees the
+                    # offer made (or not) as a whole.
+                    if self._offer(engine, h):
+                        offers.append(h)
         for h in offers:
-            self._offer(engine, h)
+            # The engine keeps a decision until it is released, so none is missed here; a
+            # callback that finds it made runs at once, so this is outside the lock.
+            decision = engine.decided(h.rid)
+            decision.add_done_callback(
+                lambda h=h, decision=decision: self._decided(engine, h, decision))
         for inc, until in ready:
             self._take(self.engine, inc, until)
 
-    def _offer(self, engine, h: _Held) -> None:
-        """Hands `h`'s blocks to the engine, which posts them when decode's allocation comes."""
+    def _offer(self, engine, h: _Held) -> bool:
+        """Holds `_lock`: hands `h`'s blocks to the engine, which posts them when decode's
+        allocation comes; False (the serve thread's to send) where it would not take them."""
         if self._corrupt_tag is not None and h.tag == self._corrupt_tag:
+            # The request's first block: the first sent unless decode holds a prefix.
             self._corrupt(h.blocks[0], h.req_id)
         try:
             engine.offer(h.rid, h.blocks)
         except kvx.KvxError as e:
             logger.warning("kvx: request %s: the engine did not take its blocks (%s): they wait "
                            "for the serve thread", h.req_id, e)
-            with self._lock:
-                if h.state == "offered":
-                    h.state = "held"
-            return
-        # The engine keeps a decision until it is released, so none is missed here.
-        decision = engine.decided(h.rid)
-        decision.add_done_callback(lambda: self._decided(engine, h, decision))
+            return False
+        h.state = "offered"
+        return True
 
     def _withdrawn(self, h: _Held) -> bool:
         """Holds `_lock`: takes an offer back from the engine; False where the engine posts it
@@ -355,6 +356,13 @@ class PrefillSide:
 
     def close(self) -> None:
         self._closed.set()
+        if self.engine is not None:
+            # Offers still waiting go back first: nothing will post them, and their decisions'
+            # waiters (each holding the engine) hear now.
+            with self._lock:
+                for h in list(self._held.values()):
+                    if h.state == "offered":
+                        self._withdrawn(h)
         if self.server is not None:
             self.server.close()
         if self.engine is not None:

@@ -323,6 +323,8 @@ struct ReqState {
     geometry: ChunkGeometry,
     /// Tokens decode already holds (its first allocation's prefix).
     prefix_tokens: u32,
+    /// The engine took it from an offer and posts it ([`PrefillEngine::offer`]).
+    offered: bool,
     legs: Vec<Leg>,
     /// Legs the request has once every allocation came.
     expected: usize,
@@ -394,6 +396,22 @@ struct State {
 }
 
 impl State {
+    /// The offered pages of `request`, whose allocation just became complete, marking it posted
+    /// by the engine ([`PrefillEngine::offer`]).
+    fn take_offer(&mut self, request: RequestId) -> Option<Vec<u32>> {
+        let src = self.offers.remove(&request)?;
+        if let Some(r) = self.requests.get_mut(&request) {
+            r.offered = true;
+        }
+        Some(src)
+    }
+
+    /// Forgets the offer of a request that is over (decided, failed or released): its pages
+    /// are never posted from after that.
+    fn drop_offer(&mut self, request: RequestId) {
+        self.offers.remove(&request);
+    }
+
     /// Every PP peer is connected and said it counts us.
     fn mesh_complete(&self, me: u16) -> bool {
         (0..self.peer_writers.len()).all(|r| {
@@ -1087,7 +1105,8 @@ impl PrefillEngine {
             .get(&LinkId(0))
             .map(|l| l.link.clone())
             .ok_or(EngineError::Shutdown)?;
-        self.inner
+        let ready = self
+            .inner
             .accept_request(
                 &link,
                 control::TransferRequest {
@@ -1099,10 +1118,16 @@ impl PrefillEngine {
                     deadline_ms: 0,
                 },
             )
-            .map(|_| ())
             .map_err(|reason| {
                 EngineError::Config(format!("request {} refused: {reason}", request.0))
-            })
+            })?;
+        if ready {
+            let offered = lock(&self.inner.state).take_offer(request);
+            if let Some(src) = offered {
+                self.inner.start_offered(request, src);
+            }
+        }
+        Ok(())
     }
 
     /// This rank.
@@ -1163,8 +1188,8 @@ impl PrefillEngine {
     /// Offers `request`'s source pages before decode asks for it: the prompt's pages from its
     /// first token on, in token order. Once every decode rank the request goes to has sent its
     /// allocation, the engine posts every chunk itself, from the page where decode's prefix
-    /// ends, on the task that read the last allocation: no caller's thread has to wake between
-    /// decode's request and the writes. An offered request does not come through
+    /// ends, on a task of its runtime spawned by the task that read the last allocation: no
+    /// caller's thread has to wake between decode's request and the writes. An offered request does not come through
     /// [`next_request`](Self::next_request), except where its allocation was complete before
     /// the offer: then posting starts here, and whoever reads that allocation from
     /// `next_request` must not post it too. Pages that do not cover decode's request (fewer than
@@ -1174,9 +1199,10 @@ impl PrefillEngine {
     /// [`withdraw`](Self::withdraw) returns true.
     ///
     /// # Errors
-    /// The engine closed ([`EngineError::Shutdown`]); the request offered already, failed
-    /// already ([`EngineError::RequestFailed`]), or already being posted by the caller
-    /// ([`EngineError::Config`]); more than [`MAX_OFFERS`] offers waiting.
+    /// The engine closed ([`EngineError::Shutdown`]); the request offered or decided already,
+    /// failed already ([`EngineError::RequestFailed`]), or already being posted
+    /// ([`EngineError::Config`]); more than [`MAX_OFFERS`] offers waiting. An offer is dropped
+    /// when its request fails, is decided or released, and when the engine closes.
     pub fn offer(&self, request: RequestId, src_pages: Vec<u32>) -> Result<(), EngineError> {
         let inner = &self.inner;
         let ready = {
@@ -1184,25 +1210,32 @@ impl PrefillEngine {
             if st.closed {
                 return Err(EngineError::Shutdown);
             }
-            if st.offers.contains_key(&request) {
+            if st.offers.contains_key(&request) || st.decided.contains_key(&request) {
                 return Err(EngineError::Config(format!(
-                    "request {} is offered already",
+                    "request {} is offered or decided already",
                     request.0
                 )));
             }
-            let ready = match st.requests.get(&request) {
+            let ready = match st.requests.get_mut(&request) {
                 Some(r) if r.failed.is_some() => {
                     let code = r.failed.unwrap_or(FailureCode::Aborted);
                     return Err(EngineError::RequestFailed { request, code });
                 }
-                Some(r) if r.voted || r.legs.iter().any(|l| l.posted > 0 || l.done_count > 0) => {
+                Some(r)
+                    if r.offered
+                        || r.voted
+                        || r.legs.iter().any(|l| l.posted > 0 || l.done_count > 0) =>
+                {
                     return Err(EngineError::Config(format!(
                         "request {} is being posted already",
                         request.0
                     )));
                 }
-                Some(r) => r.ready(),
-                None => false,
+                Some(r) if r.ready() => {
+                    r.offered = true;
+                    true
+                }
+                Some(_) | None => false,
             };
             if !ready {
                 if st.offers.len() >= MAX_OFFERS {
@@ -1298,6 +1331,7 @@ impl PrefillEngine {
         let mut st = lock(&self.inner.state);
         st.decided.remove(&request);
         st.requests.remove(&request);
+        st.drop_offer(request);
     }
 
     /// When this rank's LAST chunk of `request` was over (its writes remotely complete and its
@@ -1551,6 +1585,14 @@ impl Inner {
             let closed = !self.cfg.keep_open && st.links.is_empty() && !st.closed;
             if closed {
                 st.closed = true;
+                // No allocation comes any more: the offers' pages are their callers' again, and
+                // whoever waits for their decisions hears now.
+                let offers: Vec<RequestId> = st.offers.drain().map(|(k, _)| k).collect();
+                for r in offers {
+                    if !st.requests.contains_key(&r) {
+                        st.decided_waiters.remove(&r);
+                    }
+                }
             }
             (gone, closed)
         };
@@ -1573,6 +1615,7 @@ impl Inner {
         // The decode that owns it; every open one for a request whose allocation has not come.
         let to: Vec<Arc<Link>> = {
             let mut st = lock(&self.state);
+            st.drop_offer(request);
             match st.requests.get_mut(&request) {
                 Some(r) if r.failed.is_none() => {
                     r.failed = Some(code);
@@ -1661,6 +1704,7 @@ impl Inner {
                 };
             }
             st.decided.insert(request, decision);
+            st.drop_offer(request);
             for w in st.decided_waiters.remove(&request).unwrap_or_default() {
                 let _ = w.send(decision);
             }
@@ -1730,6 +1774,7 @@ impl Inner {
                         let r = ReqState {
                             geometry: g,
                             prefix_tokens: req.prefix_tokens,
+                            offered: false,
                             legs: vec![leg],
                             expected: link.fan_out.max(1),
                             failed: None,
@@ -1748,7 +1793,7 @@ impl Inner {
                         st.requests.insert(request, r);
                         Some((ready, None))
                     }
-                    Some(r) if joins(r, link, &g) => {
+                    Some(r) if joins(r, link, &g, req.prefix_tokens) => {
                         r.legs.push(leg);
                         Some((r.ready(), r.failed))
                     }
@@ -2087,31 +2132,34 @@ async fn send_offered(inner: &Arc<Inner>, request: RequestId, src: Vec<u32>) {
         inner.fail_local(request, FailureCode::Aborted);
         return;
     };
-    inner.counters.offers_posted.fetch_add(1, Ordering::Relaxed);
     // At most `prompt_tokens` (a u32) chunks.
     let count = u32::try_from(geometry.num_chunks()).unwrap_or(u32::MAX);
     let mut first_error = None;
     let mut posted = Vec::new();
-    {
+    for chunk in 0..count {
+        let mut f = Box::pin(send_chunk_of(
+            inner,
+            request,
+            chunk,
+            pages,
+            chunk + 1 == count,
+        ));
         // The allocation is complete, so a chunk's first poll posts its writes: each chunk is
         // handed to the transport before the next, and all of them before any is awaited.
-        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-        for chunk in 0..count {
-            let mut f = Box::pin(send_chunk_of(
-                inner,
-                request,
-                chunk,
-                pages,
-                chunk + 1 == count,
-            ));
-            match f.as_mut().poll(&mut cx) {
-                std::task::Poll::Ready(Ok(())) => {}
-                std::task::Poll::Ready(Err(e)) => {
-                    first_error = Some(e);
-                    break;
-                }
-                std::task::Poll::Pending => posted.push(f),
+        let first = f
+            .as_mut()
+            .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()));
+        match first {
+            std::task::Poll::Ready(Ok(())) => {}
+            std::task::Poll::Ready(Err(e)) => {
+                first_error = Some(e);
+                break;
             }
+            std::task::Poll::Pending => posted.push(f),
+        }
+        // Decode chose the chunk count: other tasks of the runtime run between every few.
+        if chunk % OFFER_CHUNKS_PER_TURN == OFFER_CHUNKS_PER_TURN - 1 {
+            tokio::task::yield_now().await;
         }
     }
     for f in posted {
@@ -2120,7 +2168,10 @@ async fn send_offered(inner: &Arc<Inner>, request: RequestId, src: Vec<u32>) {
         }
     }
     match first_error {
-        None | Some(EngineError::RequestFailed { .. } | EngineError::Shutdown) => {}
+        None => {
+            inner.counters.offers_posted.fetch_add(1, Ordering::Relaxed);
+        }
+        Some(EngineError::RequestFailed { .. } | EngineError::Shutdown) => {}
         Some(e) => {
             tracing::warn!(request = request.0, error = %e, "posting an offered request failed");
             inner.fail_local(request, FailureCode::WriteFailed);
@@ -2131,11 +2182,12 @@ async fn send_offered(inner: &Arc<Inner>, request: RequestId, src: Vec<u32>) {
 /// Whether `link`'s allocation of a request already known is one more leg of it: another TP rank
 /// of the same named decode instance (same TP size), which this rank writes into too, for the
 /// same prompt, while the request still waits for one of its legs and is not over.
-fn joins(r: &ReqState, link: &Link, geometry: &ChunkGeometry) -> bool {
+fn joins(r: &ReqState, link: &Link, geometry: &ChunkGeometry, prefix_tokens: u32) -> bool {
     !link.decode_instance.is_empty()
         && !r.voted
         && !r.ready()
         && r.geometry == *geometry
+        && r.prefix_tokens == prefix_tokens
         && r.legs.iter().all(|l| {
             l.link.decode_instance == link.decode_instance
                 && l.link.decode_tp.1 == link.decode_tp.1
@@ -2170,8 +2222,8 @@ async fn decode_read_loop(
                     prefix_tokens: r.prefix_tokens,
                 };
                 if i.on_transfer_request(&link, r) {
-                    // Its pages were offered: posted from here, not handed to the caller.
-                    let offered = lock(&i.state).offers.remove(&next.request);
+                    // Its pages were offered: the engine posts it, not the caller.
+                    let offered = lock(&i.state).take_offer(next.request);
                     match offered {
                         Some(src) => i.start_offered(next.request, src),
                         None => {
@@ -2441,10 +2493,13 @@ fn link_to(
     })
 }
 
-/// How often a rank tries again to reach a lower rank whose connection ended.
 /// Offers ([`PrefillEngine::offer`]) that may wait for their allocations at once.
 pub const MAX_OFFERS: usize = 1 << 16;
 
+/// Chunks an offered request posts before letting the runtime's other tasks run.
+const OFFER_CHUNKS_PER_TURN: u32 = 16;
+
+/// How often a rank tries again to reach a lower rank whose connection ended.
 const MESH_RETRY: Duration = Duration::from_millis(100);
 /// Bound on one such attempt (connection and handshake).
 const MESH_ATTEMPT: Duration = Duration::from_secs(2);

@@ -249,7 +249,11 @@ impl Cluster {
     /// Any engine start failure.
     pub async fn start(spec: ClusterSpec) -> Result<Cluster, EngineError> {
         let kind = spec.backend;
-        Self::start_with(spec, |_, name| BackendConfig::default_for(kind, name)).await
+        Self::start_with(spec, |rank, name| match rank {
+            None => BackendConfig::default_for_decode(kind, name),
+            Some(_) => BackendConfig::default_for(kind, name),
+        })
+        .await
     }
 
     /// [`start`](Self::start) with each engine's backend chosen by `backend(rank, name)`: `rank` is
@@ -291,8 +295,9 @@ impl Cluster {
         decodes: u16,
     ) -> Result<Cluster, EngineError> {
         let kind = spec.backend;
-        Self::start_inner(spec, instances, decodes, |_, name| {
-            BackendConfig::default_for(kind, name)
+        Self::start_inner(spec, instances, decodes, |rank, name| match rank {
+            None => BackendConfig::default_for_decode(kind, name),
+            Some(_) => BackendConfig::default_for(kind, name),
         })
         .await
     }

@@ -546,7 +546,7 @@ pub async fn run_decode(
         Place::Etcd(etcd) => (SocketAddr::from(([127, 0, 0, 1], 0)), Some(etcd)),
     };
     cfg.listen = listen;
-    cfg.backend = w.decode_progress.apply(BackendConfig::default_for(
+    cfg.backend = w.decode_progress.apply(BackendConfig::default_for_decode(
         backend,
         &format!("decode-{index}-{tp_rank}-{}", std::process::id()),
     ));

@@ -439,10 +439,12 @@ impl TpCluster {
             cfg.token = Some(Secret::new(&secret));
             cfg.verify_checksums = false;
             cfg.instance = "decode".into();
-            cfg.backend = spec.decode_progress.apply(BackendConfig::default_for(
-                spec.backend,
-                &format!("d{rank}-{tag}"),
-            ));
+            cfg.backend = spec
+                .decode_progress
+                .apply(BackendConfig::default_for_decode(
+                    spec.backend,
+                    &format!("d{rank}-{tag}"),
+                ));
             decodes.push(DecodeEngine::start(cfg, Pool::Shared(layout.buffer_len)).await?);
         }
         let mut starts = Vec::new();

@@ -47,8 +47,9 @@ fn seconds(what: &str, s: f64) -> PyResult<Duration> {
     }
 }
 
-/// `"ucx"` or `"nixl"`, with a name for the engine (NIXL agents are known by theirs).
-fn backend(name: &str, engine: &str) -> PyResult<BackendConfig> {
+/// `"ucx"` or `"nixl"`, with a name for the engine (NIXL agents are known by theirs): a
+/// prefill's defaults, or with `decode` a decode engine's ([`BackendConfig::default_for_decode`]).
+fn backend(name: &str, engine: &str, decode: bool) -> PyResult<BackendConfig> {
     let kind = match name {
         "ucx" => BackendKind::Ucx,
         "nixl" => BackendKind::Nixl,
@@ -58,7 +59,11 @@ fn backend(name: &str, engine: &str) -> PyResult<BackendConfig> {
             )));
         }
     };
-    Ok(BackendConfig::default_for(kind, engine))
+    Ok(if decode {
+        BackendConfig::default_for_decode(kind, engine)
+    } else {
+        BackendConfig::default_for(kind, engine)
+    })
 }
 
 /// A side's TP rank and size, how the two sides' TP ranks map (`"identical"`, `"replicated"`: MLA,

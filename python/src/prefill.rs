@@ -631,7 +631,7 @@ fn config(
         layout.inner.clone(),
     );
     cfg.engine_id = name.clone();
-    cfg.backend = crate::backend(backend, &name)?;
+    cfg.backend = crate::backend(backend, &name, false)?;
     cfg.peers = peers;
     cfg.mesh_socket = mesh_socket;
     cfg.token = crate::secret(secret)?;

@@ -108,7 +108,10 @@ impl DecodeConfig {
         DecodeConfig {
             engine_id: "decode".into(),
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
-            backend: BackendConfig::default_for(crate::transport::BackendKind::Ucx, "decode"),
+            backend: BackendConfig::default_for_decode(
+                crate::transport::BackendKind::Ucx,
+                "decode",
+            ),
             total_layers,
             page_tokens,
             layout,

@@ -170,6 +170,13 @@ impl std::fmt::Debug for CustomBackend {
     }
 }
 
+/// How long a decode engine's UCX progress thread polls after its last event before it sleeps on
+/// UCX's event fd. A decode engine waits for notifications: polling 200 µs (the UCX default)
+/// after each one cost its process 6.5 ms of CPU per request of 32 chunks in `kvbench
+/// --processes` against 1.4 to 1.7 ms with 10 µs, which delayed a single 4 KiB write by about
+/// half a microsecond (docs/performance.md, 2026-12-06).
+pub const DECODE_SPIN: std::time::Duration = std::time::Duration::from_micros(10);
+
 impl BackendConfig {
     /// The default settings of `kind`, naming the engine `name`.
     pub fn default_for(kind: BackendKind, name: &str) -> Self {
@@ -182,6 +189,19 @@ impl BackendConfig {
                 name: name.into(),
                 ..UcxConfig::default()
             }),
+        }
+    }
+
+    /// The default settings of `kind` for a decode engine, naming it `name`: as
+    /// [`default_for`](Self::default_for), except that a UCX receiver sleeps on UCX's event fd as
+    /// soon as it is idle ([`DECODE_SPIN`]) instead of polling for [`UcxConfig::spin`] first.
+    pub fn default_for_decode(kind: BackendKind, name: &str) -> Self {
+        match Self::default_for(kind, name) {
+            BackendConfig::Ucx(c) => BackendConfig::Ucx(UcxConfig {
+                spin: DECODE_SPIN,
+                ..c
+            }),
+            other => other,
         }
     }
 

@@ -70,8 +70,8 @@ impl DecodeEngine {
     /// `SCHED_FIFO` at that priority (1 to 99): seen at once however busy the cores are. It needs
     /// `CAP_SYS_NICE` or an `RLIMIT_RTPRIO` of at least it; without, the engine does not start.
     /// `progress_spin_us` is how long that thread polls after its last event before it sleeps
-    /// (`None`: a decode engine's default, 0 with UCX, whose thread sleeps on UCX's event fd, and
-    /// 200 µs with NIXL); 0 leaves a busy host's cores to others at once.
+    /// (`None`: a decode engine's default, 10 µs with UCX, whose thread then sleeps on UCX's
+    /// event fd, and 200 µs with NIXL); 0 leaves a busy host's cores to others at once.
     #[new]
     #[pyo3(signature = (
         *, layout, total_layers, page_tokens, pp_size, memory, listen = "127.0.0.1:0",

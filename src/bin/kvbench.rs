@@ -199,8 +199,8 @@ struct Opts {
     #[arg(long, global = true, value_parser = clap::value_parser!(u8).range(1..=99))]
     progress_fifo: Option<u8>,
     /// How long decode engines' progress threads keep polling after their last event before they
-    /// sleep, in microseconds (default: a decode engine's, 0 with ucx: asleep on UCX's event fd at
-    /// once; nixl's 200). Polling catches the next notification without a wake-up, at the cost of
+    /// sleep, in microseconds (default: a decode engine's, 10 with ucx, then asleep on UCX's event
+    /// fd; nixl's 200). Polling catches the next notification without a wake-up, at the cost of
     /// the CPU it polls with; under `--progress-fifo` it also holds the core meanwhile.
     #[arg(long, global = true)]
     progress_spin_us: Option<u64>,

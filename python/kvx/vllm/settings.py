@@ -23,7 +23,7 @@ overrides):
   under ``SCHED_FIFO`` at this priority, 1 to 99 (default: the normal policy; see
   ``kvx.DecodeEngine``);
 - ``progress_spin_us`` / ``KVX_PROGRESS_SPIN_US``: how long that thread polls after its last event
-  before it sleeps, in microseconds (default: a decode engine's, 0 with UCX, 200 with NIXL)."""
+  before it sleeps, in microseconds (default: a decode engine's, 10 with UCX, 200 with NIXL)."""
 
 from __future__ import annotations
 

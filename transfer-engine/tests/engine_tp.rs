@@ -2,8 +2,9 @@
 //! 2 into 4 (heads sliced), GQA with fewer KV heads than decode ranks (replicas), and MLA (whole
 //! latent pages), all at PP 2. Every decode TP rank is one engine; every prefill (PP, TP) rank runs
 //! one engine per decode rank it writes into, or (where the decode ranks name their instance) one
-//! engine for all of them. Each byte of every decode rank's pages is checked
-//! against the head it must hold, on poisoned pages; every wait is bounded.
+//! engine for all of them, which may be offered the request before decode asks. Each byte of
+//! every decode rank's pages is checked against the head it must hold, on poisoned pages; every
+//! wait is bounded.
 #![allow(clippy::unwrap_used)]
 
 use std::net::SocketAddr;
@@ -50,6 +51,15 @@ enum Engines {
     /// One engine per prefill rank, serving every decode rank it writes into (the decode ranks
     /// name their instance, so their allocations of one request are one request there).
     PerRank,
+    /// As `PerRank`, each rank offered the request's pages before decode asks
+    /// (`PrefillEngine::offer`): the engine posts it once every decode rank's allocation came.
+    Offered,
+}
+
+impl Engines {
+    fn per_rank(self) -> bool {
+        self != Engines::PerTarget
+    }
 }
 
 impl Case {
@@ -134,7 +144,7 @@ async fn run_with(case: Case, engines: Engines) -> Vec<usize> {
         cfg.tp = case.tp(rank, case.decode_tp);
         cfg.prefill_tp = Some(case.prefill_tp);
         cfg.token = Some(Secret::new(SECRET));
-        if engines == Engines::PerRank {
+        if engines.per_rank() {
             cfg.instance = "decode-server".into();
         }
         let mut b = HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).unwrap();
@@ -157,7 +167,9 @@ async fn run_with(case: Case, engines: Engines) -> Vec<usize> {
         .collect();
         let pipelines: Vec<(SocketAddr, Vec<SocketAddr>)> = match engines {
             Engines::PerTarget => targets.iter().map(|&d| (d, Vec::new())).collect(),
-            Engines::PerRank => vec![(targets[0], targets[1..].to_vec())],
+            Engines::PerRank | Engines::Offered => {
+                vec![(targets[0], targets[1..].to_vec())]
+            }
         };
         for (first, rest) in pipelines {
             let d = first;
@@ -217,9 +229,14 @@ async fn run_with(case: Case, engines: Engines) -> Vec<usize> {
         }
         prefills.push(p);
     }
-    if engines == Engines::PerRank {
+    if engines.per_rank() {
         // One engine per prefill (PP, TP) rank, whatever it writes into.
         assert_eq!(prefills.len(), usize::from(case.prefill_tp * PP));
+    }
+    if engines == Engines::Offered {
+        for p in &prefills {
+            p.offer(request, SRC.to_vec()).unwrap();
+        }
     }
     let mut outcomes = Vec::new();
     for d in &decodes {
@@ -229,12 +246,14 @@ async fn run_with(case: Case, engines: Engines) -> Vec<usize> {
                 .unwrap(),
         );
     }
-    for p in &prefills {
-        let chunks = PROMPT.div_ceil(CHUNK);
-        for c in 0..chunks {
-            p.send_chunk(request, c, &SRC, c + 1 == chunks)
-                .await
-                .unwrap();
+    if engines != Engines::Offered {
+        for p in &prefills {
+            let chunks = PROMPT.div_ceil(CHUNK);
+            for c in 0..chunks {
+                p.send_chunk(request, c, &SRC, c + 1 == chunks)
+                    .await
+                    .unwrap();
+            }
         }
     }
     for o in outcomes {
@@ -242,6 +261,12 @@ async fn run_with(case: Case, engines: Engines) -> Vec<usize> {
             tokio::time::timeout(BOUND, o).await.unwrap(),
             Outcome::Complete
         );
+    }
+    if engines == Engines::Offered {
+        // Posted once, by each engine, for all of its decode ranks.
+        for p in &prefills {
+            assert_eq!(p.stats().offers_posted, 1);
+        }
     }
     // Coalesced: at most one write per (decode rank written, layer, region, page), however the
     // heads are sliced; sliced token rows are rows of those writes.
@@ -366,6 +391,19 @@ async fn one_prefill_engine_per_rank_writes_into_every_decode_rank_of_a_request(
         let fan_in = run_with(case, Engines::PerRank).await;
         assert_eq!(fan_in, vec![usize::from(PP); 4]);
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_offered_request_is_posted_once_every_decode_rank_asked() {
+    // Prefill TP 2 into decode TP 4: each prefill rank's request has two legs, whose allocations
+    // come on two connections; the offer is posted once both came, every byte in place.
+    let case = Case {
+        prefill_tp: 2,
+        decode_tp: 4,
+        kv_heads: 8,
+    };
+    let fan_in = run_with(case, Engines::Offered).await;
+    assert_eq!(fan_in, vec![usize::from(PP); 4]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

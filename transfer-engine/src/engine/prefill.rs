@@ -249,7 +249,8 @@ pub struct PrefillStats {
     pub writes: u64,
     /// Contiguous pieces those writes are made of: a write of `n` rows counts `n`.
     pub write_rows: u64,
-    /// Requests the engine posted itself from offered pages ([`PrefillEngine::offer`]).
+    /// Requests the engine posted itself from offered pages ([`PrefillEngine::offer`]): every
+    /// chunk handed to the transport.
     pub offers_posted: u64,
     /// Decode engines connected now.
     pub decodes: u64,
@@ -2162,16 +2163,17 @@ async fn send_offered(inner: &Arc<Inner>, request: RequestId, src: Vec<u32>) {
             tokio::task::yield_now().await;
         }
     }
+    if first_error.is_none() {
+        // Every chunk is with the transport: counted before decode can see the request complete.
+        inner.counters.offers_posted.fetch_add(1, Ordering::Relaxed);
+    }
     for f in posted {
         if let Err(e) = f.await {
             first_error.get_or_insert(e);
         }
     }
     match first_error {
-        None => {
-            inner.counters.offers_posted.fetch_add(1, Ordering::Relaxed);
-        }
-        Some(EngineError::RequestFailed { .. } | EngineError::Shutdown) => {}
+        None | Some(EngineError::RequestFailed { .. } | EngineError::Shutdown) => {}
         Some(e) => {
             tracing::warn!(request = request.0, error = %e, "posting an offered request failed");
             inner.fail_local(request, FailureCode::WriteFailed);

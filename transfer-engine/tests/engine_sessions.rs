@@ -404,6 +404,24 @@ async fn handed_out(ranks: &[PrefillEngine]) -> Vec<RequestId> {
     out
 }
 
+/// Decode asks instance a's ranks for `request` into `dst`: each rank hands the allocation out
+/// (nothing of theirs posts it), and failing it there fails it at decode with `dst` untouched.
+async fn asked_handed_out_and_failed(
+    d: &DecodeEngine,
+    a: &[PrefillEngine],
+    request: RequestId,
+    dst: &[u32],
+) {
+    let done = d.expect_request(request, want("a", dst)).unwrap();
+    assert_eq!(handed_out(a).await, vec![request; a.len()]);
+    assert_poisoned(d, dst);
+    for r in a {
+        r.fail(request, FailureCode::Aborted);
+    }
+    assert!(matches!(bounded(done).await, Outcome::Failed(_)));
+    assert_poisoned(d, dst);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn offered_requests_are_posted_by_the_ranks_themselves() {
     let d = decode().await;
@@ -465,15 +483,7 @@ async fn offered_requests_are_posted_by_the_ranks_themselves() {
         assert!(r.withdraw(r4));
         assert!(!r.withdraw(r4));
     }
-    let dst4 = [16, 17, 18, 19];
-    let done = d.expect_request(r4, want("a", &dst4)).unwrap();
-    assert_eq!(handed_out(&a).await, vec![r4, r4]);
-    assert_poisoned(&d, &dst4);
-    for r in &a {
-        r.fail(r4, FailureCode::Aborted);
-    }
-    assert!(matches!(bounded(done).await, Outcome::Failed(_)));
-    assert_poisoned(&d, &dst4);
+    asked_handed_out_and_failed(&d, &a, r4, &[16, 17, 18, 19]).await;
 
     // Fewer pages offered than decode asks for: failed on both sides, nothing written.
     let r5 = RequestId(44);
@@ -510,15 +520,7 @@ async fn offered_requests_are_posted_by_the_ranks_themselves() {
         assert!(!r.withdraw(r6), "the decision took the offer");
         r.release(r6);
     }
-    let dst6 = [24, 25, 26, 27];
-    let done = d.expect_request(r6, want("a", &dst6)).unwrap();
-    assert_eq!(handed_out(&a).await, vec![r6, r6]);
-    assert_poisoned(&d, &dst6);
-    for r in &a {
-        r.fail(r6, FailureCode::Aborted);
-    }
-    assert!(matches!(bounded(done).await, Outcome::Failed(_)));
-    assert_poisoned(&d, &dst6);
+    asked_handed_out_and_failed(&d, &a, r6, &[24, 25, 26, 27]).await;
     let s = d.stats();
     assert_eq!((s.completed, s.failed), (3, 3), "{s:?}");
     for r in &a {

@@ -3,8 +3,9 @@ on, the one ``kvx.PrefillEngine`` that writes into every decode, and the blocks 
 
 A finished request's blocks come in the step metadata (``send``) and are offered to the engine
 (``offer``): when decode's page allocation comes through kvx, the engine posts the blocks after
-decode's prefix itself, on a task of its own, with no Python thread to wake in between. Before the engine runs (no decode said HELLO yet), or where the allocation came first,
-the serve thread takes the allocation (``next_request``) and posts them. Either way the request
+decode's prefix itself, on a task of its own, with no Python thread to wake in between. Before
+the engine runs (no decode said HELLO yet), or where the allocation came first, the serve thread
+takes the allocation (``next_request``) and posts them. Either way the request
 is reported in ``finished_sending``, and vLLM may reuse its blocks, only once kvx decided it
 (every write over, or the request failed on both sides). A request nobody asked for within its
 lease is taken back (``withdraw``) and reported then; a decode that asks later is failed at

@@ -413,6 +413,16 @@ impl State {
         self.offers.remove(&request);
     }
 
+    /// Takes back `request`'s offer, if it still waits; true if it did. Where no allocation of
+    /// it came, nothing will decide it here, so whoever waits for its decision hears now.
+    fn withdraw_offer(&mut self, request: RequestId) -> bool {
+        let had = self.offers.remove(&request).is_some();
+        if had && !self.requests.contains_key(&request) {
+            self.decided_waiters.remove(&request);
+        }
+        had
+    }
+
     /// Every PP peer is connected and said it counts us.
     fn mesh_complete(&self, me: u16) -> bool {
         (0..self.peer_writers.len()).all(|r| {
@@ -1206,7 +1216,7 @@ impl PrefillEngine {
     /// when its request fails, is decided or released, and when the engine closes.
     pub fn offer(&self, request: RequestId, src_pages: Vec<u32>) -> Result<(), EngineError> {
         let inner = &self.inner;
-        let ready = {
+        {
             let mut st = lock(&inner.state);
             if st.closed {
                 return Err(EngineError::Shutdown);
@@ -1244,13 +1254,11 @@ impl PrefillEngine {
                         "{MAX_OFFERS} offers wait for their allocations already"
                     )));
                 }
-                st.offers.insert(request, src_pages.clone());
+                st.offers.insert(request, src_pages);
+                return Ok(());
             }
-            ready
-        };
-        if ready {
-            inner.start_offered(request, src_pages);
         }
+        inner.start_offered(request, src_pages);
         Ok(())
     }
 
@@ -1259,13 +1267,7 @@ impl PrefillEngine {
     /// through [`next_request`](Self::next_request)), false where there is no such offer (never
     /// made, or posting started: the pages are the engine's until [`decided`](Self::decided)).
     pub fn withdraw(&self, request: RequestId) -> bool {
-        let mut st = lock(&self.inner.state);
-        let had = st.offers.remove(&request).is_some();
-        if had && !st.requests.contains_key(&request) {
-            // No allocation of it came: nothing will decide it here, so its waiters hear now.
-            st.decided_waiters.remove(&request);
-        }
-        had
+        lock(&self.inner.state).withdraw_offer(request)
     }
 
     /// Sends the decode engine of `request` a small payload beside the pages (at most
@@ -1586,13 +1588,10 @@ impl Inner {
             let closed = !self.cfg.keep_open && st.links.is_empty() && !st.closed;
             if closed {
                 st.closed = true;
-                // No allocation comes any more: the offers' pages are their callers' again, and
-                // whoever waits for their decisions hears now.
-                let offers: Vec<RequestId> = st.offers.drain().map(|(k, _)| k).collect();
+                // No allocation comes any more: the offers' pages are their callers' again.
+                let offers: Vec<RequestId> = st.offers.keys().copied().collect();
                 for r in offers {
-                    if !st.requests.contains_key(&r) {
-                        st.decided_waiters.remove(&r);
-                    }
+                    st.withdraw_offer(r);
                 }
             }
             (gone, closed)

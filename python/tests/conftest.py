@@ -13,17 +13,24 @@ from kvx.bench import mesh_sockets  # noqa: F401 (vote mesh sockets for in-proce
 POISON = 0xEE
 
 
+# The lowest port SGLang draws for a server's NCCL port (`get_free_port_below_ephemeral`).
+SGLANG_NCCL_PORTS_FROM = 22000
+
+
 def free_addrs(n):
     """`n` loopback addresses whose ports were free a moment ago, for servers in other processes.
 
     Drawn below the kernel's ephemeral range: every outgoing connection on the host takes a port
     from that range, so a port drawn from it and released can be taken before our server binds it.
-    Below it only another explicit bind can take one."""
+    Below it only another explicit bind can take one; and below 22000, because SGLang 0.5.23 draws
+    each server's NCCL port from 22000 to 29999 and binds it later (a fresh-clone run of the suite
+    lost every test_sglang_servers.py test to a normal server whose port 24313, in that range,
+    was bound by another process before it bound it)."""
     import random
     import socket
 
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-        low = int(f.read().split()[0])
+        low = min(int(f.read().split()[0]), SGLANG_NCCL_PORTS_FROM)
     found = []
     for port in random.sample(range(10000, max(low, 10002)), k=min(64 * n, max(low, 10002) - 10000)):
         if len(found) == n:

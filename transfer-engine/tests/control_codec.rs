@@ -5,10 +5,10 @@
 use proptest::prelude::*;
 use transfer_engine::control::{
     Abort, AbortAck, AuxData, BackendInfo, BackendKind, DEFAULT_MAX_FRAME_LEN, FrameDecoder,
-    FrameError, FrameHeader, HEADER_LEN, Hello, HelloAck, LayoutInfo, MAGIC, Msg, MsgKind,
+    FrameError, FrameHeader, HEADER_LEN, Hello, HelloAck, Landing, LayoutInfo, MAGIC, Msg, MsgKind,
     PROTOCOL_VERSION, Reject, RejectReason, RemoteRegion, Role, Secret, Side, TpMode,
     TransferReject, TransferRejectReason, TransferRequest, Vote, check_hello, encode_to_vec,
-    validate_prefix, validate_transfer_request,
+    validate_landing, validate_prefix, validate_transfer_request,
 };
 
 fn layout(first_layer: u32, layers: u32) -> LayoutInfo {
@@ -38,6 +38,11 @@ fn backend() -> BackendInfo {
             len: 1 << 30,
             rkey: vec![1, 2, 3, 4],
         }],
+        landing: Some(RemoteRegion {
+            addr: 0x7e00_0000_0000,
+            len: 256 << 20,
+            rkey: Vec::new(),
+        }),
     }
 }
 
@@ -91,6 +96,10 @@ fn every_message() -> Vec<Msg> {
             dst_pages: (0..128).collect(),
             prefix_tokens: 4096,
             deadline_ms: 30_000,
+            landing: Some(Landing {
+                offset: 1 << 20,
+                chunk_stride: 16 << 20,
+            }),
         }),
         Msg::TransferReject(TransferReject {
             request: 9,
@@ -666,6 +675,39 @@ fn tp_mappings() {
 
 // ---- transfer request bounds ----
 
+#[test]
+fn a_landing_grant_lies_inside_the_landing_memory_announced() {
+    let grant = |offset, chunk_stride| TransferRequest {
+        landing: Some(Landing {
+            offset,
+            chunk_stride,
+        }),
+        ..req(vec![0, 1])
+    };
+    let out = |announced: u64| TransferRejectReason::LandingOutOfRange { announced };
+    // No grant: nothing to check, announced or not.
+    assert_eq!(validate_landing(&req(vec![0, 1]), None, 2), Ok(()));
+    // Two chunks of 100 bytes from 50: the last byte is 249.
+    assert_eq!(validate_landing(&grant(50, 100), Some(250), 2), Ok(()));
+    assert_eq!(
+        validate_landing(&grant(50, 100), Some(249), 2),
+        Err(out(249))
+    );
+    assert_eq!(validate_landing(&grant(0, 100), None, 1), Err(out(0)));
+    assert_eq!(
+        validate_landing(&grant(u64::MAX - 10, 100), Some(u64::MAX), 1),
+        Err(out(u64::MAX))
+    );
+    assert_eq!(
+        validate_landing(&grant(0, u64::MAX), Some(u64::MAX), 2),
+        Err(out(u64::MAX))
+    );
+    assert!(matches!(
+        validate_landing(&grant(0, 0), Some(1 << 20), 2),
+        Err(TransferRejectReason::Invalid(_))
+    ));
+}
+
 fn req(pages: Vec<u32>) -> TransferRequest {
     TransferRequest {
         request: 5,
@@ -674,6 +716,7 @@ fn req(pages: Vec<u32>) -> TransferRequest {
         dst_pages: pages,
         prefix_tokens: 0,
         deadline_ms: 1000,
+        landing: None,
     }
 }
 
@@ -803,8 +846,10 @@ proptest! {
     #[test]
     fn transfer_requests_round_trip_any_split(request in any::<u64>(), prompt in any::<u32>(), chunk in any::<u32>(),
                                               pages in proptest::collection::vec(any::<u32>(), 0..200),
-                                              prefix in any::<u32>(), deadline in any::<u32>(), split in 0usize..2000) {
-        let m = Msg::TransferRequest(TransferRequest { request, prompt_tokens: prompt, chunk_tokens: chunk, dst_pages: pages, prefix_tokens: prefix, deadline_ms: deadline });
+                                              prefix in any::<u32>(), deadline in any::<u32>(), split in 0usize..2000,
+                                              landing in proptest::option::of((any::<u64>(), any::<u64>()))) {
+        let landing = landing.map(|(offset, chunk_stride)| Landing { offset, chunk_stride });
+        let m = Msg::TransferRequest(TransferRequest { request, prompt_tokens: prompt, chunk_tokens: chunk, dst_pages: pages, prefix_tokens: prefix, deadline_ms: deadline, landing });
         let wire = encode_to_vec(&m, DEFAULT_MAX_FRAME_LEN).unwrap();
         let split = split.min(wire.len());
         let mut d = FrameDecoder::default();

@@ -63,6 +63,7 @@ fn backend() -> BackendInfo {
             len: 1 << 20,
             rkey: vec![9; 32],
         }],
+        landing: None,
     }
 }
 
@@ -826,6 +827,7 @@ fn every_message() -> Vec<Msg> {
             dst_pages: (0..128).collect(),
             prefix_tokens: 0,
             deadline_ms: 5000,
+            landing: None,
         }),
         Msg::TransferReject(TransferReject {
             request: 1,
@@ -927,6 +929,7 @@ async fn out_of_range_pages_get_a_typed_rejection_and_nothing_else_is_disturbed(
             dst_pages,
             prefix_tokens: 0,
             deadline_ms: 1000,
+            landing: None,
         };
         decode
             .send(&Msg::TransferRequest(mk(1, vec![0, 1])))

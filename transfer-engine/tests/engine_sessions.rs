@@ -332,6 +332,7 @@ async fn raw_rank(d: &DecodeEngine, instance: &str) -> Connection {
             worker_or_agent: Vec::new(),
             agent_name: String::new(),
             regions: Vec::new(),
+            landing: None,
         },
     )
     .with_instance(instance)

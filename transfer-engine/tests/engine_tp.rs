@@ -16,10 +16,11 @@ use transfer_engine::core::RequestId;
 use transfer_engine::core::planner::{HeadLayout, HeadOrder, KvLayout, PpSplit, RegionKind};
 use transfer_engine::core::topology::{self, TpShape};
 use transfer_engine::engine::{
-    DecodeConfig, DecodeEngine, EngineError, MeshSocket, Outcome, Pool, PrefillConfig,
-    PrefillEngine, TpConfig,
+    BackendConfig, DecodeConfig, DecodeEngine, DecodeStats, EngineError, MeshSocket, Outcome, Pool,
+    PrefillConfig, PrefillEngine, TpConfig,
 };
 use transfer_engine::mem::{HostBuffer, HostOptions};
+use transfer_engine::transport::BackendKind;
 
 const LAYERS: u32 = 4;
 const PP: u16 = 2;
@@ -135,6 +136,17 @@ async fn run(case: Case) -> Vec<usize> {
 }
 
 async fn run_with(case: Case, engines: Engines) -> Vec<usize> {
+    run_on(case, engines, BackendKind::Ucx, None).await.0
+}
+
+/// As `run_with`, on `backend`, decode engines with `landing` bytes of landing memory (`None`:
+/// the default); also returns every decode engine's stats.
+async fn run_on(
+    case: Case,
+    engines: Engines,
+    backend: BackendKind,
+    landing: Option<u64>,
+) -> (Vec<usize>, Vec<DecodeStats>) {
     let request = RequestId(77);
     // Decode TP ranks: one engine each, poisoned pools.
     let mut decodes = Vec::new();
@@ -144,6 +156,10 @@ async fn run_with(case: Case, engines: Engines) -> Vec<usize> {
         cfg.tp = case.tp(rank, case.decode_tp);
         cfg.prefill_tp = Some(case.prefill_tp);
         cfg.token = Some(Secret::new(SECRET));
+        cfg.backend = BackendConfig::default_for_decode(backend, &format!("d{rank}"));
+        if let Some(bytes) = landing {
+            cfg.landing_bytes = bytes;
+        }
         if engines.per_rank() {
             cfg.instance = "decode-server".into();
         }
@@ -208,10 +224,7 @@ async fn run_with(case: Case, engines: Engines) -> Vec<usize> {
                 let mut cfg = PrefillConfig::new(d, pp, PP, LAYERS, PAGE_TOKENS, layout);
                 cfg.tp = case.tp(t, case.prefill_tp);
                 cfg.engine_id = format!("p{pp}-t{t}-d{d}");
-                cfg.backend = transfer_engine::engine::BackendConfig::default_for(
-                    transfer_engine::transport::BackendKind::Ucx,
-                    &cfg.engine_id,
-                );
+                cfg.backend = BackendConfig::default_for(backend, &cfg.engine_id);
                 cfg.peers = peers.clone();
                 cfg.mesh_socket = Some(sockets[usize::from(pp)].clone());
                 cfg.token = Some(Secret::new(SECRET));
@@ -309,10 +322,11 @@ async fn run_with(case: Case, engines: Engines) -> Vec<usize> {
         }
         sources_per_rank.push(d.stats().connected_ranks as usize);
     }
+    let stats = decodes.iter().map(DecodeEngine::stats).collect();
     for d in decodes {
         d.shutdown(BOUND).await;
     }
-    sources_per_rank
+    (sources_per_rank, stats)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -325,6 +339,51 @@ async fn prefill_tp_4_into_decode_tp_2_heads_sliced() {
     .await;
     // Two prefill TP ranks of each of the 2 PP ranks write into every decode rank.
     assert_eq!(fan_in, vec![4, 4]);
+}
+
+/// NIXL makes each row strided in the destination a descriptor of its own: where prefill TP is
+/// above decode's, decode lends each prefill rank landing memory to write its rows into packed,
+/// and copies them into the pages chunk by chunk. Each decode rank here takes 2 TP ranks of each
+/// of 2 PP ranks, one leg each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nixl_rows_sliced_in_the_destination_land_packed_and_are_copied_into_the_pages() {
+    let case = Case {
+        prefill_tp: 4,
+        decode_tp: 2,
+        kv_heads: 8,
+    };
+    let (fan_in, stats) = run_on(case, Engines::PerTarget, BackendKind::Nixl, None).await;
+    assert_eq!(fan_in, vec![4, 4]);
+    for s in &stats {
+        assert_eq!(
+            s.landing_bytes,
+            transfer_engine::engine::DEFAULT_LANDING_BYTES
+        );
+        assert_eq!((s.landing_grants, s.landing_full), (4, 0));
+        // Two chunks from each of the 4 legs.
+        assert_eq!(s.landing_chunks, 8);
+    }
+    // Landing memory too small for any leg: the rows go into the pages directly, as before.
+    let (_, stats) = run_on(case, Engines::PerRank, BackendKind::Nixl, Some(64)).await;
+    for s in &stats {
+        assert_eq!(
+            (s.landing_grants, s.landing_full, s.landing_chunks),
+            (0, 4, 0)
+        );
+    }
+    // Rows contiguous in the destination (prefill TP below decode's) need none.
+    let case = Case {
+        prefill_tp: 2,
+        decode_tp: 4,
+        kv_heads: 8,
+    };
+    let (_, stats) = run_on(case, Engines::PerRank, BackendKind::Nixl, None).await;
+    for s in &stats {
+        assert_eq!(
+            (s.landing_grants, s.landing_full, s.landing_chunks),
+            (0, 0, 0)
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -18,7 +18,7 @@
 //!     model_kv_heads: 8, token_major: true, key_column_bytes: 0,
 //! };
 //! let backend = BackendInfo {
-//!     kind: BackendKind::Ucx, worker_or_agent: vec![1, 2, 3], agent_name: String::new(), regions: vec![],
+//!     kind: BackendKind::Ucx, worker_or_agent: vec![1, 2, 3], agent_name: String::new(), regions: vec![], landing: None,
 //! };
 //! let decode = Hello::new("decode-0", Role::Decode, layout.clone(), backend.clone());
 //! let prefill = Hello::new("prefill-0", Role::Prefill, layout, backend);
@@ -38,7 +38,7 @@
 //!
 //! let mut conn = Connection::connect(addr, deadline).await?;
 //! handshake(&mut conn, &decode, &secret, deadline).await?;
-//! let req = TransferRequest { request: 7, prompt_tokens: 32, chunk_tokens: 16, dst_pages: vec![3, 4], prefix_tokens: 0, deadline_ms: 1000 };
+//! let req = TransferRequest { request: 7, prompt_tokens: 32, chunk_tokens: 16, dst_pages: vec![3, 4], prefix_tokens: 0, deadline_ms: 1000, landing: None };
 //! conn.send(&Msg::TransferRequest(req.clone())).await?;
 //! let Some(Msg::TransferRequest(got)) = server.await?? else { panic!("expected a transfer request") };
 //! assert_eq!(got, req);
@@ -77,8 +77,8 @@ pub use frame::{
     PROTOCOL_VERSION, decode_payload, encode_frame, encode_to_vec,
 };
 pub use msg::{
-    Abort, AbortAck, AuxData, BackendInfo, BackendKind, Hello, HelloAck, LayoutInfo, MAX_APP_INFO,
-    MAX_AUX_LEN, Msg, Reject, RejectReason, RemoteRegion, Role, TpMode, TransferReject,
-    TransferRejectReason, TransferRequest, Vote, check_hello, validate_prefix,
-    validate_transfer_request,
+    Abort, AbortAck, AuxData, BackendInfo, BackendKind, Hello, HelloAck, Landing, LayoutInfo,
+    MAX_APP_INFO, MAX_AUX_LEN, Msg, Reject, RejectReason, RemoteRegion, Role, TpMode,
+    TransferReject, TransferRejectReason, TransferRequest, Vote, check_hello, validate_landing,
+    validate_prefix, validate_transfer_request,
 };

@@ -113,6 +113,10 @@ pub struct BackendInfo {
     pub agent_name: String,
     /// Registered regions, in the order the layout numbers them.
     pub regions: Vec<RemoteRegion>,
+    /// A decode's landing memory (since version 14): registered host memory outside its pool that
+    /// a [`TransferRequest::landing`] grant lends to a rank, whose rows the decode then copies into
+    /// its pages. `None` from a prefill rank and from a decode without one.
+    pub landing: Option<RemoteRegion>,
 }
 
 /// The first message after authentication, sent by both sides: everything the peer needs to talk
@@ -356,6 +360,21 @@ pub struct TransferRequest {
     pub prefix_tokens: u32,
     /// Milliseconds, from receipt, within which the transfer must finish.
     pub deadline_ms: u32,
+    /// Where the rank must write instead of the pages (since version 14): a range of the decode's
+    /// landing memory, which the decode copies into the pages as each chunk's notification comes.
+    /// Each rank gets its own.
+    pub landing: Option<Landing>,
+}
+
+/// A grant of decode's landing memory ([`BackendInfo::landing`]) to one rank for one request.
+/// Chunk `c`'s writes go, packed one after another in the order the planner gives them, to
+/// `offset + c * chunk_stride`; no chunk's writes may take more than `chunk_stride` bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Landing {
+    /// Offset in the landing memory of chunk 0's first byte.
+    pub offset: u64,
+    /// Bytes from one chunk's range to the next.
+    pub chunk_stride: u64,
 }
 
 /// Why a transfer request was refused. Only that request is affected.
@@ -401,6 +420,15 @@ pub enum TransferRejectReason {
     /// A field holds a value that cannot be right.
     #[error("invalid request: {0}")]
     Invalid(String),
+    /// The request grants landing memory the decode did not announce, or a range outside it
+    /// (since version 14).
+    #[error(
+        "the request's landing range is outside the landing memory announced ({announced} bytes)"
+    )]
+    LandingOutOfRange {
+        /// Bytes of landing memory the decode announced (0 for none).
+        announced: u64,
+    },
 }
 
 /// Refusal of one transfer request.
@@ -858,4 +886,35 @@ pub fn validate_prefix(
         )));
     }
     Ok(())
+}
+
+/// Checks a transfer request's landing grant against the landing memory the decode announced
+/// (`announced`, its length; `None` for none): every one of the request's `chunks` ranges lies
+/// inside it. A request without a grant passes.
+///
+/// # Errors
+/// [`TransferRejectReason::LandingOutOfRange`]; [`TransferRejectReason::Invalid`] for a stride of 0.
+pub fn validate_landing(
+    req: &TransferRequest,
+    announced: Option<u64>,
+    chunks: u64,
+) -> Result<(), TransferRejectReason> {
+    let Some(g) = req.landing else {
+        return Ok(());
+    };
+    if g.chunk_stride == 0 {
+        return Err(TransferRejectReason::Invalid(
+            "a landing grant's chunk stride is 0".into(),
+        ));
+    }
+    let end = g
+        .chunk_stride
+        .checked_mul(chunks)
+        .and_then(|b| b.checked_add(g.offset));
+    match (announced, end) {
+        (Some(len), Some(end)) if end <= len => Ok(()),
+        _ => Err(TransferRejectReason::LandingOutOfRange {
+            announced: announced.unwrap_or(0),
+        }),
+    }
 }

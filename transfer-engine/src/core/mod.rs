@@ -40,6 +40,7 @@ mod hash;
 pub mod membership;
 pub mod notify;
 pub mod planner;
+pub mod ranges;
 pub mod topology;
 pub mod tracker;
 pub mod vote;

@@ -100,7 +100,17 @@ pub struct DecodeConfig {
     /// process naming the same address share one endpoint (see [`crate::metrics`]). `None` (the
     /// default): no endpoint.
     pub metrics: Option<SocketAddr>,
+    /// Bytes of landing memory: registered host memory outside the pool that a prefill rank whose
+    /// rows would land strided in the pages (heads sliced, prefill TP above this side's) writes
+    /// into packed instead, one range per request it writes, from which this engine copies each
+    /// chunk into the pages when its notification comes. Only with NIXL, a host pool and
+    /// [`control::TpMode::HeadSliced`]: NIXL makes every strided row a descriptor of its own.
+    /// A request whose ranges do not fit what is free is written into the pages directly. 0: none.
+    pub landing_bytes: u64,
 }
+
+/// [`DecodeConfig::landing_bytes`] by default.
+pub const DEFAULT_LANDING_BYTES: u64 = 256 << 20;
 
 impl DecodeConfig {
     /// Defaults around a layout: UCX, loopback port 0, no token, checksums verified.
@@ -129,6 +139,7 @@ impl DecodeConfig {
             rank_wait: Duration::from_secs(10),
             heartbeat: Some(super::DEFAULT_HEARTBEAT),
             metrics: None,
+            landing_bytes: DEFAULT_LANDING_BYTES,
         }
     }
 }
@@ -241,6 +252,15 @@ pub struct DecodeStats {
     /// Microseconds registering the pool took at start (for a pool the transport allocates, its
     /// allocation and population too).
     pub register_micros: u64,
+    /// Bytes of landing memory registered ([`DecodeConfig::landing_bytes`]; 0 where none is).
+    pub landing_bytes: u64,
+    /// Legs of requests (one prefill rank's share) that were granted landing memory.
+    pub landing_grants: u64,
+    /// Legs that would have been granted landing memory but found too little free: their rows
+    /// went into the pages directly.
+    pub landing_full: u64,
+    /// Chunks copied from landing memory into the pages.
+    pub landing_chunks: u64,
 }
 
 struct RankConn {
@@ -487,6 +507,10 @@ struct State {
     closing: bool,
     /// Payloads ranks sent beside their pages ([`DecodeEngine::aux`]), oldest dropped first.
     aux: AuxStore,
+    /// Ranges of the landing memory lent out (capacity 0 without landing memory).
+    landing: crate::core::ranges::Ranges,
+    /// Each request's landing grants, by rank slot: lent until its pages are released.
+    grants: HashMap<RequestId, Vec<(u16, control::Landing)>>,
 }
 
 impl State {
@@ -666,6 +690,9 @@ struct Counters {
     auth_failures: AtomicU64,
     handshake_failures: AtomicU64,
     probes: AtomicU64,
+    landing_grants: AtomicU64,
+    landing_full: AtomicU64,
+    landing_chunks: AtomicU64,
     /// Seconds from `expect` to the outcome, of requests that completed and that failed.
     seconds_complete: prometheus_client::metrics::histogram::Histogram,
     seconds_failed: prometheus_client::metrics::histogram::Histogram,
@@ -695,6 +722,9 @@ impl Default for Counters {
             auth_failures: AtomicU64::default(),
             handshake_failures: AtomicU64::default(),
             probes: AtomicU64::default(),
+            landing_grants: AtomicU64::default(),
+            landing_full: AtomicU64::default(),
+            landing_chunks: AtomicU64::default(),
             seconds_complete: crate::metrics::seconds_histogram(),
             seconds_failed: crate::metrics::seconds_histogram(),
             seconds_last_post: crate::metrics::seconds_histogram(),
@@ -737,6 +767,8 @@ struct Inner {
     /// Set once, after the transport exists (its sink needs a Weak to us first).
     transport: std::sync::OnceLock<Arc<dyn Transport>>,
     pool: std::sync::OnceLock<super::pools::Pools>,
+    /// Landing memory ([`DecodeConfig::landing_bytes`]), where this engine has some.
+    landing: std::sync::OnceLock<crate::transport::Registration>,
     /// `backend_info` handed the pool's registration to someone outside the control plane, who can
     /// never confirm that it stopped writing.
     exported_out_of_band: AtomicBool,
@@ -756,6 +788,9 @@ impl Drop for Inner {
         if let Some(pool) = self.pool.get_mut() {
             if self.pool_safe.load(Ordering::Acquire) {
                 pool.mark_quiesced();
+                if let Some(l) = self.landing.get() {
+                    l.mark_quiesced();
+                }
             } else {
                 tracing::warn!(
                     "decode engine dropped without a shutdown that every rank confirmed: its KV pool is leaked if a peer could know it"
@@ -827,6 +862,14 @@ impl Inner {
             handshake_failures: c.handshake_failures.load(Ordering::Relaxed),
             probes: c.probes.load(Ordering::Relaxed),
             register_micros: self.register_micros.load(Ordering::Relaxed),
+            landing_bytes: self
+                .landing
+                .get()
+                .and_then(crate::transport::Registration::desc)
+                .map_or(0, |d| d.len()),
+            landing_grants: c.landing_grants.load(Ordering::Relaxed),
+            landing_full: c.landing_full.load(Ordering::Relaxed),
+            landing_chunks: c.landing_chunks.load(Ordering::Relaxed),
             registered_bytes: self
                 .transport
                 .get()
@@ -936,6 +979,11 @@ impl crate::metrics::Source for Inner {
                 "Memory registrations of this engine",
                 s.registrations,
             ),
+            (
+                "kvx_landing_bytes",
+                "Bytes of landing memory registered for rows that would land strided in the pages",
+                s.landing_bytes,
+            ),
         ] {
             out.add(name, help, base(), gauge(v));
         }
@@ -994,6 +1042,21 @@ impl crate::metrics::Source for Inner {
                 "kvx_handshake_failures",
                 "Handshakes that failed otherwise",
                 s.handshake_failures,
+            ),
+            (
+                "kvx_landing_grants",
+                "Requests' legs granted landing memory",
+                s.landing_grants,
+            ),
+            (
+                "kvx_landing_full",
+                "Requests' legs written into the pages directly because too little landing memory was free",
+                s.landing_full,
+            ),
+            (
+                "kvx_landing_chunks",
+                "Chunks copied from landing memory into the pages",
+                s.landing_chunks,
             ),
             (
                 "kvx_probes",
@@ -1137,6 +1200,8 @@ impl DecodeEngine {
             released_waiters: HashMap::new(),
             closing: false,
             aux: AuxStore::default(),
+            landing: crate::core::ranges::Ranges::new(0),
+            grants: HashMap::new(),
         };
         if cfg.pp_size > 0 {
             let prefill_tp = cfg.prefill_tp.unwrap_or(cfg.tp.size);
@@ -1161,6 +1226,7 @@ impl DecodeEngine {
             changed: watch::channel(0).0,
             transport: std::sync::OnceLock::new(),
             pool: std::sync::OnceLock::new(),
+            landing: std::sync::OnceLock::new(),
             exported_out_of_band: AtomicBool::new(false),
             pool_safe: AtomicBool::new(false),
             metrics: std::sync::OnceLock::new(),
@@ -1182,6 +1248,32 @@ impl DecodeEngine {
         inner
             .register_micros
             .store(crate::transport::micros_since(t0), Ordering::Relaxed);
+        let host = inner
+            .pool
+            .get()
+            .and_then(super::pools::Pools::desc)
+            .is_some_and(|d| d.kind() == MemKind::Host);
+        if inner.cfg.landing_bytes > 0
+            && host
+            && transport.kind() == crate::transport::BackendKind::Nixl
+            && inner.cfg.tp.mode == control::TpMode::HeadSliced
+        {
+            let len = usize::try_from(inner.cfg.landing_bytes)
+                .map_err(|_| EngineError::Config("landing_bytes does not fit memory".into()))?;
+            let buf = crate::mem::HostBuffer::new(
+                len,
+                crate::mem::HostOptions {
+                    huge_pages: false,
+                    prefault: true,
+                },
+            )
+            .map_err(|e| EngineError::Config(format!("landing memory of {len} bytes: {e}")))?;
+            let reg =
+                crate::transport::Registration::new(&transport, crate::mem::Pool::Owned(buf))?;
+            inner.lock().landing =
+                crate::core::ranges::Ranges::new(reg.desc().map_or(0, |d| d.len()));
+            let _ = inner.landing.set(reg);
+        }
         let _ = inner.transport.set(transport);
         if let Some(addr) = inner.cfg.metrics {
             let source: std::sync::Weak<dyn crate::metrics::Source> = Arc::downgrade(&inner) as _;
@@ -1511,6 +1603,7 @@ impl DecodeEngine {
             dst_pages: dst_pages.clone(),
             prefix_tokens,
             deadline_ms: 0,
+            landing: None,
         };
         control::validate_transfer_request(
             &check,
@@ -2068,20 +2161,168 @@ impl Inner {
             .expect(now, request, slots, &peers, deadline)
             .map_err(|e| EngineError::Tracker(e.to_string()))?;
         let left = deadline.saturating_duration_since(now);
-        let msg = Msg::TransferRequest(TransferRequest {
+        let msg = TransferRequest {
             request: request.0,
             prompt_tokens,
             chunk_tokens,
             dst_pages: dst_pages.to_vec(),
             prefix_tokens,
             deadline_ms: left.as_millis().min(u128::from(u32::MAX)) as u32,
-        });
+            landing: None,
+        };
+        let grants = self.grant_landing(st, session, request);
         if let Some(s) = st.sessions.get(&session) {
-            for r in s.ranks.iter().flatten() {
-                let _ = r.writer.send(msg.clone());
+            for (slot, r) in s.ranks.iter().enumerate() {
+                let Some(r) = r else { continue };
+                let landing = grants
+                    .iter()
+                    .find(|&&(g, _)| usize::from(g) == slot)
+                    .map(|&(_, l)| l);
+                let _ = r.writer.send(Msg::TransferRequest(TransferRequest {
+                    landing,
+                    ..msg.clone()
+                }));
             }
         }
+        if !grants.is_empty() {
+            st.grants.insert(request, grants);
+        }
         Ok(())
+    }
+
+    /// Lends landing memory to each rank of `session` whose rows would land strided in
+    /// `request`'s pages, where enough is free: a range of one stride per chunk, the stride the
+    /// largest chunk's bytes.
+    fn grant_landing(
+        &self,
+        st: &mut State,
+        session: SessionId,
+        request: RequestId,
+    ) -> Vec<(u16, control::Landing)> {
+        if self.landing.get().is_none() {
+            return Vec::new();
+        }
+        let (Some(info), Some(s)) = (st.requests.get(&request), st.sessions.get(&session)) else {
+            return Vec::new();
+        };
+        let chunks = info.geometry.num_chunks();
+        let mut wanted = Vec::new();
+        for (slot, r) in s.ranks.iter().enumerate() {
+            let Some(r) = r.as_ref().filter(|r| !r.external) else {
+                continue;
+            };
+            let src = stand_in_src(&r.planner, info);
+            let (mut stride, mut strided) = (0u64, false);
+            let mut writes = Vec::new();
+            for chunk in 0..chunks {
+                writes.clear();
+                if r.planner
+                    .plan_chunk(&info.geometry, chunk, &src, &info.dst_pages, &mut writes)
+                    .is_err()
+                {
+                    strided = false;
+                    break;
+                }
+                strided |= writes.iter().any(|w| w.rows > 1 && w.dst_stride != w.len);
+                stride = stride.max(writes.iter().map(|w| w.bytes()).sum());
+            }
+            if strided && stride > 0 {
+                wanted.push((slot as u16, stride.next_multiple_of(64)));
+            }
+        }
+        let mut grants = Vec::with_capacity(wanted.len());
+        for (slot, stride) in wanted {
+            match stride
+                .checked_mul(chunks)
+                .and_then(|len| st.landing.take(len))
+            {
+                Some(offset) => {
+                    self.counters.landing_grants.fetch_add(1, Ordering::Relaxed);
+                    grants.push((
+                        slot,
+                        control::Landing {
+                            offset,
+                            chunk_stride: stride,
+                        },
+                    ));
+                }
+                None => {
+                    self.counters.landing_full.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        grants
+    }
+
+    /// Copies chunk `n` of `rank` from its landing range `g` into the request's pages. False if a
+    /// copy failed (the ranges are the engine's own and the planner's, so only a bug does that).
+    fn land(
+        &self,
+        st: &State,
+        session: SessionId,
+        rank: u16,
+        n: &crate::core::notify::ChunkNotification,
+        g: control::Landing,
+    ) -> bool {
+        let (Some(info), Some(conn), Some(pool), Some(landing)) = (
+            st.requests.get(&n.request),
+            st.sessions.get(&session).and_then(|s| s.rank(rank)),
+            self.pool.get(),
+            self.landing.get(),
+        ) else {
+            return true;
+        };
+        let src = stand_in_src(&conn.planner, info);
+        let mut writes = Vec::new();
+        if conn
+            .planner
+            .plan_chunk(
+                &info.geometry,
+                u64::from(n.chunk_id),
+                &src,
+                &info.dst_pages,
+                &mut writes,
+            )
+            .is_err()
+        {
+            // A chunk the request does not have: the tracker refuses its notification.
+            return true;
+        }
+        let total: u64 = writes.iter().map(|w| w.bytes()).sum();
+        let Some(from) = g
+            .chunk_stride
+            .checked_mul(u64::from(n.chunk_id))
+            .and_then(|o| o.checked_add(g.offset))
+            .filter(|_| total <= g.chunk_stride)
+        else {
+            return false;
+        };
+        // Rows in plan order, each `(destination, len)`; the landing range holds them back to back.
+        let mut rows = writes
+            .iter()
+            .flat_map(|w| w.pieces().map(move |(_, dst)| (dst, w.len)));
+        let mut row = rows.next();
+        let mut ok = true;
+        let read = landing.read_pieces(from, total, |mut piece| {
+            while ok && !piece.is_empty() {
+                let Some((dst, len)) = row.as_mut() else {
+                    ok = false;
+                    return;
+                };
+                let k = (*len).min(piece.len() as u64) as usize;
+                ok = pool.write_at(*dst, &piece[..k]).is_ok();
+                piece = &piece[k..];
+                *dst += k as u64;
+                *len -= k as u64;
+                if *len == 0 {
+                    row = rows.next();
+                }
+            }
+        });
+        if ok && read.is_ok() {
+            self.counters.landing_chunks.fetch_add(1, Ordering::Relaxed);
+        }
+        ok && read.is_ok()
     }
 
     /// Ends a request that no rank was asked for (parked): its pages are free at once.
@@ -2301,6 +2542,31 @@ impl Inner {
             self.counters.unknown_sender.fetch_add(1, Ordering::Relaxed);
             return;
         };
+        // A rank lent landing memory for the request wrote the chunk there: into the pages with it
+        // before it is hashed or counted, while the request is live (its pages its own).
+        if rank == n.pp_rank
+            && !matches!(n.status, notify::ChunkStatus::Failed { .. })
+            && st
+                .requests
+                .get(&n.request)
+                .is_some_and(|r| r.session == session)
+            && let Some(g) = st
+                .grants
+                .get(&n.request)
+                .and_then(|v| v.iter().find(|&&(r, _)| r == rank))
+                .map(|&(_, g)| g)
+            && !self.land(&st, session, rank, &n, g)
+        {
+            tracing::error!(
+                request = n.request.0,
+                rank,
+                chunk = n.chunk_id,
+                "copy from landing memory failed"
+            );
+            let _ = st.tracker.fail(n.request, FailureReason::Aborted);
+            self.drain(&mut st);
+            return;
+        }
         // Only a request of the sender's own instance is hashed (and failed on a mismatch); any
         // other goes to the tracker, which refuses a peer the request is not bound to.
         if let (Some(sum), true) = (n.checksum, self.cfg.verify_checksums)
@@ -2360,15 +2626,7 @@ impl Inner {
             return true;
         };
         let mut writes = Vec::new();
-        // The source side's page numbers only affect merging, not the bytes hashed or their order,
-        // so any pages of its pool do: as many as the moved tokens span there (a caller may have
-        // padded its list with a page it repeats, so they may be more than its pool holds).
-        let src_len = conn
-            .planner
-            .src_pages_needed(&info.geometry)
-            .max(info.dst_pages.len() as u64);
-        let src_pool = u64::from(conn.planner.src().num_pages.max(1));
-        let src: Vec<u32> = (0..src_len).map(|i| (i % src_pool) as u32).collect();
+        let src = stand_in_src(&conn.planner, info);
         if conn
             .planner
             .plan_chunk(
@@ -2655,8 +2913,24 @@ fn reason_index(reason: FailureReason) -> usize {
     }
 }
 
-/// Frees `request`'s pages for new requests and wakes whoever waits for that.
+/// Source pages to plan a request's chunks with on this side. The source side's page numbers only
+/// affect merging, not which destination bytes are written or their order, so any pages of its
+/// pool do: as many as the moved tokens span there (a caller may have padded its list with a page
+/// it repeats, so they may be more than its pool holds).
+fn stand_in_src(planner: &Planner, info: &ReqInfo) -> Vec<u32> {
+    let src_len = planner
+        .src_pages_needed(&info.geometry)
+        .max(info.dst_pages.len() as u64);
+    let src_pool = u64::from(planner.src().num_pages.max(1));
+    (0..src_len).map(|i| (i % src_pool) as u32).collect()
+}
+
+/// Frees `request`'s pages (and the landing memory lent for it) for new requests and wakes
+/// whoever waits for that.
 fn release_pages(st: &mut State, request: RequestId, pages: &[u32]) {
+    for (_, g) in st.grants.remove(&request).unwrap_or_default() {
+        st.landing.give(g.offset);
+    }
     for p in pages {
         if st.held_pages.get(p) == Some(&request) {
             st.held_pages.remove(p);
@@ -2696,6 +2970,7 @@ fn local_hello(inner: &Inner) -> Result<Hello, EngineError> {
             worker_or_agent: t.metadata()?,
             agent_name: t.name(),
             regions: pool.remotes().iter().map(wire_regions).collect(),
+            landing: inner.landing.get().map(|r| wire_regions(r.remote())),
         },
     )
     // Its own PP stage (0 of 1 unless decode is pipelined).

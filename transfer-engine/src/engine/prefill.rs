@@ -292,6 +292,9 @@ struct Link {
     decode_tp: (u16, u16),
     /// How many of its instance's decode TP ranks this rank writes into (1 without a name).
     fan_out: usize,
+    /// Decode's landing memory, if it announced one: its index in the regions given to the
+    /// transport (after the pool's) and its length.
+    landing: Option<(u32, u64)>,
 }
 
 struct LinkState {
@@ -308,6 +311,8 @@ struct LinkState {
 struct Leg {
     link: Arc<Link>,
     dst_pages: Arc<Vec<u32>>,
+    /// Decode's landing range for this leg's writes, if it granted one.
+    landing: Option<control::Landing>,
     /// Chunks posted to it and not yet over: writes that may still land in its pages.
     posted: u32,
     /// Its decode aborted the request while chunks were posted: acknowledge once they are over.
@@ -818,6 +823,7 @@ impl PrefillEngine {
                 worker_or_agent: Vec::new(),
                 agent_name: transport.name(),
                 regions: Vec::new(),
+                landing: None,
             },
         )
         .with_pp(cfg.pp_rank, cfg.pp_size)
@@ -1127,6 +1133,7 @@ impl PrefillEngine {
                     dst_pages,
                     prefix_tokens: 0,
                     deadline_ms: 0,
+                    landing: None,
                 },
             )
             .map_err(|reason| {
@@ -1369,11 +1376,10 @@ impl PrefillEngine {
 
 /// A request ready to send: its geometry, its legs (decode rank and destination pages) and its
 /// span.
-type Ready = (
-    ChunkGeometry,
-    Vec<(Arc<Link>, Arc<Vec<u32>>)>,
-    Option<tracing::Span>,
-);
+type Ready = (ChunkGeometry, Vec<LegTarget>, Option<tracing::Span>);
+
+/// Where one leg's chunks go: the decode rank, its pages, and its landing grant.
+type LegTarget = (Arc<Link>, Arc<Vec<u32>>, Option<control::Landing>);
 
 /// One leg's share of a chunk, planned: the writes, the notification that follows them, and the
 /// bytes they move.
@@ -1384,6 +1390,71 @@ struct LegPost {
 }
 
 impl Inner {
+    /// The writes of `plan` (chunk `chunk` of `request` into `link`) into decode's landing range
+    /// `landing`: its rows packed one after another from the chunk's place in the range.
+    fn plan_landing(
+        &self,
+        request: RequestId,
+        chunk: u32,
+        link: &Link,
+        landing: Option<control::Landing>,
+        plan: &[Write],
+        writes: &mut Vec<WriteOp>,
+    ) -> Result<(), EngineError> {
+        let (Some(g), Some((index, _))) = (landing, link.landing) else {
+            return Err(EngineError::Config(format!(
+                "request {} was granted landing memory by a decode that announced none",
+                request.0
+            )));
+        };
+        let bytes: u64 = plan.iter().map(Write::bytes).sum();
+        let mut at = g
+            .chunk_stride
+            .checked_mul(u64::from(chunk))
+            .and_then(|o| o.checked_add(g.offset))
+            .filter(|_| bytes <= g.chunk_stride)
+            .ok_or_else(|| {
+                EngineError::Config(format!(
+                    "chunk {chunk} of request {} ({bytes} bytes) does not fit its landing range \
+                     ({} bytes a chunk)",
+                    request.0, g.chunk_stride
+                ))
+            })?;
+        match self.pool.single() {
+            Some(local) => {
+                for w in plan {
+                    let packed = w.rows < 2 || w.src_stride == w.len;
+                    writes.push(WriteOp {
+                        local: local.id(),
+                        local_offset: w.src_offset,
+                        remote: index,
+                        remote_offset: at,
+                        len: if packed { w.bytes() } else { w.len },
+                        rows: if packed { 1 } else { w.rows },
+                        local_stride: if packed { 0 } else { w.src_stride },
+                        remote_stride: if packed { 0 } else { w.len },
+                    });
+                    at += w.bytes();
+                }
+            }
+            None => {
+                let src_seg = self.pool.segment_len();
+                for w in plan {
+                    for (src, _) in w.pieces() {
+                        for (si, soff, n, pos) in super::pools::split(src, w.len, src_seg) {
+                            let local = self.pool.id(si).ok_or_else(|| {
+                                EngineError::Config(format!("write at {src} is outside the pool"))
+                            })?;
+                            writes.push(WriteOp::new(local, soff, index, at + pos, n));
+                        }
+                        at += w.len;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Plans chunk `chunk` of `request` into one decode rank (`link`, whose pages are `dst_pages`).
     #[allow(clippy::too_many_arguments)]
     fn plan_leg(
@@ -1394,6 +1465,7 @@ impl Inner {
         geometry: &ChunkGeometry,
         link: &Link,
         dst_pages: &[u32],
+        landing: Option<control::Landing>,
         src_pages: &[u32],
     ) -> Result<LegPost, EngineError> {
         let mut plan: Vec<Write> = Vec::new();
@@ -1419,6 +1491,11 @@ impl Inner {
         n = n.with_posted(crate::core::notify::wall_us());
         let mut writes: Vec<WriteOp> = Vec::with_capacity(plan.len());
         match (self.pool.single(), link.dst_seg >= link.dst_whole) {
+            // Decode lent landing memory for this leg: the chunk's rows go there packed, in plan
+            // order, and decode copies them into its pages.
+            _ if landing.is_some() => {
+                self.plan_landing(request, chunk, link, landing, &plan, &mut writes)?
+            }
             // One registration on each side (the usual pools): the plan's offsets are the writes'.
             // Rows stay one write: the transport makes them.
             (Some(local), true) => writes.extend(plan.iter().map(|w| WriteOp {
@@ -1483,7 +1560,7 @@ impl Inner {
                         let legs = r
                             .legs
                             .iter()
-                            .map(|l| (l.link.clone(), l.dst_pages.clone()))
+                            .map(|l| (l.link.clone(), l.dst_pages.clone(), l.landing))
                             .collect();
                         return Ok((r.geometry, legs, r.span.clone()));
                     }
@@ -1756,6 +1833,9 @@ impl Inner {
             // A prefix is whole pages on both sides, so the moved tokens start a page on each.
             .and_then(|()| control::validate_prefix(&req, link.dst_page_tokens))
             .and_then(|()| control::validate_prefix(&req, self.cfg.page_tokens))
+            .and_then(|()| {
+                control::validate_landing(&req, link.landing.map(|(_, len)| len), g.num_chunks())
+            })
         });
         let mut st = lock(&self.state);
         let open = st.links.get(&link.id).is_some_and(|l| !l.closed);
@@ -1764,6 +1844,7 @@ impl Inner {
                 let leg = Leg {
                     link: link.clone(),
                     dst_pages: Arc::new(req.dst_pages),
+                    landing: req.landing,
                     posted: 0,
                     ack_pending: false,
                     done: vec![0; g.num_chunks().div_ceil(64) as usize],
@@ -1987,9 +2068,9 @@ async fn send_chunk_of(
         ChunkStatus::More
     };
     let mut posts = Vec::with_capacity(legs.len());
-    for (link, dst_pages) in &legs {
+    for (link, dst_pages, landing) in &legs {
         posts.push(inner.plan_leg(
-            request, chunk, status, &geometry, link, dst_pages, src_pages,
+            request, chunk, status, &geometry, link, dst_pages, *landing, src_pages,
         )?);
     }
     let span = tracing::trace_span!(
@@ -2009,10 +2090,10 @@ async fn send_chunk_of(
         }
         let open = legs
             .iter()
-            .all(|(l, _)| st.links.get(&l.id).is_some_and(|l| !l.closed));
+            .all(|(l, _, _)| st.links.get(&l.id).is_some_and(|l| !l.closed));
         match st.requests.get_mut(&request) {
             Some(r) if r.failed.is_none() && !r.voted && open => {
-                for (link, _) in &legs {
+                for (link, _, _) in &legs {
                     if let Some(leg) = r.leg_mut(link.id) {
                         leg.posted += 1;
                     }
@@ -2037,7 +2118,7 @@ async fn send_chunk_of(
             }
             None => return Err(EngineError::UnknownRequest(request)),
         }
-        for (link, _) in &legs {
+        for (link, _, _) in &legs {
             if let Some(l) = st.links.get_mut(&link.id) {
                 l.posted += 1;
             }
@@ -2045,7 +2126,7 @@ async fn send_chunk_of(
     }
     let mut waits = Vec::with_capacity(posts.len());
     let mut batch = Vec::with_capacity(posts.len());
-    for ((link, _), post) in legs.iter().zip(posts) {
+    for ((link, _, _), post) in legs.iter().zip(posts) {
         inner
             .counters
             .writes
@@ -2366,6 +2447,15 @@ fn plan_link(
             page_tokens: remote.layout.page_tokens,
             metadata: &remote.backend.worker_or_agent,
             regions,
+            landing: remote
+                .backend
+                .landing
+                .as_ref()
+                .map(|r| crate::transport::RemoteRegion {
+                    addr: r.addr,
+                    len: r.len,
+                    rkey: r.rkey.clone(),
+                }),
             tp: (remote.tp_rank, remote.tp_size),
             staged: remote.pp_size > 1,
             heartbeat: remote.heartbeat(),
@@ -2395,6 +2485,7 @@ fn external_link(
             page_tokens: cfg.page_tokens,
             metadata: &x.metadata,
             regions: vec![x.region],
+            landing: None,
             tp: (cfg.tp.rank, cfg.tp.size),
             staged: false,
             heartbeat: cfg.heartbeat,
@@ -2413,6 +2504,8 @@ struct Target<'a> {
     page_tokens: u32,
     metadata: &'a [u8],
     regions: Vec<crate::transport::RemoteRegion>,
+    /// Decode's landing memory, if it announced one.
+    landing: Option<crate::transport::RemoteRegion>,
     /// Decode's TP rank and size.
     tp: (u16, u16),
     /// Decode is one PP stage of several, taking only this rank's stage (`check_hello` saw to
@@ -2476,7 +2569,19 @@ fn link_to(
     } else {
         cfg.tp.target_count(cfg.tp.size, decode_size, cfg.tp.rank)?
     };
-    let peer = transport.connect(t.metadata, &t.regions, notify_key)?;
+    // Decode's landing memory goes after its pool's regions.
+    let mut regions = t.regions;
+    let landing = match t.landing {
+        Some(r) => {
+            let index = u32::try_from(regions.len())
+                .map_err(|_| EngineError::Config("decode announced too many regions".into()))?;
+            let len = r.len;
+            regions.push(r);
+            Some((index, len))
+        }
+        None => None,
+    };
+    let peer = transport.connect(t.metadata, &regions, notify_key)?;
     Ok(Link {
         id: t.id,
         addr: t.addr,
@@ -2491,6 +2596,7 @@ fn link_to(
         decode_instance: t.instance,
         decode_tp: (decode_rank, decode_size),
         fan_out,
+        landing,
     })
 }
 

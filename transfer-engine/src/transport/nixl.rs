@@ -526,36 +526,20 @@ struct Staging {
     len: usize,
     /// Its registration with the agent.
     reg: RegList,
-    /// Ranges held by requests in flight, `(offset, len)`, in offset order.
-    live: Vec<(u64, u64)>,
+    /// Ranges held by requests in flight.
+    live: crate::core::ranges::Ranges,
 }
 
 impl Staging {
     /// The lowest free range of `len` bytes (at an offset that is a multiple of 64), taken; `None`
     /// when none is free.
     fn take(&mut self, len: u64) -> Option<u64> {
-        let cap = self.len as u64;
-        let mut at = 0u64;
-        let mut slot = self.live.len();
-        for (i, &(off, l)) in self.live.iter().enumerate() {
-            if off.checked_sub(at)? >= len {
-                slot = i;
-                break;
-            }
-            at = (off + l).next_multiple_of(64);
-        }
-        if slot == self.live.len() && cap.checked_sub(at)? < len {
-            return None;
-        }
-        self.live.insert(slot, (at, len));
-        Some(at)
+        self.live.take(len)
     }
 
     /// Frees the range taken at `off`.
     fn give(&mut self, off: u64) {
-        if let Ok(i) = self.live.binary_search_by_key(&off, |&(o, _)| o) {
-            self.live.remove(i);
-        }
+        self.live.give(off);
     }
 
     fn addr(&self) -> u64 {
@@ -813,7 +797,7 @@ impl Worker {
             base,
             len,
             reg,
-            live: Vec::new(),
+            live: crate::core::ranges::Ranges::new(len as u64),
         })
     }
 

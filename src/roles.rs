@@ -538,6 +538,7 @@ pub async fn run_decode(
     if let Some(s) = &spec {
         cfg.tp = s.tp(tp_rank, s.decode_tp);
         cfg.prefill_tp = Some(s.prefill_tp);
+        cfg.landing_bytes = s.landing_bytes();
         // Prefill ranks group one request's TP legs by the decode instance's name.
         cfg.instance = format!("decode-{index}");
     }

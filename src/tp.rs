@@ -188,6 +188,26 @@ impl TpSpec {
             .unwrap_or(0)
     }
 
+    /// Landing memory a decode rank lends (NIXL, rows sliced in its pages: see
+    /// `DecodeConfig::landing_bytes`) to `concurrency` requests at once, none where prefill TP is
+    /// not above decode's (MLA, or rows whole at decode): each leg takes one stride
+    /// per chunk, a whole chunk's bytes of its rows (64-byte aligned), so a rank takes its share
+    /// of `concurrency` prompts rounded up to whole chunks, and the alignment of every leg's
+    /// chunks.
+    pub fn landing_bytes(&self) -> u64 {
+        // Rows land strided only where each decode rank takes parts of them from several ranks.
+        if self.kv_heads == 0 || self.prefill_tp <= self.decode_tp {
+            return 0;
+        }
+        let chunks = self.prompt_tokens.div_ceil(self.chunk_tokens.max(1));
+        let per_rank = self
+            .shape
+            .request_bytes(chunks.saturating_mul(self.chunk_tokens))
+            / u64::from(self.decode_tp.max(1));
+        let legs = u64::from(self.prefill_tp) * u64::from(self.pp);
+        (per_rank + legs * u64::from(chunks) * 64) * u64::from(self.concurrency.max(1))
+    }
+
     /// The layout of a rank at TP size `tp` holding `layers` from `first`, in pages of
     /// `page_tokens`, `concurrency` requests' pages.
     fn layout(&self, tp: u16, first: u32, layers: u32, page_tokens: u32) -> KvLayout {
@@ -436,6 +456,7 @@ impl TpCluster {
                 DecodeConfig::new(s.layers, spec.decode_page_tokens, layout.clone(), spec.pp);
             cfg.tp = spec.tp(rank, spec.decode_tp);
             cfg.prefill_tp = Some(spec.prefill_tp);
+            cfg.landing_bytes = spec.landing_bytes();
             cfg.token = Some(Secret::new(&secret));
             cfg.verify_checksums = false;
             cfg.instance = "decode".into();

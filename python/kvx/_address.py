@@ -37,6 +37,21 @@ def realtime_priority(value: Optional[str], setting: str) -> Optional[int]:
     return p
 
 
+def byte_count(value: Optional[str], setting: str) -> Optional[int]:
+    """A number of bytes ``value`` names, 0 to 2**40; None where it is unset or empty. Anything else
+    is a ``ValueError`` naming ``setting``."""
+    v = (value or "").strip()
+    if not v:
+        return None
+    try:
+        n = int(v)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 1 << 40:
+        raise ValueError(f"{setting}={v!r} is not a whole number of bytes up to 2**40")
+    return n
+
+
 def spin_us(value: Optional[str], setting: str) -> Optional[int]:
     """Microseconds of polling ``value`` names, 0 to 1,000,000; None where it is unset or empty.
     Anything else is a ``ValueError`` naming ``setting``."""

@@ -151,6 +151,7 @@ class DecodeEngine:
         pp_stage: tuple[int, int] = (0, 1),
         progress_fifo: int | None = None,
         progress_spin_us: int | None = None,
+        landing_bytes: int | None = None,
     ) -> None: ...
     @property
     def address(self) -> str: ...

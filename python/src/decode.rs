@@ -72,6 +72,8 @@ impl DecodeEngine {
     /// `progress_spin_us` is how long that thread polls after its last event before it sleeps
     /// (`None`: a decode engine's default, 10 µs with UCX, whose thread then sleeps on UCX's
     /// event fd, and 200 µs with NIXL); 0 leaves a busy host's cores to others at once.
+    /// `landing_bytes` is the landing memory a NIXL engine with a host pool and `head_sliced`
+    /// lends prefill ranks whose rows land strided in its pages (`None`: 256 MiB; 0: none).
     #[new]
     #[pyo3(signature = (
         *, layout, total_layers, page_tokens, pp_size, memory, listen = "127.0.0.1:0",
@@ -79,7 +81,7 @@ impl DecodeEngine {
         abort_ack_timeout = 5.0, handshake_timeout = 10.0, rank_wait = 10.0, heartbeat = Some(5.0),
         tp_rank = 0, tp_size = 1, tp_mode = "identical", kv_heads = 0,
         decode_instance = String::new(), metrics = None, pp_stage = (0, 1), progress_fifo = None,
-        progress_spin_us = None,
+        progress_spin_us = None, landing_bytes = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -108,6 +110,7 @@ impl DecodeEngine {
         pp_stage: (u16, u16),
         progress_fifo: Option<u8>,
         progress_spin_us: Option<u64>,
+        landing_bytes: Option<u64>,
     ) -> PyResult<Self> {
         let tp = crate::tp_config(tp_rank, tp_size, tp_mode, kv_heads)?;
         let listen: SocketAddr = listen
@@ -149,6 +152,9 @@ impl DecodeEngine {
             size: pp_stage.1,
         };
         cfg.instance = decode_instance;
+        if let Some(bytes) = landing_bytes {
+            cfg.landing_bytes = bytes;
+        }
         cfg.metrics = metrics
             .map(|m| {
                 m.parse()

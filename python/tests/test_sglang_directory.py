@@ -404,6 +404,21 @@ def test_a_decode_rank_takes_its_progress_threads_realtime_priority_from_the_env
             settings.progress_spin_us()
 
 
+def test_a_decode_rank_takes_its_landing_memory_from_the_environment(monkeypatch):
+    import kvx
+    from kvx.sglang import settings
+
+    monkeypatch.delenv("KVX_LANDING_BYTES", raising=False)
+    assert settings.landing_bytes() is None
+    for good in ("0", "268435456", str(1 << 40)):
+        monkeypatch.setenv("KVX_LANDING_BYTES", good)
+        assert settings.landing_bytes() == int(good)
+    for bad in ("-1", str((1 << 40) + 1), "256M", "0.5"):
+        monkeypatch.setenv("KVX_LANDING_BYTES", bad)
+        with pytest.raises(kvx.ConfigError, match="KVX_LANDING_BYTES"):
+            settings.landing_bytes()
+
+
 def test_engines_publish_sglangs_local_address_never_a_wildcard(monkeypatch):
     import kvx
     from kvx.sglang import settings

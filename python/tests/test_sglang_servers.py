@@ -281,15 +281,21 @@ def test_two_prefill_tp_ranks_into_one_decode_rank_answer_like_one_server(concur
                                                                         prompts):
     """The NIXL pair's second prefill server runs two TP ranks (``--tp-size 2``) with pages of 8
     tokens, its decode one with pages of 16: each prefill rank writes its KV head into decode's
-    token rows, two of its pages into each of decode's, and decode's tokens equal the normal
-    server's for every prompt, one at a time and four at a time."""
+    token rows (packed, into landing memory decode lends it, which decode copies into the rows),
+    two of its pages into each of decode's, and decode's tokens equal the normal server's for
+    every prompt, one at a time and four at a time."""
     normal, pairs = servers
     pair = pairs["nixl"]
     rng = random.Random(f"tp2-{concurrency}")
     rooms = [rng.randrange(1 << 62) for _ in prompts]
+    # The decode engine runs once the pair served a request (the first test of the module did).
+    landed = scrape(pair.metrics[1], "kvx_landing_chunks_total")
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(pair.generate2, prompts, rooms))
     check(pair, normal, prompts, results, f"TP 2 prefill into TP 1, concurrency {concurrency}")
+    # Each prefill rank's rows are strided in decode's pages: decode lent both ranks landing
+    # memory (NIXL would take every row as a descriptor) and copied each chunk into the pages.
+    assert scrape(pair.metrics[1], "kvx_landing_chunks_total") >= landed + 2 * len(prompts)
     text = pair.prefill2.log_path.read_text()
     for rank in (0, 1):
         assert f"kvx: prefill engine started (DP 0, TP {rank}, PP 0)" in text, pair.prefill2.log()

@@ -346,6 +346,18 @@ impl Pool {
         let mut out = &mut dst[..];
         while !out.is_empty() {
             let skip = (at % WORD) as usize;
+            if skip == 0 && out.len() >= WORD as usize {
+                // Whole words: one load each, a copy of a constant size.
+                let (words, rest) = out.split_at_mut(out.len() / WORD as usize * WORD as usize);
+                for w in words.chunks_exact_mut(WORD as usize) {
+                    // SAFETY: `at` lies inside the pool checked above.
+                    let v = unsafe { self.word(base, at) }.load(Ordering::Relaxed);
+                    w.copy_from_slice(&v.to_ne_bytes());
+                    at += WORD;
+                }
+                out = rest;
+                continue;
+            }
             let n = (WORD as usize - skip).min(out.len());
             // SAFETY: `at` lies inside the pool checked above.
             let w = unsafe { self.word(base, at) }.load(Ordering::Relaxed);
@@ -368,6 +380,19 @@ impl Pool {
         let mut rest = src;
         while !rest.is_empty() {
             let skip = (at % WORD) as usize;
+            if skip == 0 && rest.len() >= WORD as usize {
+                // Whole words: one store each.
+                let (words, tail) = rest.split_at(rest.len() / WORD as usize * WORD as usize);
+                for w in words.chunks_exact(WORD as usize) {
+                    let mut b = [0u8; WORD as usize];
+                    b.copy_from_slice(w);
+                    // SAFETY: `at` lies inside the pool checked above.
+                    unsafe { self.word(base, at) }.store(u64::from_ne_bytes(b), Ordering::Relaxed);
+                    at += WORD;
+                }
+                rest = tail;
+                continue;
+            }
             let n = (WORD as usize - skip).min(rest.len());
             // SAFETY: `at` lies inside the pool checked above.
             let word = unsafe { self.word(base, at) };
@@ -384,6 +409,88 @@ impl Pool {
             }
             rest = &rest[n..];
             at += n as u64;
+        }
+        Ok(())
+    }
+
+    /// Copies `len` bytes at `offset` into `dst` at `dst_offset`, with the atomics of
+    /// [`read_at`](Self::read_at) and [`write_at`](Self::write_at): word by word where both ranges
+    /// are whole words, through a small buffer otherwise.
+    ///
+    /// # Errors
+    /// As [`read_at`](Self::read_at), for either range.
+    pub fn copy_to(
+        &self,
+        offset: u64,
+        dst: &Pool,
+        dst_offset: u64,
+        len: u64,
+    ) -> Result<(), CopyError> {
+        let from = self.host_range(offset, len)?;
+        let to = dst.host_range(dst_offset, len)?;
+        if (offset | dst_offset | len).is_multiple_of(WORD) {
+            for i in (0..len).step_by(WORD as usize) {
+                // SAFETY: `offset + i` and `dst_offset + i` lie inside their pools, checked above.
+                let v = unsafe { self.word(from, offset + i) }.load(Ordering::Relaxed);
+                // SAFETY: as above.
+                unsafe { dst.word(to, dst_offset + i) }.store(v, Ordering::Relaxed);
+            }
+            return Ok(());
+        }
+        let mut buf = [0u8; 4096];
+        let mut at = 0;
+        while at < len {
+            let n = (len - at).min(buf.len() as u64) as usize;
+            self.read_at(offset + at, &mut buf[..n])?;
+            dst.write_at(dst_offset + at, &buf[..n])?;
+            at += n as u64;
+        }
+        Ok(())
+    }
+
+    /// Copies `rows` rows of `len` bytes, packed from `offset`, into `dst` from `dst_offset`, row
+    /// `i` at `dst_offset + i * dst_stride`, as [`copy_to`](Self::copy_to) copies each.
+    ///
+    /// # Errors
+    /// As [`copy_to`](Self::copy_to), checked for every row before any is copied.
+    pub fn copy_rows_to(
+        &self,
+        offset: u64,
+        dst: &Pool,
+        dst_offset: u64,
+        len: u64,
+        rows: u64,
+        dst_stride: u64,
+    ) -> Result<(), CopyError> {
+        let packed = len.checked_mul(rows).ok_or(CopyError::OutOfBounds {
+            offset,
+            len: u64::MAX,
+            pool_len: self.len(),
+        })?;
+        let spread = rows
+            .checked_sub(1)
+            .and_then(|r| r.checked_mul(dst_stride))
+            .and_then(|o| o.checked_add(len))
+            .unwrap_or(0);
+        let from = self.host_range(offset, packed)?;
+        let to = dst.host_range(dst_offset, spread)?;
+        if !(offset | dst_offset | len | dst_stride).is_multiple_of(WORD) {
+            for i in 0..rows {
+                self.copy_to(offset + i * len, dst, dst_offset + i * dst_stride, len)?;
+            }
+            return Ok(());
+        }
+        for i in 0..rows {
+            let (s, d) = (offset + i * len, dst_offset + i * dst_stride);
+            let mut at = 0;
+            while at < len {
+                // SAFETY: `s + at` and `d + at` lie inside their pools: every row's range was
+                // checked above.
+                let v = unsafe { self.word(from, s + at) }.load(Ordering::Relaxed);
+                // SAFETY: as above.
+                unsafe { dst.word(to, d + at) }.store(v, Ordering::Relaxed);
+                at += WORD;
+            }
         }
         Ok(())
     }

@@ -125,6 +125,17 @@ def progress_spin_us() -> Optional[int]:
         raise kvx.ConfigError(str(e)) from None
 
 
+def landing_bytes() -> Optional[int]:
+    """``KVX_LANDING_BYTES``: the landing memory a decode rank's NIXL engine lends prefill ranks
+    whose rows land strided in its pages (prefill TP above decode's; see ``kvx.DecodeEngine``).
+    Unset or empty: the engine's default (256 MiB). Anything but a whole number of bytes up to
+    2**40 is a ``ConfigError``."""
+    try:
+        return _address.byte_count(os.environ.get("KVX_LANDING_BYTES"), "kvx: KVX_LANDING_BYTES")
+    except ValueError as e:
+        raise kvx.ConfigError(str(e)) from None
+
+
 def local_ip() -> str:
     """The address this host's engines listen on and publish: SGLang's own choice for its transfer
     backends (``SGLANG_HOST_IP`` / ``HOST_IP``, else the host's routable address), never a

@@ -109,7 +109,8 @@ class KvxWorker:
                                      handshake_timeout=settings.handshake_timeout(extra),
                                      metrics=metrics,
                                      progress_fifo=settings.progress_fifo(extra),
-                                     progress_spin_us=settings.progress_spin_us(extra))
+                                     progress_spin_us=settings.progress_spin_us(extra),
+                                     landing_bytes=settings.landing_bytes(extra))
 
     def register_kv_caches(self, kv_caches: "dict[str, Any]") -> None:
         from .pool import Pool

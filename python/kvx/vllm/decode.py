@@ -63,7 +63,8 @@ class DecodeSide:
     def __init__(self, *, engine_id: str, tp_rank: int, tp_size: int, host: str,
                  secret: Optional[bytes], backend: str, compat: dict, request_timeout: float,
                  handshake_timeout: float, metrics: Optional[str] = None,
-                 progress_fifo: Optional[int] = None, progress_spin_us: Optional[int] = None):
+                 progress_fifo: Optional[int] = None, progress_spin_us: Optional[int] = None,
+                 landing_bytes: Optional[int] = None):
         self.engine_id = engine_id
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.host = host
@@ -72,6 +73,7 @@ class DecodeSide:
         self.metrics = metrics
         self.progress_fifo = progress_fifo
         self.progress_spin_us = progress_spin_us
+        self.landing_bytes = landing_bytes
         self.request_timeout = request_timeout
         self.handshake_timeout = handshake_timeout
         self.pool: Optional[Pool] = None
@@ -93,7 +95,8 @@ class DecodeSide:
             engine_id=f"vllm-decode-{self.engine_id}-{self.tp_rank}-{os.getpid()}",
             tp_rank=self.tp_rank, tp_size=self.tp_size, tp_mode="head_sliced",
             kv_heads=pool.model_kv_heads, decode_instance=self.engine_id, metrics=self.metrics,
-            progress_fifo=self.progress_fifo, progress_spin_us=self.progress_spin_us)
+            progress_fifo=self.progress_fifo, progress_spin_us=self.progress_spin_us,
+            landing_bytes=self.landing_bytes)
         self._thread.start()
         logger.info("kvx: decode engine (TP rank %d) listens on %s", self.tp_rank,
                     self.engine.address)

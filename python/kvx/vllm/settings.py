@@ -23,7 +23,10 @@ overrides):
   under ``SCHED_FIFO`` at this priority, 1 to 99 (default: the normal policy; see
   ``kvx.DecodeEngine``);
 - ``progress_spin_us`` / ``KVX_PROGRESS_SPIN_US``: how long that thread polls after its last event
-  before it sleeps, in microseconds (default: a decode engine's, 10 with UCX, 200 with NIXL)."""
+  before it sleeps, in microseconds (default: a decode engine's, 10 with UCX, 200 with NIXL);
+- ``landing_bytes`` / ``KVX_LANDING_BYTES``: the landing memory a decode worker's NIXL engine lends
+  prefill ranks whose rows land strided in its blocks (prefill TP above decode's), in bytes
+  (default: the engine's, 256 MiB; 0: none)."""
 
 from __future__ import annotations
 
@@ -100,6 +103,14 @@ def progress_spin_us(extra: dict) -> Optional[int]:
     microseconds up to a second is a ``ValueError``."""
     v = _get(extra, "progress_spin_us", "KVX_PROGRESS_SPIN_US", None)
     return _address.spin_us(None if v is None else str(v), "kvx.vllm: progress_spin_us")
+
+
+def landing_bytes(extra: dict) -> Optional[int]:
+    """Landing memory of a decode worker's NIXL engine (``landing_bytes`` / ``KVX_LANDING_BYTES``),
+    or None for the engine's default. Anything but a whole number of bytes up to 2**40 is a
+    ``ValueError``."""
+    v = _get(extra, "landing_bytes", "KVX_LANDING_BYTES", None)
+    return _address.byte_count(None if v is None else str(v), "kvx.vllm: landing_bytes")
 
 
 def corrupt_request() -> Optional[str]:

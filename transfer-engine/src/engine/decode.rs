@@ -238,9 +238,10 @@ pub struct DecodeStats {
     /// Failed requests whose outcome went out without every rank's confirmation and whose pages
     /// are therefore still quarantined.
     pub quarantined: u64,
-    /// Bytes registered by the transport.
+    /// Bytes of the pool registered by the transport (landing memory is `landing_bytes`).
     pub registered_bytes: u64,
-    /// Registrations the transport holds (the pool's, once, whatever the number of instances).
+    /// Registrations of the pool the transport holds (once, whatever the number of instances;
+    /// landing memory, where there is some, is one more, not counted here).
     pub registrations: u64,
     /// Control connections refused because the peer did not prove the shared secret (or refused
     /// our proof).
@@ -803,6 +804,11 @@ impl Drop for Inner {
 impl Inner {
     /// The counters and state sizes [`DecodeEngine::stats`] reports.
     fn stats(&self) -> DecodeStats {
+        let landing_bytes = self
+            .landing
+            .get()
+            .and_then(crate::transport::Registration::desc)
+            .map_or(0, |d| d.len());
         let c = &self.counters;
         let (
             in_flight,
@@ -862,11 +868,7 @@ impl Inner {
             handshake_failures: c.handshake_failures.load(Ordering::Relaxed),
             probes: c.probes.load(Ordering::Relaxed),
             register_micros: self.register_micros.load(Ordering::Relaxed),
-            landing_bytes: self
-                .landing
-                .get()
-                .and_then(crate::transport::Registration::desc)
-                .map_or(0, |d| d.len()),
+            landing_bytes,
             landing_grants: c.landing_grants.load(Ordering::Relaxed),
             landing_full: c.landing_full.load(Ordering::Relaxed),
             landing_chunks: c.landing_chunks.load(Ordering::Relaxed),
@@ -874,8 +876,14 @@ impl Inner {
                 .transport
                 .get()
                 .map(|t| t.stats().registered_bytes)
-                .unwrap_or(0),
-            registrations: self.transport.get().map(|t| t.stats().regions).unwrap_or(0),
+                .unwrap_or(0)
+                .saturating_sub(landing_bytes),
+            registrations: self
+                .transport
+                .get()
+                .map(|t| t.stats().regions)
+                .unwrap_or(0)
+                .saturating_sub(u64::from(landing_bytes > 0)),
         }
     }
 }
@@ -971,12 +979,12 @@ impl crate::metrics::Source for Inner {
             ),
             (
                 "kvx_registered_bytes",
-                "Bytes registered with the transport",
+                "Bytes of the pool registered with the transport (landing memory: kvx_landing_bytes)",
                 s.registered_bytes,
             ),
             (
                 "kvx_registrations",
-                "Memory registrations of this engine",
+                "Registrations of this engine's pool (landing memory not counted)",
                 s.registrations,
             ),
             (
@@ -2184,6 +2192,8 @@ impl Inner {
                 }));
             }
         }
+        // A request is asked for once (`expect` refuses an id it holds; a parked one is launched
+        // once), so it holds no ranges yet.
         if !grants.is_empty() {
             st.grants.insert(request, grants);
         }
@@ -2297,32 +2307,25 @@ impl Inner {
         else {
             return false;
         };
-        // Rows in plan order, each `(destination, len)`; the landing range holds them back to back.
-        let mut rows = writes
-            .iter()
-            .flat_map(|w| w.pieces().map(move |(_, dst)| (dst, w.len)));
-        let mut row = rows.next();
-        let mut ok = true;
-        let read = landing.read_pieces(from, total, |mut piece| {
-            while ok && !piece.is_empty() {
-                let Some((dst, len)) = row.as_mut() else {
-                    ok = false;
-                    return;
-                };
-                let k = (*len).min(piece.len() as u64) as usize;
-                ok = pool.write_at(*dst, &piece[..k]).is_ok();
-                piece = &piece[k..];
-                *dst += k as u64;
-                *len -= k as u64;
-                if *len == 0 {
-                    row = rows.next();
+        // The landing range holds the chunk's rows back to back, in plan order.
+        let mut at = from;
+        for w in &writes {
+            let copied = match pool.single() {
+                // One registration: a write's rows in one call.
+                Some(reg) => {
+                    landing.copy_rows_to(at, reg, w.dst_offset, w.len, w.rows, w.dst_stride)
                 }
+                None => w.pieces().enumerate().try_for_each(|(i, (_, dst))| {
+                    pool.copy_from(dst, landing, at + i as u64 * w.len, w.len)
+                }),
+            };
+            if copied.is_err() {
+                return false;
             }
-        });
-        if ok && read.is_ok() {
-            self.counters.landing_chunks.fetch_add(1, Ordering::Relaxed);
+            at += w.bytes();
         }
-        ok && read.is_ok()
+        self.counters.landing_chunks.fetch_add(1, Ordering::Relaxed);
+        true
     }
 
     /// Ends a request that no rank was asked for (parked): its pages are free at once.

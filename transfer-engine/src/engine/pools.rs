@@ -164,6 +164,19 @@ impl Pools {
         })
     }
 
+    /// Copies `len` bytes at `src_offset` of `src` into the pool at `offset`.
+    pub(crate) fn copy_from(
+        &self,
+        offset: u64,
+        src: &Registration,
+        src_offset: u64,
+        len: u64,
+    ) -> Result<(), CopyError> {
+        self.each(offset, len, |r, off, n, pos| {
+            src.copy_to(src_offset + pos, r, off, n)
+        })
+    }
+
     /// Hands `f` the bytes at `offset..offset + len`, in order, piece by piece.
     pub(crate) fn read_pieces(
         &self,

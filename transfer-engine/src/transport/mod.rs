@@ -578,6 +578,42 @@ impl Registration {
         }
     }
 
+    /// Copies `len` bytes at `offset` into `dst`'s memory at `dst_offset`; see [`Pool::copy_to`].
+    ///
+    /// # Errors
+    /// As [`Pool::copy_to`].
+    pub fn copy_to(
+        &self,
+        offset: u64,
+        dst: &Registration,
+        dst_offset: u64,
+        len: u64,
+    ) -> Result<(), CopyError> {
+        match (&self.pool, &dst.pool) {
+            (Some(a), Some(b)) => a.copy_to(offset, b, dst_offset, len),
+            _ => Err(CopyError::NotHost),
+        }
+    }
+
+    /// Copies packed rows into `dst`'s memory, strided; see [`Pool::copy_rows_to`].
+    ///
+    /// # Errors
+    /// As [`Pool::copy_rows_to`].
+    pub fn copy_rows_to(
+        &self,
+        offset: u64,
+        dst: &Registration,
+        dst_offset: u64,
+        len: u64,
+        rows: u64,
+        dst_stride: u64,
+    ) -> Result<(), CopyError> {
+        match (&self.pool, &dst.pool) {
+            (Some(a), Some(b)) => a.copy_rows_to(offset, b, dst_offset, len, rows, dst_stride),
+            _ => Err(CopyError::NotHost),
+        }
+    }
+
     /// Sets bytes; see [`Pool::fill_at`].
     ///
     /// # Errors

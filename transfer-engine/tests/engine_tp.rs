@@ -15,12 +15,15 @@ use transfer_engine::control::TpMode;
 use transfer_engine::core::RequestId;
 use transfer_engine::core::planner::{HeadLayout, HeadOrder, KvLayout, PpSplit, RegionKind};
 use transfer_engine::core::topology::{self, TpShape};
+use transfer_engine::engine::CustomBackend;
 use transfer_engine::engine::{
     BackendConfig, DecodeConfig, DecodeEngine, DecodeStats, EngineError, MeshSocket, Outcome, Pool,
     PrefillConfig, PrefillEngine, TpConfig,
 };
 use transfer_engine::mem::{HostBuffer, HostOptions};
-use transfer_engine::transport::BackendKind;
+use transfer_engine::transport::fault::{FaultPlan, FaultTransport, Match, Rule, SendFault};
+use transfer_engine::transport::nixl::{NixlConfig, NixlTransport};
+use transfer_engine::transport::{BackendKind, Transport};
 
 const LAYERS: u32 = 4;
 const PP: u16 = 2;
@@ -131,6 +134,58 @@ impl Case {
     }
 }
 
+/// A prefill pool of TP rank `t` (layout `layout`) whose pages SRC hold the request's bytes of the
+/// heads the rank holds.
+fn source(case: &Case, t: u16, layout: &KvLayout) -> HostBuffer {
+    let mut buf = HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).unwrap();
+    let bytes = buf.as_mut_slice();
+    for region in 0..2u32 {
+        for l in 0..layout.num_layers {
+            for (pos, &page) in SRC.iter().enumerate() {
+                let base = u64::from(region) * layout.region_stride
+                    + u64::from(l) * layout.layer_stride
+                    + u64::from(page) * layout.page_bytes;
+                for at in 0..layout.page_bytes {
+                    bytes[(base + at) as usize] = case.byte(
+                        case.prefill_tp,
+                        t,
+                        region,
+                        layout.first_layer + l,
+                        pos as u32,
+                        at,
+                    );
+                }
+            }
+        }
+    }
+    buf
+}
+
+/// Decode TP rank `rank` holds exactly its heads of the request in pages `dst`, every layer and
+/// region.
+fn check_heads(case: &Case, d: &DecodeEngine, rank: u16, dst: &[u32]) {
+    let layout = case.layout(case.decode_tp, 0, LAYERS);
+    let mut page = vec![0u8; layout.page_bytes as usize];
+    for region in 0..2u32 {
+        for layer in 0..LAYERS {
+            for (pos, &p) in dst.iter().enumerate() {
+                let off = u64::from(region) * layout.region_stride
+                    + u64::from(layer) * layout.layer_stride
+                    + u64::from(p) * layout.page_bytes;
+                d.read_pool(off, &mut page).unwrap();
+                for (at, &got) in page.iter().enumerate() {
+                    let want =
+                        case.byte(case.decode_tp, rank, region, layer, pos as u32, at as u64);
+                    assert_eq!(
+                        got, want,
+                        "decode rank {rank} region {region} layer {layer} page {p} byte {at}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 async fn run(case: Case) -> Vec<usize> {
     run_with(case, Engines::PerTarget).await
 }
@@ -199,28 +254,7 @@ async fn run_on(
             for pp in 0..PP {
                 let range = PpSplit::SglangEven.layer_range(LAYERS, PP, pp).unwrap();
                 let layout = case.layout(case.prefill_tp, range.start, range.len() as u32);
-                let mut buf =
-                    HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).unwrap();
-                let bytes = buf.as_mut_slice();
-                for region in 0..2u32 {
-                    for l in 0..range.len() as u32 {
-                        for (pos, &page) in SRC.iter().enumerate() {
-                            let base = u64::from(region) * layout.region_stride
-                                + u64::from(l) * layout.layer_stride
-                                + u64::from(page) * layout.page_bytes;
-                            for at in 0..layout.page_bytes {
-                                bytes[(base + at) as usize] = case.byte(
-                                    case.prefill_tp,
-                                    t,
-                                    region,
-                                    range.start + l,
-                                    pos as u32,
-                                    at,
-                                );
-                            }
-                        }
-                    }
-                }
+                let buf = source(&case, t, &layout);
                 let mut cfg = PrefillConfig::new(d, pp, PP, LAYERS, PAGE_TOKENS, layout);
                 cfg.tp = case.tp(t, case.prefill_tp);
                 cfg.engine_id = format!("p{pp}-t{t}-d{d}");
@@ -299,27 +333,7 @@ async fn run_on(
     // Every decode rank holds exactly its heads of every page, layer and region.
     let mut sources_per_rank = Vec::new();
     for (rank, d) in decodes.iter().enumerate() {
-        let rank = rank as u16;
-        let layout = case.layout(case.decode_tp, 0, LAYERS);
-        let mut page = vec![0u8; layout.page_bytes as usize];
-        for region in 0..2u32 {
-            for layer in 0..LAYERS {
-                for (pos, &dst) in DST.iter().enumerate() {
-                    let off = u64::from(region) * layout.region_stride
-                        + u64::from(layer) * layout.layer_stride
-                        + u64::from(dst) * layout.page_bytes;
-                    d.read_pool(off, &mut page).unwrap();
-                    for (at, &got) in page.iter().enumerate() {
-                        let want =
-                            case.byte(case.decode_tp, rank, region, layer, pos as u32, at as u64);
-                        assert_eq!(
-                            got, want,
-                            "decode rank {rank} region {region} layer {layer} page {dst} byte {at}"
-                        );
-                    }
-                }
-            }
-        }
+        check_heads(&case, d, rank as u16, &DST);
         sources_per_rank.push(d.stats().connected_ranks as usize);
     }
     let stats = decodes.iter().map(DecodeEngine::stats).collect();
@@ -362,6 +376,8 @@ async fn nixl_rows_sliced_in_the_destination_land_packed_and_are_copied_into_the
         assert_eq!((s.landing_grants, s.landing_full), (4, 0));
         // Two chunks from each of the 4 legs.
         assert_eq!(s.landing_chunks, 8);
+        // Every range back once the request completed.
+        assert_eq!(s.landing_lent, 0);
     }
     // Landing memory too small for any leg: the rows go into the pages directly, as before.
     let (_, stats) = run_on(case, Engines::PerRank, BackendKind::Nixl, Some(64)).await;
@@ -594,4 +610,124 @@ async fn one_decode_ranks_abort_fails_the_request_on_every_decode_rank() {
     for d in decodes {
         d.shutdown(BOUND).await;
     }
+}
+
+/// A NIXL transport inside a fault transport with no rules; the handle lets the test add some.
+fn faulty_nixl(
+    name: &str,
+) -> (
+    BackendConfig,
+    Arc<std::sync::Mutex<Option<Arc<FaultTransport>>>>,
+) {
+    let slot: Arc<std::sync::Mutex<Option<Arc<FaultTransport>>>> = Arc::default();
+    let s2 = slot.clone();
+    let name = name.to_owned();
+    let backend = CustomBackend::new(BackendKind::Nixl, move |sink| {
+        let cfg = NixlConfig {
+            name: name.clone(),
+            ..NixlConfig::default()
+        };
+        let t = FaultTransport::new(FaultPlan::new(3), sink, |inner| {
+            Ok(Arc::new(NixlTransport::new(cfg, inner)?) as Arc<dyn Transport>)
+        })?;
+        *s2.lock().unwrap() = Some(t.clone());
+        Ok(t as Arc<dyn Transport>)
+    });
+    (BackendConfig::Custom(backend), slot)
+}
+
+/// Landing memory lent for a request stays lent while a rank may still write into it: a request
+/// aborted while one prefill rank's chunk is stuck in its transport keeps its ranges through its
+/// quarantine (another request meanwhile gets ranges of its own and lands whole), and they come
+/// back once the rank's writes are over and it acknowledged the abort.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn landing_memory_stays_lent_until_every_rank_confirmed_its_writes_are_over() {
+    let case = Case {
+        prefill_tp: 2,
+        decode_tp: 1,
+        kv_heads: 8,
+    };
+    let layout = case.layout(1, 0, LAYERS);
+    let mut cfg = DecodeConfig::new(LAYERS, PAGE_TOKENS, layout.clone(), 1);
+    cfg.tp = case.tp(0, 1);
+    cfg.prefill_tp = Some(2);
+    cfg.token = Some(Secret::new(SECRET));
+    cfg.backend = BackendConfig::default_for_decode(BackendKind::Nixl, "landing-d");
+    cfg.abort_ack_timeout = Duration::from_millis(300);
+    let mut b = HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).unwrap();
+    b.as_mut_slice().fill(POISON);
+    let d = DecodeEngine::start(cfg, Pool::Owned(b)).await.unwrap();
+    let (mut ranks, mut faults) = (Vec::new(), Vec::new());
+    for t in 0..2u16 {
+        let layout = case.layout(2, 0, LAYERS);
+        let buf = source(&case, t, &layout);
+        let mut cfg = PrefillConfig::new(d.local_addr(), 0, 1, LAYERS, PAGE_TOKENS, layout);
+        cfg.tp = case.tp(t, 2);
+        cfg.engine_id = format!("landing-p{t}");
+        let (backend, slot) = faulty_nixl(&cfg.engine_id);
+        cfg.backend = backend;
+        cfg.token = Some(Secret::new(SECRET));
+        cfg.connect_timeout = Duration::from_secs(10);
+        ranks.push(PrefillEngine::start(cfg, Pool::Owned(buf)).await.unwrap());
+        faults.push(slot.lock().unwrap().clone().unwrap());
+    }
+    d.wait_for_ranks(BOUND).await.unwrap();
+    let chunks = PROMPT.div_ceil(CHUNK);
+    let send = |p: &PrefillEngine, r: RequestId| {
+        let p = p.clone();
+        tokio::spawn(async move {
+            for c in 0..chunks {
+                let _ = p.send_chunk(r, c, &SRC, c + 1 == chunks).await;
+            }
+        })
+    };
+    // Rank 0's first chunk of request 6 stays in its transport: its writes land, its
+    // notification and completion wait for `release_stuck`.
+    let stuck = RequestId(6);
+    faults[0].add_send(Rule::new(Match::request(stuck).chunk(0), SendFault::Stuck));
+    let done = d.expect(stuck, PROMPT, CHUNK, DST.to_vec(), BOUND).unwrap();
+    let lent = d.stats().landing_lent;
+    assert!(lent > 0, "{:?}", d.stats());
+    let sending: Vec<_> = ranks.iter().map(|p| send(p, stuck)).collect();
+    let deadline = tokio::time::Instant::now() + BOUND;
+    while faults[0].counters().stuck < 1 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "rank 0's chunk never got stuck"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    d.abort(stuck);
+    assert!(matches!(
+        tokio::time::timeout(BOUND, done).await.unwrap(),
+        Outcome::Failed(_)
+    ));
+    // Rank 0 cannot acknowledge yet: the request is quarantined and keeps its ranges.
+    assert_eq!(d.quarantined(), vec![stuck]);
+    assert_eq!(d.stats().landing_lent, lent);
+    // Another request, into other pages, meanwhile: ranges of its own, every byte in place.
+    let other = RequestId(7);
+    let dst: Vec<u32> = vec![1, 2, 4];
+    let done = d.expect(other, PROMPT, CHUNK, dst.clone(), BOUND).unwrap();
+    assert_eq!(d.stats().landing_lent, 2 * lent);
+    for p in &ranks {
+        send(p, other).await.unwrap();
+    }
+    assert_eq!(
+        tokio::time::timeout(BOUND, done).await.unwrap(),
+        Outcome::Complete
+    );
+    check_heads(&case, &d, 0, &dst);
+    assert_eq!(d.stats().landing_lent, lent);
+    // Rank 0's writes end; it acknowledges; the ranges come back with the pages.
+    assert_eq!(faults[0].release_stuck(), 1);
+    tokio::time::timeout(BOUND, d.released(stuck))
+        .await
+        .unwrap();
+    assert_eq!(d.stats().landing_lent, 0);
+    assert!(d.quarantined().is_empty());
+    for s in sending {
+        let _ = tokio::time::timeout(BOUND, s).await;
+    }
+    d.shutdown(BOUND).await;
 }

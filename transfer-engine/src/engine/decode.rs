@@ -255,6 +255,9 @@ pub struct DecodeStats {
     pub register_micros: u64,
     /// Bytes of landing memory registered ([`DecodeConfig::landing_bytes`]; 0 where none is).
     pub landing_bytes: u64,
+    /// Bytes of landing memory lent now: to requests in flight, and to failed ones until their
+    /// pages are released (a quarantined request keeps its ranges).
+    pub landing_lent: u64,
     /// Legs of requests (one prefill rank's share) that were granted landing memory.
     pub landing_grants: u64,
     /// Legs that would have been granted landing memory but found too little free: their rows
@@ -818,6 +821,7 @@ impl Inner {
             instances,
             connected_ranks,
             waiting,
+            landing_lent,
         ) = {
             let st = self.lock();
             let held = st.unacked.values().filter(|u| u.outcome.is_some()).count() as u64;
@@ -837,6 +841,7 @@ impl Inner {
                 instances,
                 connected,
                 waiting,
+                st.landing.taken(),
             )
         };
         DecodeStats {
@@ -869,6 +874,7 @@ impl Inner {
             probes: c.probes.load(Ordering::Relaxed),
             register_micros: self.register_micros.load(Ordering::Relaxed),
             landing_bytes,
+            landing_lent,
             landing_grants: c.landing_grants.load(Ordering::Relaxed),
             landing_full: c.landing_full.load(Ordering::Relaxed),
             landing_chunks: c.landing_chunks.load(Ordering::Relaxed),
@@ -991,6 +997,11 @@ impl crate::metrics::Source for Inner {
                 "kvx_landing_bytes",
                 "Bytes of landing memory registered for rows that would land strided in the pages",
                 s.landing_bytes,
+            ),
+            (
+                "kvx_landing_lent_bytes",
+                "Bytes of landing memory lent to requests now (failed ones keep theirs until their pages are released)",
+                s.landing_lent,
             ),
         ] {
             out.add(name, help, base(), gauge(v));

@@ -467,11 +467,17 @@ impl Pool {
             len: u64::MAX,
             pool_len: self.len(),
         })?;
-        let spread = rows
-            .checked_sub(1)
-            .and_then(|r| r.checked_mul(dst_stride))
-            .and_then(|o| o.checked_add(len))
-            .unwrap_or(0);
+        // The destination's span: from the first row's start to the last row's end (nothing for
+        // no rows); a span that overflows is out of any pool.
+        let spread = match rows.checked_sub(1) {
+            None => Some(0),
+            Some(r) => r.checked_mul(dst_stride).and_then(|o| o.checked_add(len)),
+        }
+        .ok_or(CopyError::OutOfBounds {
+            offset: dst_offset,
+            len: u64::MAX,
+            pool_len: dst.len(),
+        })?;
         let from = self.host_range(offset, packed)?;
         let to = dst.host_range(dst_offset, spread)?;
         if !(offset | dst_offset | len | dst_stride).is_multiple_of(WORD) {

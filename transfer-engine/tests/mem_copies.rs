@@ -66,6 +66,25 @@ proptest! {
 }
 
 #[test]
+fn rows_whose_span_overflows_are_refused_before_any_copy() {
+    let (src, dst) = (pool(), pool());
+    dst.fill_at(0, LEN, 0x5A).unwrap();
+    // Three rows of 8 bytes 2^63 apart: the last row's end overflows u64.
+    for (stride, rows) in [(1u64 << 63, 3u64), (u64::MAX, 2), (u64::MAX / 2, 3)] {
+        assert!(matches!(
+            src.copy_rows_to(0, &dst, 0, 8, rows, stride),
+            Err(CopyError::OutOfBounds { .. })
+        ));
+    }
+    // Rows whose packed source length overflows.
+    assert!(matches!(
+        src.copy_rows_to(0, &dst, 0, u64::MAX, 2, u64::MAX),
+        Err(CopyError::OutOfBounds { .. })
+    ));
+    assert_eq!(snapshot(&dst), vec![0x5A; LEN]);
+}
+
+#[test]
 fn partial_words_leave_their_neighbours_alone() {
     let p = pool();
     p.fill_at(0, 24, 0xAA).unwrap();

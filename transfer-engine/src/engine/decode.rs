@@ -101,11 +101,14 @@ pub struct DecodeConfig {
     /// default): no endpoint.
     pub metrics: Option<SocketAddr>,
     /// Bytes of landing memory: registered host memory outside the pool that a prefill rank whose
-    /// rows would land strided in the pages (heads sliced, prefill TP above this side's) writes
-    /// into packed instead, one range per request it writes, from which this engine copies each
-    /// chunk into the pages when its notification comes. Only with NIXL, a host pool and
-    /// [`control::TpMode::HeadSliced`]: NIXL makes every strided row a descriptor of its own.
-    /// A request whose ranges do not fit what is free is written into the pages directly. 0: none.
+    /// rows would land strided in the pages (heads sliced with prefill TP above this side's, say)
+    /// writes into packed instead, one range per request it writes (its share of the whole
+    /// request, rounded up to whole chunks, lent until the request's pages are released), from
+    /// which this engine copies each chunk into the pages when its notification comes. Only with
+    /// NIXL, a host pool and [`control::TpMode::HeadSliced`]: NIXL makes every strided row a
+    /// descriptor of its own. A rank's share that does not fit what is free is written into the
+    /// pages directly (`DecodeStats::landing_full`). Size it to those shares of the requests in
+    /// flight. 0: none.
     pub landing_bytes: u64,
 }
 

@@ -164,6 +164,11 @@ fn source(case: &Case, t: u16, layout: &KvLayout) -> HostBuffer {
 /// Decode TP rank `rank` holds exactly its heads of the request in pages `dst`, every layer and
 /// region.
 fn check_heads(case: &Case, d: &DecodeEngine, rank: u16, dst: &[u32]) {
+    check_heads_from(case, d, rank, dst, 0);
+}
+
+/// As `check_heads`, `dst` holding the request's pages from its page `first` on.
+fn check_heads_from(case: &Case, d: &DecodeEngine, rank: u16, dst: &[u32], first: u32) {
     let layout = case.layout(case.decode_tp, 0, LAYERS);
     let mut page = vec![0u8; layout.page_bytes as usize];
     for region in 0..2u32 {
@@ -174,8 +179,14 @@ fn check_heads(case: &Case, d: &DecodeEngine, rank: u16, dst: &[u32]) {
                     + u64::from(p) * layout.page_bytes;
                 d.read_pool(off, &mut page).unwrap();
                 for (at, &got) in page.iter().enumerate() {
-                    let want =
-                        case.byte(case.decode_tp, rank, region, layer, pos as u32, at as u64);
+                    let want = case.byte(
+                        case.decode_tp,
+                        rank,
+                        region,
+                        layer,
+                        first + pos as u32,
+                        at as u64,
+                    );
                     assert_eq!(
                         got, want,
                         "decode rank {rank} region {region} layer {layer} page {p} byte {at}"
@@ -636,23 +647,25 @@ fn faulty_nixl(
     (BackendConfig::Custom(backend), slot)
 }
 
-/// Landing memory lent for a request stays lent while a rank may still write into it: a request
-/// aborted while one prefill rank's chunk is stuck in its transport keeps its ranges through its
-/// quarantine (another request meanwhile gets ranges of its own and lands whole), and they come
-/// back once the rank's writes are over and it acknowledged the abort.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn landing_memory_stays_lent_until_every_rank_confirmed_its_writes_are_over() {
-    let case = Case {
-        prefill_tp: 2,
-        decode_tp: 1,
-        kv_heads: 8,
-    };
+/// Prefill TP 2 into decode TP 1: each prefill rank holds half of every token row of decode's.
+const TWO_INTO_ONE: Case = Case {
+    prefill_tp: 2,
+    decode_tp: 1,
+    kv_heads: 8,
+};
+
+/// A NIXL decode engine of TP 1 (poisoned pool, aborts unacknowledged after 300 ms) and its two
+/// prefill TP ranks at PP 1, each NIXL inside a fault transport (returned too), connected.
+async fn two_into_one_nixl(
+    name: &str,
+) -> (DecodeEngine, Vec<PrefillEngine>, Vec<Arc<FaultTransport>>) {
+    let case = TWO_INTO_ONE;
     let layout = case.layout(1, 0, LAYERS);
     let mut cfg = DecodeConfig::new(LAYERS, PAGE_TOKENS, layout.clone(), 1);
     cfg.tp = case.tp(0, 1);
     cfg.prefill_tp = Some(2);
     cfg.token = Some(Secret::new(SECRET));
-    cfg.backend = BackendConfig::default_for_decode(BackendKind::Nixl, "landing-d");
+    cfg.backend = BackendConfig::default_for_decode(BackendKind::Nixl, &format!("{name}-d"));
     cfg.abort_ack_timeout = Duration::from_millis(300);
     let mut b = HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).unwrap();
     b.as_mut_slice().fill(POISON);
@@ -663,7 +676,7 @@ async fn landing_memory_stays_lent_until_every_rank_confirmed_its_writes_are_ove
         let buf = source(&case, t, &layout);
         let mut cfg = PrefillConfig::new(d.local_addr(), 0, 1, LAYERS, PAGE_TOKENS, layout);
         cfg.tp = case.tp(t, 2);
-        cfg.engine_id = format!("landing-p{t}");
+        cfg.engine_id = format!("{name}-p{t}");
         let (backend, slot) = faulty_nixl(&cfg.engine_id);
         cfg.backend = backend;
         cfg.token = Some(Secret::new(SECRET));
@@ -671,6 +684,53 @@ async fn landing_memory_stays_lent_until_every_rank_confirmed_its_writes_are_ove
         ranks.push(PrefillEngine::start(cfg, Pool::Owned(buf)).await.unwrap());
         faults.push(slot.lock().unwrap().clone().unwrap());
     }
+    d.wait_for_ranks(BOUND).await.unwrap();
+    (d, ranks, faults)
+}
+
+/// With a prefix decode already holds, the ranks' packed rows start at the first page after it,
+/// and decode copies each chunk to the right pages: the moved pages hold their own tokens' heads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn landed_rows_after_a_prefix_decode_holds_go_to_their_own_pages() {
+    let case = TWO_INTO_ONE;
+    let (d, ranks, _faults) = two_into_one_nixl("prefix").await;
+    let request = RequestId(9);
+    for p in &ranks {
+        p.offer(request, SRC.to_vec()).unwrap();
+    }
+    // Decode holds the first page; the other two move, in chunks of one page each.
+    let dst = vec![0, 6];
+    let done = d
+        .expect_after_prefix(
+            request,
+            PAGE_TOKENS,
+            PROMPT - PAGE_TOKENS,
+            PAGE_TOKENS,
+            dst.clone(),
+            BOUND,
+        )
+        .unwrap();
+    assert_eq!(
+        tokio::time::timeout(BOUND, done).await.unwrap(),
+        Outcome::Complete
+    );
+    check_heads_from(&case, &d, 0, &dst, 1);
+    let s = d.stats();
+    assert_eq!(
+        (s.landing_grants, s.landing_chunks, s.landing_lent),
+        (2, 4, 0)
+    );
+    d.shutdown(BOUND).await;
+}
+
+/// Landing memory lent for a request stays lent while a rank may still write into it: a request
+/// aborted while one prefill rank's chunk is stuck in its transport keeps its ranges through its
+/// quarantine (another request meanwhile gets ranges of its own and lands whole), and they come
+/// back once the rank's writes are over and it acknowledged the abort.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn landing_memory_stays_lent_until_every_rank_confirmed_its_writes_are_over() {
+    let case = TWO_INTO_ONE;
+    let (d, ranks, faults) = two_into_one_nixl("landing").await;
     d.wait_for_ranks(BOUND).await.unwrap();
     let chunks = PROMPT.div_ceil(CHUNK);
     let send = |p: &PrefillEngine, r: RequestId| {

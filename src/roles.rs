@@ -582,7 +582,8 @@ pub async fn run_decode(
                 role: RecordRole::Decode,
                 engine_id: "decode".into(),
                 address: decode.local_addr(),
-                tp_rank: 0,
+                tp_rank,
+                tp_size: spec.as_ref().map_or(1, |s| s.decode_tp),
                 pp_rank: 0,
                 pp_size: w.pp,
                 total_layers: w.shape.layers,
@@ -1170,10 +1171,7 @@ pub async fn run_prefill(
                 .collect::<Result<Vec<_>, _>>()?;
             Find::Fixed(mine, p)
         }
-        (Find::Etcd(_), Some(_)) => {
-            return Err("TP sizes find decode by address only, so far".into());
-        }
-        (find, None) => find,
+        (find, _) => find,
     };
     let (connect, more, peers, etcd) = match find {
         Find::Fixed(decodes, p) => {
@@ -1227,7 +1225,7 @@ pub async fn run_prefill(
         Some(etcd) => {
             let host = std::net::IpAddr::from([127, 0, 0, 1]);
             Some(
-                discovery::find_prefill_cluster(etcd, &mut cfg, 0, host, DISCOVERY_WAIT)
+                discovery::find_prefill_cluster(etcd, &mut cfg, host, DISCOVERY_WAIT)
                     .await
                     .map_err(|e| e.to_string())?,
             )
@@ -1240,12 +1238,16 @@ pub async fn run_prefill(
     for addr in more {
         engine.add_decode(addr).await.map_err(|e| e.to_string())?;
     }
-    let membership = found.map(|(reg, dir)| discovery::join_prefill(&engine, reg, dir, 0));
+    let membership = found.map(|(reg, dir)| discovery::join_prefill(&engine, reg, dir));
     if membership.is_some() {
-        // The other decode instances come through etcd: linked before any of them can finish,
-        // since each waits for every prefill rank.
+        // The other decode engines (instances, and TP ranks this one writes into) come through
+        // etcd: linked before any of them can finish, since each waits for every prefill rank.
+        let per_instance = match &spec {
+            Some(s) => s.targets(tp_rank)?.len() as u64,
+            None => 1,
+        };
         let deadline = Instant::now() + DISCOVERY_WAIT;
-        while engine.stats().decodes < u64::from(w.decode_instances.max(1))
+        while engine.stats().decodes < u64::from(w.decode_instances.max(1)) * per_instance
             && Instant::now() < deadline
         {
             tokio::time::sleep(Duration::from_millis(20)).await;

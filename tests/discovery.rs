@@ -21,6 +21,7 @@ fn record(role: RecordRole, pp_rank: u16, port: u16, incarnation: u64) -> Engine
         engine_id: format!("{role:?}-{pp_rank}"),
         address: SocketAddr::from(([127, 0, 0, 1], port)),
         tp_rank: 0,
+        tp_size: 1,
         pp_rank,
         pp_size: 4,
         total_layers: 8,
@@ -369,7 +370,6 @@ async fn two_prefill_instances_and_one_decode_share_a_cluster_name() {
                 let (reg, dir) = find_prefill_cluster(
                     &c,
                     &mut cfg,
-                    0,
                     std::net::IpAddr::from([127, 0, 0, 1]),
                     BOUND,
                 )
@@ -379,7 +379,7 @@ async fn two_prefill_instances_and_one_decode_share_a_cluster_name() {
                     HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).unwrap();
                 buf.as_mut_slice().fill(fill + rank as u8);
                 let engine = PrefillEngine::start(cfg, Pool::Owned(buf)).await.unwrap();
-                let m = join_prefill(&engine, reg, dir, 0);
+                let m = join_prefill(&engine, reg, dir);
                 (name, rank, engine, m)
             }));
         }
@@ -710,13 +710,107 @@ async fn reconciling_a_decode_evicts_a_connected_rank_whose_record_is_gone() {
     rec.pp_size = 1;
     let reg = Registration::register(&c, rec).await.unwrap();
     let dir = Directory::open(&c).await.unwrap();
-    assert_eq!(reconcile_decode(&decode, &dir, 0), 0);
+    assert_eq!(reconcile_decode(&decode, &dir), 0);
     assert_eq!(decode.connected_ranks(), vec![(String::new(), 0, 77)]);
     reg.revoke().await.unwrap();
     until("the record gone from the directory", BOUND, || {
         dir.records().is_empty()
     })
     .await;
-    assert_eq!(reconcile_decode(&decode, &dir, 0), 1);
+    assert_eq!(reconcile_decode(&decode, &dir), 1);
     assert!(decode.connected_ranks().is_empty());
+}
+
+/// Two prefill TP ranks write into one decode TP rank (2 KV heads sliced over prefill TP 2, decode
+/// TP 1). Each finds decode through etcd by the TP sizes the records carry, and decode follows
+/// both ranks' records: when TP rank 1's record is revoked, that start is evicted (not TP rank
+/// 0's, which holds the other slot of the same PP rank); registered again, it is readmitted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decode_follows_every_prefill_tp_rank_that_writes_into_it() {
+    use transfer_engine::control::TpMode;
+    use transfer_engine::core::planner::{HeadLayout, HeadOrder, KvLayout, RegionKind};
+    use transfer_engine::discovery::{find_prefill_cluster, join_decode, join_prefill};
+    use transfer_engine::engine::{
+        DecodeConfig, DecodeEngine, Pool, PrefillConfig, PrefillEngine, TpConfig,
+    };
+    use transfer_engine::mem::{HostBuffer, HostOptions};
+    const HEAD: u64 = 8;
+    let server = EtcdServer::start().unwrap();
+    let c = cfg(&server, "tp-fan-in", 30);
+    let layout = |heads: u32| {
+        KvLayout::packed(0, 2, RegionKind::SplitKv, u64::from(heads) * HEAD * 16, 8).with_heads(
+            HeadLayout {
+                num_heads: heads,
+                head_bytes: HEAD,
+                page_tokens: 16,
+                order: HeadOrder::TokenMajor,
+            },
+        )
+    };
+    let tp = |rank, size| TpConfig {
+        rank,
+        size,
+        mode: TpMode::HeadSliced,
+        kv_heads: 2,
+    };
+    let buf =
+        |l: &KvLayout| HostBuffer::new(l.buffer_len as usize, HostOptions::default()).unwrap();
+    let dlayout = layout(2);
+    let mut dcfg = DecodeConfig::new(2, 16, dlayout.clone(), 1);
+    dcfg.tp = tp(0, 1);
+    dcfg.prefill_tp = Some(2);
+    let decode = DecodeEngine::start(dcfg, Pool::Owned(buf(&dlayout)))
+        .await
+        .unwrap();
+    let mut drec = record(RecordRole::Decode, 0, 0, 1);
+    (drec.address, drec.pp_size) = (decode.local_addr(), 1);
+    let _dm = join_decode(&c, &decode, drec).await.unwrap();
+    let mut prefills = Vec::new();
+    for t in 0..2u16 {
+        let play = layout(1);
+        let mut pcfg = PrefillConfig::new(
+            SocketAddr::from(([127, 0, 0, 1], 0)),
+            0,
+            1,
+            2,
+            16,
+            play.clone(),
+        );
+        pcfg.tp = tp(t, 2);
+        pcfg.incarnation = 500 + u64::from(t);
+        let (reg, dir) =
+            find_prefill_cluster(&c, &mut pcfg, std::net::IpAddr::from([127, 0, 0, 1]), BOUND)
+                .await
+                .unwrap();
+        assert_eq!(pcfg.decode, decode.local_addr(), "TP rank {t}");
+        let engine = PrefillEngine::start(pcfg, Pool::Owned(buf(&play)))
+            .await
+            .unwrap();
+        prefills.push((engine.clone(), join_prefill(&engine, reg, dir)));
+    }
+    decode.wait_for_ranks(BOUND).await.unwrap();
+    let both = vec![(String::new(), 0, 500), (String::new(), 0, 501)];
+    assert_eq!(decode.connected_ranks(), both);
+    // TP rank 1's lease ends (its record revoked; its engine stays connected).
+    let (engine1, m1) = prefills.pop().unwrap();
+    let rec1 = {
+        let dir = Directory::open(&c).await.unwrap();
+        dir.records()
+            .into_iter()
+            .find(|r| r.role == RecordRole::Prefill && r.tp_rank == 1)
+            .unwrap()
+    };
+    assert_eq!((rec1.tp_size, rec1.incarnation), (2, 501));
+    m1.leave().await.unwrap();
+    until("TP rank 1's start evicted", BOUND, || {
+        decode.connected_ranks() == vec![(String::new(), 0, 500)]
+    })
+    .await;
+    // The same start registers again: readmitted.
+    let _again = Registration::register(&c, rec1).await.unwrap();
+    until("TP rank 1's start readmitted", BOUND, || {
+        decode.connected_ranks() == both
+    })
+    .await;
+    drop(engine1);
 }

@@ -444,6 +444,8 @@ struct TpCase {
     connected: (u64, u64),
     /// Requests of the whole run.
     requests: u64,
+    /// The processes find each other through etcd (a local server), not by address.
+    etcd: bool,
 }
 
 /// `kvbench --processes` with TP sizes: every decode TP rank and every prefill (TP, PP) rank that
@@ -451,7 +453,8 @@ struct TpCase {
 /// every byte of every decode rank's pages checked against the heads it holds; the rows carry the
 /// TP sizes, the writes the prefill engines counted and one registration per process. Once with
 /// two prefill and two decode instances: each decode instance's requests (4 each) are checked on
-/// its TP ranks, and every prefill rank serves both.
+/// its TP ranks, and every prefill rank serves both. Twice more with the processes finding each
+/// other through etcd, each rank linking with the ranks of the other side it maps onto.
 #[test]
 fn tp_sizes_that_differ_run_with_every_rank_in_its_own_process() {
     let runs = [
@@ -471,6 +474,28 @@ fn tp_sizes_that_differ_run_with_every_rank_in_its_own_process() {
             ],
             connected: (2, 2),
             requests: 4,
+            etcd: false,
+        },
+        // The same through etcd, with two decode instances: each prefill rank finds the two
+        // decode TP ranks it writes into of each instance among the four decode records and
+        // serves all four from its one engine.
+        TpCase {
+            backend: "ucx",
+            flags: &[
+                "--prefill-tp",
+                "2",
+                "--decode-tp",
+                "4",
+                "--kv-heads",
+                "4",
+                "--decode-page-tokens",
+                "32",
+                "--decode-instances",
+                "2",
+            ],
+            connected: (2, 2),
+            requests: 8,
+            etcd: true,
         },
         // MLA into fewer decode ranks: prefill TP 2 into decode TP 1, only prefill TP rank 0
         // writes (one writer per destination), so its pipeline of 2 is all decode sees.
@@ -479,6 +504,7 @@ fn tp_sizes_that_differ_run_with_every_rank_in_its_own_process() {
             flags: &["--model", "mla", "--prefill-tp", "2", "--decode-tp", "1"],
             connected: (2, 2),
             requests: 4,
+            etcd: false,
         },
         // GQA, 8 heads, prefill TP 2 into decode TP 1, two instances of each side: each decode
         // sees both instances' pipelines of 2, of one TP rank (identical) or two (mapped).
@@ -496,6 +522,25 @@ fn tp_sizes_that_differ_run_with_every_rank_in_its_own_process() {
             ],
             connected: (4, 8),
             requests: 8,
+            etcd: false,
+        },
+        // The same through etcd on NIXL: the decode TP rank admits both prefill TP ranks of each
+        // instance's PP ranks as their records appear (two sources per PP rank).
+        TpCase {
+            backend: "nixl",
+            flags: &[
+                "--prefill-tp",
+                "2",
+                "--decode-tp",
+                "1",
+                "--prefill-instances",
+                "2",
+                "--decode-instances",
+                "2",
+            ],
+            connected: (4, 8),
+            requests: 8,
+            etcd: true,
         },
     ];
     for TpCase {
@@ -503,6 +548,7 @@ fn tp_sizes_that_differ_run_with_every_rank_in_its_own_process() {
         flags,
         connected: (identical, mapped),
         requests,
+        etcd,
     } in runs
     {
         // Whole pages of 16 and of 32 tokens.
@@ -513,7 +559,10 @@ fn tp_sizes_that_differ_run_with_every_rank_in_its_own_process() {
         }
         args.extend(flags);
         args.extend(["--requests", "4", "--backend", backend, "--no-baseline"]);
-        let (stdout, rows) = processes_json(&args, &format!("{backend} {flags:?}"));
+        if etcd {
+            args.extend(["--etcd", "auto"]);
+        }
+        let (stdout, rows) = processes_json(&args, &format!("{backend} {flags:?} etcd {etcd}"));
         let text = rows.to_string();
         let rows = rows.as_array().unwrap();
         assert_eq!(rows.len(), 2, "{text}");

@@ -837,16 +837,11 @@ fn main() -> ExitCode {
             "kvbench: no --token-file or {TOKEN_ENV}: this process accepts and trusts any peer"
         );
     }
-    if let Some(plan) = w.tp.filter(|_| cli.opts.processes || cli.role.is_some()) {
-        let refused = if cli.opts.etcd.is_some() {
-            Some("TP sizes find decode by address only, so far (not with --etcd)".to_string())
-        } else {
-            kvbench::roles::tp_run(&w, plan, cli.opts.backends()[0]).err()
-        };
-        if let Some(why) = refused {
-            eprintln!("kvbench: {why}");
-            return ExitCode::from(2);
-        }
+    if let Some(plan) = w.tp.filter(|_| cli.opts.processes || cli.role.is_some())
+        && let Err(why) = kvbench::roles::tp_run(&w, plan, cli.opts.backends()[0])
+    {
+        eprintln!("kvbench: {why}");
+        return ExitCode::from(2);
     }
     if cli.opts.processes {
         if cli.role.is_some() {

@@ -19,7 +19,9 @@
 //!
 //! The one etcd client is the maintained `etcd-client` crate (gRPC through tonic).
 
-use crate::engine::{DecodeEngine, EngineError, MeshSocket, PrefillConfig, PrefillEngine};
+use crate::engine::{
+    DecodeEngine, EngineError, MeshSocket, PrefillConfig, PrefillEngine, TpConfig,
+};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -246,6 +248,11 @@ pub struct EngineRecord {
     pub address: SocketAddr,
     /// TP rank.
     pub tp_rank: u16,
+    /// TP size (1 in records of a start that did not give it): with the other side's TP size and
+    /// the mapping ([`crate::engine::TpConfig::writes_into`]), which ranks of the other side
+    /// this one links with.
+    #[serde(default = "one")]
+    pub tp_size: u16,
     /// PP rank (0 for decode).
     pub pp_rank: u16,
     /// PP size.
@@ -265,6 +272,10 @@ pub struct EngineRecord {
     /// cluster that has one. Without `/`.
     #[serde(default)]
     pub instance: String,
+}
+
+fn one() -> u16 {
+    1
 }
 
 impl EngineRecord {
@@ -673,22 +684,25 @@ impl Directory {
         }
     }
 
-    /// The decode engine of TP rank `tp_rank` and the vote mesh addresses of its `pp_size` prefill
-    /// ranks, in rank order, once all are registered.
+    /// A decode engine that prefill TP rank `tp.rank` (of instance `instance`, TP size `tp.size`)
+    /// writes into ([`TpConfig::writes_into`]), and the vote mesh addresses of that TP rank's
+    /// `pp_size` PP ranks, in rank order, once all are registered.
     ///
     /// # Errors
     /// [`DiscoveryError::Timeout`].
     pub async fn wait_for_cluster(
         &self,
         instance: &str,
-        tp_rank: u16,
+        tp: &TpConfig,
         pp_size: u16,
         timeout: Duration,
     ) -> Result<(EngineRecord, Vec<SocketAddr>), DiscoveryError> {
-        self.wait_for("the decode engine and every prefill rank", timeout, |rs| {
-            let decode = rs
-                .iter()
-                .find(|r| r.role == RecordRole::Decode && r.tp_rank == tp_rank)?;
+        let tp_rank = tp.rank;
+        self.wait_for("a decode engine and every prefill rank", timeout, |rs| {
+            let decode = rs.iter().find(|r| {
+                r.role == RecordRole::Decode
+                    && tp.writes_into((tp.rank, tp.size), (r.tp_rank, r.tp_size))
+            })?;
             // The PP peers are this instance's ranks only.
             let peers = (0..pp_size)
                 .map(|p| {
@@ -857,17 +871,19 @@ async fn follow(
     }
 }
 
-/// Brings decode `engine` (TP rank `tp_rank`) in line with `directory`'s records as they stand, for
+/// Brings decode `engine` in line with `directory`'s records as they stand (those of the prefill
+/// ranks that write into its TP rank), for
 /// when its events were missed (the directory's event queue overflowed): an evicted rank whose
 /// start registered again is readmitted, and a connected rank whose record is gone (its lease
 /// ended, the deletion unseen) is evicted. Nothing is evicted while the directory does not follow
 /// etcd ([`Directory::is_live`]): its records may be stale then. Returns how many ranks were
 /// evicted.
-pub fn reconcile_decode(engine: &DecodeEngine, directory: &Directory, tp_rank: u16) -> usize {
+pub fn reconcile_decode(engine: &DecodeEngine, directory: &Directory) -> usize {
+    let tp = engine.tp();
     let records: Vec<EngineRecord> = directory
         .records()
         .into_iter()
-        .filter(|r| r.role == RecordRole::Prefill && r.tp_rank == tp_rank)
+        .filter(|r| writes_into_decode(&tp, r))
         .collect();
     for r in &records {
         engine.readmit_in(&r.instance, r.pp_rank, r.incarnation);
@@ -894,18 +910,25 @@ pub fn reconcile_decode(engine: &DecodeEngine, directory: &Directory, tp_rank: u
     evicted
 }
 
-/// Follows `directory` for decode `engine` (TP rank `tp_rank`): a prefill rank whose record is
-/// deleted while that start of it is connected is evicted (its lease expired: the process died or
-/// is stopped), and readmitted if the same start registers again. Runs until the engine is
-/// dropped or the directory closes.
-pub async fn watch_decode(engine: DecodeEngine, directory: Directory, tp_rank: u16) {
+/// Whether prefill rank `r` writes into decode TP rank `tp` ([`TpConfig::writes_into`]).
+fn writes_into_decode(tp: &TpConfig, r: &EngineRecord) -> bool {
+    r.role == RecordRole::Prefill && tp.writes_into((r.tp_rank, r.tp_size), (tp.rank, tp.size))
+}
+
+/// Follows `directory` for decode `engine`, for the prefill ranks that write into its TP rank: a
+/// prefill rank whose record is deleted while that start of it is connected is evicted (its lease
+/// expired: the process died or is stopped), and readmitted if the same start registers again. A
+/// named prefill instance is served once a rank of it registers, at that rank's PP and TP sizes.
+/// Runs until the engine is dropped or the directory closes.
+pub async fn watch_decode(engine: DecodeEngine, directory: Directory) {
+    let tp = engine.tp();
     let mut events = directory.events();
     loop {
         let ev = match events.recv().await {
             Ok(ev) => ev,
             Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
                 tracing::warn!(missed = n, "directory events missed: reconciling");
-                reconcile_decode(&engine, &directory, tp_rank);
+                reconcile_decode(&engine, &directory);
                 continue;
             }
             Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
@@ -914,13 +937,13 @@ pub async fn watch_decode(engine: DecodeEngine, directory: Directory, tp_rank: u
             DirectoryEvent::Deleted(r) => (r, true),
             DirectoryEvent::Put(r) => (r, false),
         };
-        if r.role != RecordRole::Prefill || r.tp_rank != tp_rank {
+        if !writes_into_decode(&tp, &r) {
             continue;
         }
         // A named prefill instance registering is served: its ranks may connect.
         if !deleted
             && !r.instance.is_empty()
-            && let Err(e) = engine.add_instance(&r.instance, r.pp_size, 1)
+            && let Err(e) = engine.add_instance(&r.instance, r.pp_size, r.tp_size)
         {
             tracing::warn!(instance = %r.instance, error = %e, "prefill instance not served");
         }
@@ -940,16 +963,17 @@ pub async fn watch_decode(engine: DecodeEngine, directory: Directory, tp_rank: u
 }
 
 /// Makes `cfg` a prefill rank found through etcd: binds its vote mesh socket on `host` (any free
-/// port), registers the rank (record `address`: that socket), and waits up to `timeout` for the
-/// decode engine of `tp_rank` and every PP rank of it to be registered; then fills `cfg.decode`,
-/// `cfg.peers` and `cfg.mesh_socket`. Keep the registration as long as the engine runs.
+/// port), registers the rank (record `address`: that socket; its TP rank and size are `cfg.tp`'s),
+/// and waits up to `timeout` for a decode engine it writes into and every PP rank of its TP rank
+/// to be registered; then fills `cfg.decode`, `cfg.peers` and `cfg.mesh_socket`. The other decode
+/// engines it writes into come with [`join_prefill`]. Keep the registration as long as the engine
+/// runs.
 ///
 /// # Errors
 /// etcd unreachable, the socket cannot be bound, or the cluster incomplete at `timeout`.
 pub async fn find_prefill_cluster(
     etcd: &EtcdConfig,
     cfg: &mut PrefillConfig,
-    tp_rank: u16,
     host: std::net::IpAddr,
     timeout: Duration,
 ) -> Result<(Registration, Directory), DiscoveryError> {
@@ -975,7 +999,8 @@ pub async fn find_prefill_cluster(
         role: RecordRole::Prefill,
         engine_id: cfg.engine_id.clone(),
         address,
-        tp_rank,
+        tp_rank: cfg.tp.rank,
+        tp_size: cfg.tp.size,
         pp_rank: cfg.pp_rank,
         pp_size: cfg.pp_size,
         total_layers: cfg.total_layers,
@@ -988,7 +1013,7 @@ pub async fn find_prefill_cluster(
     let directory = Directory::open(etcd).await?;
     let registration = Registration::register(etcd, record).await?;
     let (decode, peers) = directory
-        .wait_for_cluster(&cfg.instance, tp_rank, cfg.pp_size, timeout)
+        .wait_for_cluster(&cfg.instance, &cfg.tp, cfg.pp_size, timeout)
         .await?;
     cfg.decode = decode.address;
     if cfg.pp_size > 1 {
@@ -999,13 +1024,19 @@ pub async fn find_prefill_cluster(
     Ok((registration, directory))
 }
 
-/// Follows `directory` for prefill rank `engine` (TP rank `tp_rank`): a PP peer (a rank of the same
-/// prefill instance) that registers a new address (a restarted rank listens on a new port) is reconnected to there. A peer whose
-/// lease ends is left to decode, which evicts it; this rank's board still waits for that peer's
-/// votes (a stopped peer that resumes casts them) up to their deadline. Every decode engine of
-/// `tp_rank` registered in the cluster, now or later (other decode instances, a decode restarted on
-/// a new address), is served too ([`PrefillEngine::add_decode`]). Runs until the directory closes.
-pub async fn watch_prefill(engine: PrefillEngine, directory: Directory, tp_rank: u16) {
+/// Follows `directory` for prefill rank `engine`: a PP peer (a rank of the same prefill instance
+/// and TP rank) that registers a new address (a restarted rank listens on a new port) is
+/// reconnected to there. A peer whose lease ends is left to decode, which evicts it; this rank's
+/// board still waits for that peer's votes (a stopped peer that resumes casts them) up to their
+/// deadline. Every decode engine registered in the cluster that this rank writes into
+/// ([`TpConfig::writes_into`]), now or later (other decode TP ranks and instances, a decode
+/// restarted on a new address), is served too ([`PrefillEngine::add_decode`]). Runs until the
+/// directory closes.
+pub async fn watch_prefill(engine: PrefillEngine, directory: Directory) {
+    let tp = engine.tp();
+    let writes_into = |r: &EngineRecord| {
+        r.role == RecordRole::Decode && tp.writes_into((tp.rank, tp.size), (r.tp_rank, r.tp_size))
+    };
     let mut events = directory.events();
     let serve = |r: &EngineRecord| {
         let (engine, addr) = (engine.clone(), r.address);
@@ -1017,7 +1048,7 @@ pub async fn watch_prefill(engine: PrefillEngine, directory: Directory, tp_rank:
     };
     let serve_all = || {
         for r in directory.records() {
-            if r.role == RecordRole::Decode && r.tp_rank == tp_rank {
+            if writes_into(&r) {
                 serve(&r);
             }
         }
@@ -1036,13 +1067,13 @@ pub async fn watch_prefill(engine: PrefillEngine, directory: Directory, tp_rank:
         let DirectoryEvent::Put(r) = ev else {
             continue;
         };
-        if r.tp_rank != tp_rank {
-            continue;
-        }
         match r.role {
-            RecordRole::Decode => serve(&r),
+            RecordRole::Decode if writes_into(&r) => serve(&r),
+            RecordRole::Decode => {}
             RecordRole::Prefill
-                if r.instance == engine.instance() && r.pp_rank != engine.pp_rank() =>
+                if r.instance == engine.instance()
+                    && r.tp_rank == tp.rank
+                    && r.pp_rank != engine.pp_rank() =>
             {
                 engine.set_peer_address(r.pp_rank, r.address);
             }
@@ -1063,20 +1094,21 @@ pub struct Membership {
     _follow: AbortOnDrop,
 }
 
-/// Registers decode engine `engine` with `record` and follows the cluster for it
-/// ([`watch_decode`]).
+/// Registers decode engine `engine` with `record` (its TP rank and size set to the engine's) and
+/// follows the cluster for it ([`watch_decode`]).
 ///
 /// # Errors
 /// etcd unreachable.
 pub async fn join_decode(
     etcd: &EtcdConfig,
     engine: &DecodeEngine,
-    record: EngineRecord,
+    mut record: EngineRecord,
 ) -> Result<Membership, DiscoveryError> {
-    let tp_rank = record.tp_rank;
+    let tp = engine.tp();
+    (record.tp_rank, record.tp_size) = (tp.rank, tp.size);
     let directory = Directory::open(etcd).await?;
     let registration = Registration::register(etcd, record).await?;
-    let task = tokio::spawn(watch_decode(engine.clone(), directory.clone(), tp_rank));
+    let task = tokio::spawn(watch_decode(engine.clone(), directory.clone()));
     Ok(Membership {
         registration,
         directory,
@@ -1090,9 +1122,8 @@ pub fn join_prefill(
     engine: &PrefillEngine,
     registration: Registration,
     directory: Directory,
-    tp_rank: u16,
 ) -> Membership {
-    let task = tokio::spawn(watch_prefill(engine.clone(), directory.clone(), tp_rank));
+    let task = tokio::spawn(watch_prefill(engine.clone(), directory.clone()));
     Membership {
         registration,
         directory,

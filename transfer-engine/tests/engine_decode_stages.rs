@@ -247,12 +247,19 @@ async fn a_stage_speaks_for_its_own_layers_only() {
 
 /// etcd's word that a prefill PP rank is gone (`evict_in`, as `discovery::watch_decode` calls it)
 /// names the rank by its PP rank: the stage that takes it evicts it, and readmits it; the other
-/// stage has no such rank.
+/// stage has no such rank. Each stage lists its connected rank by its PP rank too (what
+/// `discovery::reconcile_decode` hands back to `evict_in`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stage_evicts_and_readmits_its_rank_by_its_pp_rank() {
     let tag = format!("evict-{}", std::process::id());
     let (stages, ranks) = pipeline(BackendKind::Ucx, &tag).await;
     let inc = ranks[1].incarnation();
+    for (stage, rank) in stages.iter().zip(&ranks) {
+        assert_eq!(
+            stage.connected_ranks(),
+            vec![(INSTANCE.to_string(), rank.pp_rank(), rank.incarnation())]
+        );
+    }
     assert!(
         !stages[0].evict_in(INSTANCE, 1, inc),
         "stage 0 evicted stage 1's rank"

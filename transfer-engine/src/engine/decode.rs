@@ -450,6 +450,26 @@ impl Session {
         Ok(())
     }
 
+    /// The slot of PP rank `pp_rank`'s source (of any TP rank) whose start is `incarnation`, as
+    /// connected now: what an outside liveness signal that names a rank by its PP rank and its
+    /// start addresses.
+    fn slot_of_start(&self, pp_rank: u16, incarnation: u64) -> Option<u16> {
+        (0..self.sources.len())
+            .filter_map(|j| self.slot(pp_rank, j))
+            .find(|slot| {
+                self.ranks
+                    .get(usize::from(*slot))
+                    .and_then(Option::as_ref)
+                    .is_some_and(|r| r.incarnation == incarnation)
+            })
+    }
+
+    /// The PP rank (of the instance) whose source holds `slot`.
+    fn pp_rank_of(&self, slot: u16) -> u16 {
+        let fan = (self.sources.len() as u16).max(1);
+        self.pp_first.saturating_add(slot / fan)
+    }
+
     /// Slot of PP rank `pp_rank`'s `j`-th source.
     fn slot(&self, pp_rank: u16, j: usize) -> Option<u16> {
         let pp = pp_rank
@@ -1335,6 +1355,11 @@ impl DecodeEngine {
         self.local_addr
     }
 
+    /// This decode TP rank's rank, size and mapping ([`DecodeConfig::tp`]).
+    pub fn tp(&self) -> TpConfig {
+        self.inner.cfg.tp
+    }
+
     /// Waits until every PP rank of the default instance is connected and ready, or `timeout`
     /// passes.
     ///
@@ -1493,17 +1518,19 @@ impl DecodeEngine {
     }
 
     /// Every prefill rank connected now over a control connection and not evicted, as
-    /// `(instance, rank, incarnation)`: what an outside liveness signal may find gone.
+    /// `(instance, PP rank, incarnation)`: what an outside liveness signal may find gone (where
+    /// several prefill TP ranks write into this decode TP rank, a PP rank is listed once per
+    /// start).
     pub fn connected_ranks(&self) -> Vec<(String, u16, u64)> {
         let st = self.inner.lock();
         let mut out: Vec<(String, u16, u64)> = st
             .sessions
             .values()
             .flat_map(|s| {
-                s.ranks.iter().enumerate().filter_map(|(rank, r)| {
+                s.ranks.iter().enumerate().filter_map(|(slot, r)| {
                     r.as_ref()
                         .filter(|r| !r.external && !r.evicted)
-                        .map(|r| (s.name.clone(), rank as u16, r.incarnation))
+                        .map(|r| (s.name.clone(), s.pp_rank_of(slot as u16), r.incarnation))
                 })
             })
             .collect();
@@ -1915,8 +1942,9 @@ impl DecodeEngine {
     /// failed requests' pages stay quarantined until it confirms (its AbortAck) or its connection
     /// ends, and the same start may be readmitted. A later start of the rank is admitted at once in
     /// its place: the evicted start's connection is then cut, and its failed requests' pages stay
-    /// quarantined for good (nothing of it can confirm any more). Returns whether the rank was
-    /// evicted now.
+    /// quarantined for good (nothing of it can confirm any more). `rank` is the PP rank; where
+    /// several prefill TP ranks write into this decode TP rank, the start tells which of them.
+    /// Returns whether the rank was evicted now.
     pub fn evict(&self, rank: u16, incarnation: u64) -> bool {
         self.evict_in(DEFAULT_INSTANCE, rank, incarnation)
     }
@@ -1930,14 +1958,15 @@ impl DecodeEngine {
         let Some(s) = st.sessions.get_mut(&id) else {
             return false;
         };
-        // PP rank `rank` of the instance: on a pipelined decode, slots count from its stage's rank.
-        let Some(r) = rank
-            .checked_sub(s.pp_first)
+        // PP rank `rank`'s source of that start (several prefill TP ranks may write into this
+        // decode TP rank; on a pipelined decode, slots count from its stage's rank).
+        let Some(r) = s
+            .slot_of_start(rank, incarnation)
             .and_then(|slot| s.rank_mut(slot))
         else {
             return false;
         };
-        if r.incarnation != incarnation || r.evicted || r.external {
+        if r.evicted || r.external {
             return false;
         }
         r.evicted = true;
@@ -1967,13 +1996,13 @@ impl DecodeEngine {
         let Some(s) = st.sessions.get_mut(&id) else {
             return false;
         };
-        let Some(r) = rank
-            .checked_sub(s.pp_first)
+        let Some(r) = s
+            .slot_of_start(rank, incarnation)
             .and_then(|slot| s.rank_mut(slot))
         else {
             return false;
         };
-        if r.incarnation != incarnation || !r.evicted {
+        if !r.evicted {
             return false;
         }
         r.evicted = false;

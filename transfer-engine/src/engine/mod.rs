@@ -349,6 +349,18 @@ impl TpConfig {
         .map_err(|e| EngineError::Config(format!("TP topology: {e}")))
     }
 
+    /// Whether prefill TP rank `prefill_rank` of TP size `prefill_size` writes into decode TP rank
+    /// `decode_rank` of TP size `decode_size` under this mapping (false for sizes it cannot map):
+    /// which of the ranks a directory lists a side links with.
+    pub fn writes_into(
+        &self,
+        (prefill_rank, prefill_size): (u16, u16),
+        (decode_rank, decode_size): (u16, u16),
+    ) -> bool {
+        self.source_at(prefill_size, decode_size, decode_rank)
+            .is_ok_and(|s| s.iter().any(|s| s.prefill_rank == u32::from(prefill_rank)))
+    }
+
     /// How many decode TP ranks (of `decode_size`) prefill TP rank `prefill_rank` writes into.
     fn target_count(
         &self,

@@ -1153,6 +1153,11 @@ impl PrefillEngine {
         self.inner.cfg.pp_rank
     }
 
+    /// This rank's TP rank, size and mapping ([`PrefillConfig::tp`]).
+    pub fn tp(&self) -> TpConfig {
+        self.inner.cfg.tp
+    }
+
     /// The prefill instance this rank belongs to ([`PrefillConfig::instance`]).
     pub fn instance(&self) -> &str {
         &self.inner.cfg.instance

@@ -659,6 +659,28 @@ const TWO_INTO_ONE: Case = Case {
 async fn two_into_one_nixl(
     name: &str,
 ) -> (DecodeEngine, Vec<PrefillEngine>, Vec<Arc<FaultTransport>>) {
+    two_into_one_nixl_in(name, 1).await
+}
+
+/// `buf` in `n` equal consecutive registrations of its bytes (a pool per layer and per K and V
+/// where `n` is twice the layers).
+fn segments(buf: &HostBuffer, n: usize) -> Vec<Pool> {
+    let len = buf.as_slice().len() / n;
+    buf.as_slice()
+        .chunks(len)
+        .map(|c| {
+            let mut b = HostBuffer::new(len, HostOptions::default()).unwrap();
+            b.as_mut_slice().copy_from_slice(c);
+            Pool::Owned(b)
+        })
+        .collect()
+}
+
+/// As `two_into_one_nixl`, every side's pool in `n` registrations (`start_regions`; 1: one pool).
+async fn two_into_one_nixl_in(
+    name: &str,
+    n: usize,
+) -> (DecodeEngine, Vec<PrefillEngine>, Vec<Arc<FaultTransport>>) {
     let case = TWO_INTO_ONE;
     let layout = case.layout(1, 0, LAYERS);
     let mut cfg = DecodeConfig::new(LAYERS, PAGE_TOKENS, layout.clone(), 1);
@@ -669,7 +691,9 @@ async fn two_into_one_nixl(
     cfg.abort_ack_timeout = Duration::from_millis(300);
     let mut b = HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).unwrap();
     b.as_mut_slice().fill(POISON);
-    let d = DecodeEngine::start(cfg, Pool::Owned(b)).await.unwrap();
+    let d = DecodeEngine::start_regions(cfg, segments(&b, n))
+        .await
+        .unwrap();
     let (mut ranks, mut faults) = (Vec::new(), Vec::new());
     for t in 0..2u16 {
         let layout = case.layout(2, 0, LAYERS);
@@ -681,7 +705,11 @@ async fn two_into_one_nixl(
         cfg.backend = backend;
         cfg.token = Some(Secret::new(SECRET));
         cfg.connect_timeout = Duration::from_secs(10);
-        ranks.push(PrefillEngine::start(cfg, Pool::Owned(buf)).await.unwrap());
+        ranks.push(
+            PrefillEngine::start_regions(cfg, segments(&buf, n))
+                .await
+                .unwrap(),
+        );
         faults.push(slot.lock().unwrap().clone().unwrap());
     }
     d.wait_for_ranks(BOUND).await.unwrap();
@@ -719,6 +747,40 @@ async fn landed_rows_after_a_prefix_decode_holds_go_to_their_own_pages() {
     assert_eq!(
         (s.landing_grants, s.landing_chunks, s.landing_lent),
         (2, 4, 0)
+    );
+    d.shutdown(BOUND).await;
+}
+
+/// Pools in several registrations on both sides (one per layer and per K and V): each rank's packed
+/// rows are read out of its segments into landing memory, and decode copies each chunk out of
+/// landing memory into its segments; every byte of the moved pages is its head's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn landed_rows_go_from_and_into_pools_in_several_registrations() {
+    let case = TWO_INTO_ONE;
+    let n = 2 * LAYERS as usize;
+    let (d, ranks, _faults) = two_into_one_nixl_in("segments", n).await;
+    assert_eq!(d.stats().registrations, n as u64);
+    let request = RequestId(12);
+    let done = d
+        .expect(request, PROMPT, CHUNK, DST.to_vec(), BOUND)
+        .unwrap();
+    let chunks = PROMPT.div_ceil(CHUNK);
+    for p in &ranks {
+        for c in 0..chunks {
+            p.send_chunk(request, c, &SRC, c + 1 == chunks)
+                .await
+                .unwrap();
+        }
+    }
+    assert_eq!(
+        tokio::time::timeout(BOUND, done).await.unwrap(),
+        Outcome::Complete
+    );
+    check_heads(&case, &d, 0, &DST);
+    let s = d.stats();
+    assert_eq!(
+        (s.landing_grants, s.landing_chunks, s.landing_lent),
+        (2, 2 * u64::from(chunks), 0)
     );
     d.shutdown(BOUND).await;
 }

@@ -190,22 +190,26 @@ impl TpSpec {
 
     /// Landing memory a decode rank lends (NIXL, rows sliced in its pages: see
     /// `DecodeConfig::landing_bytes`) to `concurrency` requests at once, none where prefill TP is
-    /// not above decode's (MLA, or rows whole at decode): each leg takes one stride
-    /// per chunk, a whole chunk's bytes of its rows (64-byte aligned), so a rank takes its share
-    /// of `concurrency` prompts rounded up to whole chunks, and the alignment of every leg's
-    /// chunks.
+    /// not above decode's (MLA, or rows whole at decode): each leg takes one stride per slot
+    /// (`DEFAULT_LANDING_SLOTS`, or the prompt's chunks if fewer), a whole chunk's bytes of its
+    /// rows (64-byte aligned), so a rank takes its share of that many chunks of `concurrency`
+    /// prompts, and the alignment of every leg's slots.
     pub fn landing_bytes(&self) -> u64 {
         // Rows land strided only where each decode rank takes parts of them from several ranks.
         if self.kv_heads == 0 || self.prefill_tp <= self.decode_tp {
             return 0;
         }
-        let chunks = self.prompt_tokens.div_ceil(self.chunk_tokens.max(1));
+        // Each leg holds the engine's default slot count of chunks (its chunks, if fewer).
+        let slots = self
+            .prompt_tokens
+            .div_ceil(self.chunk_tokens.max(1))
+            .min(transfer_engine::engine::DEFAULT_LANDING_SLOTS);
         let per_rank = self
             .shape
-            .request_bytes(chunks.saturating_mul(self.chunk_tokens))
+            .request_bytes(slots.saturating_mul(self.chunk_tokens))
             / u64::from(self.decode_tp.max(1));
         let legs = u64::from(self.prefill_tp) * u64::from(self.pp);
-        (per_rank + legs * u64::from(chunks) * 64) * u64::from(self.concurrency.max(1))
+        (per_rank + legs * u64::from(slots) * 64) * u64::from(self.concurrency.max(1))
     }
 
     /// The layout of a rank at TP size `tp` holding `layers` from `first`, in pages of

@@ -5,8 +5,8 @@
 use proptest::prelude::*;
 use transfer_engine::control::{
     Abort, AbortAck, AuxData, BackendInfo, BackendKind, DEFAULT_MAX_FRAME_LEN, FrameDecoder,
-    FrameError, FrameHeader, HEADER_LEN, Hello, HelloAck, Landing, LayoutInfo, MAGIC, Msg, MsgKind,
-    PROTOCOL_VERSION, Reject, RejectReason, RemoteRegion, Role, Secret, Side, TpMode,
+    FrameError, FrameHeader, HEADER_LEN, Hello, HelloAck, Landed, Landing, LayoutInfo, MAGIC, Msg,
+    MsgKind, PROTOCOL_VERSION, Reject, RejectReason, RemoteRegion, Role, Secret, Side, TpMode,
     TransferReject, TransferRejectReason, TransferRequest, Vote, check_hello, encode_to_vec,
     validate_landing, validate_prefix, validate_transfer_request,
 };
@@ -99,6 +99,7 @@ fn every_message() -> Vec<Msg> {
             landing: Some(Landing {
                 offset: 1 << 20,
                 chunk_stride: 16 << 20,
+                slots: 2,
             }),
         }),
         Msg::TransferReject(TransferReject {
@@ -126,6 +127,10 @@ fn every_message() -> Vec<Msg> {
         Msg::Heartbeat,
         Msg::NotReady,
         Msg::Probe,
+        Msg::Landed(Landed {
+            request: u64::MAX,
+            chunk: 7,
+        }),
     ]
 }
 
@@ -681,6 +686,15 @@ fn a_landing_grant_lies_inside_the_landing_memory_announced() {
         landing: Some(Landing {
             offset,
             chunk_stride,
+            slots: 2,
+        }),
+        ..req(vec![0, 1])
+    };
+    let slots = |slots| TransferRequest {
+        landing: Some(Landing {
+            offset: 50,
+            chunk_stride: 100,
+            slots,
         }),
         ..req(vec![0, 1])
     };
@@ -704,6 +718,15 @@ fn a_landing_grant_lies_inside_the_landing_memory_announced() {
     );
     assert!(matches!(
         validate_landing(&grant(0, 0), Some(1 << 20), 2),
+        Err(TransferRejectReason::Invalid(_))
+    ));
+    // Ranges reused: only `slots` of them (or the chunks, if fewer) must fit.
+    assert_eq!(validate_landing(&slots(1), Some(150), 8), Ok(()));
+    assert_eq!(validate_landing(&slots(1), Some(149), 8), Err(out(149)));
+    assert_eq!(validate_landing(&slots(4), Some(250), 2), Ok(()));
+    assert_eq!(validate_landing(&slots(4), Some(449), 8), Err(out(449)));
+    assert!(matches!(
+        validate_landing(&slots(0), Some(1 << 20), 2),
         Err(TransferRejectReason::Invalid(_))
     ));
 }
@@ -818,7 +841,7 @@ fn feed_all(bytes: &[u8], splits: &[usize], max: u32) {
 }
 
 fn arb_kind() -> impl Strategy<Value = u8> {
-    prop_oneof![1u8..=16, any::<u8>()]
+    prop_oneof![1u8..=17, any::<u8>()]
 }
 
 proptest! {
@@ -847,8 +870,8 @@ proptest! {
     fn transfer_requests_round_trip_any_split(request in any::<u64>(), prompt in any::<u32>(), chunk in any::<u32>(),
                                               pages in proptest::collection::vec(any::<u32>(), 0..200),
                                               prefix in any::<u32>(), deadline in any::<u32>(), split in 0usize..2000,
-                                              landing in proptest::option::of((any::<u64>(), any::<u64>()))) {
-        let landing = landing.map(|(offset, chunk_stride)| Landing { offset, chunk_stride });
+                                              landing in proptest::option::of((any::<u64>(), any::<u64>(), any::<u32>()))) {
+        let landing = landing.map(|(offset, chunk_stride, slots)| Landing { offset, chunk_stride, slots });
         let m = Msg::TransferRequest(TransferRequest { request, prompt_tokens: prompt, chunk_tokens: chunk, dst_pages: pages, prefix_tokens: prefix, deadline_ms: deadline, landing });
         let wire = encode_to_vec(&m, DEFAULT_MAX_FRAME_LEN).unwrap();
         let split = split.min(wire.len());

@@ -321,7 +321,13 @@ async fn run_on(
         );
     }
     if engines == Engines::Offered {
-        // Posted once, by each engine, for all of its decode ranks.
+        // Posted once, by each engine, for all of its decode ranks (counted just after the last
+        // post, which decode may see complete first).
+        let deadline = tokio::time::Instant::now() + BOUND;
+        while prefills.iter().any(|p| p.stats().offers_posted < 1) {
+            assert!(tokio::time::Instant::now() < deadline, "offers not counted");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         for p in &prefills {
             assert_eq!(p.stats().offers_posted, 1);
         }
@@ -659,7 +665,7 @@ const TWO_INTO_ONE: Case = Case {
 async fn two_into_one_nixl(
     name: &str,
 ) -> (DecodeEngine, Vec<PrefillEngine>, Vec<Arc<FaultTransport>>) {
-    two_into_one_nixl_in(name, 1).await
+    two_into_one_nixl_in(name, 1, 2).await
 }
 
 /// `buf` in `n` equal consecutive registrations of its bytes (a pool per layer and per K and V
@@ -676,10 +682,12 @@ fn segments(buf: &HostBuffer, n: usize) -> Vec<Pool> {
         .collect()
 }
 
-/// As `two_into_one_nixl`, every side's pool in `n` registrations (`start_regions`; 1: one pool).
+/// As `two_into_one_nixl`, every side's pool in `n` registrations (`start_regions`; 1: one pool),
+/// decode lending `slots` chunks of landing memory per rank and request.
 async fn two_into_one_nixl_in(
     name: &str,
     n: usize,
+    slots: u32,
 ) -> (DecodeEngine, Vec<PrefillEngine>, Vec<Arc<FaultTransport>>) {
     let case = TWO_INTO_ONE;
     let layout = case.layout(1, 0, LAYERS);
@@ -689,6 +697,7 @@ async fn two_into_one_nixl_in(
     cfg.token = Some(Secret::new(SECRET));
     cfg.backend = BackendConfig::default_for_decode(BackendKind::Nixl, &format!("{name}-d"));
     cfg.abort_ack_timeout = Duration::from_millis(300);
+    cfg.landing_slots = slots;
     let mut b = HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).unwrap();
     b.as_mut_slice().fill(POISON);
     let d = DecodeEngine::start_regions(cfg, segments(&b, n))
@@ -758,7 +767,7 @@ async fn landed_rows_after_a_prefix_decode_holds_go_to_their_own_pages() {
 async fn landed_rows_go_from_and_into_pools_in_several_registrations() {
     let case = TWO_INTO_ONE;
     let n = 2 * LAYERS as usize;
-    let (d, ranks, _faults) = two_into_one_nixl_in("segments", n).await;
+    let (d, ranks, _faults) = two_into_one_nixl_in("segments", n, 2).await;
     assert_eq!(d.stats().registrations, n as u64);
     let request = RequestId(12);
     let done = d
@@ -782,6 +791,60 @@ async fn landed_rows_go_from_and_into_pools_in_several_registrations() {
         (s.landing_grants, s.landing_chunks, s.landing_lent),
         (2, 2 * u64::from(chunks), 0)
     );
+    d.shutdown(BOUND).await;
+}
+
+/// With one landing slot per rank, a request of three chunks reuses each rank's range: a rank
+/// writes chunk `c` only once decode copied chunk `c - 1` out (its `Landed`). A rank whose chunk 0
+/// is stuck in its transport (written, not yet notified) writes nothing more meanwhile, though its
+/// request was offered (each chunk posted as soon as it may be), while the other rank's three
+/// chunks land; released, every chunk of both lands in its own pages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reused_landing_range_is_written_only_after_decode_copied_the_chunk_before() {
+    let case = TWO_INTO_ONE;
+    let (d, ranks, faults) = two_into_one_nixl_in("slots", 1, 1).await;
+    let request = RequestId(21);
+    faults[0].add_send(Rule::new(
+        Match::request(request).chunk(0),
+        SendFault::Stuck,
+    ));
+    for p in &ranks {
+        p.offer(request, SRC.to_vec()).unwrap();
+    }
+    let chunks = PROMPT / PAGE_TOKENS;
+    let done = d
+        .expect(request, PROMPT, PAGE_TOKENS, DST.to_vec(), BOUND)
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + BOUND;
+    while faults[0].counters().stuck < 1 || d.stats().landing_chunks < u64::from(chunks) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "rank 0's chunk 0 stuck, rank 1's chunks landed: {:?}",
+            d.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Rank 1's three chunks went through the one range; rank 0 wrote its chunk 0 only.
+    let written = ranks[0].stats().writes;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        ranks[0].stats().writes,
+        written,
+        "rank 0 wrote into a range still in use"
+    );
+    assert_eq!(d.stats().landing_chunks, u64::from(chunks));
+    assert_eq!(faults[0].release_stuck(), 1);
+    assert_eq!(
+        tokio::time::timeout(BOUND, done).await.unwrap(),
+        Outcome::Complete
+    );
+    check_heads(&case, &d, 0, &DST);
+    let s = d.stats();
+    assert_eq!(
+        (s.landing_grants, s.landing_chunks, s.landing_lent),
+        (2, 2 * u64::from(chunks), 0)
+    );
+    assert_eq!(ranks[0].stats().writes, 3 * written);
     d.shutdown(BOUND).await;
 }
 

@@ -16,7 +16,8 @@
 
 use super::auth::{Challenge, Proof};
 use super::msg::{
-    Abort, AbortAck, AuxData, Hello, HelloAck, Msg, Reject, TransferReject, TransferRequest, Vote,
+    Abort, AbortAck, AuxData, Hello, HelloAck, Landed, Msg, Reject, TransferReject,
+    TransferRequest, Vote,
 };
 
 /// First four bytes of every frame; catches a peer that is not speaking this protocol at all.
@@ -26,7 +27,7 @@ pub const MAGIC: [u8; 4] = *b"KVCP";
 pub const HEADER_LEN: usize = 12;
 
 /// The protocol version this build speaks (header field and [`Hello::protocol_version`]).
-pub const PROTOCOL_VERSION: u16 = 14;
+pub const PROTOCOL_VERSION: u16 = 15;
 
 /// Default cap on one frame's payload: 16 MiB, far above any Hello with a few thousand rkeys.
 pub const DEFAULT_MAX_FRAME_LEN: u32 = 16 << 20;
@@ -68,6 +69,8 @@ pub enum MsgKind {
     NotReady = 15,
     /// [`Msg::Probe`] (protocol version 11).
     Probe = 16,
+    /// [`Msg::Landed`] (protocol version 15).
+    Landed = 17,
 }
 
 impl MsgKind {
@@ -90,6 +93,7 @@ impl MsgKind {
             14 => Self::Heartbeat,
             15 => Self::NotReady,
             16 => Self::Probe,
+            17 => Self::Landed,
             _ => return None,
         })
     }
@@ -283,6 +287,7 @@ pub fn encode_frame(msg: &Msg, max_len: u32, out: &mut Vec<u8>) -> Result<(), Fr
         Msg::Challenge(m) => postcard::to_extend(m, Sink(out)),
         Msg::Proof(m) => postcard::to_extend(m, Sink(out)),
         Msg::Aux(m) => postcard::to_extend(m, Sink(out)),
+        Msg::Landed(m) => postcard::to_extend(m, Sink(out)),
         Msg::Close | Msg::Ready | Msg::Heartbeat | Msg::NotReady | Msg::Probe => Ok(Sink(out)),
     };
     if let Err(source) = body {
@@ -359,6 +364,7 @@ pub fn decode_payload(kind: MsgKind, payload: &[u8]) -> Result<Msg, FrameError> 
         MsgKind::Challenge => Msg::Challenge(body::<Challenge>(kind, payload)?),
         MsgKind::Proof => Msg::Proof(body::<Proof>(kind, payload)?),
         MsgKind::Aux => Msg::Aux(body::<AuxData>(kind, payload)?),
+        MsgKind::Landed => Msg::Landed(body::<Landed>(kind, payload)?),
         MsgKind::Close
         | MsgKind::Ready
         | MsgKind::Heartbeat

@@ -77,8 +77,8 @@ pub use frame::{
     PROTOCOL_VERSION, decode_payload, encode_frame, encode_to_vec,
 };
 pub use msg::{
-    Abort, AbortAck, AuxData, BackendInfo, BackendKind, Hello, HelloAck, Landing, LayoutInfo,
-    MAX_APP_INFO, MAX_AUX_LEN, Msg, Reject, RejectReason, RemoteRegion, Role, TpMode,
+    Abort, AbortAck, AuxData, BackendInfo, BackendKind, Hello, HelloAck, Landed, Landing,
+    LayoutInfo, MAX_APP_INFO, MAX_AUX_LEN, Msg, Reject, RejectReason, RemoteRegion, Role, TpMode,
     TransferReject, TransferRejectReason, TransferRequest, Vote, check_hello, validate_landing,
     validate_prefix, validate_transfer_request,
 };

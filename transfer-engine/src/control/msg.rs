@@ -366,15 +366,30 @@ pub struct TransferRequest {
     pub landing: Option<Landing>,
 }
 
-/// A grant of decode's landing memory ([`BackendInfo::landing`]) to one rank for one request.
-/// Chunk `c`'s writes go, packed one after another in the order the planner gives them, to
-/// `offset + c * chunk_stride`; no chunk's writes may take more than `chunk_stride` bytes.
+/// A grant of decode's landing memory ([`BackendInfo::landing`]) to one rank for one request:
+/// `slots` ranges of `chunk_stride` bytes from `offset`. Chunk `c`'s writes go, packed one after
+/// another in the order the planner gives them, to `offset + (c % slots) * chunk_stride`; no
+/// chunk's writes may take more than `chunk_stride` bytes. Where `slots` is below the request's
+/// chunk count the ranges are reused: the rank posts chunk `c >= slots` only once decode said
+/// ([`Msg::Landed`]) that it copied chunk `c - slots` out of that range (since version 15).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Landing {
-    /// Offset in the landing memory of chunk 0's first byte.
+    /// Offset in the landing memory of the first range's first byte.
     pub offset: u64,
-    /// Bytes from one chunk's range to the next.
+    /// Bytes from one range to the next.
     pub chunk_stride: u64,
+    /// How many ranges (at least 1).
+    pub slots: u32,
+}
+
+/// Decode copied a chunk out of the landing range it was written into ([`Landing`]): the rank
+/// may write the chunk that reuses that range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Landed {
+    /// Request id.
+    pub request: u64,
+    /// The chunk copied.
+    pub chunk: u32,
 }
 
 /// Why a transfer request was refused. Only that request is affected.
@@ -517,6 +532,8 @@ pub enum Msg {
     /// Sent by an authenticated dialer in place of its Hello: it only wanted the listener's Hello
     /// (its [`app`](Hello::app) above all), and both sides close ([`probe`](super::probe)).
     Probe,
+    /// Decode copied a chunk out of a reused landing range (see [`Landing`]).
+    Landed(Landed),
 }
 
 impl Msg {
@@ -539,6 +556,7 @@ impl Msg {
             Self::Heartbeat => MsgKind::Heartbeat,
             Self::NotReady => MsgKind::NotReady,
             Self::Probe => MsgKind::Probe,
+            Self::Landed(_) => MsgKind::Landed,
         }
     }
 }
@@ -889,11 +907,12 @@ pub fn validate_prefix(
 }
 
 /// Checks a transfer request's landing grant against the landing memory the decode announced
-/// (`announced`, its length; `None` for none): every one of the request's `chunks` ranges lies
-/// inside it. A request without a grant passes.
+/// (`announced`, its length; `None` for none): every range the request's `chunks` use lies inside
+/// it. A request without a grant passes.
 ///
 /// # Errors
-/// [`TransferRejectReason::LandingOutOfRange`]; [`TransferRejectReason::Invalid`] for a stride of 0.
+/// [`TransferRejectReason::LandingOutOfRange`]; [`TransferRejectReason::Invalid`] for a stride or
+/// a slot count of 0.
 pub fn validate_landing(
     req: &TransferRequest,
     announced: Option<u64>,
@@ -902,14 +921,14 @@ pub fn validate_landing(
     let Some(g) = req.landing else {
         return Ok(());
     };
-    if g.chunk_stride == 0 {
+    if g.chunk_stride == 0 || g.slots == 0 {
         return Err(TransferRejectReason::Invalid(
-            "a landing grant's chunk stride is 0".into(),
+            "a landing grant's chunk stride or slot count is 0".into(),
         ));
     }
     let end = g
         .chunk_stride
-        .checked_mul(chunks)
+        .checked_mul(chunks.min(u64::from(g.slots)))
         .and_then(|b| b.checked_add(g.offset));
     match (announced, end) {
         (Some(len), Some(end)) if end <= len => Ok(()),

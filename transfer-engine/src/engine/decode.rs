@@ -102,15 +102,25 @@ pub struct DecodeConfig {
     pub metrics: Option<SocketAddr>,
     /// Bytes of landing memory: registered host memory outside the pool that a prefill rank whose
     /// rows would land strided in the pages (heads sliced with prefill TP above this side's, say)
-    /// writes into packed instead, one range per request it writes (its share of the whole
-    /// request, rounded up to whole chunks, lent until the request's pages are released), from
-    /// which this engine copies each chunk into the pages when its notification comes. Only with
-    /// NIXL, a host pool and [`control::TpMode::HeadSliced`]: NIXL makes every strided row a
-    /// descriptor of its own. A rank's share that does not fit what is free is written into the
-    /// pages directly (`DecodeStats::landing_full`). Size it to those shares of the requests in
-    /// flight. 0: none.
+    /// writes into packed instead, [`landing_slots`](Self::landing_slots) chunks' worth per
+    /// request it writes (lent until the request's pages are released), from which this engine
+    /// copies each chunk into the pages when its notification comes. Only with NIXL, a host pool
+    /// and [`control::TpMode::HeadSliced`]: NIXL makes every strided row a descriptor of its own.
+    /// A rank's share that does not fit what is free, even in one slot, is written into the pages
+    /// directly (`DecodeStats::landing_full`). Size it to `landing_slots` chunks of each rank's
+    /// share of the requests in flight. 0: none.
     pub landing_bytes: u64,
+    /// Chunks of one rank's share of a request that landing memory holds at once (at least 1): a
+    /// request of more chunks reuses them in turn, each rank writing chunk `c` only after this
+    /// engine copied chunk `c - landing_slots` out (told with `Landed`). 1 gives the least memory
+    /// and makes each of a rank's chunks wait for the copy of the one before; 2 (the default)
+    /// lets a rank write a chunk while the one before is copied. A slot count that does not fit
+    /// what is free is tried again with 1.
+    pub landing_slots: u32,
 }
+
+/// [`DecodeConfig::landing_slots`] by default.
+pub const DEFAULT_LANDING_SLOTS: u32 = 2;
 
 /// [`DecodeConfig::landing_bytes`] by default.
 pub const DEFAULT_LANDING_BYTES: u64 = 256 << 20;
@@ -143,6 +153,7 @@ impl DecodeConfig {
             heartbeat: Some(super::DEFAULT_HEARTBEAT),
             metrics: None,
             landing_bytes: DEFAULT_LANDING_BYTES,
+            landing_slots: DEFAULT_LANDING_SLOTS,
         }
     }
 }
@@ -2284,18 +2295,24 @@ impl Inner {
             }
         }
         let mut grants = Vec::with_capacity(wanted.len());
+        // Ranges for `landing_slots` chunks, or for one where those do not fit.
+        let most = u32::try_from(chunks)
+            .unwrap_or(u32::MAX)
+            .min(self.cfg.landing_slots.max(1));
         for (slot, stride) in wanted {
-            match stride
-                .checked_mul(chunks)
-                .and_then(|len| st.landing.take(len))
-            {
-                Some(offset) => {
+            let taken = [most, 1].into_iter().find_map(|slots| {
+                let len = stride.checked_mul(u64::from(slots))?;
+                Some((st.landing.take(len)?, slots))
+            });
+            match taken {
+                Some((offset, slots)) => {
                     self.counters.landing_grants.fetch_add(1, Ordering::Relaxed);
                     grants.push((
                         slot,
                         control::Landing {
                             offset,
                             chunk_stride: stride,
+                            slots,
                         },
                     ));
                 }
@@ -2344,7 +2361,7 @@ impl Inner {
         let total: u64 = writes.iter().map(|w| w.bytes()).sum();
         let Some(from) = g
             .chunk_stride
-            .checked_mul(u64::from(n.chunk_id))
+            .checked_mul(u64::from(n.chunk_id % g.slots.max(1)))
             .and_then(|o| o.checked_add(g.offset))
             .filter(|_| total <= g.chunk_stride)
         else {
@@ -2368,6 +2385,13 @@ impl Inner {
             at += w.bytes();
         }
         self.counters.landing_chunks.fetch_add(1, Ordering::Relaxed);
+        // The range is free for the chunk that reuses it: the rank waits for this word.
+        if u64::from(g.slots) < info.geometry.num_chunks() {
+            let _ = conn.writer.send(Msg::Landed(control::Landed {
+                request: n.request.0,
+                chunk: n.chunk_id,
+            }));
+        }
         true
     }
 

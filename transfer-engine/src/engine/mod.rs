@@ -11,8 +11,8 @@ mod pools;
 mod prefill;
 
 pub use decode::{
-    Absence, DEFAULT_LANDING_BYTES, DecodeConfig, DecodeEngine, DecodeStage, DecodeStats, Expected,
-    ShutdownReport,
+    Absence, DEFAULT_LANDING_BYTES, DEFAULT_LANDING_SLOTS, DecodeConfig, DecodeEngine, DecodeStage,
+    DecodeStats, Expected, ShutdownReport,
 };
 pub use prefill::{
     ExternalDecode, IncomingRequest, LinkId, MAX_OFFERS, MeshSocket, NotifyFormat, PrefillConfig,

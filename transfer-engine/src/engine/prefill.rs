@@ -321,6 +321,26 @@ struct Leg {
     done: Vec<u64>,
     /// How many bits of `done` are set.
     done_count: u64,
+    /// Chunks decode said it copied out of their landing range (`Landed`), one bit per chunk id:
+    /// where the grant's ranges are reused, chunk `c` is written only once chunk `c - slots` is
+    /// here.
+    landed: Vec<u64>,
+}
+
+impl Leg {
+    /// Whether chunk `chunk` may be written now: its landing range (if its grant reuses ranges)
+    /// is no longer the earlier chunk's.
+    fn range_free(&self, chunk: u32) -> bool {
+        let Some(g) = self.landing else {
+            return true;
+        };
+        let Some(before) = chunk.checked_sub(g.slots.max(1)) else {
+            return true;
+        };
+        self.landed
+            .get((before / 64) as usize)
+            .is_some_and(|w| w & (1 << (before % 64)) != 0)
+    }
 }
 
 /// A request on this rank: one leg per decode TP rank it writes into (one, unless this rank's
@@ -495,6 +515,9 @@ struct Inner {
     linking: Mutex<HashMap<SocketAddr, Arc<tokio::sync::Mutex<()>>>>,
     /// The runtime the engine started on: offered requests are posted on tasks of it.
     runtime: tokio::runtime::Handle,
+    /// Woken when decode says it copied a chunk out of a landing range (`Landed`) and when a
+    /// request fails: chunks waiting for their range look again.
+    landed: Notify,
 }
 
 impl Inner {
@@ -912,6 +935,7 @@ impl PrefillEngine {
             register_micros,
             linking: Mutex::new(HashMap::new()),
             runtime: tokio::runtime::Handle::current(),
+            landed: Notify::new(),
         });
         if let Some(addr) = inner.cfg.metrics {
             let source: std::sync::Weak<dyn crate::metrics::Source> = Arc::downgrade(&inner) as _;
@@ -1415,7 +1439,7 @@ impl Inner {
         let bytes: u64 = plan.iter().map(Write::bytes).sum();
         let mut at = g
             .chunk_stride
-            .checked_mul(u64::from(chunk))
+            .checked_mul(u64::from(chunk % g.slots.max(1)))
             .and_then(|o| o.checked_add(g.offset))
             .filter(|_| bytes <= g.chunk_stride)
             .ok_or_else(|| {
@@ -1714,6 +1738,8 @@ impl Inner {
         };
         self.tell_failed(request, code, &to);
         self.settle_vote(request, Some(Vote::Failed(code)));
+        // Its chunks waiting for a landing range stop waiting.
+        self.landed.notify_waiters();
     }
 
     /// Tells each decode in `to` that `request` failed here, at once, not by timeout: on the data
@@ -1854,6 +1880,7 @@ impl Inner {
                     ack_pending: false,
                     done: vec![0; g.num_chunks().div_ceil(64) as usize],
                     done_count: 0,
+                    landed: vec![0; g.num_chunks().div_ceil(64) as usize],
                 };
                 let accepted = match st.requests.get_mut(&request) {
                     None => {
@@ -1913,11 +1940,71 @@ impl Inner {
         Err(reason)
     }
 
+    /// Decode `from` copied chunk `chunk` of `request` out of its landing range: the chunk that
+    /// reuses that range may be written. A word about a chunk the request does not have, or from a
+    /// decode the request does not go to, is counted and dropped; one about a request that is over
+    /// here (the last chunks' words come after it) is dropped.
+    fn on_landed(&self, from: &Arc<Link>, request: RequestId, chunk: u32) {
+        let mut st = lock(&self.state);
+        let Some(r) = st.requests.get_mut(&request) else {
+            return;
+        };
+        let chunks = r.geometry.num_chunks();
+        match r.leg_mut(from.id) {
+            Some(leg) if u64::from(chunk) < chunks && leg.landing.is_some() => {
+                if let Some(w) = leg.landed.get_mut((chunk / 64) as usize) {
+                    *w |= 1 << (chunk % 64);
+                }
+            }
+            _ => {
+                drop(st);
+                self.counters.refused.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    request = request.0,
+                    chunk,
+                    decode = %from.addr,
+                    "landing word about a chunk this decode was not granted dropped"
+                );
+                return;
+            }
+        }
+        drop(st);
+        self.landed.notify_waiters();
+    }
+
+    /// Waits until every leg of `request` may take chunk `chunk`'s writes: where its landing
+    /// grant reuses ranges, decode copied the chunk before it out of the range (see
+    /// [`Leg::range_free`]). Returns at once for a request that failed, was decided or is gone
+    /// (posting it then fails as it would have), and looks again at least every 50 ms.
+    async fn wait_for_ranges(&self, request: RequestId, chunk: u32) {
+        loop {
+            let woken = self.landed.notified();
+            tokio::pin!(woken);
+            woken.as_mut().enable();
+            {
+                let st = lock(&self.state);
+                let free = st.requests.get(&request).is_none_or(|r| {
+                    r.failed.is_some() || r.voted || r.legs.iter().all(|l| l.range_free(chunk))
+                });
+                if free || st.closed {
+                    return;
+                }
+            }
+            let _ = tokio::time::timeout(Duration::from_millis(50), woken).await;
+        }
+    }
+
     /// Decode `from` abandoned `request`: post nothing more for it, acknowledge once every chunk
     /// already posted into `from` is over (so decode may reuse the pages), tell the request's other
     /// decode ranks, and vote failed. An abort of a request another decode owns is counted and
     /// dropped.
     fn on_abort(&self, from: &Arc<Link>, request: RequestId, code: FailureCode) {
+        self.on_abort_of(from, request, code);
+        // Its chunks waiting for a landing range stop waiting.
+        self.landed.notify_waiters();
+    }
+
+    fn on_abort_of(&self, from: &Arc<Link>, request: RequestId, code: FailureCode) {
         let (ack_now, others) = {
             let mut st = lock(&self.state);
             match st.requests.get_mut(&request) {
@@ -2061,6 +2148,7 @@ async fn send_chunk_of(
     last: bool,
 ) -> Result<(), EngineError> {
     let (geometry, legs, parent) = inner.wait_for_request(request).await?;
+    inner.wait_for_ranges(request, chunk).await;
     let status = if last {
         let count = geometry.num_chunks() as u32;
         if chunk + 1 != count {
@@ -2249,7 +2337,8 @@ async fn send_offered(inner: &Arc<Inner>, request: RequestId, src: Vec<u32>) {
         }
     }
     if first_error.is_none() {
-        // Every chunk is with the transport: counted before decode can see the request complete.
+        // Every chunk is with the transport. Decode may see the request complete a moment before
+        // this count (this thread can be preempted between the last post and here).
         inner.counters.offers_posted.fetch_add(1, Ordering::Relaxed);
     }
     for f in posted {
@@ -2322,6 +2411,7 @@ async fn decode_read_loop(
             Msg::Abort(a) => {
                 i.on_abort(&link, RequestId(a.request), FailureCode::from_raw(a.reason))
             }
+            Msg::Landed(l) => i.on_landed(&link, RequestId(l.request), l.chunk),
             Msg::Close => break,
             _ => {}
         }

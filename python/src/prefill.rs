@@ -402,8 +402,9 @@ impl PrefillEngine {
     /// Posts chunk `chunk` of `request` from `src_pages` (all of the request's pages in this rank's
     /// pool, in prompt order, as many as `prompt_tokens` span in this rank's pages, which may differ
     /// in size from decode's; the chunk takes its own from them) and returns a `Pending` that ends (result `None`) when its writes are over, or raises
-    /// why they failed. The writes are posted before this returns, in call order; `last` marks the
-    /// request's final chunk.
+    /// why they failed. The writes are posted before this returns, in call order, unless the chunk
+    /// waits for decode's allocation or for a landing range decode is still copying from (then it
+    /// posts once that comes); `last` marks the request's final chunk.
     #[pyo3(signature = (request, chunk, src_pages, last))]
     fn post_chunk(
         &self,

@@ -21,7 +21,9 @@ use transfer_engine::engine::{
     PrefillConfig, PrefillEngine, TpConfig,
 };
 use transfer_engine::mem::{HostBuffer, HostOptions};
-use transfer_engine::transport::fault::{FaultPlan, FaultTransport, Match, Rule, SendFault};
+use transfer_engine::transport::fault::{
+    FaultPlan, FaultTransport, Match, RecvFault, Rule, SendFault,
+};
 use transfer_engine::transport::nixl::{NixlConfig, NixlTransport};
 use transfer_engine::transport::{BackendKind, Transport};
 
@@ -683,7 +685,8 @@ fn segments(buf: &HostBuffer, n: usize) -> Vec<Pool> {
 }
 
 /// As `two_into_one_nixl`, every side's pool in `n` registrations (`start_regions`; 1: one pool),
-/// decode lending `slots` chunks of landing memory per rank and request.
+/// decode lending `slots` chunks of landing memory per rank and request. Decode's NIXL is inside a
+/// fault transport too: its handle comes last, after the two ranks'.
 async fn two_into_one_nixl_in(
     name: &str,
     n: usize,
@@ -698,6 +701,8 @@ async fn two_into_one_nixl_in(
     cfg.backend = BackendConfig::default_for_decode(BackendKind::Nixl, &format!("{name}-d"));
     cfg.abort_ack_timeout = Duration::from_millis(300);
     cfg.landing_slots = slots;
+    let (backend, decode_fault) = faulty_nixl(&format!("{name}-d"));
+    cfg.backend = backend;
     let mut b = HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).unwrap();
     b.as_mut_slice().fill(POISON);
     let d = DecodeEngine::start_regions(cfg, segments(&b, n))
@@ -722,6 +727,7 @@ async fn two_into_one_nixl_in(
         faults.push(slot.lock().unwrap().clone().unwrap());
     }
     d.wait_for_ranks(BOUND).await.unwrap();
+    faults.push(decode_fault.lock().unwrap().clone().unwrap());
     (d, ranks, faults)
 }
 
@@ -845,6 +851,60 @@ async fn a_reused_landing_range_is_written_only_after_decode_copied_the_chunk_be
         (2, 2 * u64::from(chunks), 0)
     );
     assert_eq!(ranks[0].stats().writes, 3 * written);
+    d.shutdown(BOUND).await;
+}
+
+/// A duplicate of a chunk's notification that comes after a later chunk reused the chunk's landing
+/// range is not copied again (it would put the later chunk's rows into the earlier chunk's pages):
+/// decode copies each chunk once. One slot, three chunks; the first chunk 0 notification decode
+/// receives comes again after four more, by when its rank's chunk 1 was written into the range.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_duplicate_notification_does_not_copy_a_reused_range_again() {
+    let case = TWO_INTO_ONE;
+    let (d, ranks, faults) = two_into_one_nixl_in("replay", 1, 1).await;
+    let request = RequestId(23);
+    faults[2].add_recv(
+        Rule::new(
+            Match::request(request).chunk(0),
+            RecvFault::Replay { after: 4 },
+        )
+        .times(1),
+    );
+    let chunks = PROMPT / PAGE_TOKENS;
+    let done = d
+        .expect(request, PROMPT, PAGE_TOKENS, DST.to_vec(), BOUND)
+        .unwrap();
+    let sending: Vec<_> = ranks
+        .iter()
+        .map(|p| {
+            let p = p.clone();
+            tokio::spawn(async move {
+                for c in 0..chunks {
+                    p.send_chunk(request, c, &SRC, c + 1 == chunks).await?;
+                }
+                Ok::<(), EngineError>(())
+            })
+        })
+        .collect();
+    assert_eq!(
+        tokio::time::timeout(BOUND, done).await.unwrap(),
+        Outcome::Complete
+    );
+    for s in sending {
+        s.await.unwrap().unwrap();
+    }
+    // The copy came, and changed nothing.
+    let deadline = tokio::time::Instant::now() + BOUND;
+    while faults[2].counters().released_held < 1 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the duplicate never came"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    check_heads(&case, &d, 0, &DST);
+    assert_eq!(d.stats().landing_chunks, 2 * u64::from(chunks));
     d.shutdown(BOUND).await;
 }
 

@@ -329,6 +329,28 @@ struct ReqInfo {
     last_posted_us: Option<u64>,
 }
 
+/// Landing memory lent to one rank (by its slot) for one request.
+struct Grant {
+    slot: u16,
+    landing: control::Landing,
+    /// Chunks copied out of it, one bit per chunk id: each is copied once (a duplicate of its
+    /// notification may come after a later chunk reused its range).
+    landed: Vec<u64>,
+}
+
+impl Grant {
+    /// Marks chunk `chunk` copied; false if it was already (or is not the request's).
+    fn first_landing(&mut self, chunk: u32) -> bool {
+        match self.landed.get_mut((chunk / 64) as usize) {
+            Some(w) if *w & (1 << (chunk % 64)) == 0 => {
+                *w |= 1 << (chunk % 64);
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
 /// A prefill instance's key in the engine's state; callers name instances by string.
 type SessionId = u64;
 
@@ -548,7 +570,7 @@ struct State {
     /// Ranges of the landing memory lent out (capacity 0 without landing memory).
     landing: crate::core::ranges::Ranges,
     /// Each request's landing grants, by rank slot: lent until its pages are released.
-    grants: HashMap<RequestId, Vec<(u16, control::Landing)>>,
+    grants: HashMap<RequestId, Vec<Grant>>,
 }
 
 impl State {
@@ -2238,8 +2260,8 @@ impl Inner {
                 let Some(r) = r else { continue };
                 let landing = grants
                     .iter()
-                    .find(|&&(g, _)| usize::from(g) == slot)
-                    .map(|&(_, l)| l);
+                    .find(|g| usize::from(g.slot) == slot)
+                    .map(|g| g.landing);
                 let _ = r.writer.send(Msg::TransferRequest(TransferRequest {
                     landing,
                     ..msg.clone()
@@ -2257,12 +2279,7 @@ impl Inner {
     /// Lends landing memory to each rank of `session` whose rows would land strided in
     /// `request`'s pages, where enough is free: a range of one stride per chunk, the stride the
     /// largest chunk's bytes.
-    fn grant_landing(
-        &self,
-        st: &mut State,
-        session: SessionId,
-        request: RequestId,
-    ) -> Vec<(u16, control::Landing)> {
+    fn grant_landing(&self, st: &mut State, session: SessionId, request: RequestId) -> Vec<Grant> {
         if self.landing.get().is_none() {
             return Vec::new();
         }
@@ -2307,14 +2324,15 @@ impl Inner {
             match taken {
                 Some((offset, slots)) => {
                     self.counters.landing_grants.fetch_add(1, Ordering::Relaxed);
-                    grants.push((
+                    grants.push(Grant {
                         slot,
-                        control::Landing {
+                        landing: control::Landing {
                             offset,
                             chunk_stride: stride,
                             slots,
                         },
-                    ));
+                        landed: vec![0; chunks.div_ceil(64) as usize],
+                    });
                 }
                 None => {
                     self.counters.landing_full.fetch_add(1, Ordering::Relaxed);
@@ -2613,7 +2631,8 @@ impl Inner {
             return;
         };
         // A rank lent landing memory for the request wrote the chunk there: into the pages with it
-        // before it is hashed or counted, while the request is live (its pages its own).
+        // before it is hashed or counted, while the request is live (its pages its own), once (a
+        // duplicate of the notification may come after a later chunk reused the range).
         if rank == n.pp_rank
             && !matches!(n.status, notify::ChunkStatus::Failed { .. })
             && st
@@ -2622,9 +2641,9 @@ impl Inner {
                 .is_some_and(|r| r.session == session)
             && let Some(g) = st
                 .grants
-                .get(&n.request)
-                .and_then(|v| v.iter().find(|&&(r, _)| r == rank))
-                .map(|&(_, g)| g)
+                .get_mut(&n.request)
+                .and_then(|v| v.iter_mut().find(|g| g.slot == rank))
+                .and_then(|g| g.first_landing(n.chunk_id).then_some(g.landing))
             && !self.land(&st, session, rank, &n, g)
         {
             tracing::error!(
@@ -2998,8 +3017,8 @@ fn stand_in_src(planner: &Planner, info: &ReqInfo) -> Vec<u32> {
 /// Frees `request`'s pages (and the landing memory lent for it) for new requests and wakes
 /// whoever waits for that.
 fn release_pages(st: &mut State, request: RequestId, pages: &[u32]) {
-    for (_, g) in st.grants.remove(&request).unwrap_or_default() {
-        st.landing.give(g.offset);
+    for g in st.grants.remove(&request).unwrap_or_default() {
+        st.landing.give(g.landing.offset);
     }
     for p in pages {
         if st.held_pages.get(p) == Some(&request) {

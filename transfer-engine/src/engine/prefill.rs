@@ -250,7 +250,8 @@ pub struct PrefillStats {
     /// Contiguous pieces those writes are made of: a write of `n` rows counts `n`.
     pub write_rows: u64,
     /// Requests the engine posted itself from offered pages ([`PrefillEngine::offer`]): every
-    /// chunk handed to the transport.
+    /// chunk handed to the transport, or waiting for a landing range decode is still copying from
+    /// (it goes when decode frees it).
     pub offers_posted: u64,
     /// Decode engines connected now.
     pub decodes: u64,
@@ -1214,6 +1215,9 @@ impl PrefillEngine {
     /// completion casts this rank's vote.
     ///
     /// Waits (up to `request_wait`) for the decode side's page allocation if it has not arrived.
+    /// Where decode lent landing memory whose ranges the request's chunks reuse, it also waits
+    /// until decode copied chunk `chunk - slots` out of the range (`Landed`); that wait ends when
+    /// the request fails, with no bound of its own (decode's request timeout bounds it).
     ///
     /// # Errors
     /// The request failed or was aborted, the pages do not plan, or the writes failed (then the
@@ -2318,8 +2322,9 @@ async fn send_offered(inner: &Arc<Inner>, request: RequestId, src: Vec<u32>) {
             pages,
             chunk + 1 == count,
         ));
-        // The allocation is complete, so a chunk's first poll posts its writes: each chunk is
-        // handed to the transport before the next, and all of them before any is awaited.
+        // The allocation is complete, so a chunk's first poll posts its writes (unless it waits
+        // for a landing range decode still copies from): each chunk is handed to the transport
+        // before the next, and all of them that may go before any is awaited.
         let first = f
             .as_mut()
             .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()));
@@ -2337,15 +2342,30 @@ async fn send_offered(inner: &Arc<Inner>, request: RequestId, src: Vec<u32>) {
         }
     }
     if first_error.is_none() {
-        // Every chunk is with the transport. Decode may see the request complete a moment before
-        // this count (this thread can be preempted between the last post and here).
+        // Every chunk is with the transport, or waits for its landing range. Decode may see the
+        // request complete a moment before this count (this thread can be preempted between the
+        // last post and here).
         inner.counters.offers_posted.fetch_add(1, Ordering::Relaxed);
     }
-    for f in posted {
-        if let Err(e) = f.await {
-            first_error.get_or_insert(e);
+    // Awaited together: a chunk waiting for its landing range posts as soon as decode frees it,
+    // not after the chunks before it are over.
+    std::future::poll_fn(|cx| {
+        posted.retain_mut(|f| match f.as_mut().poll(cx) {
+            std::task::Poll::Ready(r) => {
+                if let Err(e) = r {
+                    first_error.get_or_insert(e);
+                }
+                false
+            }
+            std::task::Poll::Pending => true,
+        });
+        if posted.is_empty() {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
         }
-    }
+    })
+    .await;
     match first_error {
         None | Some(EngineError::RequestFailed { .. } | EngineError::Shutdown) => {}
         Some(e) => {

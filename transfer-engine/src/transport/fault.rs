@@ -176,6 +176,12 @@ pub enum RecvFault {
     Drop,
     /// Deliver it twice, back to back.
     Duplicate,
+    /// Deliver it, and a copy of it again once `after` further notifications have been delivered
+    /// (a duplicate that comes late).
+    Replay {
+        /// Deliveries the copy waits for (at least 1).
+        after: u32,
+    },
     /// Hold it and deliver it right after the next notification that is delivered (the same as
     /// `Delay { after: Some(1) }`). Held until [`FaultTransport::release_held`] if none follows.
     Reorder,
@@ -451,6 +457,7 @@ impl Shared {
         };
         let n = decode_chunk(bytes);
         let mut out = Vec::new();
+        let mut replay = None;
         {
             let mut st = self.lock();
             let st = &mut *st;
@@ -462,6 +469,15 @@ impl Shared {
                     st.counters.duplicated += 1;
                     out.push((sender.clone(), bytes.to_vec()));
                     out.push((sender, bytes.to_vec()));
+                }
+                Some(RecvFault::Replay { after }) => {
+                    st.counters.duplicated += 1;
+                    out.push((sender.clone(), bytes.to_vec()));
+                    replay = Some(Held {
+                        sender,
+                        bytes: bytes.to_vec(),
+                        remaining: Some(after.max(1)),
+                    });
                 }
                 Some(f @ (RecvFault::Reorder | RecvFault::Delay { .. })) => {
                     let remaining = match f {
@@ -523,6 +539,8 @@ impl Shared {
                 st.held = keep;
                 st.counters.released_held += released;
             }
+            // Held after this delivery was counted: it waits for the ones after.
+            st.held.extend(replay);
             st.counters.delivered += out.len() as u64;
         }
         self.deliver(out);

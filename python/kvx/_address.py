@@ -52,6 +52,21 @@ def byte_count(value: Optional[str], setting: str) -> Optional[int]:
     return n
 
 
+def slot_count(value: Optional[str], setting: str) -> Optional[int]:
+    """A count of landing slots ``value`` names, 1 to 1024; None where it is unset or empty.
+    Anything else is a ``ValueError`` naming ``setting``."""
+    v = (value or "").strip()
+    if not v:
+        return None
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 1024:
+        raise ValueError(f"{setting}={v!r} is not a whole number of slots from 1 to 1024")
+    return n
+
+
 def spin_us(value: Optional[str], setting: str) -> Optional[int]:
     """Microseconds of polling ``value`` names, 0 to 1,000,000; None where it is unset or empty.
     Anything else is a ``ValueError`` naming ``setting``."""

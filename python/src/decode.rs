@@ -73,7 +73,9 @@ impl DecodeEngine {
     /// (`None`: a decode engine's default, 10 µs with UCX, whose thread then sleeps on UCX's
     /// event fd, and 200 µs with NIXL); 0 leaves a busy host's cores to others at once.
     /// `landing_bytes` is the landing memory a NIXL engine with a host pool and `head_sliced`
-    /// lends prefill ranks whose rows land strided in its pages (`None`: 256 MiB; 0: none).
+    /// lends prefill ranks whose rows land strided in its pages (`None`: 256 MiB; 0: none);
+    /// `landing_slots` how many chunks of one rank's share of a request it holds at once, reused
+    /// in turn (`None`: 2; at least 1).
     #[new]
     #[pyo3(signature = (
         *, layout, total_layers, page_tokens, pp_size, memory, listen = "127.0.0.1:0",
@@ -81,7 +83,7 @@ impl DecodeEngine {
         abort_ack_timeout = 5.0, handshake_timeout = 10.0, rank_wait = 10.0, heartbeat = Some(5.0),
         tp_rank = 0, tp_size = 1, tp_mode = "identical", kv_heads = 0,
         decode_instance = String::new(), metrics = None, pp_stage = (0, 1), progress_fifo = None,
-        progress_spin_us = None, landing_bytes = None,
+        progress_spin_us = None, landing_bytes = None, landing_slots = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -111,6 +113,7 @@ impl DecodeEngine {
         progress_fifo: Option<u8>,
         progress_spin_us: Option<u64>,
         landing_bytes: Option<u64>,
+        landing_slots: Option<u32>,
     ) -> PyResult<Self> {
         let tp = crate::tp_config(tp_rank, tp_size, tp_mode, kv_heads)?;
         let listen: SocketAddr = listen
@@ -154,6 +157,11 @@ impl DecodeEngine {
         cfg.instance = decode_instance;
         if let Some(bytes) = landing_bytes {
             cfg.landing_bytes = bytes;
+        }
+        match landing_slots {
+            Some(0) => return Err(errors::config("landing_slots must be at least 1")),
+            Some(n) => cfg.landing_slots = n,
+            None => {}
         }
         cfg.metrics = metrics
             .map(|m| {

@@ -187,6 +187,8 @@ def test_bad_arguments_raise_clear_errors():
         kvx.DecodeEngine(memory=np.zeros((layout.buffer_len, 2), np.uint8)[:, 0], **kw)
     with pytest.raises(kvx.ConfigError, match="listen"):
         kvx.DecodeEngine(memory=np.zeros(layout.buffer_len, np.uint8), listen="nowhere", **kw)
+    with pytest.raises(kvx.ConfigError, match="landing_slots"):
+        kvx.DecodeEngine(memory=np.zeros(layout.buffer_len, np.uint8), landing_slots=0, **kw)
     with pytest.raises(kvx.ConfigError, match="seconds"):
         kvx.DecodeEngine(memory=np.zeros(layout.buffer_len, np.uint8), abort_ack_timeout=-1, **kw)
     with pytest.raises(kvx.ConfigError, match="pp_rank"):

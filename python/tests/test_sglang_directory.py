@@ -419,6 +419,21 @@ def test_a_decode_rank_takes_its_landing_memory_from_the_environment(monkeypatch
             settings.landing_bytes()
 
 
+def test_a_decode_rank_takes_its_landing_slots_from_the_environment(monkeypatch):
+    import kvx
+    from kvx.sglang import settings
+
+    monkeypatch.delenv("KVX_LANDING_SLOTS", raising=False)
+    assert settings.landing_slots() is None
+    for good in ("1", "2", " 16 ", "1024"):
+        monkeypatch.setenv("KVX_LANDING_SLOTS", good)
+        assert settings.landing_slots() == int(good)
+    for bad in ("0", "-1", "1025", "two", "1.5"):
+        monkeypatch.setenv("KVX_LANDING_SLOTS", bad)
+        with pytest.raises(kvx.ConfigError, match="KVX_LANDING_SLOTS"):
+            settings.landing_slots()
+
+
 def test_engines_publish_sglangs_local_address_never_a_wildcard(monkeypatch):
     import kvx
     from kvx.sglang import settings

@@ -519,7 +519,7 @@ class KvxKVManager(BaseKVManager):
             tp_mode=self.pool.tp_mode, kv_heads=self.pool.kv_heads,
             metrics=self.metrics, progress_fifo=settings.progress_fifo(),
             progress_spin_us=settings.progress_spin_us(),
-            landing_bytes=settings.landing_bytes(),
+            landing_bytes=settings.landing_bytes(), landing_slots=settings.landing_slots(),
             # Alike on every TP rank of this server: a prefill rank writing into several of them
             # serves a request's allocations as one.
             decode_instance=f"sglang-decode-{settings.url_host(self.local_ip)}:"

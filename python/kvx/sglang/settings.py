@@ -136,6 +136,16 @@ def landing_bytes() -> Optional[int]:
         raise kvx.ConfigError(str(e)) from None
 
 
+def landing_slots() -> Optional[int]:
+    """``KVX_LANDING_SLOTS``: how many chunks of one prefill rank's share of a request a decode
+    rank's landing memory holds at once (see ``kvx.DecodeEngine``). Unset or empty: the engine's
+    default (2). Anything but a whole number from 1 to 1024 is a ``ConfigError``."""
+    try:
+        return _address.slot_count(os.environ.get("KVX_LANDING_SLOTS"), "kvx: KVX_LANDING_SLOTS")
+    except ValueError as e:
+        raise kvx.ConfigError(str(e)) from None
+
+
 def local_ip() -> str:
     """The address this host's engines listen on and publish: SGLang's own choice for its transfer
     backends (``SGLANG_HOST_IP`` / ``HOST_IP``, else the host's routable address), never a

@@ -110,7 +110,8 @@ class KvxWorker:
                                      metrics=metrics,
                                      progress_fifo=settings.progress_fifo(extra),
                                      progress_spin_us=settings.progress_spin_us(extra),
-                                     landing_bytes=settings.landing_bytes(extra))
+                                     landing_bytes=settings.landing_bytes(extra),
+                                     landing_slots=settings.landing_slots(extra))
 
     def register_kv_caches(self, kv_caches: "dict[str, Any]") -> None:
         from .pool import Pool

@@ -64,7 +64,7 @@ class DecodeSide:
                  secret: Optional[bytes], backend: str, compat: dict, request_timeout: float,
                  handshake_timeout: float, metrics: Optional[str] = None,
                  progress_fifo: Optional[int] = None, progress_spin_us: Optional[int] = None,
-                 landing_bytes: Optional[int] = None):
+                 landing_bytes: Optional[int] = None, landing_slots: Optional[int] = None):
         self.engine_id = engine_id
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.host = host
@@ -74,6 +74,7 @@ class DecodeSide:
         self.progress_fifo = progress_fifo
         self.progress_spin_us = progress_spin_us
         self.landing_bytes = landing_bytes
+        self.landing_slots = landing_slots
         self.request_timeout = request_timeout
         self.handshake_timeout = handshake_timeout
         self.pool: Optional[Pool] = None
@@ -96,7 +97,7 @@ class DecodeSide:
             tp_rank=self.tp_rank, tp_size=self.tp_size, tp_mode="head_sliced",
             kv_heads=pool.model_kv_heads, decode_instance=self.engine_id, metrics=self.metrics,
             progress_fifo=self.progress_fifo, progress_spin_us=self.progress_spin_us,
-            landing_bytes=self.landing_bytes)
+            landing_bytes=self.landing_bytes, landing_slots=self.landing_slots)
         self._thread.start()
         logger.info("kvx: decode engine (TP rank %d) listens on %s", self.tp_rank,
                     self.engine.address)

@@ -26,7 +26,9 @@ overrides):
   before it sleeps, in microseconds (default: a decode engine's, 10 with UCX, 200 with NIXL);
 - ``landing_bytes`` / ``KVX_LANDING_BYTES``: the landing memory a decode worker's NIXL engine lends
   prefill ranks whose rows land strided in its blocks (prefill TP above decode's), in bytes
-  (default: the engine's, 256 MiB; 0: none)."""
+  (default: the engine's, 256 MiB; 0: none);
+- ``landing_slots`` / ``KVX_LANDING_SLOTS``: how many chunks of one prefill rank's share of a
+  request that landing memory holds at once, 1 to 1024 (default: the engine's, 2)."""
 
 from __future__ import annotations
 
@@ -111,6 +113,14 @@ def landing_bytes(extra: dict) -> Optional[int]:
     ``ValueError``."""
     v = _get(extra, "landing_bytes", "KVX_LANDING_BYTES", None)
     return _address.byte_count(None if v is None else str(v), "kvx.vllm: landing_bytes")
+
+
+def landing_slots(extra: dict) -> Optional[int]:
+    """Chunks per prefill rank and request that a decode worker's landing memory holds at once
+    (``landing_slots`` / ``KVX_LANDING_SLOTS``), or None for the engine's default. Anything but a
+    whole number from 1 to 1024 is a ``ValueError``."""
+    v = _get(extra, "landing_slots", "KVX_LANDING_SLOTS", None)
+    return _address.slot_count(None if v is None else str(v), "kvx.vllm: landing_slots")
 
 
 def corrupt_request() -> Optional[str]:

@@ -1216,8 +1216,8 @@ impl PrefillEngine {
     ///
     /// Waits (up to `request_wait`) for the decode side's page allocation if it has not arrived.
     /// Where decode lent landing memory whose ranges the request's chunks reuse, it also waits
-    /// until decode copied chunk `chunk - slots` out of the range (`Landed`); that wait ends when
-    /// the request fails, with no bound of its own (decode's request timeout bounds it).
+    /// until decode copied chunk `chunk - slots` out of the range (`Landed`); that wait has no
+    /// bound of its own: it ends when the request fails here (decode's abort, a lost link).
     ///
     /// # Errors
     /// The request failed or was aborted, the pages do not plan, or the writes failed (then the

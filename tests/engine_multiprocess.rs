@@ -439,7 +439,7 @@ fn instances_in_processes_serve_every_decode_from_one_engine() {
 /// One `--processes` TP run of the test below.
 struct TpCase {
     backend: &'static str,
-    flags: &'static [&'static str],
+    flags: Vec<&'static str>,
     /// Prefill ranks connected to each decode TP rank: identical TP, the mapping.
     connected: (u64, u64),
     /// Requests of the whole run.
@@ -447,6 +447,30 @@ struct TpCase {
     /// The processes find each other through etcd (a local server), not by address.
     etcd: bool,
 }
+
+/// GQA, 4 heads: prefill TP 2 into decode TP 4, decode pages of 32 tokens.
+const TWO_INTO_FOUR: &[&str] = &[
+    "--prefill-tp",
+    "2",
+    "--decode-tp",
+    "4",
+    "--kv-heads",
+    "4",
+    "--decode-page-tokens",
+    "32",
+];
+
+/// GQA, 8 heads: prefill TP 2 into decode TP 1, two instances of each side.
+const TWO_INTO_ONE_INSTANCES: &[&str] = &[
+    "--prefill-tp",
+    "2",
+    "--decode-tp",
+    "1",
+    "--prefill-instances",
+    "2",
+    "--decode-instances",
+    "2",
+];
 
 /// `kvbench --processes` with TP sizes: every decode TP rank and every prefill (TP, PP) rank that
 /// writes somewhere is a process of its own. Each backend runs identical TP and then the mapping,
@@ -462,16 +486,7 @@ fn tp_sizes_that_differ_run_with_every_rank_in_its_own_process() {
         // rank's one head comes from one prefill TP rank's pipeline of 2.
         TpCase {
             backend: "ucx",
-            flags: &[
-                "--prefill-tp",
-                "2",
-                "--decode-tp",
-                "4",
-                "--kv-heads",
-                "4",
-                "--decode-page-tokens",
-                "32",
-            ],
+            flags: TWO_INTO_FOUR.to_vec(),
             connected: (2, 2),
             requests: 4,
             etcd: false,
@@ -481,18 +496,7 @@ fn tp_sizes_that_differ_run_with_every_rank_in_its_own_process() {
         // serves all four from its one engine.
         TpCase {
             backend: "ucx",
-            flags: &[
-                "--prefill-tp",
-                "2",
-                "--decode-tp",
-                "4",
-                "--kv-heads",
-                "4",
-                "--decode-page-tokens",
-                "32",
-                "--decode-instances",
-                "2",
-            ],
+            flags: [TWO_INTO_FOUR, &["--decode-instances", "2"]].concat(),
             connected: (2, 2),
             requests: 8,
             etcd: true,
@@ -501,7 +505,7 @@ fn tp_sizes_that_differ_run_with_every_rank_in_its_own_process() {
         // writes (one writer per destination), so its pipeline of 2 is all decode sees.
         TpCase {
             backend: "nixl",
-            flags: &["--model", "mla", "--prefill-tp", "2", "--decode-tp", "1"],
+            flags: vec!["--model", "mla", "--prefill-tp", "2", "--decode-tp", "1"],
             connected: (2, 2),
             requests: 4,
             etcd: false,
@@ -510,16 +514,7 @@ fn tp_sizes_that_differ_run_with_every_rank_in_its_own_process() {
         // sees both instances' pipelines of 2, of one TP rank (identical) or two (mapped).
         TpCase {
             backend: "ucx",
-            flags: &[
-                "--prefill-tp",
-                "2",
-                "--decode-tp",
-                "1",
-                "--prefill-instances",
-                "2",
-                "--decode-instances",
-                "2",
-            ],
+            flags: TWO_INTO_ONE_INSTANCES.to_vec(),
             connected: (4, 8),
             requests: 8,
             etcd: false,
@@ -528,16 +523,7 @@ fn tp_sizes_that_differ_run_with_every_rank_in_its_own_process() {
         // instance's PP ranks as their records appear (two sources per PP rank).
         TpCase {
             backend: "nixl",
-            flags: &[
-                "--prefill-tp",
-                "2",
-                "--decode-tp",
-                "1",
-                "--prefill-instances",
-                "2",
-                "--decode-instances",
-                "2",
-            ],
+            flags: TWO_INTO_ONE_INSTANCES.to_vec(),
             connected: (4, 8),
             requests: 8,
             etcd: true,
@@ -557,7 +543,7 @@ fn tp_sizes_that_differ_run_with_every_rank_in_its_own_process() {
             let model = args.iter().position(|a| *a == "--model").unwrap();
             args.drain(model..model + 2);
         }
-        args.extend(flags);
+        args.extend(&flags);
         args.extend(["--requests", "4", "--backend", backend, "--no-baseline"]);
         if etcd {
             args.extend(["--etcd", "auto"]);

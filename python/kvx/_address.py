@@ -22,61 +22,40 @@ def rank_address(value: Optional[str], rank: int, setting: str) -> Optional[str]
     return f"{host}:{base + rank}"
 
 
-def realtime_priority(value: Optional[str], setting: str) -> Optional[int]:
-    """The ``SCHED_FIFO`` priority ``value`` names, 1 to 99; None where it is unset or empty.
-    Anything else is a ``ValueError`` naming ``setting``."""
+def _whole(value: Optional[str], low: int, high: int, setting: str, what: str) -> Optional[int]:
+    """The whole number ``value`` names, ``low`` to ``high``; None where it is unset or empty.
+    Anything else is a ``ValueError`` naming ``setting`` and saying it is not ``what``."""
     v = (value or "").strip()
     if not v:
         return None
     try:
-        p = int(v)
+        n = int(v)
     except ValueError:
-        p = 0
-    if not 1 <= p <= 99:
-        raise ValueError(f"{setting}={v!r} is not a realtime priority from 1 to 99")
-    return p
+        n = low - 1
+    if not low <= n <= high:
+        raise ValueError(f"{setting}={v!r} is not {what}")
+    return n
+
+
+def realtime_priority(value: Optional[str], setting: str) -> Optional[int]:
+    """The ``SCHED_FIFO`` priority ``value`` names, 1 to 99; None where it is unset or empty.
+    Anything else is a ``ValueError`` naming ``setting``."""
+    return _whole(value, 1, 99, setting, "a realtime priority from 1 to 99")
 
 
 def byte_count(value: Optional[str], setting: str) -> Optional[int]:
     """A number of bytes ``value`` names, 0 to 2**40; None where it is unset or empty. Anything else
     is a ``ValueError`` naming ``setting``."""
-    v = (value or "").strip()
-    if not v:
-        return None
-    try:
-        n = int(v)
-    except ValueError:
-        n = -1
-    if not 0 <= n <= 1 << 40:
-        raise ValueError(f"{setting}={v!r} is not a whole number of bytes up to 2**40")
-    return n
+    return _whole(value, 0, 1 << 40, setting, "a whole number of bytes up to 2**40")
 
 
 def slot_count(value: Optional[str], setting: str) -> Optional[int]:
     """A count of landing slots ``value`` names, 1 to 1024; None where it is unset or empty.
     Anything else is a ``ValueError`` naming ``setting``."""
-    v = (value or "").strip()
-    if not v:
-        return None
-    try:
-        n = int(v)
-    except ValueError:
-        n = 0
-    if not 1 <= n <= 1024:
-        raise ValueError(f"{setting}={v!r} is not a whole number of slots from 1 to 1024")
-    return n
+    return _whole(value, 1, 1024, setting, "a whole number of slots from 1 to 1024")
 
 
 def spin_us(value: Optional[str], setting: str) -> Optional[int]:
     """Microseconds of polling ``value`` names, 0 to 1,000,000; None where it is unset or empty.
     Anything else is a ``ValueError`` naming ``setting``."""
-    v = (value or "").strip()
-    if not v:
-        return None
-    try:
-        us = int(v)
-    except ValueError:
-        us = -1
-    if not 0 <= us <= 1_000_000:
-        raise ValueError(f"{setting}={v!r} is not a whole number of microseconds up to 1000000")
-    return us
+    return _whole(value, 0, 1_000_000, setting, "a whole number of microseconds up to 1000000")

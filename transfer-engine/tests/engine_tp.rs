@@ -787,17 +787,28 @@ async fn landed_rows_go_from_and_into_pools_in_several_registrations() {
                 .unwrap();
         }
     }
+    landed_whole(&case, &d, done, chunks).await;
+    d.shutdown(BOUND).await;
+}
+
+/// The 2-into-1 request into DST completes, every byte of its pages its head's, both ranks' legs
+/// granted landing memory and every one of their `chunks` copied out of it, none lent any more.
+async fn landed_whole(
+    case: &Case,
+    d: &DecodeEngine,
+    done: impl std::future::Future<Output = Outcome>,
+    chunks: u32,
+) {
     assert_eq!(
         tokio::time::timeout(BOUND, done).await.unwrap(),
         Outcome::Complete
     );
-    check_heads(&case, &d, 0, &DST);
+    check_heads(case, d, 0, &DST);
     let s = d.stats();
     assert_eq!(
         (s.landing_grants, s.landing_chunks, s.landing_lent),
         (2, 2 * u64::from(chunks), 0)
     );
-    d.shutdown(BOUND).await;
 }
 
 /// With one landing slot per rank, a request of three chunks reuses each rank's range: a rank
@@ -840,16 +851,7 @@ async fn a_reused_landing_range_is_written_only_after_decode_copied_the_chunk_be
     );
     assert_eq!(d.stats().landing_chunks, u64::from(chunks));
     assert_eq!(faults[0].release_stuck(), 1);
-    assert_eq!(
-        tokio::time::timeout(BOUND, done).await.unwrap(),
-        Outcome::Complete
-    );
-    check_heads(&case, &d, 0, &DST);
-    let s = d.stats();
-    assert_eq!(
-        (s.landing_grants, s.landing_chunks, s.landing_lent),
-        (2, 2 * u64::from(chunks), 0)
-    );
+    landed_whole(&case, &d, done, chunks).await;
     assert_eq!(ranks[0].stats().writes, 3 * written);
     d.shutdown(BOUND).await;
 }

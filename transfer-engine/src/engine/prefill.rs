@@ -2152,7 +2152,13 @@ async fn send_chunk_of(
     last: bool,
 ) -> Result<(), EngineError> {
     let (geometry, legs, parent) = inner.wait_for_request(request).await?;
-    inner.wait_for_ranges(request, chunk).await;
+    // Only a chunk that reuses a landing range may have to wait for it.
+    if legs
+        .iter()
+        .any(|(_, _, g)| g.is_some_and(|g| chunk >= g.slots.max(1)))
+    {
+        inner.wait_for_ranges(request, chunk).await;
+    }
     let status = if last {
         let count = geometry.num_chunks() as u32;
         if chunk + 1 != count {

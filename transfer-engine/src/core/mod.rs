@@ -36,6 +36,7 @@
 //! Nothing to release. [`tracker::CompletionTracker::is_idle`] and
 //! [`vote::VoteBoard::undecided`] let a driver check that its state is back to baseline.
 
+pub mod chunkset;
 mod hash;
 pub mod membership;
 pub mod notify;

@@ -41,6 +41,7 @@ use std::time::{Duration, Instant};
 
 use foldhash::fast::FixedState;
 
+use crate::core::chunkset::ChunkSet;
 use crate::core::notify::{ChunkNotification, ChunkStatus};
 use crate::core::{Clock, FailureCode, PeerId, RequestId};
 
@@ -332,10 +333,10 @@ struct RankState {
     peer: PeerId,
     /// 0 until `LAST` arrived (a valid count is never 0).
     count: u32,
-    received: u32,
     /// Highest chunk id seen plus one, to catch chunks beyond a count that arrives later.
     high: u32,
-    bits: Vec<u64>,
+    /// The chunk ids seen; its bound grows with them, up to the cap.
+    seen: ChunkSet,
 }
 
 struct InFlight {
@@ -446,9 +447,8 @@ impl CompletionTracker {
             .map(|&peer| RankState {
                 peer,
                 count: 0,
-                received: 0,
                 high: 0,
-                bits: Vec::new(),
+                seen: ChunkSet::default(),
             })
             .collect();
         self.in_flight.insert(
@@ -817,10 +817,7 @@ fn apply(e: &mut InFlight, from: PeerId, n: &ChunkNotification, cap: u32) -> Ste
                 });
             }
             rs.count = count;
-            let words = count.div_ceil(64) as usize;
-            if rs.bits.len() < words {
-                rs.bits.resize(words, 0);
-            }
+            rs.seen.grow_to(count);
         } else if rs.count != count {
             return violation(ViolationKind::CountChanged {
                 first: rs.count,
@@ -833,18 +830,13 @@ fn apply(e: &mut InFlight, from: PeerId, n: &ChunkNotification, cap: u32) -> Ste
             count: rs.count,
         });
     }
-    let w = (id / 64) as usize;
-    let mask = 1u64 << (id % 64);
-    if w >= rs.bits.len() {
+    if id >= rs.seen.bound() {
         // Doubling keeps growth amortised; the cap bounds it.
-        let want = (w + 1).max(rs.bits.len() * 2).max(2);
-        rs.bits
-            .resize(want.min(cap.div_ceil(64) as usize).max(w + 1), 0);
+        let want = rs.seen.bound().saturating_mul(2).max(128);
+        rs.seen.grow_to(want.min(cap).max(id + 1));
     }
-    let dup = rs.bits[w] & mask != 0;
+    let dup = !rs.seen.insert(id);
     if !dup {
-        rs.bits[w] |= mask;
-        rs.received += 1;
         rs.high = rs.high.max(id + 1);
     }
     let mut done = false;
@@ -855,9 +847,9 @@ fn apply(e: &mut InFlight, from: PeerId, n: &ChunkNotification, cap: u32) -> Ste
     Step::Accept { new: !dup, done }
 }
 
-/// Every chunk below a known count is present. `received` counts distinct ids, all below the
-/// count (a larger one is a violation whether it comes before the count or after), so equality
-/// means all of `0..count`.
+/// Every chunk below a known count is present. `seen` holds distinct ids, all below the count
+/// (a larger one is a violation whether it comes before the count or after), so as many ids as
+/// the count means all of `0..count`.
 fn rank_done(rs: &RankState) -> bool {
-    rs.count != 0 && rs.received == rs.count
+    rs.count != 0 && rs.seen.count() == rs.count
 }

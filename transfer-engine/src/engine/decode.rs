@@ -17,6 +17,7 @@ use super::{
 use crate::control::{
     self, BackendInfo, Connection, Hello, Listener, Msg, RejectReason, Role, TransferRequest,
 };
+use crate::core::chunkset::ChunkSet;
 use crate::core::membership::Incarnations;
 use crate::core::notify::{self, Notification};
 use crate::core::planner::{ChunkGeometry, KvLayout, Planner, TpMapping};
@@ -333,21 +334,15 @@ struct ReqInfo {
 struct Grant {
     slot: u16,
     landing: control::Landing,
-    /// Chunks copied out of it, one bit per chunk id: each is copied once (a duplicate of its
-    /// notification may come after a later chunk reused its range).
-    landed: Vec<u64>,
+    /// Chunks copied out of it: each is copied once (a duplicate of its notification may come
+    /// after a later chunk reused its range).
+    landed: ChunkSet,
 }
 
 impl Grant {
     /// Marks chunk `chunk` copied; false if it was already (or is not the request's).
     fn first_landing(&mut self, chunk: u32) -> bool {
-        match self.landed.get_mut((chunk / 64) as usize) {
-            Some(w) if *w & (1 << (chunk % 64)) == 0 => {
-                *w |= 1 << (chunk % 64);
-                true
-            }
-            _ => false,
-        }
+        self.landed.insert(chunk)
     }
 }
 
@@ -2331,7 +2326,7 @@ impl Inner {
                             chunk_stride: stride,
                             slots,
                         },
-                        landed: vec![0; chunks.div_ceil(64) as usize],
+                        landed: ChunkSet::new(u32::try_from(chunks).unwrap_or(u32::MAX)),
                     });
                 }
                 None => {

@@ -18,6 +18,7 @@ use super::{
 use crate::control::{
     self, BackendInfo, Connection, Hello, Listener, Msg, RejectReason, Role, Secret,
 };
+use crate::core::chunkset::ChunkSet;
 use crate::core::membership::Incarnations;
 use crate::core::notify::{ChunkNotification, ChunkStatus, TextForm};
 use crate::core::planner::{ChunkGeometry, KvLayout, Planner, Write};
@@ -318,14 +319,11 @@ struct Leg {
     posted: u32,
     /// Its decode aborted the request while chunks were posted: acknowledge once they are over.
     ack_pending: bool,
-    /// Chunks whose writes and notification completed, one bit per chunk id.
-    done: Vec<u64>,
-    /// How many bits of `done` are set.
-    done_count: u64,
-    /// Chunks decode said it copied out of their landing range (`Landed`), one bit per chunk id:
-    /// where the grant's ranges are reused, chunk `c` is written only once chunk `c - slots` is
-    /// here.
-    landed: Vec<u64>,
+    /// Chunks whose writes and notification completed.
+    done: ChunkSet,
+    /// Chunks decode said it copied out of their landing range (`Landed`): where the grant's
+    /// ranges are reused, chunk `c` is written only once chunk `c - slots` is here.
+    landed: ChunkSet,
 }
 
 impl Leg {
@@ -338,9 +336,7 @@ impl Leg {
         let Some(before) = chunk.checked_sub(g.slots.max(1)) else {
             return true;
         };
-        self.landed
-            .get((before / 64) as usize)
-            .is_some_and(|w| w & (1 << (before % 64)) != 0)
+        self.landed.contains(before)
     }
 }
 
@@ -387,7 +383,7 @@ impl ReqState {
             && self
                 .legs
                 .iter()
-                .all(|l| l.done_count == self.geometry.num_chunks())
+                .all(|l| u64::from(l.done.count()) == self.geometry.num_chunks())
     }
 }
 
@@ -1275,7 +1271,7 @@ impl PrefillEngine {
                 Some(r)
                     if r.offered
                         || r.voted
-                        || r.legs.iter().any(|l| l.posted > 0 || l.done_count > 0) =>
+                        || r.legs.iter().any(|l| l.posted > 0 || l.done.count() > 0) =>
                 {
                     return Err(EngineError::Config(format!(
                         "request {} is being posted already",
@@ -1637,13 +1633,7 @@ impl Inner {
                 Some(leg) => {
                     leg.posted = leg.posted.saturating_sub(1);
                     if res.is_ok() {
-                        let (word, bit) = (chunk as usize / 64, 1u64 << (chunk % 64));
-                        if let Some(w) = leg.done.get_mut(word)
-                            && *w & bit == 0
-                        {
-                            *w |= bit;
-                            leg.done_count += 1;
-                        }
+                        leg.done.insert(chunk);
                     }
                     let ack = leg.posted == 0 && leg.ack_pending;
                     if ack {
@@ -1876,15 +1866,16 @@ impl Inner {
         let open = st.links.get(&link.id).is_some_and(|l| !l.closed);
         let reason = match (geometry, check) {
             (Ok(g), Some(Ok(()))) if open => {
+                // No more chunks than the pages just checked against the pool.
+                let chunks = u32::try_from(g.num_chunks()).unwrap_or(u32::MAX);
                 let leg = Leg {
                     link: link.clone(),
                     dst_pages: Arc::new(req.dst_pages),
                     landing: req.landing,
                     posted: 0,
                     ack_pending: false,
-                    done: vec![0; g.num_chunks().div_ceil(64) as usize],
-                    done_count: 0,
-                    landed: vec![0; g.num_chunks().div_ceil(64) as usize],
+                    done: ChunkSet::new(chunks),
+                    landed: ChunkSet::new(chunks),
                 };
                 let accepted = match st.requests.get_mut(&request) {
                     None => {
@@ -1956,9 +1947,7 @@ impl Inner {
         let chunks = r.geometry.num_chunks();
         match r.leg_mut(from.id) {
             Some(leg) if u64::from(chunk) < chunks && leg.landing.is_some() => {
-                if let Some(w) = leg.landed.get_mut((chunk / 64) as usize) {
-                    *w |= 1 << (chunk % 64);
-                }
+                leg.landed.insert(chunk);
             }
             _ => {
                 drop(st);

@@ -814,3 +814,41 @@ async fn decode_follows_every_prefill_tp_rank_that_writes_into_it() {
     .await;
     drop(engine1);
 }
+
+/// An MLA prefill TP rank at or above decode's TP size writes into no decode rank: its wait for a
+/// decode ends in an error that says so, not in a plain timeout. Rank 0 of the same prefill finds
+/// the same decode.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_rank_that_writes_into_no_decode_rank_is_told_so() {
+    use transfer_engine::control::TpMode;
+    use transfer_engine::discovery::DiscoveryError;
+    use transfer_engine::engine::TpConfig;
+    let server = EtcdServer::start().unwrap();
+    let c = cfg(&server, "mla-nowhere", 30);
+    let dir = Directory::open(&c).await.unwrap();
+    let mut drec = record(RecordRole::Decode, 0, 3000, 1);
+    drec.pp_size = 1;
+    let _d = Registration::register(&c, drec.clone()).await.unwrap();
+    let tp = |rank| TpConfig {
+        rank,
+        size: 2,
+        mode: TpMode::Replicated,
+        kv_heads: 1,
+    };
+    let mut prec = record(RecordRole::Prefill, 0, 3001, 1);
+    (prec.pp_size, prec.tp_size) = (1, 2);
+    let _p = Registration::register(&c, prec).await.unwrap();
+    let (found, _) = dir.wait_for_cluster("", &tp(0), 1, BOUND).await.unwrap();
+    assert_eq!(found.address, drec.address);
+    let err = dir
+        .wait_for_cluster("", &tp(1), 1, Duration::from_secs(2))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            DiscoveryError::WritesNowhere { rank: 1, size: 2, decode_sizes } if decode_sizes == &[1]
+        ),
+        "{err}"
+    );
+}

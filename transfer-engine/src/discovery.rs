@@ -192,6 +192,21 @@ pub enum DiscoveryError {
     /// What a caller waited for did not appear in time.
     #[error("timed out waiting for {0}")]
     Timeout(String),
+    /// A prefill TP rank waited for a decode engine to write into, and the decode engines
+    /// registered have TP sizes into none of whose ranks it writes (an MLA rank at or above
+    /// decode's TP size): under this mapping it serves no decode and needs no engine.
+    #[error(
+        "prefill TP rank {rank} of {size} writes into no rank of the decode engines registered \
+         (TP sizes {decode_sizes:?}): start no transfer engine on it"
+    )]
+    WritesNowhere {
+        /// This rank's TP rank.
+        rank: u16,
+        /// Its TP size.
+        size: u16,
+        /// The TP sizes of the decode engines that were registered.
+        decode_sizes: Vec<u16>,
+    },
     /// The key holds the record of a later start of the same engine (a larger incarnation):
     /// this start is stale and does not overwrite it.
     #[error("{key} belongs to a later start (incarnation {theirs}, ours {ours})")]
@@ -689,7 +704,8 @@ impl Directory {
     /// `pp_size` PP ranks, in rank order, once all are registered.
     ///
     /// # Errors
-    /// [`DiscoveryError::Timeout`].
+    /// [`DiscoveryError::Timeout`]; [`DiscoveryError::WritesNowhere`] where it timed out with
+    /// decode engines registered and this rank writes into no rank of their TP sizes.
     pub async fn wait_for_cluster(
         &self,
         instance: &str,
@@ -698,27 +714,49 @@ impl Directory {
         timeout: Duration,
     ) -> Result<(EngineRecord, Vec<SocketAddr>), DiscoveryError> {
         let tp_rank = tp.rank;
-        self.wait_for("a decode engine and every prefill rank", timeout, |rs| {
-            let decode = rs.iter().find(|r| {
-                r.role == RecordRole::Decode
-                    && tp.writes_into((tp.rank, tp.size), (r.tp_rank, r.tp_size))
-            })?;
-            // The PP peers are this instance's ranks only.
-            let peers = (0..pp_size)
-                .map(|p| {
-                    rs.iter()
-                        .find(|r| {
-                            r.role == RecordRole::Prefill
-                                && r.instance == instance
-                                && r.tp_rank == tp_rank
-                                && r.pp_rank == p
-                        })
-                        .map(|r| r.address)
-                })
-                .collect::<Option<Vec<_>>>()?;
-            Some((decode.clone(), peers))
-        })
-        .await
+        let found = self
+            .wait_for("a decode engine and every prefill rank", timeout, |rs| {
+                let decode = rs.iter().find(|r| {
+                    r.role == RecordRole::Decode
+                        && tp.writes_into((tp.rank, tp.size), (r.tp_rank, r.tp_size))
+                })?;
+                // The PP peers are this instance's ranks only.
+                let peers = (0..pp_size)
+                    .map(|p| {
+                        rs.iter()
+                            .find(|r| {
+                                r.role == RecordRole::Prefill
+                                    && r.instance == instance
+                                    && r.tp_rank == tp_rank
+                                    && r.pp_rank == p
+                            })
+                            .map(|r| r.address)
+                    })
+                    .collect::<Option<Vec<_>>>()?;
+                Some((decode.clone(), peers))
+            })
+            .await;
+        if let Err(DiscoveryError::Timeout(_)) = found {
+            // Told only once the wait is over: a decode instance of another TP size, one this
+            // rank does write into, may register later.
+            let mut decode_sizes: Vec<u16> = self
+                .records()
+                .iter()
+                .filter(|r| r.role == RecordRole::Decode)
+                .map(|r| r.tp_size)
+                .collect();
+            decode_sizes.sort_unstable();
+            decode_sizes.dedup();
+            let nowhere = |&d: &u16| !(0..d).any(|r| tp.writes_into((tp.rank, tp.size), (r, d)));
+            if !decode_sizes.is_empty() && decode_sizes.iter().all(nowhere) {
+                return Err(DiscoveryError::WritesNowhere {
+                    rank: tp.rank,
+                    size: tp.size,
+                    decode_sizes,
+                });
+            }
+        }
+        found
     }
 }
 
@@ -970,7 +1008,9 @@ pub async fn watch_decode(engine: DecodeEngine, directory: Directory) {
 /// runs.
 ///
 /// # Errors
-/// etcd unreachable, the socket cannot be bound, or the cluster incomplete at `timeout`.
+/// etcd unreachable, the socket cannot be bound, or the cluster incomplete at `timeout`
+/// ([`DiscoveryError::WritesNowhere`] where the decode engines registered then are ones this rank
+/// writes nothing into).
 pub async fn find_prefill_cluster(
     etcd: &EtcdConfig,
     cfg: &mut PrefillConfig,

@@ -1,8 +1,9 @@
 //! kvbench's run with different TP sizes on the two sides, in one process: one decode engine per
-//! decode TP rank (all of one named decode instance), and one engine per prefill (PP, TP) rank,
-//! which writes into every decode TP rank it shares heads with (`core::topology::targets`) from
-//! its one registration. GQA heads are sliced (or replicated, with fewer KV heads than ranks);
-//! MLA latents go whole.
+//! decode TP rank of each decode instance, and one engine per prefill (PP, TP) rank of each
+//! prefill instance, which writes into every decode TP rank it shares heads with
+//! (`core::topology::targets`), of every decode instance, from its one registration. GQA heads are
+//! sliced (or replicated, with fewer KV heads than ranks); MLA latents go whole. Requests go to
+//! the (prefill instance, decode instance) pairs in turn.
 //!
 //! A request's bytes are named by the request and the global KV head (0 for MLA's latent): the
 //! bytes of head `h` for token `t` of region `g` of layer `l` are the pattern of stream (request,
@@ -21,7 +22,7 @@ use transfer_engine::core::RequestId;
 use transfer_engine::core::planner::{HeadLayout, HeadOrder, KvLayout, PpSplit};
 use transfer_engine::core::topology::{self, TpShape};
 use transfer_engine::engine::{
-    BackendConfig, DecodeConfig, DecodeEngine, EngineError, Outcome, Pool, PrefillConfig,
+    BackendConfig, DecodeConfig, DecodeEngine, EngineError, Expected, Outcome, Pool, PrefillConfig,
     PrefillEngine, TpConfig,
 };
 use transfer_engine::transport::BackendKind;
@@ -77,6 +78,10 @@ pub struct TpSpec {
     pub concurrency: u32,
     /// Requests.
     pub requests: u32,
+    /// Prefill instances (each `pp` × `prefill_tp` ranks; 0 counts as 1).
+    pub prefill_instances: u16,
+    /// Decode instances (each `decode_tp` ranks; 0 counts as 1).
+    pub decode_instances: u16,
     /// Backend.
     pub backend: BackendKind,
     /// How the decode engines' progress threads run.
@@ -106,7 +111,11 @@ pub struct TpReport {
     pub writes_per_request: u64,
     /// The contiguous pieces those writes are made of (a write of `n` rows counts `n`).
     pub rows_per_request: u64,
-    /// Engines in this process: decode TP ranks plus prefill (PP, TP) ranks.
+    /// Prefill instances.
+    pub prefill_instances: u16,
+    /// Decode instances.
+    pub decode_instances: u16,
+    /// Engines in this process: decode TP ranks plus prefill (PP, TP) ranks, of every instance.
     pub engines: u64,
     /// The most registrations any engine's transport holds (1: each pool registered once).
     pub registrations_per_process: u64,
@@ -128,9 +137,31 @@ impl TpSpec {
             chunk_tokens: w.chunk_tokens,
             concurrency: w.concurrency,
             requests: w.requests,
+            prefill_instances: w.prefill_instances,
+            decode_instances: w.decode_instances,
             backend,
             decode_progress: w.decode_progress,
         }
+    }
+
+    /// The prefill instances' names as decode serves them: `""` (decode's default instance)
+    /// where there is one.
+    fn prefill_names(&self) -> Vec<String> {
+        match self.prefill_instances {
+            0 | 1 => vec![String::new()],
+            n => (0..n).map(|k| format!("prefill-{k}")).collect(),
+        }
+    }
+
+    /// The (prefill instance, decode instance) pair request `n` (counted from 0) goes to: every
+    /// pair in turn.
+    pub fn pair_of(&self, n: u32) -> (usize, usize) {
+        let (p, d) = (
+            u32::from(self.prefill_instances.max(1)),
+            u32::from(self.decode_instances.max(1)),
+        );
+        let k = n % (p * d);
+        ((k / d) as usize, (k % d) as usize)
     }
 
     fn mode(&self) -> TpMode {
@@ -438,10 +469,14 @@ fn for_each_head_run<E>(
 #[derive(Debug)]
 pub struct TpCluster {
     spec: TpSpec,
-    decodes: Vec<DecodeEngine>,
-    /// (PP rank, prefill TP rank, its layer range, engine).
-    prefills: Vec<(u16, u16, std::ops::Range<u32>, PrefillEngine)>,
+    /// By decode instance, then decode TP rank.
+    decodes: Vec<Vec<DecodeEngine>>,
+    /// By prefill instance, its ranks.
+    prefills: Vec<Vec<PrefillRank>>,
 }
+
+/// (PP rank, prefill TP rank, its layer range, engine).
+type PrefillRank = (u16, u16, std::ops::Range<u32>, PrefillEngine);
 
 impl TpCluster {
     /// Starts every engine.
@@ -453,83 +488,105 @@ impl TpCluster {
         let secret: Vec<u8> = (0..32).map(|_| rand::random::<u8>()).collect();
         let tag = format!("{}-tp{}", std::process::id(), rand::random::<u32>());
         let s = spec.shape;
+        let names = spec.prefill_names();
+        // One prefill instance is decode's default one; several are named sessions.
+        let default_pp = if names.len() == 1 { spec.pp } else { 0 };
         let mut decodes = Vec::new();
-        for rank in 0..spec.decode_tp {
-            let layout = spec.layout(spec.decode_tp, 0, s.layers, spec.decode_page_tokens);
-            let mut cfg =
-                DecodeConfig::new(s.layers, spec.decode_page_tokens, layout.clone(), spec.pp);
-            cfg.tp = spec.tp(rank, spec.decode_tp);
-            cfg.prefill_tp = Some(spec.prefill_tp);
-            cfg.landing_bytes = spec.landing_bytes();
-            cfg.token = Some(Secret::new(&secret));
-            cfg.verify_checksums = false;
-            cfg.instance = "decode".into();
-            cfg.backend = spec
-                .decode_progress
-                .apply(BackendConfig::default_for_decode(
-                    spec.backend,
-                    &format!("d{rank}-{tag}"),
-                ));
-            decodes.push(DecodeEngine::start(cfg, Pool::Shared(layout.buffer_len)).await?);
+        for j in 0..spec.decode_instances.max(1) {
+            let mut ranks = Vec::new();
+            for rank in 0..spec.decode_tp {
+                let layout = spec.layout(spec.decode_tp, 0, s.layers, spec.decode_page_tokens);
+                let mut cfg = DecodeConfig::new(
+                    s.layers,
+                    spec.decode_page_tokens,
+                    layout.clone(),
+                    default_pp,
+                );
+                cfg.tp = spec.tp(rank, spec.decode_tp);
+                cfg.prefill_tp = Some(spec.prefill_tp);
+                cfg.landing_bytes = spec.landing_bytes();
+                cfg.token = Some(Secret::new(&secret));
+                cfg.verify_checksums = false;
+                cfg.instance = format!("decode-{j}");
+                cfg.backend = spec
+                    .decode_progress
+                    .apply(BackendConfig::default_for_decode(
+                        spec.backend,
+                        &format!("d{j}-{rank}-{tag}"),
+                    ));
+                let d = DecodeEngine::start(cfg, Pool::Shared(layout.buffer_len)).await?;
+                if names.len() > 1 {
+                    for name in &names {
+                        d.add_instance(name, spec.pp, spec.prefill_tp)?;
+                    }
+                }
+                ranks.push(d);
+            }
+            decodes.push(ranks);
         }
         let mut starts = Vec::new();
-        for t in 0..spec.prefill_tp {
-            let targets = spec.targets(t).map_err(EngineError::Config)?;
-            // A rank that writes nowhere (MLA: one rank writes each decode rank's latent) runs
-            // no engine.
-            let Some((first, rest)) = targets.split_first() else {
-                continue;
-            };
-            let rest: Vec<_> = rest
-                .iter()
-                .map(|d| decodes[usize::from(*d)].local_addr())
-                .collect();
-            let (sockets, peers) = crate::cluster::mesh_sockets(spec.pp)?;
-            for pp in 0..spec.pp {
-                let range = PpSplit::SglangEven
-                    .layer_range(s.layers, spec.pp, pp)
-                    .map_err(|source| EngineError::Plan {
-                        request: None,
-                        source,
-                    })?;
-                let layout = spec.layout(
-                    spec.prefill_tp,
-                    range.start,
-                    range.len() as u32,
-                    s.page_tokens,
-                );
-                let mut cfg = PrefillConfig::new(
-                    decodes[usize::from(*first)].local_addr(),
-                    pp,
-                    spec.pp,
-                    s.layers,
-                    s.page_tokens,
-                    layout.clone(),
-                );
-                cfg.tp = spec.tp(t, spec.prefill_tp);
-                cfg.engine_id = format!("p{pp}-t{t}-{tag}");
-                cfg.backend = BackendConfig::default_for(spec.backend, &cfg.engine_id);
-                cfg.peers = peers.clone();
-                cfg.mesh_socket = sockets.get(usize::from(pp)).cloned();
-                cfg.token = Some(Secret::new(&secret));
-                cfg.checksums = false;
-                let pool = Pool::Shared(layout.buffer_len);
-                let start = tokio::spawn(PrefillEngine::start(cfg, pool));
-                starts.push((pp, t, range, start, rest.clone()));
+        for (k, name) in names.iter().enumerate() {
+            for t in 0..spec.prefill_tp {
+                let targets = spec.targets(t).map_err(EngineError::Config)?;
+                // A rank that writes nowhere (MLA: one rank writes each decode rank's latent) runs
+                // no engine.
+                let mut addrs = decodes
+                    .iter()
+                    .flat_map(|ranks| targets.iter().map(|d| ranks[usize::from(*d)].local_addr()));
+                let Some(first) = addrs.next() else {
+                    continue;
+                };
+                let rest: Vec<_> = addrs.collect();
+                let (sockets, peers) = crate::cluster::mesh_sockets(spec.pp)?;
+                for pp in 0..spec.pp {
+                    let range = PpSplit::SglangEven
+                        .layer_range(s.layers, spec.pp, pp)
+                        .map_err(|source| EngineError::Plan {
+                            request: None,
+                            source,
+                        })?;
+                    let layout = spec.layout(
+                        spec.prefill_tp,
+                        range.start,
+                        range.len() as u32,
+                        s.page_tokens,
+                    );
+                    let mut cfg = PrefillConfig::new(
+                        first,
+                        pp,
+                        spec.pp,
+                        s.layers,
+                        s.page_tokens,
+                        layout.clone(),
+                    );
+                    cfg.tp = spec.tp(t, spec.prefill_tp);
+                    cfg.engine_id = format!("p{k}-{pp}-t{t}-{tag}");
+                    cfg.instance = name.clone();
+                    cfg.backend = BackendConfig::default_for(spec.backend, &cfg.engine_id);
+                    cfg.peers = peers.clone();
+                    cfg.mesh_socket = sockets.get(usize::from(pp)).cloned();
+                    cfg.token = Some(Secret::new(&secret));
+                    cfg.checksums = false;
+                    let pool = Pool::Shared(layout.buffer_len);
+                    let start = tokio::spawn(PrefillEngine::start(cfg, pool));
+                    starts.push((k, pp, t, range, start, rest.clone()));
+                }
             }
         }
-        let mut prefills = Vec::new();
-        for (pp, t, range, s, rest) in starts {
+        let mut prefills: Vec<Vec<_>> = names.iter().map(|_| Vec::new()).collect();
+        for (k, pp, t, range, s, rest) in starts {
             let e = s
                 .await
                 .map_err(|e| EngineError::Config(format!("prefill start task: {e}")))??;
             for addr in rest {
                 e.add_decode(addr).await?;
             }
-            prefills.push((pp, t, range, e));
+            prefills[k].push((pp, t, range, e));
         }
-        for d in &decodes {
-            d.wait_for_ranks(Duration::from_secs(30)).await?;
+        for d in decodes.iter().flatten() {
+            for name in &names {
+                d.wait_for_instance(name, Duration::from_secs(30)).await?;
+            }
         }
         Ok(TpCluster {
             spec,
@@ -538,12 +595,12 @@ impl TpCluster {
         })
     }
 
-    /// Writes `request`'s bytes into every prefill engine's `slot` pages and poisons every decode
-    /// rank's.
-    fn prepare(&self, request: RequestId, slot: u32) -> Result<(), String> {
+    /// Writes `request`'s bytes into prefill instance `k`'s engines' `slot` pages and poisons
+    /// decode instance `j`'s ranks'.
+    fn prepare(&self, request: RequestId, slot: u32, (k, j): (usize, usize)) -> Result<(), String> {
         let s = &self.spec;
         let (pages, dst_pages) = (self.src_pages(slot), self.dst_pages(slot));
-        for (_, t, range, e) in &self.prefills {
+        for (_, t, range, e) in &self.prefills[k] {
             let layout = s.layout(
                 s.prefill_tp,
                 range.start,
@@ -556,19 +613,19 @@ impl TpCluster {
             .map_err(|e| e.to_string())?;
         }
         let dst = s.layout(s.decode_tp, 0, s.shape.layers, s.decode_page_tokens);
-        for d in &self.decodes {
+        for d in &self.decodes[j] {
             verify::poison(&dst, &dst_pages, |at, b| d.write_pool(at, b))
                 .map_err(|e| e.to_string())?;
         }
         Ok(())
     }
 
-    /// Checks every decode rank's `slot` pages against the heads it holds.
-    fn check(&self, request: RequestId, slot: u32) -> Result<(), String> {
+    /// Checks decode instance `j`'s ranks' `slot` pages against the heads each holds.
+    fn check(&self, request: RequestId, slot: u32, j: usize) -> Result<(), String> {
         let s = &self.spec;
         let pages = self.dst_pages(slot);
         let layout = s.layout(s.decode_tp, 0, s.shape.layers, s.decode_page_tokens);
-        for (rank, d) in self.decodes.iter().enumerate() {
+        for (rank, d) in self.decodes[j].iter().enumerate() {
             s.check_rank(rank as u16, &layout, request, &pages, |at, b| {
                 d.read_pool(at, b)
             })
@@ -589,27 +646,33 @@ impl TpCluster {
         (slot * n..(slot + 1) * n).collect()
     }
 
-    /// Runs one request in `slot`: every decode rank expects it, every prefill engine sends every
-    /// chunk; returns once every decode rank's outcome is in.
-    async fn one(&self, request: RequestId, slot: u32) -> Result<(), String> {
+    /// Runs one request in `slot` from prefill instance `k` into decode instance `j`: every rank
+    /// of that decode expects it, every engine of that prefill sends every chunk; returns once
+    /// every decode rank's outcome is in.
+    async fn one(
+        &self,
+        request: RequestId,
+        slot: u32,
+        (k, j): (usize, usize),
+    ) -> Result<(), String> {
         let s = &self.spec;
         let (pages, dst_pages) = (self.src_pages(slot), self.dst_pages(slot));
+        let instance = s.prefill_names().swap_remove(k);
         let mut outcomes = Vec::new();
-        for d in &self.decodes {
-            outcomes.push(
-                d.expect(
-                    request,
-                    s.prompt_tokens,
-                    s.chunk_tokens,
-                    dst_pages.clone(),
-                    Duration::from_secs(60),
-                )
-                .map_err(|e| e.to_string())?,
-            );
+        for d in &self.decodes[j] {
+            let want = Expected {
+                instance: instance.clone(),
+                prefix_tokens: 0,
+                prompt_tokens: s.prompt_tokens,
+                chunk_tokens: s.chunk_tokens,
+                dst_pages: dst_pages.clone(),
+                timeout: Duration::from_secs(60),
+            };
+            outcomes.push(d.expect_request(request, want).map_err(|e| e.to_string())?);
         }
         let chunks = s.prompt_tokens.div_ceil(s.chunk_tokens);
         let mut sends = tokio::task::JoinSet::new();
-        for (_, _, _, e) in &self.prefills {
+        for (_, _, _, e) in &self.prefills[k] {
             let (e, pages) = (e.clone(), pages.clone());
             sends.spawn(async move {
                 for c in 0..chunks {
@@ -645,27 +708,28 @@ impl TpCluster {
         let mut timed = Duration::ZERO;
         let mut done = 0u32;
         let counts = |p: &Self| {
-            p.prefills.iter().fold((0u64, 0u64), |(w, r), e| {
+            p.prefills.iter().flatten().fold((0u64, 0u64), |(w, r), e| {
                 let st = e.3.stats();
                 (w + st.writes, r + st.write_rows)
             })
         };
         let before = counts(self);
         while done < s.requests {
-            let wave: Vec<(RequestId, u32)> = (0..c.min(s.requests - done))
-                .map(|k| (RequestId(u64::from(done + k) + 1), k))
+            // Each request of a wave in a slot of its own, whichever pair it goes to.
+            let wave: Vec<(RequestId, u32, (usize, usize))> = (0..c.min(s.requests - done))
+                .map(|k| (RequestId(u64::from(done + k) + 1), k, s.pair_of(done + k)))
                 .collect();
-            for &(r, slot) in &wave {
-                self.prepare(r, slot)?;
+            for &(r, slot, pair) in &wave {
+                self.prepare(r, slot, pair)?;
             }
             let t0 = Instant::now();
-            let runs = wave.iter().map(|&(r, slot)| self.one(r, slot));
+            let runs = wave.iter().map(|&(r, slot, pair)| self.one(r, slot, pair));
             for r in futures::future::join_all(runs).await {
                 r?;
             }
             timed += t0.elapsed();
-            for &(r, slot) in &wave {
-                self.check(r, slot)?;
+            for &(r, slot, (_, j)) in &wave {
+                self.check(r, slot, j)?;
             }
             done += wave.len() as u32;
             if let Some(p) = progress {
@@ -685,12 +749,21 @@ impl TpCluster {
             requests: u64::from(s.requests),
             writes_per_request: writes / u64::from(s.requests),
             rows_per_request: rows / u64::from(s.requests),
-            engines: (self.decodes.len() + self.prefills.len()) as u64,
+            prefill_instances: s.prefill_instances.max(1),
+            decode_instances: s.decode_instances.max(1),
+            engines: (self.decodes.iter().flatten().count()
+                + self.prefills.iter().flatten().count()) as u64,
             registrations_per_process: self
                 .decodes
                 .iter()
+                .flatten()
                 .map(|d| d.stats().registrations)
-                .chain(self.prefills.iter().map(|p| p.3.transport_stats().regions))
+                .chain(
+                    self.prefills
+                        .iter()
+                        .flatten()
+                        .map(|p| p.3.transport_stats().regions),
+                )
                 .max()
                 .unwrap_or(0),
             verified: true,
@@ -699,7 +772,7 @@ impl TpCluster {
 
     /// Shuts every decode engine down.
     pub async fn shutdown(self) {
-        for d in self.decodes {
+        for d in self.decodes.into_iter().flatten() {
             d.shutdown(Duration::from_secs(10)).await;
         }
     }

@@ -198,6 +198,26 @@ async fn tp_run(
     backend: BackendKind,
     decode_page_tokens: u32,
 ) {
+    tp_grid(
+        prefill_tp,
+        decode_tp,
+        kv_heads,
+        backend,
+        decode_page_tokens,
+        (1, 1),
+    )
+    .await;
+}
+
+/// [`tp_run`] with `instances` (prefill, decode) instances, requests going to each pair in turn.
+async fn tp_grid(
+    prefill_tp: u16,
+    decode_tp: u16,
+    kv_heads: u32,
+    backend: BackendKind,
+    decode_page_tokens: u32,
+    (prefill_instances, decode_instances): (u16, u16),
+) {
     use kvbench::tp::{TpCluster, TpSpec};
     let shape = Shape {
         layers: 4,
@@ -220,7 +240,10 @@ async fn tp_run(
         prompt_tokens: if decode_page_tokens == 16 { 100 } else { 96 },
         chunk_tokens: 32,
         concurrency: 2,
-        requests: 4,
+        // Every (prefill, decode) pair at least once.
+        requests: 4.max(u32::from(prefill_instances * decode_instances)),
+        prefill_instances,
+        decode_instances,
         backend,
         decode_progress: Default::default(),
     };
@@ -234,7 +257,8 @@ async fn tp_run(
         .await
         .expect("the run did not end within 120 s")
         .unwrap();
-    assert!(r.verified && r.requests == 4, "{r:?}");
+    let requests = 4.max(u64::from(prefill_instances * decode_instances));
+    assert!(r.verified && r.requests == requests, "{r:?}");
     // One engine per decode TP rank and per prefill (PP, TP) rank that writes (with MLA, one
     // prefill rank writes each decode rank's latent), each pool registered once.
     let writers = if kv_heads == 0 {
@@ -242,7 +266,11 @@ async fn tp_run(
     } else {
         prefill_tp
     };
-    assert_eq!(r.engines, u64::from(decode_tp + 2 * writers), "{r:?}");
+    assert_eq!(
+        r.engines,
+        u64::from(decode_instances * decode_tp + prefill_instances * 2 * writers),
+        "{r:?}"
+    );
     assert_eq!(r.registrations_per_process, 1, "{r:?}");
     // Sliced heads are writes of many rows (a page's tokens at least, consecutive pages
     // continuing the rows), not a write per row.
@@ -263,6 +291,15 @@ async fn kvbench_tp_runs_check_every_decode_ranks_heads() {
     tp_run(2, 1, 0, BackendKind::Nixl, 16).await;
 }
 
+/// `--prefill-instances 2 --decode-instances 2` with TP sizes that differ, in one process: every
+/// prefill rank serves the ranks it writes into of both decode instances from its one engine, and
+/// every decode rank serves both prefill instances; each pair's requests are checked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kvbench_tp_runs_serve_several_instances_of_each_side() {
+    tp_grid(2, 1, 4, BackendKind::Ucx, 16, (2, 2)).await;
+    tp_grid(1, 2, 4, BackendKind::Nixl, 16, (2, 2)).await;
+}
+
 /// `--decode-page-tokens`: prefill's 16-token pages into decode pages of 32 and of 8, with TP
 /// sliced both ways and MLA's latent rows, every decode byte checked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -270,4 +307,21 @@ async fn kvbench_tp_runs_map_pages_of_other_sizes() {
     tp_run(2, 1, 4, BackendKind::Ucx, 32).await;
     tp_run(1, 2, 4, BackendKind::Nixl, 8).await;
     tp_run(1, 1, 0, BackendKind::Ucx, 48).await;
+}
+
+/// What the TP run cannot do (it counts requests in contiguous pages) is refused in one process as
+/// with `--processes`, not ignored.
+#[test]
+fn a_tp_run_refuses_duration_and_scatter() {
+    for extra in ["--duration 1", "--scatter"] {
+        let args = format!("--model gqa --prefill-tp 2 --decode-tp 1 --requests 1 {extra}");
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvbench"))
+            .args(args.split_whitespace())
+            .env("UCX_MODULES", "^efa")
+            .output()
+            .expect("kvbench runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{extra}: {stderr}");
+        assert!(stderr.contains("no --duration, no --scatter"), "{stderr}");
+    }
 }

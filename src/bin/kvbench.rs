@@ -851,12 +851,6 @@ fn main() -> ExitCode {
         return run_processes(&cli.opts, &w);
     }
     if cli.opts.tp_run() && cli.role.is_none() {
-        if w.prefill_instances > 1 || w.decode_instances > 1 {
-            eprintln!(
-                "kvbench: --prefill-tp/--decode-tp/--decode-page-tokens run one instance of each side in one process, so far (several with --processes)"
-            );
-            return ExitCode::from(2);
-        }
         return rt.block_on(run_tp(&cli.opts, &w));
     }
     let heartbeat = match cli.opts.heartbeat {
@@ -1223,9 +1217,16 @@ async fn run_local(opts: &Opts, w: &Workload) -> Result<Vec<Report>, String> {
 /// into M on the same workload, in this process; prints one row each and the ratio.
 async fn run_tp(opts: &Opts, w: &Workload) -> ExitCode {
     let plan = opts.tp_plan(w.shape.page_tokens);
+    // What a run with each rank a process refuses, this one does too (it would ignore it).
+    for backend in opts.backends() {
+        if let Err(e) = kvbench::roles::tp_run(w, plan, backend) {
+            eprintln!("kvbench: {e}");
+            return ExitCode::from(2);
+        }
+    }
     let kv_heads = plan.kv_heads;
     println!(
-        "kvbench TP: {} layers x {} B/token/layer, {} KV heads{}, {}-token pages, PP={}, {}-token prompts in {}-token chunks, {} requests {} at a time",
+        "kvbench TP: {} layers x {} B/token/layer, {} KV heads{}, {}-token pages, PP={}, {}-token prompts in {}-token chunks, {} requests {} at a time, {} prefill and {} decode instance(s)",
         w.shape.layers,
         w.shape.bytes_per_token,
         kv_heads,
@@ -1235,7 +1236,9 @@ async fn run_tp(opts: &Opts, w: &Workload) -> ExitCode {
         w.prompt_tokens,
         w.chunk_tokens,
         w.requests,
-        w.concurrency
+        w.concurrency,
+        w.prefill_instances.max(1),
+        w.decode_instances.max(1),
     );
     println!(
         "backend  prefill TP  decode TP  pages     GB/s  vs identical  writes/request  rows/request  engines  regs  verified"

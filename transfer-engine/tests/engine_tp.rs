@@ -856,6 +856,59 @@ async fn a_reused_landing_range_is_written_only_after_decode_copied_the_chunk_be
     d.shutdown(BOUND).await;
 }
 
+/// A rank waiting for decode to free a landing range waits no longer than decode's request: with
+/// its chunk 0 stuck in its transport (written, not notified), decode never copies it, the request
+/// times out there, and the rank's wait to write chunk 1 into the range ends in an error, not a
+/// hang, while chunk 0 is still stuck.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_for_a_landing_range_ends_when_decode_times_the_request_out() {
+    let (d, ranks, faults) = two_into_one_nixl_in("bound", 1, 1).await;
+    let request = RequestId(25);
+    faults[0].add_send(Rule::new(
+        Match::request(request).chunk(0),
+        SendFault::Stuck,
+    ));
+    let done = d
+        .expect(
+            request,
+            PROMPT,
+            PAGE_TOKENS,
+            DST.to_vec(),
+            Duration::from_millis(800),
+        )
+        .unwrap();
+    let send = |c: u32| {
+        let p = ranks[0].clone();
+        tokio::spawn(async move { p.send_chunk(request, c, &SRC, false).await })
+    };
+    let first = send(0);
+    let deadline = tokio::time::Instant::now() + BOUND;
+    while faults[0].counters().stuck < 1 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "chunk 0 never posted"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let second = send(1);
+    assert_eq!(
+        tokio::time::timeout(BOUND, done).await.unwrap(),
+        Outcome::Failed(transfer_engine::core::tracker::FailureReason::Timeout)
+    );
+    let sent = tokio::time::timeout(BOUND, second)
+        .await
+        .expect("chunk 1 still waits for its range after decode timed the request out")
+        .unwrap();
+    assert!(
+        matches!(sent, Err(EngineError::RequestFailed { .. })),
+        "{sent:?}"
+    );
+    assert!(!first.is_finished(), "chunk 0 was meant to be still stuck");
+    assert_eq!(faults[0].release_stuck(), 1);
+    let _ = tokio::time::timeout(BOUND, first).await.unwrap();
+    d.shutdown(BOUND).await;
+}
+
 /// A duplicate of a chunk's notification that comes after a later chunk reused the chunk's landing
 /// range is not copied again (it would put the later chunk's rows into the earlier chunk's pages):
 /// decode copies each chunk once. One slot, three chunks; the first chunk 0 notification decode

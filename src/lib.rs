@@ -6,6 +6,7 @@
 pub mod bench;
 pub mod cluster;
 pub mod etcd_server;
+pub mod register;
 pub mod roles;
 pub mod sweep;
 pub mod tp;

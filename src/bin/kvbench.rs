@@ -283,6 +283,15 @@ enum Role {
         #[arg(long, default_value_t = 2000)]
         writes: u32,
     },
+    /// Time a decode engine's registration of a pool of `--gib` GiB on every backend asked for:
+    /// a pool the caller allocated and faulted in (`--pool caller`'s kind; its allocation is timed
+    /// too, apart) and one the transport allocates, populates and registers (`shared`), each in
+    /// turn. Prints the time and the time per GiB; exits non-zero if a pool cannot be had.
+    Register {
+        /// Pool size in GiB.
+        #[arg(long, default_value_t = 1.0)]
+        gib: f64,
+    },
     /// Run the workload (in this process, without baselines) over a grid of page sizes,
     /// concurrencies and prompt lengths on every backend asked for, and write `sweep.json` and
     /// `sweep.svg` (GB/s and p99 request latency against page size) into `--out`.
@@ -814,6 +823,13 @@ fn main() -> ExitCode {
         };
         return rt.block_on(run_sweep(&w, &grid, out, cli.opts.json.is_some()));
     }
+    if let Some(Role::Register { gib }) = &cli.role {
+        if cli.opts.processes || cli.opts.tp_run() {
+            eprintln!("kvbench: register runs in one process, one engine at a time");
+            return ExitCode::from(2);
+        }
+        return rt.block_on(run_register(&cli.opts, *gib));
+    }
     if let Some(Role::Latency { writes }) = &cli.role {
         if cli.opts.processes || cli.opts.tp_run() {
             eprintln!("kvbench: latency runs in one process, one TP size");
@@ -950,7 +966,7 @@ fn main() -> ExitCode {
             .map(|_| Vec::new())
         }
         // Handled above, before the roles' checks.
-        Some(Role::Sweep { .. } | Role::Latency { .. }) => Ok(Vec::new()),
+        Some(Role::Sweep { .. } | Role::Latency { .. } | Role::Register { .. }) => Ok(Vec::new()),
     };
     match result {
         Ok(reports) => {
@@ -986,6 +1002,51 @@ const LATENCY_WRITE: u64 = 4096;
 /// `kvbench latency`: one 4 KiB write per request, one request at a time, on each backend, timed
 /// from the prefill's post to decode's Complete, beside `ucx_perftest`'s put latency at the same
 /// size measured in the same run; a table, and `--json` with the same numbers.
+async fn run_register(opts: &Opts, gib: f64) -> ExitCode {
+    if !(gib.is_finite() && gib > 0.0 && gib <= 1024.0) {
+        eprintln!("kvbench: --gib {gib} must be above 0 and at most 1024");
+        return ExitCode::from(2);
+    }
+    let bytes = (gib * f64::from(1u32 << 30)) as u64;
+    println!(
+        "kvbench register: a decode engine's pool of {gib} GiB; caller: allocated and faulted in          by the caller (timed apart), registered by the engine; shared: allocated, populated and          registered by the engine"
+    );
+    println!(
+        "{:<8} {:<7} {:>8} {:>16} {:>13} {:>13}",
+        "backend", "pool", "GiB", "caller alloc ms", "register ms", "ms per GiB"
+    );
+    let mut rows = Vec::new();
+    for backend in opts.backends() {
+        for kind in [PoolKind::Caller, PoolKind::Shared] {
+            let r = match kvbench::register::time_registration(backend, kind, bytes).await {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("kvbench: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            println!(
+                "{:<8} {:<7} {:>8.2} {:>16.1} {:>13.1} {:>13.1}",
+                r.backend,
+                r.pool,
+                r.bytes as f64 / f64::from(1u32 << 30),
+                r.caller_alloc_ms,
+                r.register_ms,
+                r.register_ms_per_gib
+            );
+            rows.push(r);
+        }
+    }
+    if let Some(path) = &opts.json {
+        let text = serde_json::to_string_pretty(&rows).unwrap_or_default();
+        if let Err(e) = std::fs::write(path, text) {
+            eprintln!("kvbench: cannot write {}: {e}", path.display());
+            return ExitCode::FAILURE;
+        }
+    }
+    ExitCode::SUCCESS
+}
+
 async fn run_latency(opts: &Opts, base: &Workload, writes: u32) -> ExitCode {
     if writes == 0 {
         eprintln!("kvbench: --writes must be positive");

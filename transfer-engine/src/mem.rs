@@ -74,12 +74,40 @@ impl MemDesc {
     }
 }
 
+/// Faults in every page of `buf` by writing a zero into it (the bytes of a fresh anonymous mapping
+/// are zero already): parts of a large buffer on threads of their own, since the kernel makes the
+/// pages one fault at a time on the faulting thread.
+fn prefault(buf: &mut [u8]) {
+    /// Parts at least this long get a thread each.
+    const PART_MIN: usize = 256 << 20;
+    /// The most threads one buffer is faulted in by.
+    const THREADS_MAX: usize = 8;
+    /// The smallest page size.
+    const PAGE: usize = 4096;
+    let touch = |part: &mut [u8]| part.iter_mut().step_by(PAGE).for_each(|b| *b = 0);
+    let threads = std::thread::available_parallelism()
+        .map_or(1, usize::from)
+        .min(buf.len() / PART_MIN)
+        .clamp(1, THREADS_MAX);
+    if threads == 1 {
+        touch(buf);
+        return;
+    }
+    let part = buf.len().div_ceil(threads).next_multiple_of(PAGE);
+    std::thread::scope(|scope| {
+        for p in buf.chunks_mut(part) {
+            scope.spawn(move || touch(p));
+        }
+    });
+}
+
 /// Options for [`HostBuffer::new`].
 #[derive(Clone, Copy, Debug, Default)]
 pub struct HostOptions {
     /// Back the buffer with huge pages (`MAP_HUGETLB`); fails if the system has none reserved.
     pub huge_pages: bool,
-    /// Fault every page in at allocation (`MAP_POPULATE`) so the first transfer does not pay for it.
+    /// Fault every page in at allocation (each written once, a large buffer by several threads) so
+    /// the first transfer does not pay for it.
     pub prefault: bool,
 }
 
@@ -102,10 +130,11 @@ impl HostBuffer {
         if opts.huge_pages {
             o.huge(None);
         }
+        let mut map = o.map_anon()?;
         if opts.prefault {
-            o.populate();
+            prefault(&mut map);
         }
-        Ok(HostBuffer { map: o.map_anon()? })
+        Ok(HostBuffer { map })
     }
 
     /// The bytes.

@@ -128,11 +128,49 @@ fn populate(addr: *mut u8, len: u64) -> std::io::Result<()> {
     else {
         return Err(std::io::Error::from_raw_os_error(libc::EOVERFLOW));
     };
+    // The kernel makes the pages one fault at a time on the calling thread; parts of a large range
+    // go to threads of their own, each a whole number of pages.
+    let threads = std::thread::available_parallelism()
+        .map_or(1, usize::from)
+        .min(len / POPULATE_PART_MIN)
+        .clamp(1, POPULATE_THREADS_MAX);
+    if threads == 1 {
+        return populate_part(start, len);
+    }
+    let part = len.div_ceil(threads).next_multiple_of(PAGE);
+    let rcs: Vec<std::io::Result<()>> = std::thread::scope(|scope| {
+        let parts: Vec<_> = (0..len)
+            .step_by(part)
+            .map(|off| {
+                let (at, n) = (start + off, part.min(len - off));
+                scope.spawn(move || populate_part(at, n))
+            })
+            .collect();
+        parts
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(std::io::Error::other("a thread populating a pool panicked"))
+                })
+            })
+            .collect()
+    });
+    rcs.into_iter().collect()
+}
+
+/// Ranges at least this long are populated by more than one thread, each a part at least this long.
+const POPULATE_PART_MIN: usize = 256 << 20;
+
+/// The most threads one range is populated by.
+const POPULATE_THREADS_MAX: usize = 8;
+
+/// [`populate`] of `[start, start + len)`, page-aligned, on this thread.
+fn populate_part(start: usize, len: usize) -> std::io::Result<()> {
     let addr = start as *mut u8;
-    // SAFETY: the range is a mapping of this process (memory UCX allocated for us, or a peer's
-    // region UCX attached for its rkey, checked against our memory map); MADV_POPULATE_WRITE only
-    // prefaults it as a write would and never changes its contents, so memory others use
-    // concurrently is safe.
+    // SAFETY: the range is part of a mapping of this process (memory UCX allocated for us, or a
+    // peer's region UCX attached for its rkey, checked against our memory map), page-aligned by
+    // `populate`; MADV_POPULATE_WRITE only prefaults it as a write would and never changes its
+    // contents, so memory others use concurrently (and the other parts' threads) is safe.
     let rc = unsafe { libc::madvise(addr.cast(), len, libc::MADV_POPULATE_WRITE) };
     if rc == 0 {
         return Ok(());
@@ -612,6 +650,20 @@ impl Transport for UcxTransport {
         len: u64,
     ) -> Result<Option<(RegionId, RemoteRegion, MemDesc)>, TransportError> {
         let (id, remote) = self.call(|tx| Cmd::Allocate(len, tx))?;
+        // The pool's pages are made now, not by the first writes into them; a pool that cannot have
+        // them (a size-limited shared-memory mount) fails here rather than by SIGBUS at a write.
+        // On this thread, not the progress thread: that takes time in proportion to the pool
+        // (seconds for tens of GiB), past the bound on a call to the progress thread.
+        if let Err(e) = populate(remote.addr as usize as *mut u8, len) {
+            // SAFETY: the region was allocated just now and its id has not left this function:
+            // nothing reads or writes it.
+            let _ = unsafe { self.deregister(id) };
+            return Err(TransportError::Populate {
+                bytes: len,
+                code: e.raw_os_error().unwrap_or(0),
+                message: e.to_string(),
+            });
+        }
         let desc = MemDesc::host_raw(remote.addr as usize as *mut u8, len as usize);
         Ok(Some((id, remote, desc)))
     }
@@ -1198,17 +1250,7 @@ impl Worker {
                 ),
             });
         }
-        // The pool's pages are made now, not by the first writes into them; a pool that cannot have
-        // them (a size-limited shared-memory mount) fails here rather than by SIGBUS at a write.
-        if let Err(e) = populate(attr.address.cast(), len) {
-            // SAFETY: memh is mapped and unused; unmapping frees what UCX allocated.
-            unsafe { ffi::ucp_mem_unmap(self.ctx, memh) };
-            return Err(TransportError::Populate {
-                bytes: len,
-                code: e.raw_os_error().unwrap_or(0),
-                message: e.to_string(),
-            });
-        }
+        // Its pages are made by the caller ([`UcxTransport::allocate`]), not on this thread.
         self.add_region(memh, attr.address as u64, len, true, true)
     }
 

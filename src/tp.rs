@@ -111,6 +111,9 @@ pub struct TpReport {
     pub writes_per_request: u64,
     /// The contiguous pieces those writes are made of (a write of `n` rows counts `n`).
     pub rows_per_request: u64,
+    /// Chunks, all prefill engines together, that waited for decode to free their landing range
+    /// (`PrefillStats::landing_waits`), over the run.
+    pub landing_waits: u64,
     /// Prefill instances.
     pub prefill_instances: u16,
     /// Decode instances.
@@ -708,10 +711,13 @@ impl TpCluster {
         let mut timed = Duration::ZERO;
         let mut done = 0u32;
         let counts = |p: &Self| {
-            p.prefills.iter().flatten().fold((0u64, 0u64), |(w, r), e| {
-                let st = e.3.stats();
-                (w + st.writes, r + st.write_rows)
-            })
+            p.prefills
+                .iter()
+                .flatten()
+                .fold((0u64, 0u64, 0u64), |(w, r, l), e| {
+                    let st = e.3.stats();
+                    (w + st.writes, r + st.write_rows, l + st.landing_waits)
+                })
         };
         let before = counts(self);
         while done < s.requests {
@@ -738,6 +744,7 @@ impl TpCluster {
         }
         let after = counts(self);
         let (writes, rows) = (after.0 - before.0, after.1 - before.1);
+        let landing_waits = after.2 - before.2;
         let bytes = s.shape.request_bytes(s.prompt_tokens) * u64::from(s.requests);
         Ok(TpReport {
             backend: s.backend.to_string(),
@@ -749,6 +756,7 @@ impl TpCluster {
             requests: u64::from(s.requests),
             writes_per_request: writes / u64::from(s.requests),
             rows_per_request: rows / u64::from(s.requests),
+            landing_waits,
             prefill_instances: s.prefill_instances.max(1),
             decode_instances: s.decode_instances.max(1),
             engines: (self.decodes.iter().flatten().count()

@@ -851,4 +851,15 @@ async fn a_prefill_rank_that_writes_into_no_decode_rank_is_told_so() {
         ),
         "{err}"
     );
+    // Sizes the mapping cannot map (identical TP, 2 against decode's 1) are not a spare rank: the
+    // wait stays a timeout.
+    let identical = TpConfig {
+        mode: TpMode::Identical,
+        ..tp(1)
+    };
+    let err = dir
+        .wait_for_cluster("", &identical, 1, Duration::from_secs(1))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, DiscoveryError::Timeout(_)), "{err}");
 }

@@ -66,4 +66,6 @@ fn a_pool_of_no_size_is_refused() {
         .output()
         .expect("kvbench runs");
     assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("must be above 0"), "{stderr}");
 }

@@ -999,9 +999,8 @@ fn main() -> ExitCode {
 /// The bytes of the write `kvbench latency` times.
 const LATENCY_WRITE: u64 = 4096;
 
-/// `kvbench latency`: one 4 KiB write per request, one request at a time, on each backend, timed
-/// from the prefill's post to decode's Complete, beside `ucx_perftest`'s put latency at the same
-/// size measured in the same run; a table, and `--json` with the same numbers.
+/// `kvbench register`: a decode engine's registration of a pool of `gib` GiB, of each kind, on
+/// each backend; a table, and `--json` with the same numbers.
 async fn run_register(opts: &Opts, gib: f64) -> ExitCode {
     if !(gib.is_finite() && gib > 0.0 && gib <= 1024.0) {
         eprintln!("kvbench: --gib {gib} must be above 0 and at most 1024");
@@ -1009,7 +1008,9 @@ async fn run_register(opts: &Opts, gib: f64) -> ExitCode {
     }
     let bytes = (gib * f64::from(1u32 << 30)) as u64;
     println!(
-        "kvbench register: a decode engine's pool of {gib} GiB; caller: allocated and faulted in          by the caller (timed apart), registered by the engine; shared: allocated, populated and          registered by the engine"
+        "kvbench register: a decode engine's pool of {gib} GiB; caller: allocated and faulted in \
+         by the caller (timed apart), registered by the engine; shared: allocated, populated and \
+         registered by the engine"
     );
     println!(
         "{:<8} {:<7} {:>8} {:>16} {:>13} {:>13}",
@@ -1047,6 +1048,9 @@ async fn run_register(opts: &Opts, gib: f64) -> ExitCode {
     ExitCode::SUCCESS
 }
 
+/// `kvbench latency`: one 4 KiB write per request, one request at a time, on each backend, timed
+/// from the prefill's post to decode's Complete, beside `ucx_perftest`'s put latency at the same
+/// size measured in the same run; a table, and `--json` with the same numbers.
 async fn run_latency(opts: &Opts, base: &Workload, writes: u32) -> ExitCode {
     if writes == 0 {
         eprintln!("kvbench: --writes must be positive");

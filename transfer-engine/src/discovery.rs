@@ -747,7 +747,11 @@ impl Directory {
                 .collect();
             decode_sizes.sort_unstable();
             decode_sizes.dedup();
-            let nowhere = |&d: &u16| !(0..d).any(|r| tp.writes_into((tp.rank, tp.size), (r, d)));
+            // Only where the sizes do map: sizes that do not are a configuration error every rank
+            // shares, and stay a timeout here (the handshake names them).
+            let nowhere = |&d: &u16| {
+                tp.maps(tp.size, d) && !(0..d).any(|r| tp.writes_into((tp.rank, tp.size), (r, d)))
+            };
             if !decode_sizes.is_empty() && decode_sizes.iter().all(nowhere) {
                 return Err(DiscoveryError::WritesNowhere {
                     rank: tp.rank,

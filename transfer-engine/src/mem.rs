@@ -74,31 +74,76 @@ impl MemDesc {
     }
 }
 
-/// Faults in every page of `buf` by writing a zero into it (the bytes of a fresh anonymous mapping
-/// are zero already): parts of a large buffer on threads of their own, since the kernel makes the
-/// pages one fault at a time on the faulting thread.
-fn prefault(buf: &mut [u8]) {
+/// Faults in every page (`page` bytes) of `buf` by writing a zero into it (the bytes of a fresh
+/// anonymous mapping are zero already), a large buffer in parts on threads of their own
+/// ([`part_len`]).
+fn prefault(buf: &mut [u8], page: usize) {
+    let part = part_len(buf.len(), page);
+    let touch = |p: &mut [u8]| {
+        p.iter_mut().step_by(page).for_each(|b| *b = 0);
+        Ok(())
+    };
+    // Touching memory cannot fail: the only error is a panicked thread's, which the panic reports.
+    let _ = on_threads(buf.chunks_mut(part.max(1)), touch);
+}
+
+/// How long the parts of a range of `len` bytes are when the range is made (its pages faulted in)
+/// on several threads, a whole number of `align` bytes each: one part per core, up to 8, each at
+/// least 256 MiB; `len` itself (one part) for a shorter range. The kernel makes the pages one fault
+/// at a time on the faulting thread, so a large range goes faster split.
+pub(crate) fn part_len(len: usize, align: usize) -> usize {
     /// Parts at least this long get a thread each.
     const PART_MIN: usize = 256 << 20;
-    /// The most threads one buffer is faulted in by.
+    /// The most threads one range is split over.
     const THREADS_MAX: usize = 8;
-    /// The smallest page size.
-    const PAGE: usize = 4096;
-    let touch = |part: &mut [u8]| part.iter_mut().step_by(PAGE).for_each(|b| *b = 0);
     let threads = std::thread::available_parallelism()
         .map_or(1, usize::from)
-        .min(buf.len() / PART_MIN)
+        .min(len / PART_MIN)
         .clamp(1, THREADS_MAX);
     if threads == 1 {
-        touch(buf);
-        return;
+        return len;
     }
-    let part = buf.len().div_ceil(threads).next_multiple_of(PAGE);
+    len.div_ceil(threads).next_multiple_of(align.max(1))
+}
+
+/// Runs `f` on each of `parts`, each on a thread of its own (scoped: all are over when this
+/// returns), the first and any whose thread cannot be had on this thread; returns the first error.
+pub(crate) fn on_threads<T: Send>(
+    parts: impl IntoIterator<Item = T>,
+    f: impl Fn(T) -> io::Result<()> + Sync,
+) -> io::Result<()> {
+    let slots: Vec<std::sync::Mutex<Option<T>>> = parts
+        .into_iter()
+        .map(|p| std::sync::Mutex::new(Some(p)))
+        .collect();
+    // Each slot is taken once, by whichever thread runs its part.
+    let run = |i: usize| {
+        let part = slots.get(i).and_then(|s| {
+            s.lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .take()
+        });
+        part.map_or(Ok(()), &f)
+    };
     std::thread::scope(|scope| {
-        for p in buf.chunks_mut(part) {
-            scope.spawn(move || touch(p));
+        let run = &run;
+        let mut result = Ok(());
+        let mut threads = Vec::new();
+        for i in 1..slots.len() {
+            match std::thread::Builder::new().spawn_scoped(scope, move || run(i)) {
+                Ok(h) => threads.push(h),
+                Err(_) => result = result.and(run(i)),
+            }
         }
-    });
+        result = result.and(run(0));
+        for h in threads {
+            let r = h
+                .join()
+                .unwrap_or_else(|_| Err(io::Error::other("a thread making pages panicked")));
+            result = result.and(r);
+        }
+        result
+    })
 }
 
 /// Options for [`HostBuffer::new`].
@@ -132,7 +177,9 @@ impl HostBuffer {
         }
         let mut map = o.map_anon()?;
         if opts.prefault {
-            prefault(&mut map);
+            // One write per page: 2 MiB ones where the mapping has huge pages (the usual size; a
+            // larger one is only written more often than it needs).
+            prefault(&mut map, if opts.huge_pages { 2 << 20 } else { 4096 });
         }
         Ok(HostBuffer { map })
     }
@@ -569,5 +616,61 @@ impl Pool {
             at += n;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every part runs exactly once, on whichever thread, and the first error comes back.
+    #[test]
+    fn on_threads_runs_every_part_once() {
+        let seen = std::sync::Mutex::new(Vec::new());
+        on_threads(0..9u32, |i| {
+            seen.lock().unwrap_or_else(|e| e.into_inner()).push(i);
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        let mut seen = seen.into_inner().unwrap_or_else(|e| e.into_inner());
+        seen.sort_unstable();
+        assert_eq!(seen, (0..9).collect::<Vec<_>>());
+        let err = on_threads(0..4u32, |i| {
+            if i == 2 {
+                Err(io::Error::other("part 2"))
+            } else {
+                Ok(())
+            }
+        });
+        assert_eq!(err.map_err(|e| e.to_string()), Err("part 2".to_string()));
+        assert!(on_threads(std::iter::empty::<u32>(), |_| Ok(())).is_ok());
+    }
+
+    /// Parts are whole multiples of the alignment and cover the range; a short range is one part.
+    #[test]
+    fn parts_cover_the_range_in_aligned_pieces() {
+        assert_eq!(part_len(100 << 20, 4096), 100 << 20);
+        let len = (3 << 30) + 12_288;
+        let part = part_len(len, 2 << 20);
+        // One part on a machine of one core.
+        assert!(
+            part == len || (part.is_multiple_of(2 << 20) && part >= 256 << 20),
+            "{part}"
+        );
+        assert!(part * 8 >= len);
+    }
+
+    /// A prefaulted buffer reads zero everywhere, huge-page stride or not.
+    #[test]
+    fn a_prefaulted_buffer_is_zero() {
+        let b = HostBuffer::new(
+            3 << 20,
+            HostOptions {
+                prefault: true,
+                ..HostOptions::default()
+            },
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert!(b.as_slice().iter().all(|&x| x == 0));
     }
 }

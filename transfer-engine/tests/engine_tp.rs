@@ -853,6 +853,10 @@ async fn a_reused_landing_range_is_written_only_after_decode_copied_the_chunk_be
     assert_eq!(faults[0].release_stuck(), 1);
     landed_whole(&case, &d, done, chunks).await;
     assert_eq!(ranks[0].stats().writes, 3 * written);
+    // Its chunks 1 and 2 waited (together, from when they were offered), the 300 ms at least.
+    let s = ranks[0].stats();
+    assert_eq!(s.landing_waits, 2, "{s:?}");
+    assert!(s.landing_wait_micros >= 2 * 300_000, "{s:?}");
     d.shutdown(BOUND).await;
 }
 

@@ -1310,11 +1310,10 @@ impl DecodeEngine {
         });
         let transport = inner.cfg.backend.build(sink)?;
         let t0 = Instant::now();
-        let _ = inner.pool.set(super::pools::Pools::register(
-            &transport,
-            pools,
-            inner.cfg.layout.buffer_len,
-        )?);
+        let _ = inner.pool.set(
+            super::pools::Pools::register_blocking(&transport, pools, inner.cfg.layout.buffer_len)
+                .await?,
+        );
         inner
             .register_micros
             .store(crate::transport::micros_since(t0), Ordering::Relaxed);

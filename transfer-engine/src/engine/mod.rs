@@ -361,6 +361,14 @@ impl TpConfig {
             .is_ok_and(|s| s.iter().any(|s| s.prefill_rank == u32::from(prefill_rank)))
     }
 
+    /// Whether this mapping maps prefill TP size `prefill_size` onto decode TP size `decode_size`
+    /// at all (every decode rank has its sources): where it does not, no rank writes anywhere
+    /// ([`writes_into`](Self::writes_into) is false) because the sizes are wrong, not because
+    /// a rank is spare.
+    pub fn maps(&self, prefill_size: u16, decode_size: u16) -> bool {
+        (0..decode_size).all(|d| self.source_at(prefill_size, decode_size, d).is_ok())
+    }
+
     /// How many decode TP ranks (of `decode_size`) prefill TP rank `prefill_rank` writes into.
     fn target_count(
         &self,

@@ -89,6 +89,23 @@ impl Pools {
         Ok(Pools { regs, seg })
     }
 
+    /// [`register`](Self::register) on a thread for blocking work, not the runtime's: making a
+    /// large pool's pages takes seconds (6.8 s for 16 GiB here), which would hold one of the
+    /// runtime's workers meanwhile.
+    ///
+    /// # Errors
+    /// As [`register`](Self::register).
+    pub(crate) async fn register_blocking(
+        transport: &Arc<dyn Transport>,
+        pools: Vec<Pool>,
+        buffer_len: u64,
+    ) -> Result<Self, EngineError> {
+        let transport = transport.clone();
+        tokio::task::spawn_blocking(move || Self::register(&transport, pools, buffer_len))
+            .await
+            .map_err(|e| EngineError::Config(format!("registering the pool: {e}")))?
+    }
+
     /// Bytes of one segment.
     pub(crate) fn segment_len(&self) -> u64 {
         self.seg

@@ -254,6 +254,11 @@ pub struct PrefillStats {
     /// chunk handed to the transport, or waiting for a landing range decode is still copying from
     /// (it goes when decode frees it).
     pub offers_posted: u64,
+    /// Chunks that found a landing range still holding an earlier chunk decode had not copied out
+    /// yet, and waited for it (the grant's slots were too few to keep this rank's writes going).
+    pub landing_waits: u64,
+    /// Microseconds those chunks waited, together.
+    pub landing_wait_micros: u64,
     /// Decode engines connected now.
     pub decodes: u64,
     /// Control messages from a decode engine about a request another decode engine owns, dropped.
@@ -479,6 +484,8 @@ struct Counters {
     writes: AtomicU64,
     write_rows: AtomicU64,
     offers_posted: AtomicU64,
+    landing_waits: AtomicU64,
+    landing_wait_micros: AtomicU64,
     refused: AtomicU64,
     refused_connections: AtomicU64,
     /// Bytes and writes of completed chunks by decode (control address), for the metrics: one
@@ -543,6 +550,8 @@ impl Inner {
             writes: c.writes.load(Ordering::Relaxed),
             write_rows: c.write_rows.load(Ordering::Relaxed),
             offers_posted: c.offers_posted.load(Ordering::Relaxed),
+            landing_waits: c.landing_waits.load(Ordering::Relaxed),
+            landing_wait_micros: c.landing_wait_micros.load(Ordering::Relaxed),
             decodes,
             refused: c.refused.load(Ordering::Relaxed),
             refused_connections: c.refused_connections.load(Ordering::Relaxed),
@@ -612,6 +621,18 @@ impl crate::metrics::Source for Inner {
             "Requests the engine posted itself from offered pages",
             base(),
             Counter(s.offers_posted),
+        );
+        out.add(
+            "kvx_landing_waits",
+            "Chunks that waited for decode to copy an earlier chunk out of their landing range",
+            base(),
+            Counter(s.landing_waits),
+        );
+        out.add(
+            "kvx_landing_wait_microseconds",
+            "Microseconds chunks waited for their landing range, together",
+            base(),
+            Counter(s.landing_wait_micros),
         );
         out.add(
             "kvx_requests_decided",
@@ -807,7 +828,8 @@ impl PrefillEngine {
         let sink: Sink = Arc::new(|_| {});
         let transport = cfg.backend.build(sink)?;
         let t0 = Instant::now();
-        let pool = super::pools::Pools::register(&transport, pools, cfg.layout.buffer_len)?;
+        let pool = super::pools::Pools::register_blocking(&transport, pools, cfg.layout.buffer_len)
+            .await?;
         let register_micros = crate::transport::micros_since(t0);
         tracing::info!(
             pp_rank = cfg.pp_rank,
@@ -1866,7 +1888,8 @@ impl Inner {
         let open = st.links.get(&link.id).is_some_and(|l| !l.closed);
         let reason = match (geometry, check) {
             (Ok(g), Some(Ok(()))) if open => {
-                // No more chunks than the pages just checked against the pool.
+                // Chunk ids are `u32` on the wire; the count is at most the prompt's tokens, which
+                // fill pages the pool holds (checked just above).
                 let chunks = u32::try_from(g.num_chunks()).unwrap_or(u32::MAX);
                 let leg = Leg {
                     link: link.clone(),
@@ -1968,8 +1991,10 @@ impl Inner {
     /// Waits until every leg of `request` may take chunk `chunk`'s writes: where its landing
     /// grant reuses ranges, decode copied the chunk before it out of the range (see
     /// [`Leg::range_free`]). Returns at once for a request that failed, was decided or is gone
-    /// (posting it then fails as it would have), and looks again at least every 50 ms.
+    /// (posting it then fails as it would have), and looks again at least every 50 ms. A wait is
+    /// counted (`PrefillStats::landing_waits`, `landing_wait_micros`).
     async fn wait_for_ranges(&self, request: RequestId, chunk: u32) {
+        let mut since = None;
         loop {
             let woken = self.landed.notified();
             tokio::pin!(woken);
@@ -1980,8 +2005,17 @@ impl Inner {
                     r.failed.is_some() || r.voted || r.legs.iter().all(|l| l.range_free(chunk))
                 });
                 if free || st.closed {
+                    if let Some(t0) = since {
+                        self.counters
+                            .landing_wait_micros
+                            .fetch_add(crate::transport::micros_since(t0), Ordering::Relaxed);
+                    }
                     return;
                 }
+            }
+            if since.is_none() {
+                since = Some(Instant::now());
+                self.counters.landing_waits.fetch_add(1, Ordering::Relaxed);
             }
             let _ = tokio::time::timeout(Duration::from_millis(50), woken).await;
         }

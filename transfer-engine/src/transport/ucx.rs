@@ -128,41 +128,12 @@ fn populate(addr: *mut u8, len: u64) -> std::io::Result<()> {
     else {
         return Err(std::io::Error::from_raw_os_error(libc::EOVERFLOW));
     };
-    // The kernel makes the pages one fault at a time on the calling thread; parts of a large range
-    // go to threads of their own, each a whole number of pages.
-    let threads = std::thread::available_parallelism()
-        .map_or(1, usize::from)
-        .min(len / POPULATE_PART_MIN)
-        .clamp(1, POPULATE_THREADS_MAX);
-    if threads == 1 {
-        return populate_part(start, len);
-    }
-    let part = len.div_ceil(threads).next_multiple_of(PAGE);
-    let rcs: Vec<std::io::Result<()>> = std::thread::scope(|scope| {
-        let parts: Vec<_> = (0..len)
-            .step_by(part)
-            .map(|off| {
-                let (at, n) = (start + off, part.min(len - off));
-                scope.spawn(move || populate_part(at, n))
-            })
-            .collect();
-        parts
-            .into_iter()
-            .map(|h| {
-                h.join().unwrap_or_else(|_| {
-                    Err(std::io::Error::other("a thread populating a pool panicked"))
-                })
-            })
-            .collect()
-    });
-    rcs.into_iter().collect()
+    // Large ranges in parts on threads of their own (see `mem::part_len`).
+    let part = crate::mem::part_len(len, PAGE).max(PAGE);
+    crate::mem::on_threads((0..len).step_by(part), |off| {
+        populate_part(start + off, part.min(len - off))
+    })
 }
-
-/// Ranges at least this long are populated by more than one thread, each a part at least this long.
-const POPULATE_PART_MIN: usize = 256 << 20;
-
-/// The most threads one range is populated by.
-const POPULATE_THREADS_MAX: usize = 8;
 
 /// [`populate`] of `[start, start + len)`, page-aligned, on this thread.
 fn populate_part(start: usize, len: usize) -> std::io::Result<()> {
@@ -657,7 +628,9 @@ impl Transport for UcxTransport {
         if let Err(e) = populate(remote.addr as usize as *mut u8, len) {
             // SAFETY: the region was allocated just now and its id has not left this function:
             // nothing reads or writes it.
-            let _ = unsafe { self.deregister(id) };
+            if let Err(d) = unsafe { self.deregister(id) } {
+                tracing::warn!(bytes = len, error = %d, "a pool that could not be populated stays allocated");
+            }
             return Err(TransportError::Populate {
                 bytes: len,
                 code: e.raw_os_error().unwrap_or(0),

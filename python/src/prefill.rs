@@ -549,6 +549,8 @@ impl PrefillEngine {
                 ("registered_bytes", s.registered_bytes),
                 ("writes", s.writes),
                 ("offers_posted", s.offers_posted),
+                ("landing_waits", s.landing_waits),
+                ("landing_wait_micros", s.landing_wait_micros),
                 ("decodes", s.decodes),
                 ("refused", s.refused),
             ],

@@ -7,7 +7,9 @@
 use crate::cluster::PoolKind;
 use std::time::{Duration, Instant};
 use transfer_engine::core::planner::{KvLayout, RegionKind};
-use transfer_engine::engine::{BackendConfig, DecodeConfig, DecodeEngine, Pool};
+use transfer_engine::engine::{
+    BackendConfig, DecodeConfig, DecodeEngine, Pool, PrefillConfig, PrefillEngine,
+};
 use transfer_engine::mem::{HostBuffer, HostOptions};
 use transfer_engine::transport::BackendKind;
 
@@ -31,6 +33,10 @@ pub struct RegisterReport {
     pub register_ms: f64,
     /// `register_ms` per GiB.
     pub register_ms_per_gib: f64,
+    /// A prefill engine's start against that decode (a pool of one page of its own): its
+    /// handshake, and with UCX and a shared pool, mapping the decode's whole pool into its process
+    /// and faulting every page of it in, on its progress thread.
+    pub prefill_connect_ms: f64,
 }
 
 /// Starts a decode engine on `backend` with a pool of `bytes` (rounded up to whole 2 MiB pages)
@@ -63,7 +69,6 @@ pub async fn time_registration(
         }
     };
     let mut cfg = DecodeConfig::new(1, 16, layout, 1);
-    // Nothing connects; a secret keeps the engine from warning that anything could.
     let secret: Vec<u8> = (0..32).map(|_| rand::random::<u8>()).collect();
     cfg.token = Some(transfer_engine::control::Secret::new(&secret));
     cfg.backend = BackendConfig::default_for_decode(
@@ -74,7 +79,30 @@ pub async fn time_registration(
         .await
         .map_err(|e| format!("{backend} decode engine with a {len}-byte pool: {e}"))?;
     let register_ms = engine.stats().register_micros as f64 / 1e3;
+    let mut pcfg = PrefillConfig::new(
+        engine.local_addr(),
+        0,
+        1,
+        1,
+        16,
+        KvLayout::packed(0, 1, RegionKind::Fused, PAGE, 1),
+    );
+    pcfg.token = Some(transfer_engine::control::Secret::new(&secret));
+    pcfg.engine_id = format!(
+        "register-p-{}-{}",
+        std::process::id(),
+        rand::random::<u32>()
+    );
+    pcfg.backend = BackendConfig::default_for(backend, &pcfg.engine_id);
+    let t0 = Instant::now();
+    let prefill = PrefillEngine::start(pcfg, Pool::Shared(PAGE)).await;
+    let prefill_connect = t0.elapsed();
+    // The prefill goes first, so that it does not see its decode leave.
+    let prefill = prefill
+        .map(drop)
+        .map_err(|e| format!("{backend} prefill engine against it: {e}"));
     engine.shutdown(Duration::from_secs(10)).await;
+    prefill?;
     let gib = len as f64 / f64::from(1u32 << 30);
     Ok(RegisterReport {
         backend: backend.to_string(),
@@ -87,5 +115,6 @@ pub async fn time_registration(
         caller_alloc_ms: caller_alloc.as_secs_f64() * 1e3,
         register_ms,
         register_ms_per_gib: register_ms / gib,
+        prefill_connect_ms: prefill_connect.as_secs_f64() * 1e3,
     })
 }

@@ -44,6 +44,8 @@ fn register_times_both_kinds_of_pool_on_both_backends() {
             r["register_ms"].as_f64().unwrap(),
         );
         assert!(reg > 0.0, "{r}");
+        // A prefill engine connected to each decode engine.
+        assert!(r["prefill_connect_ms"].as_f64().unwrap() > 0.0, "{r}");
         assert!((r["register_ms_per_gib"].as_f64().unwrap() - reg * 4.0).abs() < 1e-6);
         // A caller's pool is faulted in by the caller; a shared one is allocated by the engine.
         match r["pool"].as_str() {

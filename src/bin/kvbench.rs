@@ -1013,8 +1013,14 @@ async fn run_register(opts: &Opts, gib: f64) -> ExitCode {
          registered by the engine"
     );
     println!(
-        "{:<8} {:<7} {:>8} {:>16} {:>13} {:>13}",
-        "backend", "pool", "GiB", "caller alloc ms", "register ms", "ms per GiB"
+        "{:<8} {:<7} {:>8} {:>16} {:>13} {:>13} {:>19}",
+        "backend",
+        "pool",
+        "GiB",
+        "caller alloc ms",
+        "register ms",
+        "ms per GiB",
+        "prefill connect ms"
     );
     let mut rows = Vec::new();
     for backend in opts.backends() {
@@ -1027,13 +1033,14 @@ async fn run_register(opts: &Opts, gib: f64) -> ExitCode {
                 }
             };
             println!(
-                "{:<8} {:<7} {:>8.2} {:>16.1} {:>13.1} {:>13.1}",
+                "{:<8} {:<7} {:>8.2} {:>16.1} {:>13.1} {:>13.1} {:>19.1}",
                 r.backend,
                 r.pool,
                 r.bytes as f64 / f64::from(1u32 << 30),
                 r.caller_alloc_ms,
                 r.register_ms,
-                r.register_ms_per_gib
+                r.register_ms_per_gib,
+                r.prefill_connect_ms
             );
             rows.push(r);
         }

@@ -1412,11 +1412,13 @@ fn run_processes(opts: &Opts, w: &Workload) -> ExitCode {
     while let Some(a) = args.next() {
         match a.as_str() {
             "--processes" => {}
-            "--backend" | "--stamps" | "--etcd" | "--cluster" | "--metrics" => {
+            // Only the decode process that reports the run writes the JSON (`run_set` tells it):
+            // another decode instance that got it too wrote its own share there, sometimes last.
+            "--backend" | "--stamps" | "--etcd" | "--cluster" | "--metrics" | "--json" => {
                 let _ = args.next();
             }
             // A TP run gives each run's plan itself, and gathers the rows.
-            "--json" | "--prefill-tp" | "--decode-tp" | "--kv-heads" | "--decode-page-tokens"
+            "--prefill-tp" | "--decode-tp" | "--kv-heads" | "--decode-page-tokens"
                 if w.tp.is_some() =>
             {
                 let _ = args.next();
@@ -1427,12 +1429,12 @@ fn run_processes(opts: &Opts, w: &Workload) -> ExitCode {
                 "--etcd=",
                 "--cluster=",
                 "--metrics=",
+                "--json=",
             ]
             .iter()
             .any(|p| a.starts_with(p)) => {}
             _ if w.tp.is_some()
                 && [
-                    "--json=",
                     "--prefill-tp=",
                     "--decode-tp=",
                     "--kv-heads=",
@@ -1470,7 +1472,7 @@ fn run_processes(opts: &Opts, w: &Workload) -> ExitCode {
     let mut rows = Vec::new();
     for backend in opts.backends() {
         let Some(plan) = w.tp else {
-            ok &= run_set(opts, w, &kids, backend, None);
+            ok &= run_set(opts, w, &kids, backend, opts.json.as_deref());
             continue;
         };
         let identical = plan.identical(w.shape.page_tokens);

@@ -748,7 +748,7 @@ impl Directory {
             decode_sizes.sort_unstable();
             decode_sizes.dedup();
             // Only where the sizes do map: sizes that do not are a configuration error every rank
-            // shares, and stay a timeout here (the handshake names them).
+            // shares, and stay a timeout here.
             let nowhere = |&d: &u16| {
                 tp.maps(tp.size, d) && !(0..d).any(|r| tp.writes_into((tp.rank, tp.size), (r, d)))
             };

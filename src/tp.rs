@@ -476,6 +476,8 @@ pub struct TpCluster {
     decodes: Vec<Vec<DecodeEngine>>,
     /// By prefill instance, its ranks.
     prefills: Vec<Vec<PrefillRank>>,
+    /// The prefill instances' names, as decode serves them ([`TpSpec::prefill_names`]).
+    names: Vec<String>,
 }
 
 /// (PP rank, prefill TP rank, its layer range, engine).
@@ -595,6 +597,7 @@ impl TpCluster {
             spec,
             decodes,
             prefills,
+            names,
         })
     }
 
@@ -660,7 +663,7 @@ impl TpCluster {
     ) -> Result<(), String> {
         let s = &self.spec;
         let (pages, dst_pages) = (self.src_pages(slot), self.dst_pages(slot));
-        let instance = s.prefill_names().swap_remove(k);
+        let instance = &self.names[k];
         let mut outcomes = Vec::new();
         for d in &self.decodes[j] {
             let want = Expected {

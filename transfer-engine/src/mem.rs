@@ -660,7 +660,7 @@ mod tests {
         assert!(part * 8 >= len);
     }
 
-    /// A prefaulted buffer reads zero everywhere, huge-page stride or not.
+    /// A prefaulted buffer reads zero everywhere.
     #[test]
     fn a_prefaulted_buffer_is_zero() {
         let b = HostBuffer::new(

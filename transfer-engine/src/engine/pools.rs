@@ -90,7 +90,7 @@ impl Pools {
     }
 
     /// [`register`](Self::register) on a thread for blocking work, not the runtime's: making a
-    /// large pool's pages takes seconds (6.8 s for 16 GiB here), which would hold one of the
+    /// large pool's pages takes seconds (6.3 to 7.5 s for 16 GiB here), which would hold one of the
     /// runtime's workers meanwhile.
     ///
     /// # Errors

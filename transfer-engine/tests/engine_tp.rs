@@ -860,6 +860,39 @@ async fn a_reused_landing_range_is_written_only_after_decode_copied_the_chunk_be
     d.shutdown(BOUND).await;
 }
 
+/// A landed chunk is hashed from the pages once it is copied there, as any chunk is: with one of
+/// rank 0's writes of chunk 0 lost on the way (the notification says it is in place), the copy
+/// carries the landing range's old bytes into the pages and the request fails as a checksum
+/// mismatch of that chunk, not Complete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_landed_chunk_that_does_not_match_its_checksum_fails_the_request() {
+    use transfer_engine::core::tracker::{FailureReason, ViolationKind};
+    let (d, ranks, faults) = two_into_one_nixl("sum").await;
+    let request = RequestId(27);
+    faults[0].add_send(Rule::new(
+        Match::request(request).chunk(0),
+        SendFault::DropWrite { index: 0 },
+    ));
+    for p in &ranks {
+        p.offer(request, SRC.to_vec()).unwrap();
+    }
+    let done = d
+        .expect(request, PROMPT, PAGE_TOKENS, DST.to_vec(), BOUND)
+        .unwrap();
+    let outcome = tokio::time::timeout(BOUND, done).await.unwrap();
+    assert_eq!(
+        outcome,
+        Outcome::Failed(FailureReason::ProtocolViolation {
+            rank: 0,
+            kind: ViolationKind::ChecksumMismatch { chunk_id: 0 },
+        })
+    );
+    let s = d.stats();
+    assert_eq!(s.checksum_mismatch, 1, "{s:?}");
+    assert!(s.landing_chunks >= 1, "{s:?}");
+    d.shutdown(BOUND).await;
+}
+
 /// A rank waiting for decode to free a landing range waits no longer than decode's request: with
 /// its chunk 0 stuck in its transport (written, not notified), decode never copies it, the request
 /// times out there, and the rank's wait to write chunk 1 into the range ends in an error, not a

@@ -11,6 +11,7 @@
 //! lock per notification, no hop through another thread), so a request's completion is seen as soon as
 //! its last notification is.
 
+use super::landing::{Gate, Workers};
 use super::{
     EngineError, Outcome, Pool, TpConfig, layout_from_info, layout_info, to_wire_kind, wire_regions,
 };
@@ -20,7 +21,7 @@ use crate::control::{
 use crate::core::chunkset::ChunkSet;
 use crate::core::membership::Incarnations;
 use crate::core::notify::{self, Notification};
-use crate::core::planner::{ChunkGeometry, KvLayout, Planner, TpMapping};
+use crate::core::planner::{ChunkGeometry, KvLayout, Planner, TpMapping, Write};
 use crate::core::tracker::{
     CompletionTracker, FailureReason, TrackerConfig, TrackerEvent, ViolationKind,
 };
@@ -346,6 +347,47 @@ impl Grant {
     }
 }
 
+/// A chunk's copy out of landing memory into its request's pages, planned under the engine's lock.
+struct LandingCopy {
+    /// Where the chunk's rows start in the landing memory.
+    from: u64,
+    /// The chunk's writes in the request's pages, in the order its rows lie in the landing range.
+    writes: Vec<Write>,
+    /// The rank reuses the range: it waits for `Landed` before it writes a later chunk there.
+    tell: bool,
+    /// The chunk's checksum, to check the pages against once it is copied (with the same plan).
+    checksum: Option<u64>,
+}
+
+/// A chunk notification handled on a copy worker: its chunk's copy, if it has one, then what the
+/// progress thread does for any notification ([`Inner::account`]).
+struct CopyJob {
+    session: SessionId,
+    rank: u16,
+    peer: PeerId,
+    n: notify::ChunkNotification,
+    /// When the notification came.
+    now: Instant,
+    copy: Option<LandingCopy>,
+    /// The request's gate when the job was queued.
+    gate: Arc<Gate>,
+}
+
+/// How a copy out of landing memory ended.
+enum Copied {
+    Done,
+    /// A copy call refused its ranges (a bug).
+    Failed,
+    /// The request's pages were released first.
+    Revoked,
+}
+
+/// A request with notifications queued on a copy worker.
+struct Copying {
+    queued: u32,
+    gate: Arc<Gate>,
+}
+
 /// A prefill instance's key in the engine's state; callers name instances by string.
 type SessionId = u64;
 
@@ -566,6 +608,9 @@ struct State {
     landing: crate::core::ranges::Ranges,
     /// Each request's landing grants, by rank slot: lent until its pages are released.
     grants: HashMap<RequestId, Vec<Grant>>,
+    /// Requests with notifications on a copy worker; their gates are revoked when their pages are
+    /// released.
+    copying: HashMap<RequestId, Copying>,
 }
 
 impl State {
@@ -824,6 +869,8 @@ struct Inner {
     pool: std::sync::OnceLock<super::pools::Pools>,
     /// Landing memory ([`DecodeConfig::landing_bytes`]), where this engine has some.
     landing: std::sync::OnceLock<crate::transport::Registration>,
+    /// The threads that copy chunks out of the landing memory, set with it.
+    copiers: std::sync::OnceLock<Workers<CopyJob>>,
     /// `backend_info` handed the pool's registration to someone outside the control plane, who can
     /// never confirm that it stopped writing.
     exported_out_of_band: AtomicBool,
@@ -1272,6 +1319,7 @@ impl DecodeEngine {
             aux: AuxStore::default(),
             landing: crate::core::ranges::Ranges::new(0),
             grants: HashMap::new(),
+            copying: HashMap::new(),
         };
         if cfg.pp_size > 0 {
             let prefill_tp = cfg.prefill_tp.unwrap_or(cfg.tp.size);
@@ -1297,6 +1345,7 @@ impl DecodeEngine {
             transport: std::sync::OnceLock::new(),
             pool: std::sync::OnceLock::new(),
             landing: std::sync::OnceLock::new(),
+            copiers: std::sync::OnceLock::new(),
             exported_out_of_band: AtomicBool::new(false),
             pool_safe: AtomicBool::new(false),
             metrics: std::sync::OnceLock::new(),
@@ -1339,6 +1388,20 @@ impl DecodeEngine {
             .map_err(|e| EngineError::Config(format!("landing memory of {len} bytes: {e}")))?;
             let reg =
                 crate::transport::Registration::new(&transport, crate::mem::Pool::Owned(buf))?;
+            let weak = Arc::downgrade(&inner);
+            let workers = Workers::spawn(
+                super::landing::worker_count(),
+                "kvx-land",
+                Arc::new(move |job| {
+                    if let Some(inner) = weak.upgrade() {
+                        inner.run_copy_job(job);
+                    }
+                }),
+            )
+            .map_err(|e| {
+                EngineError::Config(format!("threads to copy out of landing memory: {e}"))
+            })?;
+            let _ = inner.copiers.set(workers);
             inner.lock().landing =
                 crate::core::ranges::Ranges::new(reg.desc().map_or(0, |d| d.len()));
             let _ = inner.landing.set(reg);
@@ -2336,28 +2399,27 @@ impl Inner {
         grants
     }
 
-    /// Copies chunk `n` of `rank` from its landing range `g` into the request's pages. False if a
-    /// copy failed (the ranges are the engine's own and the planner's, so only a bug does that).
-    fn land(
+    /// Plans the copy of chunk `n` of `rank` out of its landing range `g` into the request's pages:
+    /// `None` where there is nothing to copy (a request or rank gone, a chunk the request does not
+    /// have: the tracker refuses its notification), an error where the chunk does not fit its
+    /// stride (the ranges are the engine's own and the planner's, so only a bug does that).
+    fn plan_landing(
         &self,
         st: &State,
         session: SessionId,
         rank: u16,
-        n: &crate::core::notify::ChunkNotification,
+        n: &notify::ChunkNotification,
         g: control::Landing,
-    ) -> bool {
-        let (Some(info), Some(conn), Some(pool), Some(landing)) = (
-            st.requests.get(&n.request),
-            st.sessions.get(&session).and_then(|s| s.rank(rank)),
-            self.pool.get(),
-            self.landing.get(),
-        ) else {
-            return true;
-        };
+    ) -> Option<Result<LandingCopy, ()>> {
+        let (info, conn) = (
+            st.requests.get(&n.request)?,
+            st.sessions.get(&session).and_then(|s| s.rank(rank))?,
+        );
+        self.pool.get()?;
+        self.landing.get()?;
         let src = stand_in_src(&conn.planner, info);
         let mut writes = Vec::new();
-        if conn
-            .planner
+        conn.planner
             .plan_chunk(
                 &info.geometry,
                 u64::from(n.chunk_id),
@@ -2365,46 +2427,125 @@ impl Inner {
                 &info.dst_pages,
                 &mut writes,
             )
-            .is_err()
-        {
-            // A chunk the request does not have: the tracker refuses its notification.
-            return true;
-        }
+            .ok()?;
         let total: u64 = writes.iter().map(|w| w.bytes()).sum();
-        let Some(from) = g
+        let from = g
             .chunk_stride
             .checked_mul(u64::from(n.chunk_id % g.slots.max(1)))
             .and_then(|o| o.checked_add(g.offset))
-            .filter(|_| total <= g.chunk_stride)
-        else {
-            return false;
+            .filter(|_| total <= g.chunk_stride);
+        Some(from.ok_or(()).map(|from| LandingCopy {
+            from,
+            writes,
+            tell: u64::from(g.slots) < info.geometry.num_chunks(),
+            checksum: n.checksum.filter(|_| self.cfg.verify_checksums),
+        }))
+    }
+
+    /// Copies a planned chunk out of landing memory into its request's pages, piece by piece under
+    /// the request's gate, without the engine's lock.
+    fn copy_landed(&self, c: &LandingCopy, gate: &Gate) -> Copied {
+        // A piece holds the gate, which `release_pages` waits for under the engine's lock: about
+        // 30 µs of copying at most.
+        const PIECE: u64 = 256 << 10;
+        let (Some(pool), Some(landing)) = (self.pool.get(), self.landing.get()) else {
+            return Copied::Failed;
         };
         // The landing range holds the chunk's rows back to back, in plan order.
-        let mut at = from;
-        for w in &writes {
-            let copied = match pool.single() {
-                // One registration: a write's rows in one call.
-                Some(reg) => {
-                    landing.copy_rows_to(at, reg, w.dst_offset, w.len, w.rows, w.dst_stride)
+        let mut at = c.from;
+        for w in &c.writes {
+            let per_piece = (PIECE / w.len.max(1)).max(1);
+            let mut row = 0;
+            while row < w.rows {
+                let rows = per_piece.min(w.rows - row);
+                let dst = w.dst_offset + row * w.dst_stride;
+                let mut copied = Ok(());
+                let went = gate.run(|| {
+                    copied = match pool.single() {
+                        // One registration: the piece's rows in one call.
+                        Some(reg) => landing.copy_rows_to(at, reg, dst, w.len, rows, w.dst_stride),
+                        None => (0..rows).try_for_each(|i| {
+                            pool.copy_from(dst + i * w.dst_stride, landing, at + i * w.len, w.len)
+                        }),
+                    };
+                });
+                if !went {
+                    return Copied::Revoked;
                 }
-                None => w.pieces().enumerate().try_for_each(|(i, (_, dst))| {
-                    pool.copy_from(dst, landing, at + i as u64 * w.len, w.len)
-                }),
-            };
-            if copied.is_err() {
-                return false;
+                if copied.is_err() {
+                    return Copied::Failed;
+                }
+                at += rows * w.len;
+                row += rows;
             }
-            at += w.bytes();
         }
-        self.counters.landing_chunks.fetch_add(1, Ordering::Relaxed);
-        // The range is free for the chunk that reuses it: the rank waits for this word.
-        if u64::from(g.slots) < info.geometry.num_chunks() {
-            let _ = conn.writer.send(Msg::Landed(control::Landed {
-                request: n.request.0,
-                chunk: n.chunk_id,
-            }));
+        Copied::Done
+    }
+
+    /// Runs a queued notification on a copy worker: its chunk's copy out of landing memory (if it
+    /// has one) without the engine's lock, then, under it, what the progress thread does for any
+    /// notification.
+    fn run_copy_job(&self, job: CopyJob) {
+        let copied = job.copy.as_ref().map(|c| self.copy_landed(c, &job.gate));
+        // Hashed from the pages as any chunk is, with the copy's plan, before the lock is taken.
+        let hashed = match (&copied, &job.copy) {
+            (Some(Copied::Done), Some(c)) => c
+                .checksum
+                .map(|sum| self.hash_pages(&c.writes) == Some(sum)),
+            _ => None,
+        };
+        let mut st = self.lock();
+        if let Some(c) = st.copying.get_mut(&job.n.request)
+            && Arc::ptr_eq(&c.gate, &job.gate)
+        {
+            c.queued = c.queued.saturating_sub(1);
+            if c.queued == 0 {
+                st.copying.remove(&job.n.request);
+            }
         }
-        true
+        let n = job.n;
+        match copied {
+            Some(Copied::Failed) => {
+                tracing::error!(
+                    request = n.request.0,
+                    rank = job.rank,
+                    chunk = n.chunk_id,
+                    "copy from landing memory failed"
+                );
+                let _ = st.tracker.fail(n.request, FailureReason::Aborted);
+                self.drain(&mut st);
+                return;
+            }
+            Some(Copied::Done) => {
+                self.counters.landing_chunks.fetch_add(1, Ordering::Relaxed);
+                // The range is free for the chunk that reuses it: the rank waits for this word.
+                if job.copy.as_ref().is_some_and(|c| c.tell)
+                    && let Some(conn) = st.sessions.get(&job.session).and_then(|s| s.rank(job.rank))
+                {
+                    let _ = conn.writer.send(Msg::Landed(control::Landed {
+                        request: n.request.0,
+                        chunk: n.chunk_id,
+                    }));
+                }
+            }
+            Some(Copied::Revoked) => {}
+            None => {}
+        }
+        if job.gate.revoked() {
+            // The request's pages were released while this waited: it is over, and its id may
+            // name a new request by now.
+            self.counters.refused.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        self.account(
+            &mut st,
+            job.session,
+            job.rank,
+            job.peer,
+            &n,
+            job.now,
+            hashed,
+        );
     }
 
     /// Ends a request that no rank was asked for (parked): its pages are free at once.
@@ -2627,7 +2768,7 @@ impl Inner {
         // A rank lent landing memory for the request wrote the chunk there: into the pages with it
         // before it is hashed or counted, while the request is live (its pages its own), once (a
         // duplicate of the notification may come after a later chunk reused the range).
-        if rank == n.pp_rank
+        let copy = if rank == n.pp_rank
             && !matches!(n.status, notify::ChunkStatus::Failed { .. })
             && st
                 .requests
@@ -2638,18 +2779,75 @@ impl Inner {
                 .get_mut(&n.request)
                 .and_then(|v| v.iter_mut().find(|g| g.slot == rank))
                 .and_then(|g| g.first_landing(n.chunk_id).then_some(g.landing))
-            && !self.land(&st, session, rank, &n, g)
         {
-            tracing::error!(
-                request = n.request.0,
+            self.plan_landing(&st, session, rank, &n, g)
+        } else {
+            None
+        };
+        let copy = match copy {
+            Some(Ok(c)) => Some(c),
+            Some(Err(())) => {
+                tracing::error!(
+                    request = n.request.0,
+                    rank,
+                    chunk = n.chunk_id,
+                    "a chunk does not fit the stride of its landing range"
+                );
+                let _ = st.tracker.fail(n.request, FailureReason::Aborted);
+                self.drain(&mut st);
+                return;
+            }
+            None => None,
+        };
+        // The copy goes to a worker; so does every later notification of a request with copies
+        // queued, so that a request's notifications are counted in the order they came.
+        if copy.is_some() || st.copying.contains_key(&n.request) {
+            let Some(workers) = self.copiers.get() else {
+                // Landing memory comes with its workers; none means none was lent.
+                self.account(&mut st, session, rank, peer, &n, now, None);
+                return;
+            };
+            let c = st.copying.entry(n.request).or_insert_with(|| Copying {
+                queued: 0,
+                gate: Arc::new(Gate::default()),
+            });
+            c.queued += 1;
+            let job = CopyJob {
+                session,
                 rank,
-                chunk = n.chunk_id,
-                "copy from landing memory failed"
-            );
-            let _ = st.tracker.fail(n.request, FailureReason::Aborted);
-            self.drain(&mut st);
+                peer,
+                n,
+                now,
+                copy,
+                gate: c.gate.clone(),
+            };
+            if workers.send(n.request.0, job).is_err() {
+                tracing::error!(
+                    request = n.request.0,
+                    "the worker copying out of landing memory is gone"
+                );
+                let _ = st.tracker.fail(n.request, FailureReason::Aborted);
+                self.drain(&mut st);
+            }
             return;
         }
+        self.account(&mut st, session, rank, peer, &n, now, None);
+    }
+
+    /// Checks a chunk notification's checksum (unless a copy worker did: `hashed`, whether it
+    /// matched) and hands it to the tracker, under the engine's lock: what every notification goes
+    /// through once its chunk is in the request's pages.
+    #[allow(clippy::too_many_arguments)]
+    fn account(
+        &self,
+        st: &mut State,
+        session: SessionId,
+        rank: u16,
+        peer: PeerId,
+        n: &notify::ChunkNotification,
+        now: Instant,
+        hashed: Option<bool>,
+    ) {
         // Only a request of the sender's own instance is hashed (and failed on a mismatch); any
         // other goes to the tracker, which refuses a peer the request is not bound to.
         if let (Some(sum), true) = (n.checksum, self.cfg.verify_checksums)
@@ -2658,23 +2856,21 @@ impl Inner {
                 .requests
                 .get(&n.request)
                 .is_some_and(|r| r.session == session)
-            && !self.checksum_matches(&st, session, rank, &n, sum)
+            && !hashed.unwrap_or_else(|| self.checksum_matches(st, session, rank, n, sum))
         {
-            {
-                self.counters
-                    .checksum_mismatch
-                    .fetch_add(1, Ordering::Relaxed);
-                let kind = ViolationKind::ChecksumMismatch {
-                    chunk_id: n.chunk_id,
-                };
-                let _ = st
-                    .tracker
-                    .fail(n.request, FailureReason::ProtocolViolation { rank, kind });
-                self.drain(&mut st);
-                return;
-            }
+            self.counters
+                .checksum_mismatch
+                .fetch_add(1, Ordering::Relaxed);
+            let kind = ViolationKind::ChecksumMismatch {
+                chunk_id: n.chunk_id,
+            };
+            let _ = st
+                .tracker
+                .fail(n.request, FailureReason::ProtocolViolation { rank, kind });
+            self.drain(st);
+            return;
         }
-        if st.tracker.handle_notification(now, peer, &n).is_err() {
+        if st.tracker.handle_notification(now, peer, n).is_err() {
             self.counters.refused.fetch_add(1, Ordering::Relaxed);
         } else if let Some(low) = n.posted_us
             && let Some(info) = st
@@ -2686,7 +2882,7 @@ impl Inner {
             let posted = notify::posted_near(low, notify::wall_us());
             info.last_posted_us = Some(info.last_posted_us.map_or(posted, |p| p.max(posted)));
         }
-        self.drain(&mut st);
+        self.drain(st);
     }
 
     /// Hashes what `rank` wrote for `n`'s chunk, in the order the prefill hashed it.
@@ -2698,7 +2894,7 @@ impl Inner {
         n: &crate::core::notify::ChunkNotification,
         sum: u64,
     ) -> bool {
-        let (Some(info), Some(conn), Some(pool)) = (
+        let (Some(info), Some(conn), Some(_)) = (
             st.requests.get(&n.request),
             st.sessions.get(&session).and_then(|s| s.rank(rank)),
             self.pool
@@ -2723,15 +2919,23 @@ impl Inner {
         {
             return false;
         }
+        self.hash_pages(&writes) == Some(sum)
+    }
+
+    /// Hashes what `writes` put into the pool, in their order (`None` for a device pool or a
+    /// range outside it).
+    fn hash_pages(&self, writes: &[Write]) -> Option<u64> {
+        let pool = self
+            .pool
+            .get()
+            .filter(|p| p.desc().is_some_and(|d| d.kind() == MemKind::Host))?;
         let mut h = ChunkHasher::new();
-        for w in &writes {
+        for w in writes {
             for (_, dst) in w.pieces() {
-                if pool.read_pieces(dst, w.len, |b| h.update(b)).is_err() {
-                    return false;
-                }
+                pool.read_pieces(dst, w.len, |b| h.update(b)).ok()?;
             }
         }
-        h.finish() == sum
+        Some(h.finish())
     }
 
     /// `rank`'s writes for `request` are over: connection `from` of it acknowledged the Abort or is
@@ -2772,6 +2976,8 @@ impl Inner {
         let Some(u) = st.unacked.remove(&request) else {
             return;
         };
+        // Released before the outcome goes out: a caller may reuse the pages once it has it.
+        release_pages(st, request, &u.pages);
         match u.outcome {
             Some(outcome) => {
                 if let Some(w) = st.waiters.remove(&request) {
@@ -2780,7 +2986,6 @@ impl Inner {
             }
             None => tracing::info!(request = request.0, "quarantined pages released"),
         }
-        release_pages(st, request, &u.pages);
     }
 
     /// Hands out the outcome of failed requests whose ranks did not confirm in time, keeping their
@@ -3011,6 +3216,10 @@ fn stand_in_src(planner: &Planner, info: &ReqInfo) -> Vec<u32> {
 /// Frees `request`'s pages (and the landing memory lent for it) for new requests and wakes
 /// whoever waits for that.
 fn release_pages(st: &mut State, request: RequestId, pages: &[u32]) {
+    // A copy out of landing memory into them stops first (waiting for a piece that runs).
+    if let Some(c) = st.copying.remove(&request) {
+        c.gate.revoke();
+    }
     for g in st.grants.remove(&request).unwrap_or_default() {
         st.landing.give(g.landing.offset);
     }

@@ -11,7 +11,7 @@
 //! lock per notification, no hop through another thread), so a request's completion is seen as soon as
 //! its last notification is.
 
-use super::landing::{Gate, Workers};
+use super::landing::{Gate, Workers, landing_pieces};
 use super::{
     EngineError, Outcome, Pool, TpConfig, layout_from_info, layout_info, to_wire_kind, wire_regions,
 };
@@ -281,6 +281,9 @@ pub struct DecodeStats {
     pub landing_full: u64,
     /// Chunks copied from landing memory into the pages.
     pub landing_chunks: u64,
+    /// Notifications dropped on a copy worker: their request ended (its pages released, or it
+    /// failed) while they waited, or more were queued for it than its chunks can account for.
+    pub landing_dropped: u64,
 }
 
 struct RankConn {
@@ -371,6 +374,13 @@ struct CopyJob {
     copy: Option<LandingCopy>,
     /// The request's gate when the job was queued.
     gate: Arc<Gate>,
+}
+
+/// A landed chunk's copy, planned.
+enum Planned {
+    Copy(LandingCopy),
+    /// The chunk's writes do not fit its landing stride.
+    TooLarge,
 }
 
 /// How a copy out of landing memory ended.
@@ -793,6 +803,7 @@ struct Counters {
     landing_grants: AtomicU64,
     landing_full: AtomicU64,
     landing_chunks: AtomicU64,
+    landing_dropped: AtomicU64,
     /// Seconds from `expect` to the outcome, of requests that completed and that failed.
     seconds_complete: prometheus_client::metrics::histogram::Histogram,
     seconds_failed: prometheus_client::metrics::histogram::Histogram,
@@ -825,6 +836,7 @@ impl Default for Counters {
             landing_grants: AtomicU64::default(),
             landing_full: AtomicU64::default(),
             landing_chunks: AtomicU64::default(),
+            landing_dropped: AtomicU64::default(),
             seconds_complete: crate::metrics::seconds_histogram(),
             seconds_failed: crate::metrics::seconds_histogram(),
             seconds_last_post: crate::metrics::seconds_histogram(),
@@ -976,6 +988,7 @@ impl Inner {
             landing_grants: c.landing_grants.load(Ordering::Relaxed),
             landing_full: c.landing_full.load(Ordering::Relaxed),
             landing_chunks: c.landing_chunks.load(Ordering::Relaxed),
+            landing_dropped: c.landing_dropped.load(Ordering::Relaxed),
             registered_bytes: self
                 .transport
                 .get()
@@ -1174,6 +1187,11 @@ impl crate::metrics::Source for Inner {
                 "kvx_landing_chunks",
                 "Chunks copied from landing memory into the pages",
                 s.landing_chunks,
+            ),
+            (
+                "kvx_landing_dropped",
+                "Notifications dropped on a copy worker: their request ended while they waited, or too many were queued for it",
+                s.landing_dropped,
             ),
             (
                 "kvx_probes",
@@ -2410,7 +2428,7 @@ impl Inner {
         rank: u16,
         n: &notify::ChunkNotification,
         g: control::Landing,
-    ) -> Option<Result<LandingCopy, ()>> {
+    ) -> Option<Planned> {
         let (info, conn) = (
             st.requests.get(&n.request)?,
             st.sessions.get(&session).and_then(|s| s.rank(rank))?,
@@ -2434,38 +2452,40 @@ impl Inner {
             .checked_mul(u64::from(n.chunk_id % g.slots.max(1)))
             .and_then(|o| o.checked_add(g.offset))
             .filter(|_| total <= g.chunk_stride);
-        Some(from.ok_or(()).map(|from| LandingCopy {
-            from,
-            writes,
-            tell: u64::from(g.slots) < info.geometry.num_chunks(),
-            checksum: n.checksum.filter(|_| self.cfg.verify_checksums),
-        }))
+        Some(match from {
+            Some(from) => Planned::Copy(LandingCopy {
+                from,
+                writes,
+                tell: u64::from(g.slots) < info.geometry.num_chunks(),
+                checksum: n.checksum.filter(|_| self.cfg.verify_checksums),
+            }),
+            None => Planned::TooLarge,
+        })
     }
 
     /// Copies a planned chunk out of landing memory into its request's pages, piece by piece under
     /// the request's gate, without the engine's lock.
     fn copy_landed(&self, c: &LandingCopy, gate: &Gate) -> Copied {
-        // A piece holds the gate, which `release_pages` waits for under the engine's lock: about
-        // 30 µs of copying at most.
-        const PIECE: u64 = 256 << 10;
         let (Some(pool), Some(landing)) = (self.pool.get(), self.landing.get()) else {
             return Copied::Failed;
         };
         // The landing range holds the chunk's rows back to back, in plan order.
         let mut at = c.from;
         for w in &c.writes {
-            let per_piece = (PIECE / w.len.max(1)).max(1);
-            let mut row = 0;
-            while row < w.rows {
-                let rows = per_piece.min(w.rows - row);
-                let dst = w.dst_offset + row * w.dst_stride;
+            for p in landing_pieces(w.len, w.rows) {
+                let (from, dst) = (
+                    at + p.row * w.len + p.skip,
+                    w.dst_offset + p.row * w.dst_stride + p.skip,
+                );
                 let mut copied = Ok(());
                 let went = gate.run(|| {
                     copied = match pool.single() {
                         // One registration: the piece's rows in one call.
-                        Some(reg) => landing.copy_rows_to(at, reg, dst, w.len, rows, w.dst_stride),
-                        None => (0..rows).try_for_each(|i| {
-                            pool.copy_from(dst + i * w.dst_stride, landing, at + i * w.len, w.len)
+                        Some(reg) => {
+                            landing.copy_rows_to(from, reg, dst, p.len, p.rows, w.dst_stride)
+                        }
+                        None => (0..p.rows).try_for_each(|i| {
+                            pool.copy_from(dst + i * w.dst_stride, landing, from + i * w.len, p.len)
                         }),
                     };
                 });
@@ -2475,9 +2495,8 @@ impl Inner {
                 if copied.is_err() {
                     return Copied::Failed;
                 }
-                at += rows * w.len;
-                row += rows;
             }
+            at += w.bytes();
         }
         Copied::Done
     }
@@ -2504,6 +2523,15 @@ impl Inner {
             }
         }
         let n = job.n;
+        if job.gate.revoked() || matches!(copied, Some(Copied::Revoked)) {
+            // The request ended while this waited (revocation happens under the engine's lock, so
+            // this answer holds while we hold it): its id may name a new request by now, which
+            // nothing of this one may touch.
+            self.counters
+                .landing_dropped
+                .fetch_add(1, Ordering::Relaxed);
+            return;
+        }
         match copied {
             Some(Copied::Failed) => {
                 tracing::error!(
@@ -2528,14 +2556,7 @@ impl Inner {
                     }));
                 }
             }
-            Some(Copied::Revoked) => {}
-            None => {}
-        }
-        if job.gate.revoked() {
-            // The request's pages were released while this waited: it is over, and its id may
-            // name a new request by now.
-            self.counters.refused.fetch_add(1, Ordering::Relaxed);
-            return;
+            Some(Copied::Revoked) | None => {}
         }
         self.account(
             &mut st,
@@ -2645,6 +2666,11 @@ impl Inner {
                     (request, Outcome::Complete)
                 }
                 TrackerEvent::Failed { request, reason } => {
+                    // Its pages may be held a while longer (until the ranks confirm), but nothing
+                    // more is copied into them.
+                    if let Some(c) = st.copying.remove(&request) {
+                        c.gate.revoke();
+                    }
                     self.counters.failed.fetch_add(1, Ordering::Relaxed);
                     self.counters.failed_by[reason_index(reason)].fetch_add(1, Ordering::Relaxed);
                     tracing::info!(request = request.0, ?reason, "request failed");
@@ -2785,8 +2811,8 @@ impl Inner {
             None
         };
         let copy = match copy {
-            Some(Ok(c)) => Some(c),
-            Some(Err(())) => {
+            Some(Planned::Copy(c)) => Some(c),
+            Some(Planned::TooLarge) => {
                 tracing::error!(
                     request = n.request.0,
                     rank,
@@ -2802,15 +2828,34 @@ impl Inner {
         // The copy goes to a worker; so does every later notification of a request with copies
         // queued, so that a request's notifications are counted in the order they came.
         if copy.is_some() || st.copying.contains_key(&n.request) {
-            let Some(workers) = self.copiers.get() else {
-                // Landing memory comes with its workers; none means none was lent.
+            let Some(bound) = queue_bound(&st, session, n.request) else {
+                // The request is gone (a copy is planned only for a live one): the tracker
+                // answers for it.
                 self.account(&mut st, session, rank, peer, &n, now, None);
+                return;
+            };
+            let Some(workers) = self.copiers.get() else {
+                // Landing memory comes with its workers: a bug.
+                tracing::error!(
+                    request = n.request.0,
+                    "no worker to copy out of landing memory"
+                );
+                let _ = st.tracker.fail(n.request, FailureReason::Aborted);
+                self.drain(&mut st);
                 return;
             };
             let c = st.copying.entry(n.request).or_insert_with(|| Copying {
                 queued: 0,
                 gate: Arc::new(Gate::default()),
             });
+            if c.queued >= bound {
+                // More than its chunks can account for: a peer repeating itself. Dropped, so that
+                // the queue stays bounded; the request's own chunks are queued already.
+                self.counters
+                    .landing_dropped
+                    .fetch_add(1, Ordering::Relaxed);
+                return;
+            }
             c.queued += 1;
             let job = CopyJob {
                 session,
@@ -3211,6 +3256,26 @@ fn stand_in_src(planner: &Planner, info: &ReqInfo) -> Vec<u32> {
         .max(info.dst_pages.len() as u64);
     let src_pool = u64::from(planner.src().num_pages.max(1));
     (0..src_len).map(|i| (i % src_pool) as u32).collect()
+}
+
+/// How many notifications of `request` may wait on a copy worker: two for each chunk of each rank
+/// of its instance (a duplicate of each may come), and some slack. `None` for a request gone.
+fn queue_bound(st: &State, session: SessionId, request: RequestId) -> Option<u32> {
+    let info = st.requests.get(&request)?;
+    let ranks = st
+        .sessions
+        .get(&session)
+        .map_or(1, |s| s.ranks.len() as u64);
+    let chunks = info.geometry.num_chunks();
+    Some(
+        u32::try_from(
+            chunks
+                .saturating_mul(ranks)
+                .saturating_mul(2)
+                .saturating_add(16),
+        )
+        .unwrap_or(u32::MAX),
+    )
 }
 
 /// Frees `request`'s pages (and the landing memory lent for it) for new requests and wakes

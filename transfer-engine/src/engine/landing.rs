@@ -85,7 +85,13 @@ impl<J: Send + 'static> Workers<J> {
                 .name(format!("{name}-{i}"))
                 .spawn(move || {
                     while let Ok(job) = rx.recv() {
-                        run(job);
+                        // A job that panics (a bug) is logged and the worker goes on: its keys'
+                        // later jobs must still run.
+                        let ran =
+                            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(job)));
+                        if ran.is_err() {
+                            tracing::error!(worker = i, "a job on a landing copy worker panicked");
+                        }
                     }
                 })?;
             queues.push(tx);
@@ -93,9 +99,11 @@ impl<J: Send + 'static> Workers<J> {
         Ok(Self { queues })
     }
 
-    /// Queues `job` on the worker of `key`. Gives the job back if that worker is gone (it panicked).
+    /// Queues `job` on the worker of `key`. Gives the job back if that worker is gone.
     pub(super) fn send(&self, key: u64, job: J) -> Result<(), J> {
-        let at = usize::try_from(key % self.queues.len() as u64).unwrap_or(0);
+        // Keys mixed first (Fibonacci hashing): callers' ids may share a stride.
+        let mixed = key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32;
+        let at = usize::try_from(mixed % self.queues.len() as u64).unwrap_or(0);
         self.queues[at].send(job).map_err(|e| e.0)
     }
 }
@@ -103,6 +111,53 @@ impl<J: Send + 'static> Workers<J> {
 /// How many workers a decode engine copies with: one per core, at most four.
 pub(super) fn worker_count() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get().min(4))
+}
+
+/// One piece of a write's copy out of landing memory: `rows` rows from `row`, of each `len` bytes
+/// from `skip`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Piece {
+    pub(super) row: u64,
+    pub(super) rows: u64,
+    pub(super) skip: u64,
+    pub(super) len: u64,
+}
+
+/// The most bytes one piece copies: a piece holds its request's gate, which the engine may wait for
+/// under its own lock.
+pub(super) const PIECE_BYTES: u64 = 256 << 10;
+
+/// Cuts a write of `rows` rows of `len` bytes into pieces of at most [`PIECE_BYTES`]: whole rows
+/// where they fit, a row cut in parts where one does not.
+pub(super) fn landing_pieces(len: u64, rows: u64) -> impl Iterator<Item = Piece> {
+    let per = (PIECE_BYTES / len.max(1)).max(1);
+    let parts = if len > PIECE_BYTES {
+        len.div_ceil(PIECE_BYTES)
+    } else {
+        1
+    };
+    let groups = if parts > 1 { rows } else { rows.div_ceil(per) };
+    (0..groups).flat_map(move |g| {
+        (0..parts).map(move |p| {
+            if parts > 1 {
+                let skip = p * PIECE_BYTES;
+                Piece {
+                    row: g,
+                    rows: 1,
+                    skip,
+                    len: PIECE_BYTES.min(len - skip),
+                }
+            } else {
+                let row = g * per;
+                Piece {
+                    row,
+                    rows: per.min(rows - row),
+                    skip: 0,
+                    len,
+                }
+            }
+        })
+    })
 }
 
 #[cfg(test)]
@@ -191,5 +246,46 @@ mod tests {
             }
         }
         assert_eq!(count, 1000);
+    }
+
+    #[test]
+    fn a_job_that_panics_leaves_its_worker_running() {
+        let (tx, rx) = mpsc::channel();
+        let tx = Mutex::new(tx);
+        let run: Arc<dyn Fn(u32) + Send + Sync> = Arc::new(move |n| {
+            assert_ne!(n, 1, "job 1 panics");
+            let _ = tx.lock().unwrap_or_else(|e| e.into_inner()).send(n);
+        });
+        let workers = Workers::spawn(1, "test-panic", run).expect("threads");
+        for n in 0..3 {
+            assert!(workers.send(7, n).is_ok());
+        }
+        let got: Vec<u32> = (0..2)
+            .map(|_| rx.recv_timeout(Duration::from_secs(10)).expect("a job ran"))
+            .collect();
+        assert_eq!(got, vec![0, 2]);
+        assert!(workers.send(7, 3).is_ok());
+        assert_eq!(rx.recv_timeout(Duration::from_secs(10)), Ok(3));
+    }
+
+    proptest::proptest! {
+        /// The pieces cover every byte of every row once, in order, none over `PIECE_BYTES`.
+        #[test]
+        fn pieces_cover_each_row_once_in_order(len in 1u64..(1 << 21), rows in 1u64..3000) {
+            let mut next = (0u64, 0u64);
+            for p in landing_pieces(len, rows) {
+                proptest::prop_assert!(p.rows >= 1 && p.len >= 1);
+                proptest::prop_assert!(p.rows * p.len <= PIECE_BYTES.max(len.min(PIECE_BYTES)));
+                proptest::prop_assert_eq!((p.row, p.skip), next);
+                proptest::prop_assert!(p.skip + p.len <= len);
+                proptest::prop_assert!(p.rows == 1 || (p.skip == 0 && p.len == len));
+                next = if p.skip + p.len == len {
+                    (p.row + p.rows, 0)
+                } else {
+                    (p.row, p.skip + p.len)
+                };
+            }
+            proptest::prop_assert_eq!(next, (rows, 0));
+        }
     }
 }

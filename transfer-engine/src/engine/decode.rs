@@ -9,7 +9,9 @@
 //!
 //! Notifications are handled on the transport's progress thread, straight into the tracker (one short
 //! lock per notification, no hop through another thread), so a request's completion is seen as soon as
-//! its last notification is.
+//! its last notification is. The exception is a request with chunks in landing memory: those chunks,
+//! and its notifications behind them, go through a copy worker ([`super::landing`]), which copies
+//! without the lock and then hands each notification to the tracker in the order it came.
 
 use super::landing::{Gate, Workers, landing_pieces};
 use super::{
@@ -2419,8 +2421,8 @@ impl Inner {
 
     /// Plans the copy of chunk `n` of `rank` out of its landing range `g` into the request's pages:
     /// `None` where there is nothing to copy (a request or rank gone, a chunk the request does not
-    /// have: the tracker refuses its notification), an error where the chunk does not fit its
-    /// stride (the ranges are the engine's own and the planner's, so only a bug does that).
+    /// have: the tracker refuses its notification), [`Planned::TooLarge`] where the chunk does not
+    /// fit its stride (the ranges are the engine's own and the planner's, so only a bug does that).
     fn plan_landing(
         &self,
         st: &State,
@@ -2501,6 +2503,19 @@ impl Inner {
         Copied::Done
     }
 
+    /// Fails `n`'s request (`Aborted`) for a bug of ours in moving its chunk out of landing memory,
+    /// logged with `why`.
+    fn landing_bug(&self, st: &mut State, n: &notify::ChunkNotification, why: &str) {
+        tracing::error!(
+            request = n.request.0,
+            rank = n.pp_rank,
+            chunk = n.chunk_id,
+            "{why}"
+        );
+        let _ = st.tracker.fail(n.request, FailureReason::Aborted);
+        self.drain(st);
+    }
+
     /// Runs a queued notification on a copy worker: its chunk's copy out of landing memory (if it
     /// has one) without the engine's lock, then, under it, what the progress thread does for any
     /// notification.
@@ -2534,14 +2549,7 @@ impl Inner {
         }
         match copied {
             Some(Copied::Failed) => {
-                tracing::error!(
-                    request = n.request.0,
-                    rank = job.rank,
-                    chunk = n.chunk_id,
-                    "copy from landing memory failed"
-                );
-                let _ = st.tracker.fail(n.request, FailureReason::Aborted);
-                self.drain(&mut st);
+                self.landing_bug(&mut st, &n, "copy from landing memory failed");
                 return;
             }
             Some(Copied::Done) => {
@@ -2560,9 +2568,7 @@ impl Inner {
         }
         self.account(
             &mut st,
-            job.session,
-            job.rank,
-            job.peer,
+            (job.session, job.rank, job.peer),
             &n,
             job.now,
             hashed,
@@ -2813,14 +2819,8 @@ impl Inner {
         let copy = match copy {
             Some(Planned::Copy(c)) => Some(c),
             Some(Planned::TooLarge) => {
-                tracing::error!(
-                    request = n.request.0,
-                    rank,
-                    chunk = n.chunk_id,
-                    "a chunk does not fit the stride of its landing range"
-                );
-                let _ = st.tracker.fail(n.request, FailureReason::Aborted);
-                self.drain(&mut st);
+                let why = "a chunk does not fit the stride of its landing range";
+                self.landing_bug(&mut st, &n, why);
                 return;
             }
             None => None,
@@ -2831,17 +2831,12 @@ impl Inner {
             let Some(bound) = queue_bound(&st, session, n.request) else {
                 // The request is gone (a copy is planned only for a live one): the tracker
                 // answers for it.
-                self.account(&mut st, session, rank, peer, &n, now, None);
+                self.account(&mut st, (session, rank, peer), &n, now, None);
                 return;
             };
             let Some(workers) = self.copiers.get() else {
-                // Landing memory comes with its workers: a bug.
-                tracing::error!(
-                    request = n.request.0,
-                    "no worker to copy out of landing memory"
-                );
-                let _ = st.tracker.fail(n.request, FailureReason::Aborted);
-                self.drain(&mut st);
+                // Landing memory comes with its workers.
+                self.landing_bug(&mut st, &n, "no worker to copy out of landing memory");
                 return;
             };
             let c = st.copying.entry(n.request).or_insert_with(|| Copying {
@@ -2867,28 +2862,21 @@ impl Inner {
                 gate: c.gate.clone(),
             };
             if workers.send(n.request.0, job).is_err() {
-                tracing::error!(
-                    request = n.request.0,
-                    "the worker copying out of landing memory is gone"
-                );
-                let _ = st.tracker.fail(n.request, FailureReason::Aborted);
-                self.drain(&mut st);
+                let why = "the worker copying out of landing memory is gone";
+                self.landing_bug(&mut st, &n, why);
             }
             return;
         }
-        self.account(&mut st, session, rank, peer, &n, now, None);
+        self.account(&mut st, (session, rank, peer), &n, now, None);
     }
 
     /// Checks a chunk notification's checksum (unless a copy worker did: `hashed`, whether it
     /// matched) and hands it to the tracker, under the engine's lock: what every notification goes
     /// through once its chunk is in the request's pages.
-    #[allow(clippy::too_many_arguments)]
     fn account(
         &self,
         st: &mut State,
-        session: SessionId,
-        rank: u16,
-        peer: PeerId,
+        (session, rank, peer): (SessionId, u16, PeerId),
         n: &notify::ChunkNotification,
         now: Instant,
         hashed: Option<bool>,

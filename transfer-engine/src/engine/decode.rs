@@ -9,9 +9,11 @@
 //!
 //! Notifications are handled on the transport's progress thread, straight into the tracker (one short
 //! lock per notification, no hop through another thread), so a request's completion is seen as soon as
-//! its last notification is. The exception is a request with chunks in landing memory: those chunks,
-//! and its notifications behind them, go through a copy worker ([`super::landing`]), which copies
-//! without the lock and then hands each notification to the tracker in the order it came.
+//! its last notification is. The exceptions are chunks that need a pass over their bytes: a chunk in
+//! landing memory (copied into the pages) and a chunk whose checksum is verified (hashed from the
+//! pages). Those chunks, and their request's notifications behind them, go through a chunk worker
+//! ([`super::landing`]), which copies and hashes without the lock and then hands each notification to
+//! the tracker in the order it came.
 
 use super::landing::{Gate, Workers, landing_pieces};
 use super::{
@@ -283,9 +285,10 @@ pub struct DecodeStats {
     pub landing_full: u64,
     /// Chunks copied from landing memory into the pages.
     pub landing_chunks: u64,
-    /// Notifications dropped on a copy worker: their request ended (its pages released, or it
-    /// failed) while they waited, or more were queued for it than its chunks can account for.
-    pub landing_dropped: u64,
+    /// Notifications dropped on a chunk worker (a copy out of landing memory, a checksum to
+    /// verify): their request ended (its pages released, or it failed) while they waited, or more
+    /// were queued for it than its chunks can account for.
+    pub jobs_dropped: u64,
 }
 
 struct RankConn {
@@ -364,16 +367,26 @@ struct LandingCopy {
     checksum: Option<u64>,
 }
 
-/// A chunk notification handled on a copy worker: its chunk's copy, if it has one, then what the
+/// What a chunk worker does with a chunk before its notification is counted.
+enum Work {
+    /// Copies it out of landing memory (and hashes it, with the copy's plan, if it has a checksum).
+    Copy(LandingCopy),
+    /// Hashes the chunk's `writes` from the pages against its checksum `sum`.
+    Hash { writes: Vec<Write>, sum: u64 },
+    /// Nothing: the notification only waits for its request's jobs queued before it.
+    Count,
+}
+
+/// A chunk notification handled on a chunk worker: its chunk's copy or hash, then what the
 /// progress thread does for any notification ([`Inner::account`]).
-struct CopyJob {
+struct ChunkJob {
     session: SessionId,
     rank: u16,
     peer: PeerId,
     n: notify::ChunkNotification,
     /// When the notification came.
     now: Instant,
-    copy: Option<LandingCopy>,
+    work: Work,
     /// The request's gate when the job was queued.
     gate: Arc<Gate>,
 }
@@ -394,8 +407,8 @@ enum Copied {
     Revoked,
 }
 
-/// A request with notifications queued on a copy worker.
-struct Copying {
+/// A request with notifications queued on a chunk worker.
+struct Queued {
     queued: u32,
     gate: Arc<Gate>,
 }
@@ -620,9 +633,9 @@ struct State {
     landing: crate::core::ranges::Ranges,
     /// Each request's landing grants, by rank slot: lent until its pages are released.
     grants: HashMap<RequestId, Vec<Grant>>,
-    /// Requests with notifications on a copy worker; their gates are revoked when their pages are
+    /// Requests with notifications on a chunk worker; their gates are revoked when their pages are
     /// released.
-    copying: HashMap<RequestId, Copying>,
+    queued: HashMap<RequestId, Queued>,
 }
 
 impl State {
@@ -805,7 +818,7 @@ struct Counters {
     landing_grants: AtomicU64,
     landing_full: AtomicU64,
     landing_chunks: AtomicU64,
-    landing_dropped: AtomicU64,
+    jobs_dropped: AtomicU64,
     /// Seconds from `expect` to the outcome, of requests that completed and that failed.
     seconds_complete: prometheus_client::metrics::histogram::Histogram,
     seconds_failed: prometheus_client::metrics::histogram::Histogram,
@@ -838,7 +851,7 @@ impl Default for Counters {
             landing_grants: AtomicU64::default(),
             landing_full: AtomicU64::default(),
             landing_chunks: AtomicU64::default(),
-            landing_dropped: AtomicU64::default(),
+            jobs_dropped: AtomicU64::default(),
             seconds_complete: crate::metrics::seconds_histogram(),
             seconds_failed: crate::metrics::seconds_histogram(),
             seconds_last_post: crate::metrics::seconds_histogram(),
@@ -883,8 +896,8 @@ struct Inner {
     pool: std::sync::OnceLock<super::pools::Pools>,
     /// Landing memory ([`DecodeConfig::landing_bytes`]), where this engine has some.
     landing: std::sync::OnceLock<crate::transport::Registration>,
-    /// The threads that copy chunks out of the landing memory, set with it.
-    copiers: std::sync::OnceLock<Workers<CopyJob>>,
+    /// The threads that copy chunks out of landing memory and verify checksums, for a host pool.
+    workers: std::sync::OnceLock<Workers<ChunkJob>>,
     /// `backend_info` handed the pool's registration to someone outside the control plane, who can
     /// never confirm that it stopped writing.
     exported_out_of_band: AtomicBool,
@@ -990,7 +1003,7 @@ impl Inner {
             landing_grants: c.landing_grants.load(Ordering::Relaxed),
             landing_full: c.landing_full.load(Ordering::Relaxed),
             landing_chunks: c.landing_chunks.load(Ordering::Relaxed),
-            landing_dropped: c.landing_dropped.load(Ordering::Relaxed),
+            jobs_dropped: c.jobs_dropped.load(Ordering::Relaxed),
             registered_bytes: self
                 .transport
                 .get()
@@ -1191,9 +1204,9 @@ impl crate::metrics::Source for Inner {
                 s.landing_chunks,
             ),
             (
-                "kvx_landing_dropped",
-                "Notifications dropped on a copy worker: their request ended while they waited, or too many were queued for it",
-                s.landing_dropped,
+                "kvx_chunk_jobs_dropped",
+                "Notifications dropped on a chunk worker: their request ended while they waited, or too many were queued for it",
+                s.jobs_dropped,
             ),
             (
                 "kvx_probes",
@@ -1339,7 +1352,7 @@ impl DecodeEngine {
             aux: AuxStore::default(),
             landing: crate::core::ranges::Ranges::new(0),
             grants: HashMap::new(),
-            copying: HashMap::new(),
+            queued: HashMap::new(),
         };
         if cfg.pp_size > 0 {
             let prefill_tp = cfg.prefill_tp.unwrap_or(cfg.tp.size);
@@ -1365,7 +1378,7 @@ impl DecodeEngine {
             transport: std::sync::OnceLock::new(),
             pool: std::sync::OnceLock::new(),
             landing: std::sync::OnceLock::new(),
-            copiers: std::sync::OnceLock::new(),
+            workers: std::sync::OnceLock::new(),
             exported_out_of_band: AtomicBool::new(false),
             pool_safe: AtomicBool::new(false),
             metrics: std::sync::OnceLock::new(),
@@ -1391,11 +1404,29 @@ impl DecodeEngine {
             .get()
             .and_then(super::pools::Pools::desc)
             .is_some_and(|d| d.kind() == MemKind::Host);
-        if inner.cfg.landing_bytes > 0
+        let lands = inner.cfg.landing_bytes > 0
             && host
             && transport.kind() == crate::transport::BackendKind::Nixl
-            && inner.cfg.tp.mode == control::TpMode::HeadSliced
-        {
+            && inner.cfg.tp.mode == control::TpMode::HeadSliced;
+        // Workers for the passes over a chunk's bytes this engine makes: copies out of landing
+        // memory, hashes of a host pool's pages.
+        if lands || (host && inner.cfg.verify_checksums) {
+            let weak = Arc::downgrade(&inner);
+            let workers = Workers::spawn(
+                super::landing::worker_count(),
+                "kvx-chunk",
+                Arc::new(move |job| {
+                    if let Some(inner) = weak.upgrade() {
+                        inner.run_chunk_job(job);
+                    }
+                }),
+            )
+            .map_err(|e| {
+                EngineError::Config(format!("threads for chunk copies and hashes: {e}"))
+            })?;
+            let _ = inner.workers.set(workers);
+        }
+        if lands {
             let len = usize::try_from(inner.cfg.landing_bytes)
                 .map_err(|_| EngineError::Config("landing_bytes does not fit memory".into()))?;
             let buf = crate::mem::HostBuffer::new(
@@ -1408,20 +1439,6 @@ impl DecodeEngine {
             .map_err(|e| EngineError::Config(format!("landing memory of {len} bytes: {e}")))?;
             let reg =
                 crate::transport::Registration::new(&transport, crate::mem::Pool::Owned(buf))?;
-            let weak = Arc::downgrade(&inner);
-            let workers = Workers::spawn(
-                super::landing::worker_count(),
-                "kvx-land",
-                Arc::new(move |job| {
-                    if let Some(inner) = weak.upgrade() {
-                        inner.run_copy_job(job);
-                    }
-                }),
-            )
-            .map_err(|e| {
-                EngineError::Config(format!("threads to copy out of landing memory: {e}"))
-            })?;
-            let _ = inner.copiers.set(workers);
             inner.lock().landing =
                 crate::core::ranges::Ranges::new(reg.desc().map_or(0, |d| d.len()));
             let _ = inner.landing.set(reg);
@@ -2516,25 +2533,34 @@ impl Inner {
         self.drain(st);
     }
 
-    /// Runs a queued notification on a copy worker: its chunk's copy out of landing memory (if it
-    /// has one) without the engine's lock, then, under it, what the progress thread does for any
-    /// notification.
-    fn run_copy_job(&self, job: CopyJob) {
-        let copied = job.copy.as_ref().map(|c| self.copy_landed(c, &job.gate));
-        // Hashed from the pages as any chunk is, with the copy's plan, before the lock is taken.
-        let hashed = match (&copied, &job.copy) {
-            (Some(Copied::Done), Some(c)) => c
-                .checksum
-                .map(|sum| self.hash_pages(&c.writes) == Some(sum)),
-            _ => None,
+    /// Runs a queued notification on a chunk worker: its chunk's copy out of landing memory or its
+    /// hash (where it has either) without the engine's lock, then, under it, what the progress
+    /// thread does for any notification.
+    fn run_chunk_job(&self, job: ChunkJob) {
+        let (copied, hashed) = match &job.work {
+            Work::Copy(c) => {
+                let copied = self.copy_landed(c, &job.gate);
+                // Hashed from the pages as any chunk is, with the copy's plan.
+                let hashed = match copied {
+                    Copied::Done => c
+                        .checksum
+                        .map(|sum| self.hash_pages(&c.writes) == Some(sum)),
+                    _ => None,
+                };
+                (Some(copied), hashed)
+            }
+            // Read only: pages released meanwhile (and written by someone else) give a hash that
+            // is dropped below with the job.
+            Work::Hash { writes, sum } => (None, Some(self.hash_pages(writes) == Some(*sum))),
+            Work::Count => (None, None),
         };
         let mut st = self.lock();
-        if let Some(c) = st.copying.get_mut(&job.n.request)
-            && Arc::ptr_eq(&c.gate, &job.gate)
+        if let Some(q) = st.queued.get_mut(&job.n.request)
+            && Arc::ptr_eq(&q.gate, &job.gate)
         {
-            c.queued = c.queued.saturating_sub(1);
-            if c.queued == 0 {
-                st.copying.remove(&job.n.request);
+            q.queued = q.queued.saturating_sub(1);
+            if q.queued == 0 {
+                st.queued.remove(&job.n.request);
             }
         }
         let n = job.n;
@@ -2542,9 +2568,7 @@ impl Inner {
             // The request ended while this waited (revocation happens under the engine's lock, so
             // this answer holds while we hold it): its id may name a new request by now, which
             // nothing of this one may touch.
-            self.counters
-                .landing_dropped
-                .fetch_add(1, Ordering::Relaxed);
+            self.counters.jobs_dropped.fetch_add(1, Ordering::Relaxed);
             return;
         }
         match copied {
@@ -2555,7 +2579,7 @@ impl Inner {
             Some(Copied::Done) => {
                 self.counters.landing_chunks.fetch_add(1, Ordering::Relaxed);
                 // The range is free for the chunk that reuses it: the rank waits for this word.
-                if job.copy.as_ref().is_some_and(|c| c.tell)
+                if matches!(&job.work, Work::Copy(c) if c.tell)
                     && let Some(conn) = st.sessions.get(&job.session).and_then(|s| s.rank(job.rank))
                 {
                     let _ = conn.writer.send(Msg::Landed(control::Landed {
@@ -2674,8 +2698,8 @@ impl Inner {
                 TrackerEvent::Failed { request, reason } => {
                     // Its pages may be held a while longer (until the ranks confirm), but nothing
                     // more is copied into them.
-                    if let Some(c) = st.copying.remove(&request) {
-                        c.gate.revoke();
+                    if let Some(q) = st.queued.remove(&request) {
+                        q.gate.revoke();
                     }
                     self.counters.failed.fetch_add(1, Ordering::Relaxed);
                     self.counters.failed_by[reason_index(reason)].fetch_add(1, Ordering::Relaxed);
@@ -2816,61 +2840,93 @@ impl Inner {
         } else {
             None
         };
-        let copy = match copy {
-            Some(Planned::Copy(c)) => Some(c),
+        let work = match copy {
+            Some(Planned::Copy(c)) => Work::Copy(c),
             Some(Planned::TooLarge) => {
                 let why = "a chunk does not fit the stride of its landing range";
                 self.landing_bug(&mut st, &n, why);
                 return;
             }
-            None => None,
+            None => match self.plan_hash(&st, (session, rank), &n) {
+                Some((writes, sum)) => Work::Hash { writes, sum },
+                None => Work::Count,
+            },
         };
-        // The copy goes to a worker; so does every later notification of a request with copies
-        // queued, so that a request's notifications are counted in the order they came.
-        if copy.is_some() || st.copying.contains_key(&n.request) {
+        // A copy or a hash goes to a worker; so does every later notification of a request with
+        // jobs queued, so that a request's notifications are counted in the order they came.
+        if !matches!(work, Work::Count) || st.queued.contains_key(&n.request) {
             let Some(bound) = queue_bound(&st, session, n.request) else {
-                // The request is gone (a copy is planned only for a live one): the tracker
+                // The request is gone (a job is planned only for a live one): the tracker
                 // answers for it.
                 self.account(&mut st, (session, rank, peer), &n, now, None);
                 return;
             };
-            let Some(workers) = self.copiers.get() else {
-                // Landing memory comes with its workers.
-                self.landing_bug(&mut st, &n, "no worker to copy out of landing memory");
+            let Some(workers) = self.workers.get() else {
+                // Workers are started with landing memory and for hashing, the only jobs planned;
+                // a request is queued only after a job of it was.
+                self.landing_bug(&mut st, &n, "no worker to copy or hash a chunk");
                 return;
             };
-            let c = st.copying.entry(n.request).or_insert_with(|| Copying {
+            let q = st.queued.entry(n.request).or_insert_with(|| Queued {
                 queued: 0,
                 gate: Arc::new(Gate::default()),
             });
-            if c.queued >= bound {
+            if q.queued >= bound {
                 // More than its chunks can account for: a peer repeating itself. Dropped, so that
                 // the queue stays bounded; the request's own chunks are queued already.
-                self.counters
-                    .landing_dropped
-                    .fetch_add(1, Ordering::Relaxed);
+                self.counters.jobs_dropped.fetch_add(1, Ordering::Relaxed);
                 return;
             }
-            c.queued += 1;
-            let job = CopyJob {
+            q.queued += 1;
+            let job = ChunkJob {
                 session,
                 rank,
                 peer,
                 n,
                 now,
-                copy,
-                gate: c.gate.clone(),
+                work,
+                gate: q.gate.clone(),
             };
             if workers.send(n.request.0, job).is_err() {
-                let why = "the worker copying out of landing memory is gone";
-                self.landing_bug(&mut st, &n, why);
+                self.landing_bug(&mut st, &n, "the worker for a chunk is gone");
             }
             return;
         }
         self.account(&mut st, (session, rank, peer), &n, now, None);
     }
 
-    /// Checks a chunk notification's checksum (unless a copy worker did: `hashed`, whether it
+    /// Plans the hash of `rank`'s chunk `n` in the pages, for a chunk worker: its writes and
+    /// checksum, where the engine verifies checksums, the chunk has one and the request is the
+    /// sender's instance's, in a host pool. `None` leaves the check to [`Self::account`] (which
+    /// fails a chunk it cannot plan, or passes one it has nothing to hash in).
+    fn plan_hash(
+        &self,
+        st: &State,
+        (session, rank): (SessionId, u16),
+        n: &notify::ChunkNotification,
+    ) -> Option<(Vec<Write>, u64)> {
+        let sum = n.checksum.filter(|_| self.cfg.verify_checksums)?;
+        let (info, conn) = (
+            st.requests
+                .get(&n.request)
+                .filter(|r| r.session == session && rank == n.pp_rank)?,
+            st.sessions.get(&session).and_then(|s| s.rank(rank))?,
+        );
+        self.workers.get()?;
+        let mut writes = Vec::new();
+        conn.planner
+            .plan_chunk(
+                &info.geometry,
+                u64::from(n.chunk_id),
+                &stand_in_src(&conn.planner, info),
+                &info.dst_pages,
+                &mut writes,
+            )
+            .ok()?;
+        Some((writes, sum))
+    }
+
+    /// Checks a chunk notification's checksum (unless a chunk worker did: `hashed`, whether it
     /// matched) and hands it to the tracker, under the engine's lock: what every notification goes
     /// through once its chunk is in the request's pages.
     fn account(
@@ -3246,7 +3302,7 @@ fn stand_in_src(planner: &Planner, info: &ReqInfo) -> Vec<u32> {
     (0..src_len).map(|i| (i % src_pool) as u32).collect()
 }
 
-/// How many notifications of `request` may wait on a copy worker: two for each chunk of each rank
+/// How many notifications of `request` may wait on a chunk worker: two for each chunk of each rank
 /// of its instance (a duplicate of each may come), and some slack. `None` for a request gone.
 fn queue_bound(st: &State, session: SessionId, request: RequestId) -> Option<u32> {
     let info = st.requests.get(&request)?;
@@ -3270,8 +3326,8 @@ fn queue_bound(st: &State, session: SessionId, request: RequestId) -> Option<u32
 /// whoever waits for that.
 fn release_pages(st: &mut State, request: RequestId, pages: &[u32]) {
     // A copy out of landing memory into them stops first (waiting for a piece that runs).
-    if let Some(c) = st.copying.remove(&request) {
-        c.gate.revoke();
+    if let Some(q) = st.queued.remove(&request) {
+        q.gate.revoke();
     }
     for g in st.grants.remove(&request).unwrap_or_default() {
         st.landing.give(g.landing.offset);

@@ -1,9 +1,10 @@
-//! Copying chunks out of landing memory away from the decode engine's lock and progress thread.
+//! Passes over a chunk's bytes away from the decode engine's lock and progress thread.
 //!
 //! A decode engine that lends landing memory copies every chunk written there into the request's
-//! pages. That copy is a pass over every byte of the chunk; on the transport's progress thread and
-//! under the engine's lock it held up every other notification, control message and call into the
-//! engine while it ran. Here it runs on a few worker threads of the engine's own:
+//! pages, and one that verifies checksums hashes every chunk from its pages. Each is a pass over
+//! every byte of the chunk; on the transport's progress thread and under the engine's lock it held
+//! up every other notification, control message and call into the engine while it ran. Here they
+//! run on a few worker threads of the engine's own:
 //!
 //! - [`Workers`] hands each job to one worker by a key (the request's id), so the jobs of one key
 //!   run one at a time, in the order they were sent.
@@ -90,7 +91,7 @@ impl<J: Send + 'static> Workers<J> {
                         let ran =
                             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(job)));
                         if ran.is_err() {
-                            tracing::error!(worker = i, "a job on a landing copy worker panicked");
+                            tracing::error!(worker = i, "a job on a chunk worker panicked");
                         }
                     }
                 })?;

@@ -779,3 +779,68 @@ fn a_lost_peer_fails_only_the_requests_it_had_not_delivered() {
         }]
     );
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+
+    /// Losing a peer in parts (the requests `only` picks, then each of the rest on its own, as an
+    /// engine does for requests whose notifications it is still checking) fails exactly the
+    /// requests, with exactly the reasons, that losing it at once does; picking none changes
+    /// nothing. Requests of up to 4 ranks bound to any of 3 peers, each rank having delivered
+    /// any part of its chunks (its count or not).
+    #[test]
+    fn a_peer_lost_in_parts_fails_what_it_fails_at_once(
+        requests in proptest::collection::vec(
+            proptest::collection::vec((0usize..3, 0u32..=3, any::<bool>()), 1..=4),
+            1..=6,
+        ),
+        lost in 0usize..3,
+        first in proptest::collection::vec(any::<bool>(), 6),
+    ) {
+        let t0 = Instant::now();
+        let dl = t0 + Duration::from_secs(10);
+        let pool = [PeerId(10), PeerId(11), PeerId(12)];
+        let build = || {
+            let mut t = CompletionTracker::new(TrackerConfig::default());
+            for (i, ranks) in requests.iter().enumerate() {
+                let id = RequestId(i as u64);
+                let peers: Vec<PeerId> = ranks.iter().map(|r| pool[r.0]).collect();
+                t.expect(t0, id, ranks.len() as u16, &peers, dl).unwrap();
+                for (rank, &(peer, sent, counted)) in ranks.iter().enumerate() {
+                    // Two chunks a rank: `sent` of them delivered (0 to 2; 3: both, the count on
+                    // a separate LAST), the count with the second when `counted`.
+                    for c in 0..sent.min(2) {
+                        let status = if c == 1 && counted {
+                            ChunkStatus::Last { count: 2 }
+                        } else {
+                            ChunkStatus::More
+                        };
+                        let n = ChunkNotification::new(id, rank as u16, c, status);
+                        let _ = t.handle_notification(t0, pool[peer], &n);
+                    }
+                }
+            }
+            drain(&mut t);
+            t
+        };
+        let mut at_once = build();
+        let failed = at_once.handle_peer_lost(t0, pool[lost]);
+        let mut want = drain(&mut at_once);
+        want.sort_by_key(|e| format!("{e:?}"));
+
+        let mut parts = build();
+        prop_assert_eq!(parts.handle_peer_lost_in(t0, pool[lost], |_| false), 0);
+        prop_assert_eq!(drain(&mut parts), vec![]);
+        let picked = |id: RequestId| first[id.0 as usize];
+        let mut n = parts.handle_peer_lost_in(t0, pool[lost], picked);
+        for i in 0..requests.len() as u64 {
+            if !picked(RequestId(i)) {
+                n += parts.handle_peer_lost_in(t0, pool[lost], |id| id == RequestId(i));
+            }
+        }
+        let mut got = drain(&mut parts);
+        got.sort_by_key(|e| format!("{e:?}"));
+        prop_assert_eq!(n, failed);
+        prop_assert_eq!(got, want);
+    }
+}

@@ -17,8 +17,8 @@ use transfer_engine::core::planner::{HeadLayout, HeadOrder, KvLayout, PpSplit, R
 use transfer_engine::core::topology::{self, TpShape};
 use transfer_engine::engine::CustomBackend;
 use transfer_engine::engine::{
-    BackendConfig, DecodeConfig, DecodeEngine, DecodeStats, EngineError, MeshSocket, Outcome, Pool,
-    PrefillConfig, PrefillEngine, TpConfig,
+    BackendConfig, ChunkJobHook, DecodeConfig, DecodeEngine, DecodeStats, EngineError, MeshSocket,
+    Outcome, Pool, PrefillConfig, PrefillEngine, TpConfig,
 };
 use transfer_engine::mem::{HostBuffer, HostOptions};
 use transfer_engine::transport::fault::{
@@ -692,6 +692,16 @@ async fn two_into_one_nixl_in(
     n: usize,
     slots: u32,
 ) -> (DecodeEngine, Vec<PrefillEngine>, Vec<Arc<FaultTransport>>) {
+    two_into_one_nixl_with(name, n, slots, None).await
+}
+
+/// As `two_into_one_nixl_in`, decode running `hook` at the start of each chunk job.
+async fn two_into_one_nixl_with(
+    name: &str,
+    n: usize,
+    slots: u32,
+    hook: Option<ChunkJobHook>,
+) -> (DecodeEngine, Vec<PrefillEngine>, Vec<Arc<FaultTransport>>) {
     let case = TWO_INTO_ONE;
     let layout = case.layout(1, 0, LAYERS);
     let mut cfg = DecodeConfig::new(LAYERS, PAGE_TOKENS, layout.clone(), 1);
@@ -701,6 +711,7 @@ async fn two_into_one_nixl_in(
     cfg.backend = BackendConfig::default_for_decode(BackendKind::Nixl, &format!("{name}-d"));
     cfg.abort_ack_timeout = Duration::from_millis(300);
     cfg.landing_slots = slots;
+    cfg.chunk_job_hook = hook;
     let (backend, decode_fault) = faulty_nixl(&format!("{name}-d"));
     cfg.backend = backend;
     let mut b = HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).unwrap();
@@ -729,6 +740,179 @@ async fn two_into_one_nixl_in(
     d.wait_for_ranks(BOUND).await.unwrap();
     faults.push(decode_fault.lock().unwrap().clone().unwrap());
     (d, ranks, faults)
+}
+
+/// A request that ends while the copy of its first landed chunk waits on decode's chunk worker:
+/// once its pages are released and a new request holds them, the old copy runs and is dropped. It
+/// writes nothing into the pages (still poisoned) and counts nothing, and the new request
+/// completes with its own bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_whose_request_ended_while_it_waited_writes_and_counts_nothing() {
+    let case = TWO_INTO_ONE;
+    let request = RequestId(31);
+    // The first job of the first request waits in the hook until the test lets it go; every later
+    // job of that id is queued behind it on the same worker.
+    let (hook, held_rx, go_tx) = hold_first_job(request);
+    let (d, ranks, _faults) = two_into_one_nixl_with("held", 1, 2, Some(hook)).await;
+    for p in &ranks {
+        p.offer(request, SRC.to_vec()).unwrap();
+    }
+    let done = d
+        .expect(request, PROMPT, PAGE_TOKENS, DST.to_vec(), BOUND)
+        .unwrap();
+    tokio::task::spawn_blocking(move || held_rx.recv_timeout(BOUND))
+        .await
+        .unwrap()
+        .expect("no chunk job started");
+    d.abort(request);
+    assert_eq!(
+        tokio::time::timeout(BOUND, done).await.unwrap(),
+        Outcome::Failed(transfer_engine::core::tracker::FailureReason::Aborted)
+    );
+    tokio::time::timeout(BOUND, d.released(request))
+        .await
+        .expect("the aborted request's pages were never released");
+    // The same pages for a new request (the tracker refuses an id it finished), not offered yet:
+    // nothing may write into them.
+    let next = RequestId(32);
+    let again = d
+        .expect(next, PROMPT, PAGE_TOKENS, DST.to_vec(), BOUND)
+        .unwrap();
+    let before = d.stats().jobs_dropped;
+    go_tx.send(()).unwrap();
+    until_stats(&d, "dropped the held job", |s| s.jobs_dropped > before).await;
+    // Every job of the old request ran (the new one has none before it is offered).
+    until_stats(&d, "emptied the queue", |s| s.jobs_queued == 0).await;
+    let layout = case.layout(case.decode_tp, 0, LAYERS);
+    let mut pool = vec![0u8; layout.buffer_len as usize];
+    d.read_pool(0, &mut pool).unwrap();
+    let written = pool.iter().filter(|&&b| b != POISON).count();
+    assert_eq!(written, 0, "bytes written by a copy of the ended request");
+    assert_eq!(d.stats().landing_chunks, 0, "{:?}", d.stats());
+    for p in &ranks {
+        p.offer(next, SRC.to_vec()).unwrap();
+    }
+    assert_eq!(
+        tokio::time::timeout(BOUND, again).await.unwrap(),
+        Outcome::Complete
+    );
+    check_heads(&case, &d, 0, &DST);
+    d.shutdown(BOUND).await;
+}
+
+/// A hook that holds the first chunk job of `request` until the returned sender is used (or the
+/// test's bound passes), and a receiver that hears when that job is held.
+fn hold_first_job(
+    request: RequestId,
+) -> (
+    ChunkJobHook,
+    std::sync::mpsc::Receiver<()>,
+    std::sync::mpsc::Sender<()>,
+) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let (held_tx, held_rx) = std::sync::mpsc::channel::<()>();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let go_rx = std::sync::Mutex::new(go_rx);
+    let first = AtomicBool::new(true);
+    let hook = ChunkJobHook(Arc::new(move |r| {
+        if r == request && first.swap(false, Ordering::SeqCst) {
+            let _ = held_tx.send(());
+            let _ = go_rx.lock().unwrap().recv_timeout(BOUND);
+        }
+    }));
+    (hook, held_rx, go_tx)
+}
+
+/// Waits (bounded) until `f` holds of decode's stats.
+async fn until_stats(d: &DecodeEngine, what: &str, f: impl Fn(&DecodeStats) -> bool) {
+    let deadline = tokio::time::Instant::now() + BOUND;
+    while !f(&d.stats()) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never {what}: {:?}",
+            d.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A rank that delivered every chunk of a request and then went away while decode still had
+/// those chunks queued on its chunk worker (not yet copied or counted) fails nothing: its loss
+/// reaches the tracker behind its chunks, and the request completes with every byte right.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_lost_while_its_delivered_chunks_wait_on_a_worker_fails_nothing() {
+    let case = TWO_INTO_ONE;
+    let request = RequestId(33);
+    let (hook, held_rx, go_tx) = hold_first_job(request);
+    // Three slots for three chunks: no rank waits for a copy before it writes.
+    let (d, mut ranks, _faults) = two_into_one_nixl_with("lost", 1, 3, Some(hook)).await;
+    for p in &ranks {
+        p.offer(request, SRC.to_vec()).unwrap();
+    }
+    let done = d
+        .expect(request, PROMPT, PAGE_TOKENS, DST.to_vec(), BOUND)
+        .unwrap();
+    tokio::task::spawn_blocking(move || held_rx.recv_timeout(BOUND))
+        .await
+        .unwrap()
+        .expect("no chunk job started");
+    // Both ranks' three chunks arrived: one held, five queued behind it.
+    until_stats(&d, "six jobs queued", |s| s.jobs_queued == 6).await;
+    drop(ranks.pop());
+    until_stats(&d, "rank 1 lost", |s| s.connected_ranks == 1).await;
+    // The loss waits behind the chunks.
+    assert_eq!(d.stats().jobs_queued, 7, "{:?}", d.stats());
+    go_tx.send(()).unwrap();
+    assert_eq!(
+        tokio::time::timeout(BOUND, done).await.unwrap(),
+        Outcome::Complete
+    );
+    check_heads(&case, &d, 0, &DST);
+    let s = d.stats();
+    assert_eq!(
+        (s.jobs_queued, s.jobs_dropped, s.failed),
+        (0, 0, 0),
+        "{s:?}"
+    );
+    d.shutdown(BOUND).await;
+}
+
+/// A rank lost before it delivered every chunk of a request fails it, also while decode still
+/// has chunks of the request queued on its chunk worker: the loss waits behind them, then fails
+/// the request as `PeerLost` naming that rank.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_lost_before_it_delivered_fails_the_request_behind_its_queued_chunks() {
+    use transfer_engine::core::tracker::FailureReason;
+    let request = RequestId(34);
+    let (hook, held_rx, go_tx) = hold_first_job(request);
+    let (d, mut ranks, _faults) = two_into_one_nixl_with("short", 1, 3, Some(hook)).await;
+    let done = d
+        .expect(request, PROMPT, PAGE_TOKENS, DST.to_vec(), BOUND)
+        .unwrap();
+    // Rank 0 sends all three chunks, rank 1 only its first.
+    for c in 0..3 {
+        ranks[0].send_chunk(request, c, &SRC, c == 2).await.unwrap();
+    }
+    ranks[1].send_chunk(request, 0, &SRC, false).await.unwrap();
+    tokio::task::spawn_blocking(move || held_rx.recv_timeout(BOUND))
+        .await
+        .unwrap()
+        .expect("no chunk job started");
+    until_stats(&d, "four jobs queued", |s| s.jobs_queued == 4).await;
+    drop(ranks.pop());
+    until_stats(&d, "rank 1 lost", |s| s.connected_ranks == 1).await;
+    assert_eq!(d.stats().jobs_queued, 5, "{:?}", d.stats());
+    go_tx.send(()).unwrap();
+    let outcome = tokio::time::timeout(BOUND, done).await.unwrap();
+    assert!(
+        matches!(
+            outcome,
+            Outcome::Failed(FailureReason::PeerLost { rank: 1, .. })
+        ),
+        "{outcome:?}"
+    );
+    until_stats(&d, "emptied the queue", |s| s.jobs_queued == 0).await;
+    d.shutdown(BOUND).await;
 }
 
 /// With a prefix decode already holds, the ranks' packed rows start at the first page after it,

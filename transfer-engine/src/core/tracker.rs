@@ -591,10 +591,23 @@ impl CompletionTracker {
     /// rank). A request whose ranks bound to `peer` had all delivered (their `LAST` and every chunk
     /// it counts) goes on: nothing of it was still to come from there. Returns how many failed.
     pub fn handle_peer_lost(&mut self, now: Instant, peer: PeerId) -> usize {
+        self.handle_peer_lost_in(now, peer, |_| true)
+    }
+
+    /// [`handle_peer_lost`](Self::handle_peer_lost) for the requests `only` picks: the others are
+    /// left as they are (an engine still checking some of `peer`'s notifications of them calls
+    /// this again for each, once it has). Returns how many failed.
+    pub fn handle_peer_lost_in(
+        &mut self,
+        now: Instant,
+        peer: PeerId,
+        only: impl Fn(RequestId) -> bool,
+    ) -> usize {
         self.clock.observe(now);
         let mut hit: Vec<(RequestId, u16)> = self
             .in_flight
             .iter()
+            .filter(|(id, _)| only(**id))
             .filter_map(|(id, e)| {
                 e.ranks
                     .iter()

@@ -123,6 +123,22 @@ pub struct DecodeConfig {
     /// lets a rank write a chunk while the one before is copied. A slot count that does not fit
     /// what is free is tried again with 1.
     pub landing_slots: u32,
+    /// Called on the chunk worker at the start of each of its jobs, with the job's request, before
+    /// the job copies, hashes or counts anything. For tests that must end a request while a job
+    /// of it waits; `None` (the default) everywhere else.
+    #[doc(hidden)]
+    pub chunk_job_hook: Option<ChunkJobHook>,
+}
+
+/// See [`DecodeConfig::chunk_job_hook`].
+#[doc(hidden)]
+#[derive(Clone)]
+pub struct ChunkJobHook(pub Arc<dyn Fn(RequestId) + Send + Sync>);
+
+impl std::fmt::Debug for ChunkJobHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ChunkJobHook")
+    }
 }
 
 /// [`DecodeConfig::landing_slots`] by default.
@@ -160,6 +176,7 @@ impl DecodeConfig {
             metrics: None,
             landing_bytes: DEFAULT_LANDING_BYTES,
             landing_slots: DEFAULT_LANDING_SLOTS,
+            chunk_job_hook: None,
         }
     }
 }
@@ -251,6 +268,10 @@ pub struct DecodeStats {
     /// Requests expected while a rank of their instance was absent, waiting for it (at most
     /// `rank_wait`): their pages are held and no rank was asked for them yet.
     pub waiting_for_rank: u64,
+    /// Jobs on the chunk workers, waiting or running: notifications whose chunks are not yet
+    /// copied, hashed or counted, dropped ones not yet reached, and lost ranks waiting behind a
+    /// request's notifications.
+    pub jobs_queued: u64,
     /// Failed requests whose future waits for ranks to confirm their writes are over.
     pub awaiting_abort_ack: u64,
     /// Failed requests resolved without every rank's confirmation, after `abort_ack_timeout`.
@@ -383,12 +404,34 @@ struct ChunkJob {
     session: SessionId,
     rank: u16,
     peer: PeerId,
-    n: notify::ChunkNotification,
-    /// When the notification came.
+    request: RequestId,
+    /// When the notification came (or the peer was lost).
     now: Instant,
-    work: Work,
+    what: Job,
     /// The request's gate when the job was queued.
     gate: Arc<Gate>,
+}
+
+/// What a chunk worker's job is about.
+enum Job {
+    /// A chunk notification of the request, and what to do with its chunk first.
+    Chunk {
+        n: notify::ChunkNotification,
+        work: Work,
+    },
+    /// The peer was lost while notifications of the request were queued: the tracker hears of it
+    /// for this request after them, so that a rank whose last chunks were still being checked
+    /// counts as having delivered them.
+    PeerLost,
+}
+
+/// Counts a chunk job over when dropped, however the job ends (a panic too).
+struct JobOver<'a>(&'a AtomicU64);
+
+impl Drop for JobOver<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// A landed chunk's copy, planned.
@@ -819,6 +862,8 @@ struct Counters {
     landing_full: AtomicU64,
     landing_chunks: AtomicU64,
     jobs_dropped: AtomicU64,
+    /// Jobs sent to a chunk worker and not yet over.
+    jobs_queued: AtomicU64,
     /// Seconds from `expect` to the outcome, of requests that completed and that failed.
     seconds_complete: prometheus_client::metrics::histogram::Histogram,
     seconds_failed: prometheus_client::metrics::histogram::Histogram,
@@ -852,6 +897,7 @@ impl Default for Counters {
             landing_full: AtomicU64::default(),
             landing_chunks: AtomicU64::default(),
             jobs_dropped: AtomicU64::default(),
+            jobs_queued: AtomicU64::default(),
             seconds_complete: crate::metrics::seconds_histogram(),
             seconds_failed: crate::metrics::seconds_histogram(),
             seconds_last_post: crate::metrics::seconds_histogram(),
@@ -991,6 +1037,7 @@ impl Inner {
             instances,
             connected_ranks,
             waiting_for_rank: waiting,
+            jobs_queued: c.jobs_queued.load(Ordering::Relaxed),
             awaiting_abort_ack,
             abort_ack_timeouts: c.abort_ack_timeouts.load(Ordering::Relaxed),
             quarantined,
@@ -1097,6 +1144,11 @@ impl crate::metrics::Source for Inner {
                 "kvx_requests_waiting_for_rank",
                 "Requests expected while a rank of their instance was absent, waiting for it",
                 s.waiting_for_rank,
+            ),
+            (
+                "kvx_chunk_jobs_queued",
+                "Notifications waiting on a chunk worker (a copy out of landing memory, a checksum to verify) or handled there now",
+                s.jobs_queued,
             ),
             (
                 "kvx_requests_awaiting_abort_ack",
@@ -2087,10 +2139,10 @@ impl DecodeEngine {
         };
         // PP rank `rank`'s source of that start (several prefill TP ranks may write into this
         // decode TP rank; on a pipelined decode, slots count from its stage's rank).
-        let Some(r) = s
-            .slot_of_start(rank, incarnation)
-            .and_then(|slot| s.rank_mut(slot))
-        else {
+        let Some(slot) = s.slot_of_start(rank, incarnation) else {
+            return false;
+        };
+        let Some(r) = s.rank_mut(slot) else {
             return false;
         };
         if r.evicted || r.external {
@@ -2100,7 +2152,7 @@ impl DecodeEngine {
         let peer = r.peer;
         let now = Instant::now();
         absence_begins(s, now);
-        st.tracker.handle_peer_lost(now, peer);
+        self.inner.lose_peer(&mut st, (id, slot, peer), now);
         self.inner.drain(&mut st);
         drop(st);
         self.inner.changed.send_modify(|n| *n += 1);
@@ -2537,8 +2589,15 @@ impl Inner {
     /// hash (where it has either) without the engine's lock, then, under it, what the progress
     /// thread does for any notification.
     fn run_chunk_job(&self, job: ChunkJob) {
-        let (copied, hashed) = match &job.work {
-            Work::Copy(c) => {
+        let _over = JobOver(&self.counters.jobs_queued);
+        if let Some(hook) = &self.cfg.chunk_job_hook {
+            (hook.0)(job.request);
+        }
+        let (copied, hashed) = match &job.what {
+            Job::Chunk {
+                work: Work::Copy(c),
+                ..
+            } => {
                 let copied = self.copy_landed(c, &job.gate);
                 // Hashed from the pages as any chunk is, with the copy's plan.
                 let hashed = match copied {
@@ -2551,26 +2610,43 @@ impl Inner {
             }
             // Read only: pages released meanwhile (and written by someone else) give a hash that
             // is dropped below with the job.
-            Work::Hash { writes, sum } => (None, Some(self.hash_pages(writes) == Some(*sum))),
-            Work::Count => (None, None),
+            Job::Chunk {
+                work: Work::Hash { writes, sum },
+                ..
+            } => (None, Some(self.hash_pages(writes) == Some(*sum))),
+            Job::Chunk {
+                work: Work::Count, ..
+            }
+            | Job::PeerLost => (None, None),
         };
         let mut st = self.lock();
-        if let Some(q) = st.queued.get_mut(&job.n.request)
+        if let Some(q) = st.queued.get_mut(&job.request)
             && Arc::ptr_eq(&q.gate, &job.gate)
         {
             q.queued = q.queued.saturating_sub(1);
             if q.queued == 0 {
-                st.queued.remove(&job.n.request);
+                st.queued.remove(&job.request);
             }
         }
-        let n = job.n;
         if job.gate.revoked() || matches!(copied, Some(Copied::Revoked)) {
             // The request ended while this waited (revocation happens under the engine's lock, so
             // this answer holds while we hold it): its id may name a new request by now, which
             // nothing of this one may touch.
-            self.counters.jobs_dropped.fetch_add(1, Ordering::Relaxed);
+            if matches!(job.what, Job::Chunk { .. }) {
+                self.counters.jobs_dropped.fetch_add(1, Ordering::Relaxed);
+            }
             return;
         }
+        let (n, work) = match job.what {
+            Job::Chunk { n, work } => (n, work),
+            Job::PeerLost => {
+                let request = job.request;
+                st.tracker
+                    .handle_peer_lost_in(job.now, job.peer, |id| id == request);
+                self.drain(&mut st);
+                return;
+            }
+        };
         match copied {
             Some(Copied::Failed) => {
                 self.landing_bug(&mut st, &n, "copy from landing memory failed");
@@ -2579,7 +2655,7 @@ impl Inner {
             Some(Copied::Done) => {
                 self.counters.landing_chunks.fetch_add(1, Ordering::Relaxed);
                 // The range is free for the chunk that reuses it: the rank waits for this word.
-                if matches!(&job.work, Work::Copy(c) if c.tell)
+                if matches!(&work, Work::Copy(c) if c.tell)
                     && let Some(conn) = st.sessions.get(&job.session).and_then(|s| s.rank(job.rank))
                 {
                     let _ = conn.writer.send(Msg::Landed(control::Landed {
@@ -2853,8 +2929,14 @@ impl Inner {
             },
         };
         // A copy or a hash goes to a worker; so does every later notification of a request with
-        // jobs queued, so that a request's notifications are counted in the order they came.
-        if !matches!(work, Work::Count) || st.queued.contains_key(&n.request) {
+        // jobs queued from its own instance, so that a request's notifications are counted in the
+        // order they came. Another instance's (which the tracker refuses, in any order) take no
+        // place in the request's queue.
+        let own = st
+            .requests
+            .get(&n.request)
+            .is_some_and(|r| r.session == session);
+        if !matches!(work, Work::Count) || (own && st.queued.contains_key(&n.request)) {
             let Some(bound) = queue_bound(&st, session, n.request) else {
                 // The request is gone (a job is planned only for a live one): the tracker
                 // answers for it.
@@ -2882,17 +2964,73 @@ impl Inner {
                 session,
                 rank,
                 peer,
-                n,
+                request: n.request,
                 now,
-                work,
+                what: Job::Chunk { n, work },
                 gate: q.gate.clone(),
             };
-            if workers.send(n.request.0, job).is_err() {
+            if !self.send_job(workers, job) {
                 self.landing_bug(&mut st, &n, "the worker for a chunk is gone");
             }
             return;
         }
         self.account(&mut st, (session, rank, peer), &n, now, None);
+    }
+
+    /// Queues `job` on its request's worker, counted in [`DecodeStats::jobs_queued`] until it is
+    /// over. False if that worker is gone.
+    fn send_job(&self, workers: &Workers<ChunkJob>, job: ChunkJob) -> bool {
+        self.counters.jobs_queued.fetch_add(1, Ordering::Relaxed);
+        let sent = workers.send(job.request.0, job).is_ok();
+        if !sent {
+            self.counters.jobs_queued.fetch_sub(1, Ordering::Relaxed);
+        }
+        sent
+    }
+
+    /// The tracker hears that `peer`, a rank of `session`, is lost: each request it had not
+    /// delivered fails. For a request of the session with notifications queued on a chunk worker
+    /// (possibly the rank's last ones), that happens on the worker once they are counted; for the
+    /// others at once. Returns how many failed at once.
+    fn lose_peer(
+        &self,
+        st: &mut State,
+        (session, rank, peer): (SessionId, u16, PeerId),
+        now: Instant,
+    ) -> usize {
+        let later: std::collections::HashSet<RequestId> = st
+            .queued
+            .keys()
+            .copied()
+            .filter(|id| st.requests.get(id).is_some_and(|r| r.session == session))
+            .collect();
+        let failed = st
+            .tracker
+            .handle_peer_lost_in(now, peer, |id| !later.contains(&id));
+        for request in later {
+            let queued = match (st.queued.get_mut(&request), self.workers.get()) {
+                (Some(q), Some(workers)) => {
+                    q.queued += 1;
+                    let job = ChunkJob {
+                        session,
+                        rank,
+                        peer,
+                        request,
+                        now,
+                        what: Job::PeerLost,
+                        gate: q.gate.clone(),
+                    };
+                    self.send_job(workers, job)
+                }
+                _ => false,
+            };
+            if !queued {
+                // No worker to wait behind (a bug): the loss counts now.
+                st.tracker
+                    .handle_peer_lost_in(now, peer, |id| id == request);
+            }
+        }
+        failed
     }
 
     /// Plans the hash of `rank`'s chunk `n` in the pages, for a chunk worker: its writes and
@@ -3176,7 +3314,7 @@ impl Inner {
             {
                 r.evicted = true;
             }
-            let _ = st.tracker.handle_peer_lost(now, peer);
+            let _ = self.lose_peer(&mut st, (session, rank, peer), now);
             self.drain(&mut st);
         }
         if let Some(s) = st.sessions.get_mut(&session) {
@@ -3192,7 +3330,7 @@ impl Inner {
                 self.changed.send_modify(|n| *n += 1);
             }
         }
-        let failed = st.tracker.handle_peer_lost(now, peer);
+        let failed = self.lose_peer(&mut st, (session, rank, peer), now);
         if closed && (st.closing || st.sessions.get(&session).is_some_and(|s| s.leaving)) {
             tracing::info!(rank, instance = %name, "prefill rank closed");
         } else {

@@ -12,8 +12,8 @@ mod pools;
 mod prefill;
 
 pub use decode::{
-    Absence, DEFAULT_LANDING_BYTES, DEFAULT_LANDING_SLOTS, DecodeConfig, DecodeEngine, DecodeStage,
-    DecodeStats, Expected, ShutdownReport,
+    Absence, ChunkJobHook, DEFAULT_LANDING_BYTES, DEFAULT_LANDING_SLOTS, DecodeConfig,
+    DecodeEngine, DecodeStage, DecodeStats, Expected, ShutdownReport,
 };
 pub use prefill::{
     ExternalDecode, IncomingRequest, LinkId, MAX_OFFERS, MeshSocket, NotifyFormat, PrefillConfig,

@@ -807,16 +807,20 @@ proptest! {
                 let peers: Vec<PeerId> = ranks.iter().map(|r| pool[r.0]).collect();
                 t.expect(t0, id, ranks.len() as u16, &peers, dl).unwrap();
                 for (rank, &(peer, sent, counted)) in ranks.iter().enumerate() {
-                    // Two chunks a rank: `sent` of them delivered (0 to 2; 3: both, the count on
-                    // a separate LAST), the count with the second when `counted`.
+                    // Two chunks a rank: `sent` of them delivered (0 to 2, the count with the
+                    // second when `counted`; 3: both as More, then the count in a LAST repeating
+                    // chunk 0 when `counted`).
                     for c in 0..sent.min(2) {
-                        let status = if c == 1 && counted {
+                        let status = if c == 1 && counted && sent == 2 {
                             ChunkStatus::Last { count: 2 }
                         } else {
                             ChunkStatus::More
                         };
                         let n = ChunkNotification::new(id, rank as u16, c, status);
                         let _ = t.handle_notification(t0, pool[peer], &n);
+                    }
+                    if sent == 3 && counted {
+                        let _ = t.handle_notification(t0, pool[peer], &last(i as u64, rank as u16, 0, 2));
                     }
                 }
             }

@@ -452,7 +452,12 @@ enum Copied {
 
 /// A request with notifications queued on a chunk worker.
 struct Queued {
+    /// Jobs of the request sent and not yet over.
     queued: u32,
+    /// Of them, notifications (what [`queue_bound`] bounds).
+    notifications: u32,
+    /// Peers whose loss waits in the queue (one job each).
+    lost: Vec<PeerId>,
     gate: Arc<Gate>,
 }
 
@@ -1147,7 +1152,7 @@ impl crate::metrics::Source for Inner {
             ),
             (
                 "kvx_chunk_jobs_queued",
-                "Notifications waiting on a chunk worker (a copy out of landing memory, a checksum to verify) or handled there now",
+                "Jobs on the chunk workers, waiting or running: notifications (a copy out of landing memory, a checksum to verify) and lost ranks waiting behind them",
                 s.jobs_queued,
             ),
             (
@@ -2115,8 +2120,8 @@ impl DecodeEngine {
 
     /// An outside liveness signal says that start `incarnation` of `rank` is gone (its etcd lease
     /// ended: the process died, or is stopped with its sockets open). If that start is connected,
-    /// its live requests fail with `PeerLost` at once (their outcomes do not wait for its
-    /// confirmation), every rank is told, and requests wait for the rank as for an absent one.
+    /// its live requests fail with `PeerLost` at once, or behind their notifications queued on a
+    /// chunk worker (their outcomes do not wait for its confirmation), every rank is told, and requests wait for the rank as for an absent one.
     /// Its connection stays open: a stopped process may still write when it resumes, so the
     /// failed requests' pages stay quarantined until it confirms (its AbortAck) or its connection
     /// ends, and the same start may be readmitted. A later start of the rank is admitted at once in
@@ -2624,6 +2629,9 @@ impl Inner {
             && Arc::ptr_eq(&q.gate, &job.gate)
         {
             q.queued = q.queued.saturating_sub(1);
+            if matches!(job.what, Job::Chunk { .. }) {
+                q.notifications = q.notifications.saturating_sub(1);
+            }
             if q.queued == 0 {
                 st.queued.remove(&job.request);
             }
@@ -2951,15 +2959,18 @@ impl Inner {
             };
             let q = st.queued.entry(n.request).or_insert_with(|| Queued {
                 queued: 0,
+                notifications: 0,
+                lost: Vec::new(),
                 gate: Arc::new(Gate::default()),
             });
-            if q.queued >= bound {
+            if q.notifications >= bound {
                 // More than its chunks can account for: a peer repeating itself. Dropped, so that
                 // the queue stays bounded; the request's own chunks are queued already.
                 self.counters.jobs_dropped.fetch_add(1, Ordering::Relaxed);
                 return;
             }
             q.queued += 1;
+            q.notifications += 1;
             let job = ChunkJob {
                 session,
                 rank,
@@ -2991,13 +3002,13 @@ impl Inner {
     /// The tracker hears that `peer`, a rank of `session`, is lost: each request it had not
     /// delivered fails. For a request of the session with notifications queued on a chunk worker
     /// (possibly the rank's last ones), that happens on the worker once they are counted; for the
-    /// others at once. Returns how many failed at once.
+    /// others at once. Returns how many failed at once and how many wait.
     fn lose_peer(
         &self,
         st: &mut State,
         (session, rank, peer): (SessionId, u16, PeerId),
         now: Instant,
-    ) -> usize {
+    ) -> (usize, usize) {
         let later: std::collections::HashSet<RequestId> = st
             .queued
             .keys()
@@ -3007,10 +3018,15 @@ impl Inner {
         let failed = st
             .tracker
             .handle_peer_lost_in(now, peer, |id| !later.contains(&id));
+        let waiting = later.len();
         for request in later {
             let queued = match (st.queued.get_mut(&request), self.workers.get()) {
+                // Once per peer: a loss seen twice (cut for tampering, evicted, then its
+                // connection ending) waits once.
+                (Some(q), _) if q.lost.contains(&peer) => true,
                 (Some(q), Some(workers)) => {
                     q.queued += 1;
+                    q.lost.push(peer);
                     let job = ChunkJob {
                         session,
                         rank,
@@ -3020,7 +3036,15 @@ impl Inner {
                         what: Job::PeerLost,
                         gate: q.gate.clone(),
                     };
-                    self.send_job(workers, job)
+                    let sent = self.send_job(workers, job);
+                    if !sent && let Some(q) = st.queued.get_mut(&request) {
+                        q.queued -= 1;
+                        q.lost.retain(|p| *p != peer);
+                        if q.queued == 0 {
+                            st.queued.remove(&request);
+                        }
+                    }
+                    sent
                 }
                 _ => false,
             };
@@ -3030,7 +3054,7 @@ impl Inner {
                     .handle_peer_lost_in(now, peer, |id| id == request);
             }
         }
-        failed
+        (failed, waiting)
     }
 
     /// Plans the hash of `rank`'s chunk `n` in the pages, for a chunk worker: its writes and
@@ -3330,11 +3354,17 @@ impl Inner {
                 self.changed.send_modify(|n| *n += 1);
             }
         }
-        let failed = self.lose_peer(&mut st, (session, rank, peer), now);
+        let (failed, waiting) = self.lose_peer(&mut st, (session, rank, peer), now);
         if closed && (st.closing || st.sessions.get(&session).is_some_and(|s| s.leaving)) {
             tracing::info!(rank, instance = %name, "prefill rank closed");
         } else {
-            tracing::warn!(rank, instance = %name, failed, "prefill rank lost");
+            tracing::warn!(
+                rank,
+                instance = %name,
+                failed,
+                waiting,
+                "prefill rank lost (waiting: requests it fails once their queued chunks are counted, if it had not delivered them)"
+            );
         }
         self.drain(&mut st);
         // A rank that is gone writes nothing more (its process or its connection ended); that

@@ -3358,12 +3358,14 @@ impl Inner {
         if closed && (st.closing || st.sessions.get(&session).is_some_and(|s| s.leaving)) {
             tracing::info!(rank, instance = %name, "prefill rank closed");
         } else {
+            // `waiting`: requests whose loss waits behind their queued chunks (they fail then if it
+            // had not delivered them).
             tracing::warn!(
                 rank,
                 instance = %name,
                 failed,
                 waiting,
-                "prefill rank lost (waiting: requests it fails once their queued chunks are counted, if it had not delivered them)"
+                "prefill rank lost"
             );
         }
         self.drain(&mut st);

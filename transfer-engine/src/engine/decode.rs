@@ -947,7 +947,8 @@ struct Inner {
     pool: std::sync::OnceLock<super::pools::Pools>,
     /// Landing memory ([`DecodeConfig::landing_bytes`]), where this engine has some.
     landing: std::sync::OnceLock<crate::transport::Registration>,
-    /// The threads that copy chunks out of landing memory and verify checksums, for a host pool.
+    /// The threads that copy chunks out of landing memory and verify checksums: started with the
+    /// landing memory, or for a host pool whose checksums this engine verifies.
     workers: std::sync::OnceLock<Workers<ChunkJob>>,
     /// `backend_info` handed the pool's registration to someone outside the control plane, who can
     /// never confirm that it stopped writing.
@@ -2121,7 +2122,8 @@ impl DecodeEngine {
     /// An outside liveness signal says that start `incarnation` of `rank` is gone (its etcd lease
     /// ended: the process died, or is stopped with its sockets open). If that start is connected,
     /// its live requests fail with `PeerLost` at once, or behind their notifications queued on a
-    /// chunk worker (their outcomes do not wait for its confirmation), every rank is told, and requests wait for the rank as for an absent one.
+    /// chunk worker (their outcomes do not wait for its confirmation), every rank is told, and
+    /// requests wait for the rank as for an absent one.
     /// Its connection stays open: a stopped process may still write when it resumes, so the
     /// failed requests' pages stay quarantined until it confirms (its AbortAck) or its connection
     /// ends, and the same start may be readmitted. A later start of the rank is admitted at once in

@@ -218,6 +218,15 @@ pub struct Report {
     pub prefill_cpu_us_per_chunk: f64,
     /// See [`prefill_cpu_us_per_chunk`](Self::prefill_cpu_us_per_chunk).
     pub prefill_copy_us_per_chunk: f64,
+    /// `kvbench decode` only: the prefill processes' CPU per chunk of a rank by thread, from each
+    /// thread's own clock (`/proc/self/task/*/schedstat`): the transport's progress threads (their
+    /// copies included), the async runtime's threads, and the rest (the main thread, blocking
+    /// pools). Threads that ended within the window are not counted.
+    pub prefill_progress_us_per_chunk: f64,
+    /// See [`prefill_progress_us_per_chunk`](Self::prefill_progress_us_per_chunk).
+    pub prefill_runtime_us_per_chunk: f64,
+    /// See [`prefill_progress_us_per_chunk`](Self::prefill_progress_us_per_chunk).
+    pub prefill_other_us_per_chunk: f64,
     /// The decode pool's bytes, and how long registering it took at start (for a pool the
     /// transport allocates, its allocation and population too).
     pub decode_pool_bytes: u64,
@@ -232,6 +241,67 @@ pub fn cpu_time() -> Duration {
         u64::try_from(t.tv_sec).unwrap_or(0),
         u32::try_from(t.tv_nsec).unwrap_or(0),
     )
+}
+
+/// The threads of this process: each one's id, what it is ([`ThreadKind`], by its name), and the
+/// CPU time it has used (nanoseconds, from `/proc/self/task/<tid>/schedstat`). Threads whose files
+/// cannot be read (one that just ended) are left out.
+pub fn thread_cpu() -> Vec<(u64, ThreadKind, u64)> {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return Vec::new();
+    };
+    tasks
+        .flatten()
+        .filter_map(|t| {
+            let tid = t.file_name().to_str()?.parse::<u64>().ok()?;
+            let comm = std::fs::read_to_string(t.path().join("comm")).ok()?;
+            let stat = std::fs::read_to_string(t.path().join("schedstat")).ok()?;
+            let ns = stat.split_whitespace().next()?.parse::<u64>().ok()?;
+            Some((tid, ThreadKind::of(comm.trim()), ns))
+        })
+        .collect()
+}
+
+/// What a thread of a kvbench process is, by its name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ThreadKind {
+    /// A transport's progress thread (`ucx-…`, `nixl-…`) or a thread NIXL's library started.
+    Progress,
+    /// A thread of the async runtime (`tokio-rt-worker`).
+    Runtime,
+    /// Anything else: the main thread, blocking pools, the engine's chunk workers.
+    Other,
+}
+
+impl ThreadKind {
+    fn of(name: &str) -> Self {
+        if name.starts_with("ucx-") || name.starts_with("nixl") {
+            Self::Progress
+        } else if name.starts_with("tokio-rt-worker") {
+            Self::Runtime
+        } else {
+            Self::Other
+        }
+    }
+}
+
+/// CPU each kind of thread used between two [`thread_cpu`] readings (threads in both), in
+/// nanoseconds: progress, runtime, other.
+pub fn thread_cpu_since(
+    before: &[(u64, ThreadKind, u64)],
+    after: &[(u64, ThreadKind, u64)],
+) -> [u64; 3] {
+    let mut out = [0u64; 3];
+    for &(tid, kind, ns) in after {
+        let was = before.iter().find(|b| b.0 == tid).map_or(0, |b| b.2);
+        let at = match kind {
+            ThreadKind::Progress => 0,
+            ThreadKind::Runtime => 1,
+            ThreadKind::Other => 2,
+        };
+        out[at] += ns.saturating_sub(was);
+    }
+    out
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -415,6 +485,9 @@ impl Tally {
             prefill_copy_us_per_request: 0.0,
             prefill_cpu_us_per_chunk: 0.0,
             prefill_copy_us_per_chunk: 0.0,
+            prefill_progress_us_per_chunk: 0.0,
+            prefill_runtime_us_per_chunk: 0.0,
+            prefill_other_us_per_chunk: 0.0,
             decode_pool_bytes: 0,
             register_ms: 0.0,
         }

@@ -838,6 +838,7 @@ pub async fn run_decode(
                 registrations,
                 decodes,
                 writes,
+                threads,
             }) => {
                 report.registrations_per_process =
                     report.registrations_per_process.max(registrations);
@@ -855,6 +856,10 @@ pub async fn run_decode(
                 report.prefill_copy_us_per_request = copy.as_secs_f64() * 1e6 / requests;
                 report.prefill_cpu_us_per_chunk = cpu.as_secs_f64() * 1e6 / chunks.max(1.0);
                 report.prefill_copy_us_per_chunk = copy.as_secs_f64() * 1e6 / chunks.max(1.0);
+                let [p, r, o] = threads.map(|t| t.as_secs_f64() * 1e6 / chunks.max(1.0));
+                report.prefill_progress_us_per_chunk = p;
+                report.prefill_runtime_us_per_chunk = r;
+                report.prefill_other_us_per_chunk = o;
             }
             Err(e) => eprintln!("kvbench decode: no prefill CPU times: {e}"),
         }
@@ -966,7 +971,7 @@ fn cpu_file(dir: &Path, instance: u16, rank: u16) -> PathBuf {
 }
 
 /// What the prefill processes left in their CPU files: one line, `cpu_ns copy_ns registrations
-/// decodes writes`.
+/// decodes writes progress_ns runtime_ns other_ns`.
 struct PrefillEnd {
     /// CPU time, summed over the processes.
     cpu: Duration,
@@ -978,6 +983,8 @@ struct PrefillEnd {
     decodes: u64,
     /// Writes the processes posted, summed.
     writes: u64,
+    /// CPU of their progress threads, runtime threads and the rest, summed.
+    threads: [Duration; 3],
 }
 
 /// Reads every prefill process's CPU file in `dir` (after their stamps, which they write last):
@@ -989,6 +996,7 @@ fn prefill_cpu(dir: &Path, instances: u16, ranks: u16) -> Result<PrefillEnd, Str
         registrations: 0,
         decodes: u64::MAX,
         writes: 0,
+        threads: [Duration::ZERO; 3],
     };
     for (instance, rank) in (0..instances).flat_map(|k| (0..ranks).map(move |r| (k, r))) {
         let path = cpu_file(dir, instance, rank);
@@ -999,11 +1007,15 @@ fn prefill_cpu(dir: &Path, instances: u16, ranks: u16) -> Result<PrefillEnd, Str
             .map(str::parse::<u64>)
             .collect::<Result<_, _>>()
             .map_err(|e| bad(&e))?;
-        let [c, k, regs, decodes, writes] = fields[..] else {
+        let [c, k, regs, decodes, writes, progress, runtime, other] = fields[..] else {
             return Err(bad(&format!(
-                "not `cpu_ns copy_ns registrations decodes writes`: {text:?}"
+                "not `cpu_ns copy_ns registrations decodes writes progress_ns runtime_ns \
+                 other_ns`: {text:?}"
             )));
         };
+        for (sum, ns) in end.threads.iter_mut().zip([progress, runtime, other]) {
+            *sum += Duration::from_nanos(ns);
+        }
         end.writes += writes;
         end.cpu += Duration::from_nanos(c);
         end.copy += Duration::from_nanos(k);
@@ -1257,6 +1269,7 @@ pub async fn run_prefill(
     let linked = engine.stats().decodes;
     // This process's CPU from here to its end is what serving the run cost it.
     let cpu0 = crate::bench::cpu_time();
+    let threads0 = crate::bench::thread_cpu();
     let copy0 = engine.transport_stats().copy_nanos;
     // Writes a checked request's bytes into its source pages, as this rank holds them.
     let source: Source = {
@@ -1300,6 +1313,8 @@ pub async fn run_prefill(
     if let Some(dir) = stamps {
         // The CPU file first: decode reads it once the stamps file is there.
         let cpu = crate::bench::cpu_time().saturating_sub(cpu0);
+        let [progress, runtime, other] =
+            crate::bench::thread_cpu_since(&threads0, &crate::bench::thread_cpu());
         let copy = engine.transport_stats().copy_nanos.saturating_sub(copy0);
         let regions = engine.transport_stats().regions;
         let writes = engine.stats().writes;
@@ -1309,7 +1324,10 @@ pub async fn run_prefill(
         ));
         std::fs::write(
             &tmp,
-            format!("{} {copy} {regions} {linked} {writes}\n", cpu.as_nanos()),
+            format!(
+                "{} {copy} {regions} {linked} {writes} {progress} {runtime} {other}\n",
+                cpu.as_nanos()
+            ),
         )
         .and_then(|()| std::fs::rename(&tmp, cpu_file(dir, instance, files)))
         .map_err(|e| format!("writing CPU time into {}: {e}", dir.display()))?;

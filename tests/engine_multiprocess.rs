@@ -382,6 +382,23 @@ fn one_command_runs_every_engine_in_its_own_process() {
             "{per_chunk} per chunk, {per_request} per request in {text}"
         );
     }
+    // By thread: the copies are the progress threads' own, and the threads' clocks add up to the
+    // processes' CPU (less threads that ended in the window, and the moments between readings).
+    let (progress, runtime, other) = (
+        field("prefill_progress_us_per_chunk"),
+        field("prefill_runtime_us_per_chunk"),
+        field("prefill_other_us_per_chunk"),
+    );
+    let (cpu_chunk, copy_chunk) = (cpu / 16.0, copy / 16.0);
+    assert!(
+        progress >= copy_chunk && runtime > 0.0 && other >= 0.0,
+        "progress {progress}, runtime {runtime}, other {other}, copy {copy_chunk} in {text}"
+    );
+    let threads = progress + runtime + other;
+    assert!(
+        threads <= cpu_chunk * 1.05 && threads >= cpu_chunk * 0.5,
+        "threads {threads} of cpu {cpu_chunk} per chunk in {text}"
+    );
     assert!(
         report[0]["decode_pool_bytes"].as_u64().unwrap_or(0) > 0,
         "{text}"

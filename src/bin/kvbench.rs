@@ -627,11 +627,14 @@ fn print_table(w: &Workload, reports: &[Report]) {
         let prefill = if r.prefill_cpu_us_per_request > 0.0 {
             format!(
                 ", the prefill processes {:.0} µs ({:.0} of it copying; per chunk of a rank {:.0} \
-                 µs, {:.0} of it copying)",
+                 µs, {:.0} of it copying; by thread {:.0} progress, {:.0} runtime, {:.0} other)",
                 r.prefill_cpu_us_per_request,
                 r.prefill_copy_us_per_request,
                 r.prefill_cpu_us_per_chunk,
                 r.prefill_copy_us_per_chunk,
+                r.prefill_progress_us_per_chunk,
+                r.prefill_runtime_us_per_chunk,
+                r.prefill_other_us_per_chunk,
             )
         } else {
             String::new()

@@ -760,10 +760,7 @@ async fn a_copy_whose_request_ended_while_it_waited_writes_and_counts_nothing() 
     let done = d
         .expect(request, PROMPT, PAGE_TOKENS, DST.to_vec(), BOUND)
         .unwrap();
-    tokio::task::spawn_blocking(move || held_rx.recv_timeout(BOUND))
-        .await
-        .unwrap()
-        .expect("no chunk job started");
+    until_held(held_rx).await;
     d.abort(request);
     assert_eq!(
         tokio::time::timeout(BOUND, done).await.unwrap(),
@@ -823,6 +820,23 @@ fn hold_first_job(
     (hook, held_rx, go_tx)
 }
 
+/// Waits (bounded) until the hook holds its job.
+async fn until_held(held_rx: std::sync::mpsc::Receiver<()>) {
+    tokio::task::spawn_blocking(move || held_rx.recv_timeout(BOUND))
+        .await
+        .unwrap()
+        .expect("no chunk job started");
+}
+
+/// Once `queued` jobs wait on decode's worker, ends rank 1 (the last of `ranks`) and checks that
+/// its loss waits behind them as one more job.
+async fn lose_rank_1_behind(d: &DecodeEngine, ranks: &mut Vec<PrefillEngine>, queued: u64) {
+    until_stats(d, "the chunks queued", |s| s.jobs_queued == queued).await;
+    drop(ranks.pop());
+    until_stats(d, "rank 1 lost", |s| s.connected_ranks == 1).await;
+    assert_eq!(d.stats().jobs_queued, queued + 1, "{:?}", d.stats());
+}
+
 /// Waits (bounded) until `f` holds of decode's stats.
 async fn until_stats(d: &DecodeEngine, what: &str, f: impl Fn(&DecodeStats) -> bool) {
     let deadline = tokio::time::Instant::now() + BOUND;
@@ -852,16 +866,9 @@ async fn a_rank_lost_while_its_delivered_chunks_wait_on_a_worker_fails_nothing()
     let done = d
         .expect(request, PROMPT, PAGE_TOKENS, DST.to_vec(), BOUND)
         .unwrap();
-    tokio::task::spawn_blocking(move || held_rx.recv_timeout(BOUND))
-        .await
-        .unwrap()
-        .expect("no chunk job started");
+    until_held(held_rx).await;
     // Both ranks' three chunks arrived: one held, five queued behind it.
-    until_stats(&d, "six jobs queued", |s| s.jobs_queued == 6).await;
-    drop(ranks.pop());
-    until_stats(&d, "rank 1 lost", |s| s.connected_ranks == 1).await;
-    // The loss waits behind the chunks.
-    assert_eq!(d.stats().jobs_queued, 7, "{:?}", d.stats());
+    lose_rank_1_behind(&d, &mut ranks, 6).await;
     go_tx.send(()).unwrap();
     assert_eq!(
         tokio::time::timeout(BOUND, done).await.unwrap(),
@@ -892,14 +899,8 @@ async fn a_rank_lost_before_it_delivered_fails_the_request_behind_its_queued_chu
         ranks[0].send_chunk(request, c, &SRC, c == 2).await.unwrap();
     }
     ranks[1].send_chunk(request, 0, &SRC, false).await.unwrap();
-    tokio::task::spawn_blocking(move || held_rx.recv_timeout(BOUND))
-        .await
-        .unwrap()
-        .expect("no chunk job started");
-    until_stats(&d, "four jobs queued", |s| s.jobs_queued == 4).await;
-    drop(ranks.pop());
-    until_stats(&d, "rank 1 lost", |s| s.connected_ranks == 1).await;
-    assert_eq!(d.stats().jobs_queued, 5, "{:?}", d.stats());
+    until_held(held_rx).await;
+    lose_rank_1_behind(&d, &mut ranks, 4).await;
     go_tx.send(()).unwrap();
     let outcome = tokio::time::timeout(BOUND, done).await.unwrap();
     assert!(

@@ -2513,17 +2513,7 @@ impl Inner {
         );
         self.pool.get()?;
         self.landing.get()?;
-        let src = stand_in_src(&conn.planner, info);
-        let mut writes = Vec::new();
-        conn.planner
-            .plan_chunk(
-                &info.geometry,
-                u64::from(n.chunk_id),
-                &src,
-                &info.dst_pages,
-                &mut writes,
-            )
-            .ok()?;
+        let writes = chunk_writes(conn, info, n.chunk_id).ok()?;
         let total: u64 = writes.iter().map(|w| w.bytes()).sum();
         let from = g
             .chunk_stride
@@ -3077,17 +3067,7 @@ impl Inner {
             st.sessions.get(&session).and_then(|s| s.rank(rank))?,
         );
         self.workers.get()?;
-        let mut writes = Vec::new();
-        conn.planner
-            .plan_chunk(
-                &info.geometry,
-                u64::from(n.chunk_id),
-                &stand_in_src(&conn.planner, info),
-                &info.dst_pages,
-                &mut writes,
-            )
-            .ok()?;
-        Some((writes, sum))
+        Some((chunk_writes(conn, info, n.chunk_id).ok()?, sum))
     }
 
     /// Checks a chunk notification's checksum (unless a chunk worker did: `hashed`, whether it
@@ -3157,22 +3137,8 @@ impl Inner {
             // Unknown request (the tracker counts it) or a device pool we cannot read: nothing to hash.
             return true;
         };
-        let mut writes = Vec::new();
-        let src = stand_in_src(&conn.planner, info);
-        if conn
-            .planner
-            .plan_chunk(
-                &info.geometry,
-                u64::from(n.chunk_id),
-                &src,
-                &info.dst_pages,
-                &mut writes,
-            )
-            .is_err()
-        {
-            return false;
-        }
-        self.hash_pages(&writes) == Some(sum)
+        chunk_writes(conn, info, n.chunk_id)
+            .is_ok_and(|writes| self.hash_pages(&writes) == Some(sum))
     }
 
     /// Hashes what `writes` put into the pool, in their order (`None` for a device pool or a
@@ -3472,6 +3438,24 @@ fn stand_in_src(planner: &Planner, info: &ReqInfo) -> Vec<u32> {
         .max(info.dst_pages.len() as u64);
     let src_pool = u64::from(planner.src().num_pages.max(1));
     (0..src_len).map(|i| (i % src_pool) as u32).collect()
+}
+
+/// The writes `conn`'s rank makes for chunk `chunk` of the request `info`, in its plan's order
+/// (the order the prefill hashes them in), from stand-in source pages.
+fn chunk_writes(
+    conn: &RankConn,
+    info: &ReqInfo,
+    chunk: u32,
+) -> Result<Vec<Write>, crate::core::planner::PlanError> {
+    let mut writes = Vec::new();
+    conn.planner.plan_chunk(
+        &info.geometry,
+        u64::from(chunk),
+        &stand_in_src(&conn.planner, info),
+        &info.dst_pages,
+        &mut writes,
+    )?;
+    Ok(writes)
 }
 
 /// How many notifications of `request` may wait on a chunk worker: two for each chunk of each rank

@@ -3013,8 +3013,8 @@ impl Inner {
         let waiting = later.len();
         for request in later {
             let queued = match (st.queued.get_mut(&request), self.workers.get()) {
-                // Once per peer: a loss seen twice (cut for tampering, evicted, then its
-                // connection ending) waits once.
+                // Once per peer: a loss seen twice (evicted, then its connection ending) waits
+                // once.
                 (Some(q), _) if q.lost.contains(&peer) => true,
                 (Some(q), Some(workers)) => {
                     q.queued += 1;
@@ -3306,7 +3306,9 @@ impl Inner {
             {
                 r.evicted = true;
             }
-            let _ = self.lose_peer(&mut st, (session, rank, peer), now);
+            // At once, not behind the request's queued chunks: the failures must find the rank in
+            // its slot, marked evicted, so that its pages stay held (it may still write).
+            let _ = st.tracker.handle_peer_lost(now, peer);
             self.drain(&mut st);
         }
         if let Some(s) = st.sessions.get_mut(&session) {

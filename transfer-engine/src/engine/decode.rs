@@ -2121,9 +2121,9 @@ impl DecodeEngine {
 
     /// An outside liveness signal says that start `incarnation` of `rank` is gone (its etcd lease
     /// ended: the process died, or is stopped with its sockets open). If that start is connected,
-    /// its live requests fail with `PeerLost` at once, or behind their notifications queued on a
-    /// chunk worker (their outcomes do not wait for its confirmation), every rank is told, and
-    /// requests wait for the rank as for an absent one.
+    /// its live requests fail with `PeerLost` at once, even those whose delivered chunks still
+    /// wait on a chunk worker (their outcomes do not wait for its confirmation), every rank is
+    /// told, and requests wait for the rank as for an absent one.
     /// Its connection stays open: a stopped process may still write when it resumes, so the
     /// failed requests' pages stay quarantined until it confirms (its AbortAck) or its connection
     /// ends, and the same start may be readmitted. A later start of the rank is admitted at once in
@@ -2159,7 +2159,11 @@ impl DecodeEngine {
         let peer = r.peer;
         let now = Instant::now();
         absence_begins(s, now);
-        self.inner.lose_peer(&mut st, (id, slot, peer), now);
+        // At once, not behind the requests' queued chunks (as for a rank cut for tampering): a
+        // later start may take the slot before those chunks are done, and a failure that came
+        // after that would no longer find this start in the slot, marked evicted, and would hand
+        // back pages it may still write into when it resumes.
+        let _ = st.tracker.handle_peer_lost(now, peer);
         self.inner.drain(&mut st);
         drop(st);
         self.inner.changed.send_modify(|n| *n += 1);
@@ -2656,7 +2660,11 @@ impl Inner {
                 self.counters.landing_chunks.fetch_add(1, Ordering::Relaxed);
                 // The range is free for the chunk that reuses it: the rank waits for this word.
                 if matches!(&work, Work::Copy(c) if c.tell)
-                    && let Some(conn) = st.sessions.get(&job.session).and_then(|s| s.rank(job.rank))
+                    && let Some(conn) = st
+                        .sessions
+                        .get(&job.session)
+                        .and_then(|s| s.rank(job.rank))
+                        .filter(|c| c.peer == job.peer)
                 {
                     let _ = conn.writer.send(Msg::Landed(control::Landed {
                         request: n.request.0,
@@ -3013,8 +3021,7 @@ impl Inner {
         let waiting = later.len();
         for request in later {
             let queued = match (st.queued.get_mut(&request), self.workers.get()) {
-                // Once per peer: a loss seen twice (evicted, then its connection ending) waits
-                // once.
+                // Once per peer: a guard, should one connection's end be seen twice.
                 (Some(q), _) if q.lost.contains(&peer) => true,
                 (Some(q), Some(workers)) => {
                     q.queued += 1;

@@ -6,18 +6,21 @@
 //! admitted. Every wait is bounded; every byte is checked on poisoned pages.
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use transfer_engine::control::Secret;
 use transfer_engine::control::channel::refused_records;
+use transfer_engine::control::{self, Connection, Listener, Msg, Secret};
 use transfer_engine::core::RequestId;
 use transfer_engine::core::planner::{KvLayout, RegionKind};
 use transfer_engine::engine::{
-    DecodeConfig, DecodeEngine, EngineError, Outcome, Pool, PrefillConfig, PrefillEngine,
+    ChunkJobHook, DecodeConfig, DecodeEngine, EngineError, Outcome, Pool, PrefillConfig,
+    PrefillEngine, probe_decode,
 };
 use transfer_engine::mem::{HostBuffer, HostOptions};
 
@@ -126,8 +129,13 @@ async fn decode() -> DecodeEngine {
 }
 
 async fn decode_with(heartbeat: Option<Duration>) -> DecodeEngine {
+    decode_hooked(heartbeat, None).await
+}
+
+async fn decode_hooked(heartbeat: Option<Duration>, hook: Option<ChunkJobHook>) -> DecodeEngine {
     let mut cfg = DecodeConfig::new(LAYERS, PAGE_TOKENS, layout(), 1);
     cfg.heartbeat = heartbeat;
+    cfg.chunk_job_hook = hook;
     cfg.engine_id = DECODE_ID.into();
     cfg.token = Some(Secret::new(SECRET));
     cfg.abort_ack_timeout = Duration::from_millis(500);
@@ -149,7 +157,18 @@ async fn prefill_start(
     heartbeat: Option<Duration>,
     incarnation: Option<u64>,
 ) -> Result<PrefillEngine, EngineError> {
-    let mut cfg = PrefillConfig::new(decode, 0, 1, LAYERS, PAGE_TOKENS, layout());
+    prefill_of(decode, heartbeat, incarnation, PAGES).await
+}
+
+/// A prefill rank whose pool holds `pages` pages of each layer.
+async fn prefill_of(
+    decode: SocketAddr,
+    heartbeat: Option<Duration>,
+    incarnation: Option<u64>,
+    pages: u32,
+) -> Result<PrefillEngine, EngineError> {
+    let layout = KvLayout::packed(0, LAYERS, RegionKind::Fused, PAGE_BYTES, pages);
+    let mut cfg = PrefillConfig::new(decode, 0, 1, LAYERS, PAGE_TOKENS, layout.clone());
     cfg.heartbeat = heartbeat;
     if let Some(n) = incarnation {
         cfg.incarnation = n;
@@ -158,10 +177,10 @@ async fn prefill_start(
     cfg.token = Some(Secret::new(SECRET));
     cfg.connect_timeout = Duration::from_secs(5);
     cfg.request_wait = Duration::from_secs(2);
-    let mut b = HostBuffer::new(layout().buffer_len as usize, HostOptions::default()).unwrap();
+    let mut b = HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).unwrap();
     for (i, x) in b.as_mut_slice().iter_mut().enumerate() {
         let i = i as u64;
-        let per_layer = u64::from(PAGES) * PAGE_BYTES;
+        let per_layer = u64::from(pages) * PAGE_BYTES;
         *x = byte(
             (i / per_layer) as u32,
             ((i % per_layer) / PAGE_BYTES) as u32,
@@ -306,6 +325,50 @@ async fn a_changed_byte_toward_decode_keeps_the_pages_of_a_rank_that_may_still_w
     d.shutdown(BOUND).await;
 }
 
+/// The same change of a byte while the checksum job of the request's landed chunk still waits on
+/// decode's chunk worker (held there by the test): the rank's loss is not deferred behind that
+/// job, so the failure finds the rank in its slot and keeps the pages held, before the job runs
+/// and after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_byte_toward_decode_behind_a_queued_chunk_keeps_the_pages() {
+    let r = RequestId(17);
+    let (hook, held_rx, go_tx) = common::hold_first_job(r, BOUND);
+    let d = decode_hooked(Some(Duration::from_secs(5)), Some(hook)).await;
+    let relay = relay(d.local_addr(), Toward::Decode).await;
+    let p = prefill(relay.addr).await;
+    bounded(d.wait_for_ranks(BOUND)).await.unwrap();
+    let (src, dst) = ([0, 1, 2, 3], [12, 13, 14, 15]);
+    let done = d.expect(r, PROMPT, CHUNK, dst.to_vec(), BOUND).unwrap();
+    assert_eq!(bounded(p.next_request()).await.unwrap().request, r);
+    p.send_chunk(r, 0, &src, false).await.unwrap();
+    common::until_held(held_rx, BOUND).await;
+    relay.armed.store(true, Ordering::SeqCst);
+    p.send_aux(r, b"the first token".to_vec()).unwrap();
+    let outcome = bounded(done).await;
+    assert!(matches!(outcome, Outcome::Failed(_)), "{outcome:?}");
+    let until = tokio::time::Instant::now() + BOUND;
+    while d.stats().tampered == 0 {
+        assert!(tokio::time::Instant::now() < until, "{:?}", d.stats());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(d.quarantined(), vec![r], "{:?}", d.stats());
+    // The held job runs; the pages stay held.
+    go_tx.send(()).unwrap();
+    while d.stats().jobs_queued != 0 {
+        assert!(tokio::time::Instant::now() < until, "{:?}", d.stats());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(d.quarantined(), vec![r], "{:?}", d.stats());
+    assert!(matches!(
+        d.expect(RequestId(18), PROMPT, CHUNK, dst.to_vec(), BOUND),
+        Err(EngineError::PageHeld { .. })
+    ));
+    d.confirm_stopped(0, r);
+    bounded(d.released(r)).await;
+    drop(p);
+    d.shutdown(BOUND).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rank_behind_a_silent_link_is_lost_within_three_intervals_and_its_new_start_admitted() {
     let beat = Duration::from_millis(200);
@@ -426,6 +489,243 @@ async fn a_later_start_takes_the_slot_of_an_evicted_one_whose_connection_is_cut(
     assert!(landed(&d, &src, &dst));
     eprintln!("a later start took the evicted start's slot {admitted_after:?} after it asked");
     drop((p, p2));
+    d.shutdown(BOUND).await;
+}
+
+/// An evicted start that is stopped (behind a relay gone silent, so it cannot confirm) whose
+/// request still has a landed chunk's checksum job waiting on decode's chunk worker (held there by
+/// the test), and a later start that takes its slot before the job runs: the request fails, and
+/// its pages stay held, since the evicted start may still write when it resumes (its failure did
+/// not wait for the job, and so found it in its slot).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_evicted_start_behind_a_queued_chunk_keeps_its_pages_when_a_later_start_takes_the_slot()
+{
+    let r = RequestId(31);
+    let (hook, held_rx, go_tx) = common::hold_first_job(r, BOUND);
+    let beat = Some(Duration::from_secs(5));
+    let d = decode_hooked(beat, Some(hook)).await;
+    let relay = relay(d.local_addr(), Toward::Decode).await;
+    let p = prefill_start(relay.addr, beat, Some(100)).await.unwrap();
+    bounded(d.wait_for_ranks(BOUND)).await.unwrap();
+    let (src, dst) = ([0, 1, 2, 3], [4, 5, 6, 7]);
+    let done = d.expect(r, PROMPT, CHUNK, dst.to_vec(), BOUND).unwrap();
+    assert_eq!(bounded(p.next_request()).await.unwrap().request, r);
+    p.send_chunk(r, 0, &src, false).await.unwrap();
+    common::until_held(held_rx, BOUND).await;
+    relay.mute.store(true, Ordering::SeqCst);
+    assert!(d.evict(0, 100));
+    let p2 = prefill_start(d.local_addr(), beat, Some(200))
+        .await
+        .unwrap();
+    bounded(d.wait_for_ranks(BOUND)).await.unwrap();
+    let until = tokio::time::Instant::now() + BOUND;
+    while p.stats().decodes != 0 {
+        assert!(tokio::time::Instant::now() < until, "{:?}", d.stats());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    go_tx.send(()).unwrap();
+    let outcome = bounded(done).await;
+    assert!(matches!(outcome, Outcome::Failed(_)), "{outcome:?}");
+    while d.stats().jobs_queued != 0 {
+        assert!(tokio::time::Instant::now() < until, "{:?}", d.stats());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Long enough for an abort to the later start and its answer, were one sent.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(d.quarantined(), vec![r], "{:?}", d.stats());
+    assert!(matches!(
+        d.expect(RequestId(32), PROMPT, CHUNK, dst.to_vec(), BOUND),
+        Err(EngineError::PageHeld { .. })
+    ));
+    drop((p, p2));
+    d.shutdown(BOUND).await;
+}
+
+/// A decode that says what it likes on an authenticated control connection: a prefill rank of
+/// `pages` pages connects to it, and it answers with the Hello of the real decode `d` (so the
+/// prefill's transport reaches real UCX).
+async fn rogue_decode(d: &DecodeEngine, pages: u32) -> (Connection, PrefillEngine) {
+    let (mut conns, mut ranks) = rogue_decode_of(d, |addr| {
+        vec![prefill_of(addr, Some(Duration::from_secs(5)), None, pages)]
+    })
+    .await;
+    (conns.remove(0), ranks.remove(0))
+}
+
+/// [`rogue_decode`] for the prefill ranks that `start` starts against the address it is given:
+/// their connections in PP rank order, and the engines in `start`'s order.
+async fn rogue_decode_of<F>(
+    d: &DecodeEngine,
+    start: impl FnOnce(SocketAddr) -> Vec<F>,
+) -> (Vec<Connection>, Vec<PrefillEngine>)
+where
+    F: std::future::Future<Output = Result<PrefillEngine, EngineError>> + Send + 'static,
+{
+    let secret = Secret::new(SECRET);
+    let hello = probe_decode(d.local_addr(), Some(&secret), BOUND)
+        .await
+        .unwrap();
+    let listener = Listener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr();
+    let starts: Vec<_> = start(addr).into_iter().map(tokio::spawn).collect();
+    let mut conns = Vec::new();
+    for _ in 0..starts.len() {
+        let mut conn = bounded(listener.accept()).await.unwrap();
+        let deadline = tokio::time::Instant::now() + BOUND;
+        let theirs = control::handshake(&mut conn, &hello, &secret, deadline)
+            .await
+            .unwrap();
+        conns.push((theirs.pp_rank, conn));
+    }
+    conns.sort_by_key(|(rank, _)| *rank);
+    let mut ranks = Vec::new();
+    for s in starts {
+        ranks.push(bounded(s).await.unwrap().unwrap());
+    }
+    (conns.into_iter().map(|(_, c)| c).collect(), ranks)
+}
+
+/// The next message from the prefill that is not a heartbeat or a readiness word.
+async fn next_answer(conn: &mut Connection) -> Msg {
+    loop {
+        match bounded(conn.recv()).await.unwrap() {
+            Some(Msg::Heartbeat | Msg::Ready | Msg::NotReady) => {}
+            Some(m) => return m,
+            None => panic!("the prefill closed the connection"),
+        }
+    }
+}
+
+/// A decode that aborts many requests the prefill rank never held: each abort is answered and
+/// decided failed, but the rank keeps only so many of those decisions; an allocation that comes
+/// for an aborted request afterwards is refused, not served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aborts_of_requests_a_rank_never_held_keep_bounded_state_and_refuse_them_later() {
+    use transfer_engine::engine::MAX_FOREIGN_DECISIONS;
+    let d = decode().await;
+    let (mut conn, p) = rogue_decode(&d, PAGES).await;
+    let n = MAX_FOREIGN_DECISIONS as u64 + 100;
+    for id in 1000..1000 + n {
+        conn.send(&Msg::Abort(control::Abort {
+            request: id,
+            reason: 1,
+        }))
+        .await
+        .unwrap();
+    }
+    let mut acks = 0;
+    while acks < n {
+        match next_answer(&mut conn).await {
+            Msg::AbortAck(_) => acks += 1,
+            m => panic!("{m:?}"),
+        }
+    }
+    let s = p.stats();
+    assert_eq!(s.decided_failed, n, "{s:?}");
+    assert_eq!(s.decisions_held, MAX_FOREIGN_DECISIONS as u64, "{s:?}");
+    assert_eq!(s.unknown_aborts, 0, "{s:?}");
+    // The last aborted request's allocation comes after all: refused.
+    let last = 1000 + n - 1;
+    conn.send(&Msg::TransferRequest(control::TransferRequest {
+        request: last,
+        prompt_tokens: PROMPT,
+        chunk_tokens: CHUNK,
+        dst_pages: vec![0, 1, 2, 3],
+        prefix_tokens: 0,
+        deadline_ms: 10_000,
+        landing: None,
+    }))
+    .await
+    .unwrap();
+    match next_answer(&mut conn).await {
+        Msg::TransferReject(r) => assert_eq!(r.request, last, "{r:?}"),
+        m => panic!("{m:?}"),
+    }
+    assert_eq!(p.stats().requests, 0, "{:?}", p.stats());
+    drop((conn, p));
+    d.shutdown(BOUND).await;
+}
+
+/// Rank 0 of a pipeline of two whose other rank never comes: its failed votes for requests it
+/// never held stay undecided (until the vote deadline), so one decode gets only
+/// `MAX_UNKNOWN_ABORTS` of them outstanding; the aborts beyond are answered, counted and cast no
+/// vote.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_decode_gets_a_bounded_number_of_votes_for_requests_a_rank_never_held() {
+    use transfer_engine::engine::MAX_UNKNOWN_ABORTS;
+    let d = decode().await;
+    let (sockets, peers) = common::mesh_sockets(2);
+    let (mut conns, ranks) = rogue_decode_of(&d, move |addr| {
+        (0..2u16)
+            .map(|rank| {
+                let (layout, buf) =
+                    common::patterned_rank(LAYERS, 2, rank, PAGE_BYTES, PAGES, |_, _, _| 1);
+                let mut cfg = PrefillConfig::new(addr, rank, 2, LAYERS, PAGE_TOKENS, layout);
+                cfg.engine_id = format!("pipeline-{rank}");
+                cfg.peers = peers.clone();
+                cfg.mesh_socket = sockets.get(usize::from(rank)).cloned();
+                cfg.token = Some(Secret::new(SECRET));
+                cfg.connect_timeout = Duration::from_secs(5);
+                PrefillEngine::start(cfg, Pool::Owned(buf))
+            })
+            .collect()
+    })
+    .await;
+    // Only rank 0 hears the aborts: rank 1 never votes on them.
+    let (conn, p) = (&mut conns[0], &ranks[0]);
+    let extra = 10;
+    let n = (MAX_UNKNOWN_ABORTS + extra) as u64;
+    for id in 1..=n {
+        conn.send(&Msg::Abort(control::Abort {
+            request: id,
+            reason: 1,
+        }))
+        .await
+        .unwrap();
+    }
+    let mut acks = 0;
+    while acks < n {
+        match next_answer(conn).await {
+            Msg::AbortAck(_) => acks += 1,
+            m => panic!("{m:?}"),
+        }
+    }
+    let s = p.stats();
+    assert_eq!(s.unknown_aborts, MAX_UNKNOWN_ABORTS as u64, "{s:?}");
+    assert_eq!(s.undecided, MAX_UNKNOWN_ABORTS as u64, "{s:?}");
+    assert_eq!(s.refused, extra as u64, "{s:?}");
+    drop((conns, ranks));
+    d.shutdown(BOUND).await;
+}
+
+/// An allocation whose prompt needs more pages than the prefill rank's pool holds is refused when
+/// it comes (decode's pool is larger here), not taken and failed later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_allocation_larger_than_the_ranks_pool_is_refused_at_once() {
+    let d = decode().await;
+    let (mut conn, p) = rogue_decode(&d, 4).await;
+    // 8 pages of 16 tokens; the rank holds 4.
+    conn.send(&Msg::TransferRequest(control::TransferRequest {
+        request: 77,
+        prompt_tokens: 8 * PAGE_TOKENS,
+        chunk_tokens: 1,
+        dst_pages: (0..8).collect(),
+        prefix_tokens: 0,
+        deadline_ms: 10_000,
+        landing: None,
+    }))
+    .await
+    .unwrap();
+    match next_answer(&mut conn).await {
+        Msg::TransferReject(r) => {
+            assert_eq!(r.request, 77, "{r:?}");
+            assert!(r.reason.to_string().contains("pool"), "{r:?}");
+        }
+        m => panic!("{m:?}"),
+    }
+    assert_eq!(p.stats().requests, 0, "{:?}", p.stats());
+    assert_eq!(p.stats().rejected_requests, 1, "{:?}", p.stats());
+    drop((conn, p));
     d.shutdown(BOUND).await;
 }
 

@@ -7,6 +7,8 @@
 //! wait is bounded.
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -752,7 +754,7 @@ async fn a_copy_whose_request_ended_while_it_waited_writes_and_counts_nothing() 
     let request = RequestId(31);
     // The first job of the first request waits in the hook until the test lets it go; every later
     // job of that id is queued behind it on the same worker.
-    let (hook, held_rx, go_tx) = hold_first_job(request);
+    let (hook, held_rx, go_tx) = common::hold_first_job(request, BOUND);
     let (d, ranks, _faults) = two_into_one_nixl_with("held", 1, 2, Some(hook)).await;
     for p in &ranks {
         p.offer(request, SRC.to_vec()).unwrap();
@@ -760,7 +762,7 @@ async fn a_copy_whose_request_ended_while_it_waited_writes_and_counts_nothing() 
     let done = d
         .expect(request, PROMPT, PAGE_TOKENS, DST.to_vec(), BOUND)
         .unwrap();
-    until_held(held_rx).await;
+    common::until_held(held_rx, BOUND).await;
     d.abort(request);
     assert_eq!(
         tokio::time::timeout(BOUND, done).await.unwrap(),
@@ -797,37 +799,6 @@ async fn a_copy_whose_request_ended_while_it_waited_writes_and_counts_nothing() 
     d.shutdown(BOUND).await;
 }
 
-/// A hook that holds the first chunk job of `request` until the returned sender is used (or the
-/// test's bound passes), and a receiver that hears when that job is held.
-fn hold_first_job(
-    request: RequestId,
-) -> (
-    ChunkJobHook,
-    std::sync::mpsc::Receiver<()>,
-    std::sync::mpsc::Sender<()>,
-) {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    let (held_tx, held_rx) = std::sync::mpsc::channel::<()>();
-    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
-    let go_rx = std::sync::Mutex::new(go_rx);
-    let first = AtomicBool::new(true);
-    let hook = ChunkJobHook(Arc::new(move |r| {
-        if r == request && first.swap(false, Ordering::SeqCst) {
-            let _ = held_tx.send(());
-            let _ = go_rx.lock().unwrap().recv_timeout(BOUND);
-        }
-    }));
-    (hook, held_rx, go_tx)
-}
-
-/// Waits (bounded) until the hook holds its job.
-async fn until_held(held_rx: std::sync::mpsc::Receiver<()>) {
-    tokio::task::spawn_blocking(move || held_rx.recv_timeout(BOUND))
-        .await
-        .unwrap()
-        .expect("no chunk job started");
-}
-
 /// Once `queued` jobs wait on decode's worker, ends rank 1 (the last of `ranks`) and checks that
 /// its loss waits behind them as one more job.
 async fn lose_rank_1_behind(d: &DecodeEngine, ranks: &mut Vec<PrefillEngine>, queued: u64) {
@@ -857,7 +828,7 @@ async fn until_stats(d: &DecodeEngine, what: &str, f: impl Fn(&DecodeStats) -> b
 async fn a_rank_lost_while_its_delivered_chunks_wait_on_a_worker_fails_nothing() {
     let case = TWO_INTO_ONE;
     let request = RequestId(33);
-    let (hook, held_rx, go_tx) = hold_first_job(request);
+    let (hook, held_rx, go_tx) = common::hold_first_job(request, BOUND);
     // Three slots for three chunks: no rank waits for a copy before it writes.
     let (d, mut ranks, _faults) = two_into_one_nixl_with("lost", 1, 3, Some(hook)).await;
     for p in &ranks {
@@ -866,7 +837,7 @@ async fn a_rank_lost_while_its_delivered_chunks_wait_on_a_worker_fails_nothing()
     let done = d
         .expect(request, PROMPT, PAGE_TOKENS, DST.to_vec(), BOUND)
         .unwrap();
-    until_held(held_rx).await;
+    common::until_held(held_rx, BOUND).await;
     // Both ranks' three chunks arrived: one held, five queued behind it.
     lose_rank_1_behind(&d, &mut ranks, 6).await;
     go_tx.send(()).unwrap();
@@ -889,7 +860,7 @@ async fn a_rank_lost_while_its_delivered_chunks_wait_on_a_worker_fails_nothing()
 async fn a_rank_lost_before_it_delivered_fails_the_request_behind_its_queued_chunks() {
     use transfer_engine::core::tracker::FailureReason;
     let request = RequestId(34);
-    let (hook, held_rx, go_tx) = hold_first_job(request);
+    let (hook, held_rx, go_tx) = common::hold_first_job(request, BOUND);
     let (d, mut ranks, _faults) = two_into_one_nixl_with("short", 1, 3, Some(hook)).await;
     let done = d
         .expect(request, PROMPT, PAGE_TOKENS, DST.to_vec(), BOUND)
@@ -899,7 +870,7 @@ async fn a_rank_lost_before_it_delivered_fails_the_request_behind_its_queued_chu
         ranks[0].send_chunk(request, c, &SRC, c == 2).await.unwrap();
     }
     ranks[1].send_chunk(request, 0, &SRC, false).await.unwrap();
-    until_held(held_rx).await;
+    common::until_held(held_rx, BOUND).await;
     lose_rank_1_behind(&d, &mut ranks, 4).await;
     go_tx.send(()).unwrap();
     let outcome = tokio::time::timeout(BOUND, done).await.unwrap();

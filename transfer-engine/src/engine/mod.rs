@@ -16,8 +16,8 @@ pub use decode::{
     DecodeEngine, DecodeStage, DecodeStats, Expected, ShutdownReport,
 };
 pub use prefill::{
-    ExternalDecode, IncomingRequest, LinkId, MAX_OFFERS, MeshSocket, NotifyFormat, PrefillConfig,
-    PrefillEngine, PrefillStats,
+    ExternalDecode, IncomingRequest, LinkId, MAX_FOREIGN_DECISIONS, MAX_OFFERS, MAX_UNKNOWN_ABORTS,
+    MeshSocket, NotifyFormat, PrefillConfig, PrefillEngine, PrefillStats,
 };
 
 use crate::control::{self, ControlError};

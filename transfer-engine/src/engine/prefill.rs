@@ -269,6 +269,14 @@ pub struct PrefillStats {
     /// Microseconds registering the pool took at start (for a pool the transport allocates, its
     /// allocation and population too).
     pub register_micros: u64,
+    /// Decisions kept for [`PrefillEngine::decided`] and not yet released: those of requests
+    /// this rank holds, and at most [`MAX_FOREIGN_DECISIONS`] of requests it never held (a
+    /// decode's abort of a request whose allocation never came here, a peer rank's vote).
+    pub decisions_held: u64,
+    /// Failed votes this rank cast for requests it never held (a decode aborted them) that are
+    /// not decided yet; at most [`MAX_UNKNOWN_ABORTS`] for each decode, beyond which such an
+    /// abort is answered, counted in `refused` and casts no vote.
+    pub unknown_aborts: u64,
 }
 
 /// One decode engine this rank writes into: its transport peer, what this rank writes there, the
@@ -421,6 +429,14 @@ struct State {
     /// Source pages offered for requests whose allocation is not complete yet
     /// ([`PrefillEngine::offer`]): the read loop that completes one posts it from them.
     offers: HashMap<RequestId, Vec<u32>>,
+    /// Requests this rank never held that a decode aborted, and so voted failed on, not decided
+    /// yet: the decode that aborted each.
+    unknown_aborts: HashMap<RequestId, LinkId>,
+    /// How many of `unknown_aborts` each decode has.
+    unknown_by_link: HashMap<LinkId, usize>,
+    /// Decisions in `decided` of requests this rank did not hold when they came, oldest first: at
+    /// most [`MAX_FOREIGN_DECISIONS`] are kept.
+    foreign_decided: std::collections::VecDeque<RequestId>,
 }
 
 impl State {
@@ -528,13 +544,15 @@ impl Inner {
     /// The counters and state sizes [`PrefillEngine::stats`] reports.
     fn stats(&self) -> PrefillStats {
         let c = &self.counters;
-        let (undecided, decodes, requests) = {
+        let (undecided, decodes, requests, decisions_held, unknown_aborts) = {
             let st = lock(&self.state);
             let open = st.links.values().filter(|l| !l.closed).count();
             (
                 st.board.undecided() as u64,
                 open as u64,
                 st.requests.len() as u64,
+                st.decided.len() as u64,
+                st.unknown_aborts.len() as u64,
             )
         };
         PrefillStats {
@@ -556,6 +574,8 @@ impl Inner {
             refused: c.refused.load(Ordering::Relaxed),
             refused_connections: c.refused_connections.load(Ordering::Relaxed),
             register_micros: self.register_micros,
+            decisions_held,
+            unknown_aborts,
         }
     }
 }
@@ -676,6 +696,18 @@ impl crate::metrics::Source for Inner {
             "Requests this rank holds",
             base(),
             gauge(s.requests),
+        );
+        out.add(
+            "kvx_decisions_held",
+            "Decisions kept for the caller and not yet released",
+            base(),
+            gauge(s.decisions_held),
+        );
+        out.add(
+            "kvx_unknown_aborts",
+            "Failed votes cast for requests this rank never held, not yet decided",
+            base(),
+            gauge(s.unknown_aborts),
         );
         out.add(
             "kvx_registered_bytes",
@@ -939,6 +971,9 @@ impl PrefillEngine {
                 incoming: conn.is_some().then(|| itx.clone()),
                 announced: false,
                 offers: HashMap::new(),
+                unknown_aborts: HashMap::new(),
+                unknown_by_link: HashMap::new(),
+                foreign_decided: std::collections::VecDeque::new(),
             }),
             cfg,
             secret,
@@ -1622,7 +1657,17 @@ impl Inner {
             };
             match tokio::time::timeout_at(deadline, rx).await {
                 Ok(Ok(())) => {}
-                _ => return Err(EngineError::UnknownRequest(request)),
+                _ => {
+                    // This waiter's entry goes with it (the allocation may never come).
+                    let mut st = lock(&self.state);
+                    if let Some(waiting) = st.arrivals.get_mut(&request) {
+                        waiting.retain(|w| !w.is_closed());
+                        if waiting.is_empty() {
+                            st.arrivals.remove(&request);
+                        }
+                    }
+                    return Err(EngineError::UnknownRequest(request));
+                }
             }
         }
     }
@@ -1827,7 +1872,30 @@ impl Inner {
                     Decision::Failed { .. } => span.record("decision", "failed"),
                 };
             }
-            st.decided.insert(request, decision);
+            if let Some(link) = st.unknown_aborts.remove(&request)
+                && let Some(n) = st.unknown_by_link.get_mut(&link)
+            {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    st.unknown_by_link.remove(&link);
+                }
+            }
+            // A decision about a request this rank does not hold is kept for a caller that may
+            // still ask about it (an offer to come), but only so many: a decode chooses them.
+            if !st.requests.contains_key(&request) && st.decided.insert(request, decision).is_none()
+            {
+                st.foreign_decided.push_back(request);
+                while st.foreign_decided.len() > MAX_FOREIGN_DECISIONS {
+                    let Some(old) = st.foreign_decided.pop_front() else {
+                        break;
+                    };
+                    if !st.requests.contains_key(&old) && !st.offers.contains_key(&old) {
+                        st.decided.remove(&old);
+                    }
+                }
+            } else {
+                st.decided.insert(request, decision);
+            }
             st.drop_offer(request);
             for w in st.decided_waiters.remove(&request).unwrap_or_default() {
                 let _ = w.send(decision);
@@ -1883,10 +1951,36 @@ impl Inner {
             .and_then(|()| {
                 control::validate_landing(&req, link.landing.map(|(_, len)| len), g.num_chunks())
             })
+            // This rank's pool holds the prompt, which decode may round up to its whole pages
+            // (the source list then repeats a page): that bounds what a decode's numbers make here.
+            .and_then(|()| {
+                let slack = u64::from(link.dst_page_tokens)
+                    .div_ceil(u64::from(self.cfg.page_tokens.max(1)));
+                let (needed, held) = (
+                    link.planner.src_pages_needed(g),
+                    u64::from(link.planner.src().num_pages),
+                );
+                if needed <= held.saturating_add(slack) {
+                    Ok(())
+                } else {
+                    Err(control::TransferRejectReason::Invalid(format!(
+                        "the prompt needs {needed} pages of this rank's pool, which has {held}"
+                    )))
+                }
+            })
         });
         let mut st = lock(&self.state);
         let open = st.links.get(&link.id).is_some_and(|l| !l.closed);
+        // Decided here already (a decode aborted it before this allocation came, or it was over
+        // and not released): it is never served again.
+        let settled = st.decided.contains_key(&request) || st.unknown_aborts.contains_key(&request);
         let reason = match (geometry, check) {
+            (Ok(_), Some(Ok(()))) if open && settled => {
+                control::TransferRejectReason::Invalid(format!(
+                    "request {} was aborted or decided here already",
+                    req.request
+                ))
+            }
             (Ok(g), Some(Ok(()))) if open => {
                 // Chunk ids are `u32` on the wire; the count is at most the prompt's tokens, which
                 // fill pages the pool holds (checked just above).
@@ -2034,6 +2128,7 @@ impl Inner {
     fn on_abort_of(&self, from: &Arc<Link>, request: RequestId, code: FailureCode) {
         let (ack_now, others) = {
             let mut st = lock(&self.state);
+            let voted_unknown = st.unknown_aborts.contains_key(&request);
             match st.requests.get_mut(&request) {
                 Some(r) if !r.has_leg(from.id) => {
                     drop(st);
@@ -2068,7 +2163,27 @@ impl Inner {
                     };
                     (ack_now, others)
                 }
-                None => (true, Vec::new()),
+                // A vote for a request this rank never held (its allocation never came, or was
+                // refused) lets the pipeline decide it before its deadline; a decode gets so many
+                // of those outstanding, since each one is held by every rank until decided.
+                None if voted_unknown => (true, Vec::new()),
+                None => {
+                    let n = st.unknown_by_link.entry(from.id).or_default();
+                    if *n >= MAX_UNKNOWN_ABORTS {
+                        drop(st);
+                        Self::ack_abort(from, request);
+                        self.counters.refused.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(
+                            request = request.0,
+                            decode = %from.addr,
+                            "abort of a request this rank never held dropped: too many undecided"
+                        );
+                        return;
+                    }
+                    *n += 1;
+                    st.unknown_aborts.insert(request, from.id);
+                    (true, Vec::new())
+                }
             }
         };
         if ack_now {
@@ -2184,7 +2299,7 @@ async fn send_chunk_of(
     }
     let status = if last {
         let count = geometry.num_chunks() as u32;
-        if chunk + 1 != count {
+        if chunk.checked_add(1) != Some(count) {
             return Err(EngineError::Config(format!(
                 "LAST chunk {chunk} but the prompt has {count} chunks"
             )));
@@ -2303,6 +2418,33 @@ async fn send_chunk_of(
     first_error.map_or(Ok(()), Err)
 }
 
+/// Polls an offered request's `posted` chunks together until fewer than `below` are left, keeping
+/// the first error: a chunk waiting for its landing range posts as soon as decode frees it, not
+/// after the chunks before it are over.
+async fn settle_posted(
+    posted: &mut Vec<std::pin::Pin<Box<impl Future<Output = Result<(), EngineError>>>>>,
+    first_error: &mut Option<EngineError>,
+    below: usize,
+) {
+    std::future::poll_fn(|cx| {
+        posted.retain_mut(|f| match f.as_mut().poll(cx) {
+            std::task::Poll::Ready(r) => {
+                if let Err(e) = r {
+                    first_error.get_or_insert(e);
+                }
+                false
+            }
+            std::task::Poll::Pending => true,
+        });
+        if posted.len() < below {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    })
+    .await;
+}
+
 /// Posts every chunk of an offered request whose allocation is complete, from the offered pages
 /// after decode's prefix, each chunk's writes handed to the transport before the next chunk's;
 /// fails the request where the pages do not cover it or a chunk cannot be posted.
@@ -2344,6 +2486,12 @@ async fn send_offered(inner: &Arc<Inner>, request: RequestId, src: Vec<u32>) {
     let mut first_error = None;
     let mut posted = Vec::new();
     for chunk in 0..count {
+        if posted.len() >= OFFER_CHUNKS_IN_FLIGHT {
+            settle_posted(&mut posted, &mut first_error, OFFER_CHUNKS_IN_FLIGHT).await;
+            if first_error.is_some() {
+                break;
+            }
+        }
         let mut f = Box::pin(send_chunk_of(
             inner,
             request,
@@ -2376,25 +2524,7 @@ async fn send_offered(inner: &Arc<Inner>, request: RequestId, src: Vec<u32>) {
         // last post and here).
         inner.counters.offers_posted.fetch_add(1, Ordering::Relaxed);
     }
-    // Awaited together: a chunk waiting for its landing range posts as soon as decode frees it,
-    // not after the chunks before it are over.
-    std::future::poll_fn(|cx| {
-        posted.retain_mut(|f| match f.as_mut().poll(cx) {
-            std::task::Poll::Ready(r) => {
-                if let Err(e) = r {
-                    first_error.get_or_insert(e);
-                }
-                false
-            }
-            std::task::Poll::Pending => true,
-        });
-        if posted.is_empty() {
-            std::task::Poll::Ready(())
-        } else {
-            std::task::Poll::Pending
-        }
-    })
-    .await;
+    settle_posted(&mut posted, &mut first_error, 1).await;
     match first_error {
         None | Some(EngineError::RequestFailed { .. } | EngineError::Shutdown) => {}
         Some(e) => {
@@ -2749,6 +2879,18 @@ pub const MAX_OFFERS: usize = 1 << 16;
 
 /// Chunks an offered request posts before letting the runtime's other tasks run.
 const OFFER_CHUNKS_PER_TURN: u32 = 16;
+
+/// Chunks of one offered request that may be posted and not over, or waiting for a landing
+/// range, at once: a decode chooses the chunk count.
+const OFFER_CHUNKS_IN_FLIGHT: usize = 256;
+
+/// Decisions about requests this rank never held that are kept for [`PrefillEngine::decided`]
+/// (the oldest go first).
+pub const MAX_FOREIGN_DECISIONS: usize = 1 << 14;
+
+/// Failed votes for requests this rank never held that one decode may have outstanding (see
+/// [`PrefillStats::unknown_aborts`]).
+pub const MAX_UNKNOWN_ABORTS: usize = 1 << 10;
 
 /// How often a rank tries again to reach a lower rank whose connection ended.
 const MESH_RETRY: Duration = Duration::from_millis(100);

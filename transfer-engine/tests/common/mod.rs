@@ -4,8 +4,10 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
+use transfer_engine::core::RequestId;
 use transfer_engine::core::planner::{KvLayout, PpSplit, RegionKind};
-use transfer_engine::engine::MeshSocket;
+use transfer_engine::engine::{ChunkJobHook, MeshSocket};
 use transfer_engine::mem::{HostBuffer, HostOptions};
 
 /// The loopback vote mesh sockets of `pp` ranks and their addresses (none for one rank).
@@ -70,4 +72,36 @@ pub fn assert_poisoned(
             );
         }
     }
+}
+
+/// A decode config's hook that holds the first chunk job of `request` on its worker until the
+/// returned sender is used (or `bound` passes), and a receiver that hears when that job is held.
+pub fn hold_first_job(
+    request: RequestId,
+    bound: Duration,
+) -> (
+    ChunkJobHook,
+    std::sync::mpsc::Receiver<()>,
+    std::sync::mpsc::Sender<()>,
+) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let (held_tx, held_rx) = std::sync::mpsc::channel::<()>();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let go_rx = std::sync::Mutex::new(go_rx);
+    let first = AtomicBool::new(true);
+    let hook = ChunkJobHook(Arc::new(move |r| {
+        if r == request && first.swap(false, Ordering::SeqCst) {
+            let _ = held_tx.send(());
+            let _ = go_rx.lock().unwrap().recv_timeout(bound);
+        }
+    }));
+    (hook, held_rx, go_tx)
+}
+
+/// Waits (within `bound`) until the hook of [`hold_first_job`] holds its job.
+pub async fn until_held(held_rx: std::sync::mpsc::Receiver<()>, bound: Duration) {
+    tokio::task::spawn_blocking(move || held_rx.recv_timeout(bound))
+        .await
+        .unwrap()
+        .expect("no chunk job started");
 }

@@ -77,6 +77,36 @@ def test_a_prefill_rank_waits_for_decode_announcements_in_one_long_poll(director
                 key=SECRET)["decodes"] == [announced]
     assert time.monotonic() - t0 < 2
 
+def test_an_address_that_is_no_directory_is_an_oserror_for_every_caller():
+    """A bootstrap address comes from a client's request: whatever answers there (a server that
+    does not speak HTTP, an address that is no URL), the call raises OSError, which every caller
+    of it (SGLang's scheduler thread among them) takes as "not there yet", never another error
+    that would end the scheduler. (urllib raised http.client's BadStatusLine and InvalidURL,
+    which are not OSErrors.)"""
+    import socket
+    import threading
+
+    from kvx.sglang.directory import http
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+
+    def answer():
+        for _ in range(2):
+            conn, _ = listener.accept()
+            conn.recv(4096)
+            conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+            conn.close()
+
+    threading.Thread(target=answer, daemon=True).start()
+    port = listener.getsockname()[1]
+    for url in (f"http://127.0.0.1:{port}/kvx/prefill", "http://127.0.0.1 :1/kvx/prefill"):
+        with pytest.raises(OSError):
+            http("GET", url, timeout=5, key=SECRET)
+    listener.close()
+
+
 def test_the_directory_serves_only_callers_that_prove_the_secret(directory):
     from kvx.sglang.directory import http, sign
 

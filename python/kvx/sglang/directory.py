@@ -35,6 +35,7 @@ import secrets
 import threading
 import time
 import urllib.request
+from http.client import HTTPException
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
 from urllib.parse import parse_qs, urlparse
@@ -99,8 +100,16 @@ def reply_aad(method: str, path_and_query: str, nonce: str) -> bytes:
 
 def http(method: str, url: str, body: Optional[dict] = None, timeout: float = 5.0,
          key: Optional[bytes] = None):
-    """One signed, sealed call to a directory; raises OSError (urllib's errors are OSErrors) on
-    failure, ConnectionError when the reply does not open."""
+    """One signed, sealed call to a directory; raises OSError on every failure: urllib's own
+    errors, and ConnectionError for an answer that is not HTTP, not a directory's or does not
+    open (the address may come from a client's request)."""
+    try:
+        return _http(method, url, body, timeout, key)
+    except (HTTPException, ValueError) as e:
+        raise ConnectionError(f"{method} {url}: {type(e).__name__}: {e}") from e
+
+
+def _http(method: str, url: str, body: Optional[dict], timeout: float, key: Optional[bytes]):
     u = urlparse(url)
     data = b"" if body is None else seal_box(key, BOX_LABEL, request_aad(method, u.path),
                                                json.dumps(body).encode())

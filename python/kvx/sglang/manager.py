@@ -502,6 +502,11 @@ class KvxKVManager(BaseKVManager):
         with self._lock:
             self._allocations.pop(room, None)
 
+    def prefill_engine(self) -> "Optional[kvx.PrefillEngine]":
+        """This rank's prefill engine, if it started."""
+        with self._lock:
+            return self._prefill
+
     # Decode side.
 
     def _decode(self) -> "kvx.DecodeEngine":
@@ -639,39 +644,46 @@ class KvxKVManager(BaseKVManager):
                 addrs = {a: dict(s) for a, s in self._sessions.items()}
             for addr, sessions in addrs.items():
                 try:
-                    got = self._get(f"http://{addr}/kvx/prefill", timeout=interval)
-                except OSError:
-                    got = None
+                    self._beat(addr, sessions, interval, max_misses)
+                except Exception:  # one instance's answer must not end the heartbeat
+                    logger.exception("kvx: heartbeat to prefill instance %s failed", addr)
+
+    def _beat(self, addr: str, sessions: dict, interval: float, max_misses: int) -> None:
+        """One heartbeat to prefill instance `addr`, whose sessions are `sessions`."""
+        try:
+            got = self._get(f"http://{addr}/kvx/prefill", timeout=interval)
+        except OSError:
+            got = None
+        with self._lock:
+            misses = 0 if got is not None else self._misses.get(addr, 0) + 1
+            self._misses[addr] = misses
+            known = {name: self._instances.get(name) for name in sessions}
+        if got is None:
+            if misses >= max_misses and any(v is not None for v in known.values()):
+                # Lost: SGLang fetches the instance again before its next request; the
+                # engine has failed the requests of the ranks whose connections ended.
+                logger.warning("kvx: prefill instance %s lost (%d heartbeats missed)",
+                               addr, misses)
                 with self._lock:
-                    misses = 0 if got is not None else self._misses.get(addr, 0) + 1
-                    self._misses[addr] = misses
-                    known = {name: self._instances.get(name) for name in sessions}
-                if got is None:
-                    if misses >= max_misses and any(v is not None for v in known.values()):
-                        # Lost: SGLang fetches the instance again before its next request; the
-                        # engine has failed the requests of the ranks whose connections ended.
-                        logger.warning("kvx: prefill instance %s lost (%d heartbeats missed)",
-                                       addr, misses)
-                        with self._lock:
-                            self.prefill_info_table.pop(addr, None)
-                            for name in sessions:
-                                self._instances[name] = None
-                    continue
-                for name, dp_rank in sessions.items():
-                    if got.get("instance") == known[name]:
-                        continue
-                    pp = [int(r["pp_size"]) for r in self._sources(got.get("ranks", []), dp_rank)]
-                    if pp and pp[0] != self._pp.get(name):
-                        logger.error("kvx: prefill instance %s came back with PP size %d, not %d: "
-                                     "not served", addr, pp[0], self._pp.get(name))
-                        continue
-                    again = "back" if known[name] is None else "a new start"
-                    logger.info("kvx: prefill instance %s (session %s) is %s: announcing decode "
-                                "again", addr, name, again)
-                    try:
-                        self._announce(addr, name, dp_rank, got["instance"])
-                    except OSError:
-                        logger.warning("kvx: cannot announce decode to %s yet", addr)
+                    self.prefill_info_table.pop(addr, None)
+                    for name in sessions:
+                        self._instances[name] = None
+            return
+        for name, dp_rank in sessions.items():
+            if got.get("instance") == known[name]:
+                continue
+            pp = [int(r["pp_size"]) for r in self._sources(got.get("ranks", []), dp_rank)]
+            if pp and pp[0] != self._pp.get(name):
+                logger.error("kvx: prefill instance %s came back with PP size %d, not %d: "
+                             "not served", addr, pp[0], self._pp.get(name))
+                continue
+            again = "back" if known[name] is None else "a new start"
+            logger.info("kvx: prefill instance %s (session %s) is %s: announcing decode "
+                        "again", addr, name, again)
+            try:
+                self._announce(addr, name, dp_rank, got["instance"])
+            except OSError:
+                logger.warning("kvx: cannot announce decode to %s yet", addr)
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
         """Whether the prefill instance at `bootstrap_addr` registered the ranks of every DP group

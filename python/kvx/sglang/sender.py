@@ -226,12 +226,40 @@ class KvxKVSender(BaseKVSender):
         raise self.failed or settings.failed("other", f"room {self.bootstrap_room}: failed")
 
     def abort(self):
-        if self.engine is not None:
+        # SGLang drops an aborted request without polling it again (no failure_exception, no
+        # clear): the room is failed and cleared here.
+        with self._lock:
+            self._bind()  # an allocation that came meanwhile
+        room = self.bootstrap_room
+        engine = self.engine if self.engine is not None else self.kv_mgr.prefill_engine()
+        if engine is not None:
             try:
-                self.engine.fail(self.bootstrap_room, "aborted")
+                # Also for a room whose allocation has not come: decode hears, the pipeline
+                # decides it failed, and an allocation that comes later is refused.
+                engine.fail(room, "aborted")
             except kvx.KvxError:
                 pass
-        self._fail(settings.failed("aborted", f"room {self.bootstrap_room}: aborted on prefill"))
+        self._fail(settings.failed("aborted", f"room {room}: aborted on prefill"))
+        if self.engine is not None or engine is None:
+            self.clear()
+            return
+        # Unbound: an allocation the engine took before the failure may still reach the manager;
+        # it is forgotten (and its bookkeeping released) once the room is decided.
+        mgr = self.kv_mgr
+
+        def forget():
+            if mgr.allocation(room) is not None:
+                mgr.forget(room)
+                try:
+                    engine.release(room)
+                except kvx.KvxError:
+                    pass
+
+        mgr.forget(room)
+        try:
+            engine.decided(room).add_done_callback(forget)
+        except kvx.KvxError:
+            pass
 
     def clear(self):
         self.kv_mgr.forget(self.bootstrap_room)

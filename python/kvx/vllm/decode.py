@@ -245,11 +245,15 @@ class DecodeSide:
                 logger.exception("kvx: decode background step failed")
 
     def _start(self, load: _Load) -> None:
-        with self._lock:
-            if load.aborted:
-                load.error = "aborted before its transfer started"
-                return
         remote = load.remote
+        with self._lock:
+            aborted = load.aborted
+            if aborted:
+                load.error = "aborted before its transfer started"
+        if aborted:
+            # The prefill holds the blocks until told (or until its lease ends).
+            self._release(remote["side_channels"], [remote["request_id"]])
+            return
         try:
             self._ensure_session(remote)
             pending = self._expect(load)

@@ -98,7 +98,15 @@ class KvxScheduler:
         return 0, False
 
     def _refusal(self, params: dict) -> Optional[str]:
-        """Why this decode cannot load a request with these params, or None."""
+        """Why this decode cannot load a request with these params, or None. The params are a
+        client's: any that do not parse are a refusal (the request's load fails and vLLM
+        recomputes it), never an exception in vLLM's scheduler, which would end the engine."""
+        try:
+            return self._refusal_of(params)
+        except (TypeError, ValueError, OverflowError, AttributeError, KeyError) as e:
+            return f"kv_transfer_params that do not parse: {type(e).__name__}: {e}"
+
+    def _refusal_of(self, params: dict) -> Optional[str]:
         if params.get("transfer_mode") != TRANSFER_MODE:
             return (f"the prefill instance's transfer_mode is {params.get('transfer_mode')!r}, "
                     f"not {TRANSFER_MODE!r}: it does not run KvxConnector")
@@ -127,7 +135,12 @@ class KvxScheduler:
     def _prefix_refusal(self, params: dict, prefix: int) -> Optional[str]:
         """Why a load after a local prefix hit of `prefix` tokens cannot be served, or None: the
         moved tokens must start a block on both sides."""
-        theirs = int(params.get("kvx_block_size", 0) or 0) or self.block_size
+        try:
+            theirs = int(params.get("kvx_block_size", 0) or 0) or self.block_size
+        except (TypeError, ValueError, OverflowError) as e:
+            return f"kvx_block_size that does not parse: {type(e).__name__}: {e}"
+        if theirs <= 0:
+            return f"a prefill block size of {theirs} tokens"
         if prefix % theirs:
             return (f"a local prefix hit of {prefix} tokens is not whole blocks of the prefill's "
                     f"{theirs} tokens: kvx.vllm does not map that yet")

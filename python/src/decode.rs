@@ -326,9 +326,7 @@ impl DecodeEngine {
     /// Whether no write of `request`'s ranks can still land in its pages (true for a request the
     /// engine does not hold): `released(request)` without waiting.
     fn is_released(&self, request: u64) -> PyResult<bool> {
-        let mut fut = Box::pin(self.engine()?.released(RequestId(request)));
-        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-        Ok(fut.as_mut().poll(&mut cx).is_ready())
+        Ok(self.engine()?.is_released(RequestId(request)))
     }
 
     /// Copies `length` bytes at `offset` out of the pool (host memory).

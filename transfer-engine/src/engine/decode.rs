@@ -1991,7 +1991,10 @@ impl DecodeEngine {
             let mut st = self.inner.lock();
             if st.requests.contains_key(&request) || st.unacked.contains_key(&request) {
                 let (tx, rx) = oneshot::channel();
-                st.released_waiters.entry(request).or_default().push(tx);
+                let waiters = st.released_waiters.entry(request).or_default();
+                // Waiters that gave up (a dropped future) go as new ones come.
+                waiters.retain(|w| !w.is_closed());
+                waiters.push(tx);
                 Some(rx)
             } else {
                 None
@@ -2002,6 +2005,14 @@ impl DecodeEngine {
                 let _ = rx.await;
             }
         }
+    }
+
+    /// Whether [`released`](Self::released) would resolve at once: no write of `request`'s ranks
+    /// can still land in its pages (true for a request the engine does not hold). Registers
+    /// nothing, so a caller may ask on every pass of its loop.
+    pub fn is_released(&self, request: RequestId) -> bool {
+        let st = self.inner.lock();
+        !st.requests.contains_key(&request) && !st.unacked.contains_key(&request)
     }
 
     /// Stops the engine and decides whether its pool may be freed.

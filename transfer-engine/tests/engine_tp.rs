@@ -573,6 +573,29 @@ async fn one_decode_ranks_abort_fails_the_request_on_every_decode_rank() {
         d.wait_for_ranks(BOUND).await.unwrap();
     }
     let long = Duration::from_secs(60);
+    // A request only one decode rank asks for never reaches the caller; once that rank gives it
+    // up, the prefill rank forgets it (nobody would release it) and keeps only its decision.
+    let lone = decodes[0]
+        .expect(RequestId(4), PROMPT, CHUNK, DST.to_vec(), long)
+        .unwrap();
+    let until = tokio::time::Instant::now() + BOUND;
+    while p.stats().requests == 0 {
+        assert!(tokio::time::Instant::now() < until, "{:?}", p.stats());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    decodes[0].abort(RequestId(4));
+    let outcome = tokio::time::timeout(BOUND, lone).await.unwrap();
+    assert!(matches!(outcome, Outcome::Failed(_)), "{outcome:?}");
+    assert!(matches!(
+        tokio::time::timeout(BOUND, p.decided(RequestId(4)))
+            .await
+            .unwrap(),
+        transfer_engine::core::vote::Decision::Failed { .. }
+    ));
+    assert_eq!(p.stats().requests, 0, "{:?}", p.stats());
+    tokio::time::timeout(BOUND, decodes[0].released(RequestId(4)))
+        .await
+        .unwrap();
     let a = decodes[0]
         .expect(RequestId(5), PROMPT, CHUNK, DST.to_vec(), long)
         .unwrap();

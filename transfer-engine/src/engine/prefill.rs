@@ -361,6 +361,9 @@ struct ReqState {
     prefix_tokens: u32,
     /// The engine took it from an offer and posts it ([`PrefillEngine::offer`]).
     offered: bool,
+    /// Every allocation came while it had not failed: it went to the caller (`next_request`) or
+    /// to its offer. One that never did is forgotten once decided: nobody would release it.
+    handed: bool,
     legs: Vec<Leg>,
     /// Legs the request has once every allocation came.
     expected: usize,
@@ -1880,6 +1883,16 @@ impl Inner {
                     st.unknown_by_link.remove(&link);
                 }
             }
+            // A request the caller never got (some allocation never came, or it failed first)
+            // posted nothing; nobody will release it, so it goes now, its decision kept as that of
+            // a request this rank does not hold.
+            if st
+                .requests
+                .get(&request)
+                .is_some_and(|r| !r.handed && r.posted() == 0)
+            {
+                st.requests.remove(&request);
+            }
             // A decision about a request this rank does not hold is kept for a caller that may
             // still ask about it (an offer to come), but only so many: a decode chooses them.
             if !st.requests.contains_key(&request) && st.decided.insert(request, decision).is_none()
@@ -2000,6 +2013,7 @@ impl Inner {
                             geometry: g,
                             prefix_tokens: req.prefix_tokens,
                             offered: false,
+                            handed: false,
                             legs: vec![leg],
                             expected: link.fan_out.max(1),
                             failed: None,
@@ -2025,6 +2039,12 @@ impl Inner {
                     Some(_) => None,
                 };
                 if let Some((ready, failed)) = accepted {
+                    if ready
+                        && failed.is_none()
+                        && let Some(r) = st.requests.get_mut(&request)
+                    {
+                        r.handed = true;
+                    }
                     for w in st.arrivals.remove(&request).unwrap_or_default() {
                         let _ = w.send(());
                     }

@@ -7,7 +7,6 @@ use crate::pending::{Done, Pending};
 use crate::{Layout, runtime, seconds};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use std::future::Future;
 use std::net::SocketAddr;
 use transfer_engine::core::RequestId;
 use transfer_engine::engine::{self, DecodeConfig, EngineError, Expected};

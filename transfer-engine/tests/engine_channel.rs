@@ -530,8 +530,10 @@ async fn an_evicted_start_behind_a_queued_chunk_keeps_its_pages_when_a_later_sta
         assert!(tokio::time::Instant::now() < until, "{:?}", d.stats());
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    // Long enough for an abort to the later start and its answer, were one sent.
+    // Long enough for an abort to the later start and its answer, were one sent; the later start
+    // never heard of the request (it would have voted it failed).
     tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(p2.stats().decided_failed, 0, "{:?}", p2.stats());
     assert_eq!(d.quarantined(), vec![r], "{:?}", d.stats());
     assert!(matches!(
         d.expect(RequestId(32), PROMPT, CHUNK, dst.to_vec(), BOUND),
@@ -620,8 +622,8 @@ async fn aborts_of_requests_a_rank_never_held_keep_bounded_state_and_refuse_them
             m => panic!("{m:?}"),
         }
     }
-    let s = p.stats();
-    assert_eq!(s.decided_failed, n, "{s:?}");
+    // Each abort is answered before its vote is cast: the last vote may come a moment later.
+    let s = until_prefill(&p, "every abort decided", |s| s.decided_failed == n).await;
     assert_eq!(s.decisions_held, MAX_FOREIGN_DECISIONS as u64, "{s:?}");
     assert_eq!(s.unknown_aborts, 0, "{s:?}");
     // The last aborted request's allocation comes after all: refused.
@@ -646,7 +648,73 @@ async fn aborts_of_requests_a_rank_never_held_keep_bounded_state_and_refuse_them
     d.shutdown(BOUND).await;
 }
 
-/// Rank 0 of a pipeline of two whose other rank never comes: its failed votes for requests it
+/// Waits (bounded) until `f` holds of the prefill rank's stats, and returns them.
+async fn until_prefill(
+    p: &PrefillEngine,
+    what: &str,
+    f: impl Fn(&transfer_engine::engine::PrefillStats) -> bool,
+) -> transfer_engine::engine::PrefillStats {
+    let until = tokio::time::Instant::now() + BOUND;
+    loop {
+        let s = p.stats();
+        if f(&s) {
+            return s;
+        }
+        assert!(tokio::time::Instant::now() < until, "never {what}: {s:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A request that failed on the prefill rank and was released there, then decode's own abort of
+/// it (decode aborts every request that fails, whatever failed it): the abort of a request the
+/// rank no longer holds finds it decided, and is not counted against the decode as an undecided
+/// vote (each such echo once stayed counted for good, until the decode's aborts were refused).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decodes_abort_of_a_request_failed_and_released_here_is_not_counted_as_undecided() {
+    let d = decode().await;
+    let (mut conn, p) = rogue_decode(&d, PAGES).await;
+    let r = RequestId(41);
+    conn.send(&Msg::TransferRequest(control::TransferRequest {
+        request: r.0,
+        prompt_tokens: PROMPT,
+        chunk_tokens: CHUNK,
+        dst_pages: vec![0, 1, 2, 3],
+        prefix_tokens: 0,
+        deadline_ms: 10_000,
+        landing: None,
+    }))
+    .await
+    .unwrap();
+    assert_eq!(bounded(p.next_request()).await.unwrap().request, r);
+    p.fail(r, transfer_engine::core::FailureCode::Aborted);
+    assert!(matches!(
+        bounded(p.decided(r)).await,
+        transfer_engine::core::vote::Decision::Failed { .. }
+    ));
+    p.release(r);
+    conn.send(&Msg::Abort(control::Abort {
+        request: r.0,
+        reason: 1,
+    }))
+    .await
+    .unwrap();
+    loop {
+        if let Msg::AbortAck(a) = next_answer(&mut conn).await
+            && a.request == r.0
+        {
+            break;
+        }
+    }
+    // The ack goes out before the vote is cast: the vote has a moment.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let s = p.stats();
+    assert_eq!(s.unknown_aborts, 0, "{s:?}");
+    assert_eq!(s.requests, 0, "{s:?}");
+    drop((conn, p));
+    d.shutdown(BOUND).await;
+}
+
+/// Rank 0 of a pipeline of two whose other rank hears no abort: its failed votes for requests it
 /// never held stay undecided (until the vote deadline), so one decode gets only
 /// `MAX_UNKNOWN_ABORTS` of them outstanding; the aborts beyond are answered, counted and cast no
 /// vote.
@@ -690,8 +758,14 @@ async fn one_decode_gets_a_bounded_number_of_votes_for_requests_a_rank_never_hel
             m => panic!("{m:?}"),
         }
     }
-    let s = p.stats();
-    assert_eq!(s.unknown_aborts, MAX_UNKNOWN_ABORTS as u64, "{s:?}");
+    until_prefill(p, "the aborts beyond refused", |s| {
+        s.refused == extra as u64
+    })
+    .await;
+    let s = until_prefill(p, "the votes cast", |s| {
+        s.unknown_aborts == MAX_UNKNOWN_ABORTS as u64
+    })
+    .await;
     assert_eq!(s.undecided, MAX_UNKNOWN_ABORTS as u64, "{s:?}");
     assert_eq!(s.refused, extra as u64, "{s:?}");
     drop((conns, ranks));

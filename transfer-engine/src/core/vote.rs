@@ -810,6 +810,11 @@ impl VoteBoard {
         self.undecided.len()
     }
 
+    /// Whether `request` is heard of and not yet decided.
+    pub fn is_undecided(&self, request: RequestId) -> bool {
+        self.undecided.contains_key(&request)
+    }
+
     /// Running totals.
     pub fn counters(&self) -> VoteCounters {
         self.counters

@@ -1827,6 +1827,20 @@ impl Inner {
     /// writes are over", and Completed also "all of them arrived". `unknown` is the vote for a request this rank never got an allocation for (nothing of
     /// it was posted).
     fn settle_vote(&self, request: RequestId, unknown: Option<Vote>) {
+        self.settle_vote_from(request, unknown, None);
+    }
+
+    /// [`settle_vote`](Self::settle_vote), for a request this rank does not hold that decode
+    /// `aborted_by` aborted: once the vote is cast, a request the board still has undecided is
+    /// counted against that decode ([`MAX_UNKNOWN_ABORTS`]) until it is decided. One already
+    /// decided (an abort that comes after the rank decided and released the request, as decode's
+    /// own abort of a request that failed here does) is not: no decision would end its count.
+    fn settle_vote_from(
+        &self,
+        request: RequestId,
+        unknown: Option<Vote>,
+        aborted_by: Option<LinkId>,
+    ) {
         let mut st = lock(&self.state);
         let vote = match st.requests.get_mut(&request) {
             Some(r) if r.voted || r.posted() > 0 => return,
@@ -1846,6 +1860,14 @@ impl Inner {
             tracing::debug!(request = request.0, error = %e, "local vote refused");
         }
         self.flush_board(&mut st);
+        if let Some(link) = aborted_by
+            && !st.requests.contains_key(&request)
+            && st.board.is_undecided(request)
+            && !st.unknown_aborts.contains_key(&request)
+        {
+            st.unknown_aborts.insert(request, link);
+            *st.unknown_by_link.entry(link).or_default() += 1;
+        }
         drop(st);
         self.timer.notify_one();
     }
@@ -2146,7 +2168,7 @@ impl Inner {
     }
 
     fn on_abort_of(&self, from: &Arc<Link>, request: RequestId, code: FailureCode) {
-        let (ack_now, others) = {
+        let (ack_now, others, unheld) = {
             let mut st = lock(&self.state);
             let voted_unknown = st.unknown_aborts.contains_key(&request);
             match st.requests.get_mut(&request) {
@@ -2181,15 +2203,15 @@ impl Inner {
                         }
                         None => true,
                     };
-                    (ack_now, others)
+                    (ack_now, others, false)
                 }
                 // A vote for a request this rank never held (its allocation never came, or was
                 // refused) lets the pipeline decide it before its deadline; a decode gets so many
                 // of those outstanding, since each one is held by every rank until decided.
-                None if voted_unknown => (true, Vec::new()),
+                None if voted_unknown => (true, Vec::new(), false),
                 None => {
-                    let n = st.unknown_by_link.entry(from.id).or_default();
-                    if *n >= MAX_UNKNOWN_ABORTS {
+                    let n = st.unknown_by_link.get(&from.id).copied().unwrap_or(0);
+                    if n >= MAX_UNKNOWN_ABORTS {
                         drop(st);
                         Self::ack_abort(from, request);
                         self.counters.refused.fetch_add(1, Ordering::Relaxed);
@@ -2200,9 +2222,7 @@ impl Inner {
                         );
                         return;
                     }
-                    *n += 1;
-                    st.unknown_aborts.insert(request, from.id);
-                    (true, Vec::new())
+                    (true, Vec::new(), true)
                 }
             }
         };
@@ -2210,7 +2230,7 @@ impl Inner {
             Self::ack_abort(from, request);
         }
         self.tell_failed(request, code, &others);
-        self.settle_vote(request, Some(Vote::Failed(code)));
+        self.settle_vote_from(request, Some(Vote::Failed(code)), unheld.then_some(from.id));
     }
 
     fn ack_abort(to: &Link, request: RequestId) {

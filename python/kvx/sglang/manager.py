@@ -13,6 +13,7 @@ rejoin their session."""
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import ctypes
 import json
@@ -216,6 +217,25 @@ def _release_failed_rooms_on_kvx_decision() -> None:
     DecodeTransferQueue._defer_release = _defer_release
 
 
+# Rooms aborted before their allocation came that a prefill rank remembers (see `_aborted`).
+ABORTED_ROOMS_KEPT = 4096
+
+
+def _release_when_decided(engine, room: int) -> None:
+    """Releases the engine's bookkeeping of `room` once its PP ranks decided it."""
+
+    def release():
+        try:
+            engine.release(room)
+        except kvx.KvxError:
+            pass
+
+    try:
+        engine.decided(room).add_done_callback(release)
+    except kvx.KvxError:
+        pass
+
+
 class KvxKVManager(BaseKVManager):
     """One per scheduler rank (see the module's doc)."""
 
@@ -266,6 +286,9 @@ class KvxKVManager(BaseKVManager):
             self._instance = ""  # how the decodes name this prefill instance
             self._start_lock = threading.Lock()
             self._allocations: dict = {}  # room -> (PrefillEngine, IncomingRequest)
+            # Rooms SGLang aborted before their allocation came (the latest ones): an allocation
+            # of one that still arrives is dropped and released, not kept for a sender gone.
+            self._aborted: "collections.OrderedDict[int, None]" = collections.OrderedDict()
             self._registered = False
             self.register_to_bootstrap()
         else:
@@ -480,8 +503,15 @@ class KvxKVManager(BaseKVManager):
                     return
                 continue
             with self._lock:
-                self._allocations[req.request] = (engine, req)
-                self._arrived.notify_all()
+                if req.request in self._aborted:
+                    self._aborted.pop(req.request, None)
+                    gone = True
+                else:
+                    self._allocations[req.request] = (engine, req)
+                    self._arrived.notify_all()
+                    gone = False
+            if gone:
+                _release_when_decided(engine, req.request)
 
     def allocation(self, room: int):
         with self._lock:
@@ -501,6 +531,18 @@ class KvxKVManager(BaseKVManager):
     def forget(self, room: int):
         with self._lock:
             self._allocations.pop(room, None)
+
+    def forget_aborted(self, room: int, engine: "kvx.PrefillEngine") -> None:
+        """`room` was aborted before its allocation reached its sender: the allocation, now here
+        or still to come, is dropped and the engine's bookkeeping of it released once decided."""
+        with self._lock:
+            got = self._allocations.pop(room, None)
+            if got is None:
+                self._aborted[room] = None
+                while len(self._aborted) > ABORTED_ROOMS_KEPT:
+                    self._aborted.popitem(last=False)
+        if got is not None:
+            _release_when_decided(engine, room)
 
     def prefill_engine(self) -> "Optional[kvx.PrefillEngine]":
         """This rank's prefill engine, if it started."""

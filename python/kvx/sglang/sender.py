@@ -234,8 +234,9 @@ class KvxKVSender(BaseKVSender):
         engine = self.engine if self.engine is not None else self.kv_mgr.prefill_engine()
         if engine is not None:
             try:
-                # Also for a room whose allocation has not come: decode hears, the pipeline
-                # decides it failed, and an allocation that comes later is refused.
+                # Also for a room whose allocation has not come: decode hears, and the pipeline
+                # decides it failed (an allocation that comes later is refused while the rank
+                # keeps that decision, and dropped by the manager if it still gets here).
                 engine.fail(room, "aborted")
             except kvx.KvxError:
                 pass
@@ -243,23 +244,8 @@ class KvxKVSender(BaseKVSender):
         if self.engine is not None or engine is None:
             self.clear()
             return
-        # Unbound: an allocation the engine took before the failure may still reach the manager;
-        # it is forgotten (and its bookkeeping released) once the room is decided.
-        mgr = self.kv_mgr
-
-        def forget():
-            if mgr.allocation(room) is not None:
-                mgr.forget(room)
-                try:
-                    engine.release(room)
-                except kvx.KvxError:
-                    pass
-
-        mgr.forget(room)
-        try:
-            engine.decided(room).add_done_callback(forget)
-        except kvx.KvxError:
-            pass
+        # Unbound: an allocation the engine took before the failure may still reach the manager.
+        self.kv_mgr.forget_aborted(room, engine)
 
     def clear(self):
         self.kv_mgr.forget(self.bootstrap_room)

@@ -598,16 +598,11 @@ async fn next_answer(conn: &mut Connection) -> Msg {
     }
 }
 
-/// A decode that aborts many requests the prefill rank never held: each abort is answered and
-/// decided failed, but the rank keeps only so many of those decisions; an allocation that comes
-/// for an aborted request afterwards is refused, not served.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn aborts_of_requests_a_rank_never_held_keep_bounded_state_and_refuse_them_later() {
-    use transfer_engine::engine::MAX_FOREIGN_DECISIONS;
-    let d = decode().await;
-    let (mut conn, p) = rogue_decode(&d, PAGES).await;
-    let n = MAX_FOREIGN_DECISIONS as u64 + 100;
-    for id in 1000..1000 + n {
+/// Sends an abort of each of `ids` and waits for every answer (passing over the prefill's own
+/// aborts, of requests that failed there).
+async fn abort_all(conn: &mut Connection, ids: std::ops::RangeInclusive<u64>) {
+    let n = ids.clone().count();
+    for id in ids {
         conn.send(&Msg::Abort(control::Abort {
             request: id,
             reason: 1,
@@ -617,28 +612,47 @@ async fn aborts_of_requests_a_rank_never_held_keep_bounded_state_and_refuse_them
     }
     let mut acks = 0;
     while acks < n {
-        match next_answer(&mut conn).await {
+        match next_answer(conn).await {
             Msg::AbortAck(_) => acks += 1,
+            Msg::Abort(_) => {}
             m => panic!("{m:?}"),
         }
     }
+}
+
+/// An allocation of `request` whose `prompt_tokens` go to `dst_pages`, in chunks of
+/// `chunk_tokens`.
+fn allocation(request: u64, prompt_tokens: u32, chunk_tokens: u32, dst_pages: Vec<u32>) -> Msg {
+    Msg::TransferRequest(control::TransferRequest {
+        request,
+        prompt_tokens,
+        chunk_tokens,
+        dst_pages,
+        prefix_tokens: 0,
+        deadline_ms: 10_000,
+        landing: None,
+    })
+}
+
+/// A decode that aborts many requests the prefill rank never held: each abort is answered and
+/// decided failed, but the rank keeps only so many of those decisions; an allocation that comes
+/// for an aborted request afterwards is refused, not served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aborts_of_requests_a_rank_never_held_keep_bounded_state_and_refuse_them_later() {
+    use transfer_engine::engine::MAX_FOREIGN_DECISIONS;
+    let d = decode().await;
+    let (mut conn, p) = rogue_decode(&d, PAGES).await;
+    let n = MAX_FOREIGN_DECISIONS as u64 + 100;
+    abort_all(&mut conn, 1000..=1000 + n - 1).await;
     // Each abort is answered before its vote is cast: the last vote may come a moment later.
     let s = until_prefill(&p, "every abort decided", |s| s.decided_failed == n).await;
     assert_eq!(s.decisions_held, MAX_FOREIGN_DECISIONS as u64, "{s:?}");
     assert_eq!(s.unknown_aborts, 0, "{s:?}");
     // The last aborted request's allocation comes after all: refused.
     let last = 1000 + n - 1;
-    conn.send(&Msg::TransferRequest(control::TransferRequest {
-        request: last,
-        prompt_tokens: PROMPT,
-        chunk_tokens: CHUNK,
-        dst_pages: vec![0, 1, 2, 3],
-        prefix_tokens: 0,
-        deadline_ms: 10_000,
-        landing: None,
-    }))
-    .await
-    .unwrap();
+    conn.send(&allocation(last, PROMPT, CHUNK, vec![0, 1, 2, 3]))
+        .await
+        .unwrap();
     match next_answer(&mut conn).await {
         Msg::TransferReject(r) => assert_eq!(r.request, last, "{r:?}"),
         m => panic!("{m:?}"),
@@ -674,17 +688,9 @@ async fn decodes_abort_of_a_request_failed_and_released_here_is_not_counted_as_u
     let d = decode().await;
     let (mut conn, p) = rogue_decode(&d, PAGES).await;
     let r = RequestId(41);
-    conn.send(&Msg::TransferRequest(control::TransferRequest {
-        request: r.0,
-        prompt_tokens: PROMPT,
-        chunk_tokens: CHUNK,
-        dst_pages: vec![0, 1, 2, 3],
-        prefix_tokens: 0,
-        deadline_ms: 10_000,
-        landing: None,
-    }))
-    .await
-    .unwrap();
+    conn.send(&allocation(r.0, PROMPT, CHUNK, vec![0, 1, 2, 3]))
+        .await
+        .unwrap();
     assert_eq!(bounded(p.next_request()).await.unwrap().request, r);
     p.fail(r, transfer_engine::core::FailureCode::Aborted);
     assert!(matches!(
@@ -692,19 +698,7 @@ async fn decodes_abort_of_a_request_failed_and_released_here_is_not_counted_as_u
         transfer_engine::core::vote::Decision::Failed { .. }
     ));
     p.release(r);
-    conn.send(&Msg::Abort(control::Abort {
-        request: r.0,
-        reason: 1,
-    }))
-    .await
-    .unwrap();
-    loop {
-        if let Msg::AbortAck(a) = next_answer(&mut conn).await
-            && a.request == r.0
-        {
-            break;
-        }
-    }
+    abort_all(&mut conn, r.0..=r.0).await;
     // The ack goes out before the vote is cast: the vote has a moment.
     tokio::time::sleep(Duration::from_millis(200)).await;
     let s = p.stats();
@@ -742,22 +736,7 @@ async fn one_decode_gets_a_bounded_number_of_votes_for_requests_a_rank_never_hel
     // Only rank 0 hears the aborts: rank 1 never votes on them.
     let (conn, p) = (&mut conns[0], &ranks[0]);
     let extra = 10;
-    let n = (MAX_UNKNOWN_ABORTS + extra) as u64;
-    for id in 1..=n {
-        conn.send(&Msg::Abort(control::Abort {
-            request: id,
-            reason: 1,
-        }))
-        .await
-        .unwrap();
-    }
-    let mut acks = 0;
-    while acks < n {
-        match next_answer(conn).await {
-            Msg::AbortAck(_) => acks += 1,
-            m => panic!("{m:?}"),
-        }
-    }
+    abort_all(conn, 1..=(MAX_UNKNOWN_ABORTS + extra) as u64).await;
     until_prefill(p, "the aborts beyond refused", |s| {
         s.refused == extra as u64
     })
@@ -779,17 +758,9 @@ async fn an_allocation_larger_than_the_ranks_pool_is_refused_at_once() {
     let d = decode().await;
     let (mut conn, p) = rogue_decode(&d, 4).await;
     // 8 pages of 16 tokens; the rank holds 4.
-    conn.send(&Msg::TransferRequest(control::TransferRequest {
-        request: 77,
-        prompt_tokens: 8 * PAGE_TOKENS,
-        chunk_tokens: 1,
-        dst_pages: (0..8).collect(),
-        prefix_tokens: 0,
-        deadline_ms: 10_000,
-        landing: None,
-    }))
-    .await
-    .unwrap();
+    conn.send(&allocation(77, 8 * PAGE_TOKENS, 1, (0..8).collect()))
+        .await
+        .unwrap();
     match next_answer(&mut conn).await {
         Msg::TransferReject(r) => {
             assert_eq!(r.request, 77, "{r:?}");

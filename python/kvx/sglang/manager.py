@@ -221,8 +221,9 @@ def _release_failed_rooms_on_kvx_decision() -> None:
 ABORTED_ROOMS_KEPT = 4096
 
 
-def _release_when_decided(engine, room: int) -> None:
-    """Releases the engine's bookkeeping of `room` once its PP ranks decided it."""
+def release_when_decided(engine, room: int, decision=None) -> None:
+    """Releases the engine's bookkeeping of `room` once its PP ranks decided it (the engine keeps
+    it until then); `decision` is the room's `decided` Pending where the caller holds one."""
 
     def release():
         try:
@@ -231,7 +232,11 @@ def _release_when_decided(engine, room: int) -> None:
             pass
 
     try:
-        engine.decided(room).add_done_callback(release)
+        decision = decision if decision is not None else engine.decided(room)
+        if decision.done():
+            release()
+        else:
+            decision.add_done_callback(release)
     except kvx.KvxError:
         pass
 
@@ -503,15 +508,14 @@ class KvxKVManager(BaseKVManager):
                     return
                 continue
             with self._lock:
-                if req.request in self._aborted:
-                    self._aborted.pop(req.request, None)
-                    gone = True
+                gone = req.request in self._aborted
+                if gone:
+                    del self._aborted[req.request]
                 else:
                     self._allocations[req.request] = (engine, req)
                     self._arrived.notify_all()
-                    gone = False
             if gone:
-                _release_when_decided(engine, req.request)
+                release_when_decided(engine, req.request)
 
     def allocation(self, room: int):
         with self._lock:
@@ -542,7 +546,7 @@ class KvxKVManager(BaseKVManager):
                 while len(self._aborted) > ABORTED_ROOMS_KEPT:
                     self._aborted.popitem(last=False)
         if got is not None:
-            _release_when_decided(engine, room)
+            release_when_decided(engine, room)
 
     def prefill_engine(self) -> "Optional[kvx.PrefillEngine]":
         """This rank's prefill engine, if it started."""

@@ -19,6 +19,7 @@ from sglang.srt.disaggregation.base.conn import BaseKVSender, KVPoll, KVTransfer
 import kvx
 
 from . import settings
+from .manager import release_when_decided
 
 
 class KvxKVSender(BaseKVSender):
@@ -249,21 +250,8 @@ class KvxKVSender(BaseKVSender):
 
     def clear(self):
         self.kv_mgr.forget(self.bootstrap_room)
-        if self.engine is None:
-            return
-        engine, room = self.engine, self.bootstrap_room
-
-        def release():
-            try:
-                engine.release(room)
-            except kvx.KvxError:
-                pass
-
-        # The engine keeps a request's bookkeeping until it is decided; released once it is.
-        if self.decision.done():
-            release()
-        else:
-            self.decision.add_done_callback(release)
+        if self.engine is not None:
+            release_when_decided(self.engine, self.bootstrap_room, self.decision)
 
     def get_transfer_metric(self) -> KVTransferMetric:
         latency = None

@@ -687,6 +687,12 @@ struct State {
 }
 
 impl State {
+    /// Whether a write of `request`'s ranks may still land in its pages: it is live, or failed and
+    /// not yet confirmed by every rank ([`DecodeEngine::released`] waits for that).
+    fn may_be_written(&self, request: RequestId) -> bool {
+        self.requests.contains_key(&request) || self.unacked.contains_key(&request)
+    }
+
     fn session_named(&self, instance: &str) -> Option<SessionId> {
         self.names.get(instance).copied()
     }
@@ -1989,7 +1995,7 @@ impl DecodeEngine {
     ) -> impl std::future::Future<Output = ()> + Send + 'static {
         let rx = {
             let mut st = self.inner.lock();
-            if st.requests.contains_key(&request) || st.unacked.contains_key(&request) {
+            if st.may_be_written(request) {
                 let (tx, rx) = oneshot::channel();
                 let waiters = st.released_waiters.entry(request).or_default();
                 // Waiters that gave up (a dropped future) go as new ones come.
@@ -2011,8 +2017,7 @@ impl DecodeEngine {
     /// can still land in its pages (true for a request the engine does not hold). Registers
     /// nothing, so a caller may ask on every pass of its loop.
     pub fn is_released(&self, request: RequestId) -> bool {
-        let st = self.inner.lock();
-        !st.requests.contains_key(&request) && !st.unacked.contains_key(&request)
+        !self.inner.lock().may_be_written(request)
     }
 
     /// Stops the engine and decides whether its pool may be freed.

@@ -433,10 +433,8 @@ struct State {
     /// ([`PrefillEngine::offer`]): the read loop that completes one posts it from them.
     offers: HashMap<RequestId, Vec<u32>>,
     /// Requests this rank never held that a decode aborted, and so voted failed on, not decided
-    /// yet: the decode that aborted each.
+    /// yet: the decode that aborted each (at most [`MAX_UNKNOWN_ABORTS`] each).
     unknown_aborts: HashMap<RequestId, LinkId>,
-    /// How many of `unknown_aborts` each decode has.
-    unknown_by_link: HashMap<LinkId, usize>,
     /// Decisions in `decided` of requests this rank did not hold when they came, oldest first: at
     /// most [`MAX_FOREIGN_DECISIONS`] are kept.
     foreign_decided: std::collections::VecDeque<RequestId>,
@@ -975,7 +973,6 @@ impl PrefillEngine {
                 announced: false,
                 offers: HashMap::new(),
                 unknown_aborts: HashMap::new(),
-                unknown_by_link: HashMap::new(),
                 foreign_decided: std::collections::VecDeque::new(),
             }),
             cfg,
@@ -1866,7 +1863,6 @@ impl Inner {
             && !st.unknown_aborts.contains_key(&request)
         {
             st.unknown_aborts.insert(request, link);
-            *st.unknown_by_link.entry(link).or_default() += 1;
         }
         drop(st);
         self.timer.notify_one();
@@ -1897,14 +1893,7 @@ impl Inner {
                     Decision::Failed { .. } => span.record("decision", "failed"),
                 };
             }
-            if let Some(link) = st.unknown_aborts.remove(&request)
-                && let Some(n) = st.unknown_by_link.get_mut(&link)
-            {
-                *n = n.saturating_sub(1);
-                if *n == 0 {
-                    st.unknown_by_link.remove(&link);
-                }
-            }
+            st.unknown_aborts.remove(&request);
             // A request the caller never got (some allocation never came, or it failed first)
             // posted nothing; nobody will release it, so it goes now, its decision kept as that of
             // a request this rank does not hold.
@@ -1917,8 +1906,8 @@ impl Inner {
             }
             // A decision about a request this rank does not hold is kept for a caller that may
             // still ask about it (an offer to come), but only so many: a decode chooses them.
-            if !st.requests.contains_key(&request) && st.decided.insert(request, decision).is_none()
-            {
+            let foreign = !st.requests.contains_key(&request);
+            if st.decided.insert(request, decision).is_none() && foreign {
                 st.foreign_decided.push_back(request);
                 while st.foreign_decided.len() > MAX_FOREIGN_DECISIONS {
                     let Some(old) = st.foreign_decided.pop_front() else {
@@ -1928,8 +1917,6 @@ impl Inner {
                         st.decided.remove(&old);
                     }
                 }
-            } else {
-                st.decided.insert(request, decision);
             }
             st.drop_offer(request);
             for w in st.decided_waiters.remove(&request).unwrap_or_default() {
@@ -2170,7 +2157,6 @@ impl Inner {
     fn on_abort_of(&self, from: &Arc<Link>, request: RequestId, code: FailureCode) {
         let (ack_now, others, unheld) = {
             let mut st = lock(&self.state);
-            let voted_unknown = st.unknown_aborts.contains_key(&request);
             match st.requests.get_mut(&request) {
                 Some(r) if !r.has_leg(from.id) => {
                     drop(st);
@@ -2207,10 +2193,14 @@ impl Inner {
                 }
                 // A vote for a request this rank never held (its allocation never came, or was
                 // refused) lets the pipeline decide it before its deadline; a decode gets so many
-                // of those outstanding, since each one is held by every rank until decided.
-                None if voted_unknown => (true, Vec::new(), false),
+                // of those outstanding, since each one is held by every rank until decided
+                // (counted by a scan of at most that many entries per decode, on a rare path).
                 None => {
-                    let n = st.unknown_by_link.get(&from.id).copied().unwrap_or(0);
+                    let n = st
+                        .unknown_aborts
+                        .values()
+                        .filter(|&&l| l == from.id)
+                        .count();
                     if n >= MAX_UNKNOWN_ABORTS {
                         drop(st);
                         Self::ack_abort(from, request);

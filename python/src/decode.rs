@@ -299,6 +299,15 @@ impl DecodeEngine {
         Ok(())
     }
 
+    /// Gives up `request` of prefill instance `instance` before `expect` (the server dropped it
+    /// while it waited for pages): the instance's ranks are told, so a prefill waiting for its
+    /// allocation fails it now. An expected request is aborted instead.
+    fn abandon(&self, request: u64, instance: &str) -> PyResult<()> {
+        self.engine()?
+            .abandon(RequestId(request), instance)
+            .map_err(errors::engine)
+    }
+
     /// Failed requests whose pages are quarantined until their ranks confirm their writes are over.
     fn quarantined(&self) -> PyResult<Vec<u64>> {
         Ok(self
@@ -386,6 +395,7 @@ impl DecodeEngine {
                 ("auth_failures", s.auth_failures),
                 ("handshake_failures", s.handshake_failures),
                 ("probes", s.probes),
+                ("abandoned", s.abandoned),
             ],
         )
     }

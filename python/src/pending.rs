@@ -210,7 +210,7 @@ pub(crate) struct Outcome {
 }
 
 impl Outcome {
-    fn complete(request: u64) -> Self {
+    pub(crate) fn complete(request: u64) -> Self {
         Outcome {
             request,
             complete: true,
@@ -218,7 +218,7 @@ impl Outcome {
         }
     }
 
-    fn failed(request: u64, e: ErrInfo) -> Self {
+    pub(crate) fn failed(request: u64, e: ErrInfo) -> Self {
         Outcome {
             request,
             complete: false,

@@ -4,7 +4,7 @@ use crate::decode::stats_dict;
 use crate::errors::{self, ErrInfo};
 use crate::held::Held;
 use crate::memory::Memory;
-use crate::pending::{Done, Pending};
+use crate::pending::{Done, Outcome, Pending};
 use crate::{Layout, runtime, seconds};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -503,6 +503,18 @@ impl PrefillEngine {
                 }
             },
         ))
+    }
+
+    /// The PP ranks' decision on `request` as an `Outcome`, if they made it (and this rank keeps
+    /// it), else None: it neither waits nor registers anything, so a caller can ask it on every
+    /// poll (decode may give a request up before its allocation was sent: `DecodeEngine.abandon`).
+    fn decision(&self, request: u64) -> PyResult<Option<Outcome>> {
+        Ok(self.engine()?.decision(RequestId(request)).map(|d| {
+            match errors::decision_failure(request, &d) {
+                None => Outcome::complete(request),
+                Some(e) => Outcome::failed(request, e),
+            }
+        }))
     }
 
     /// Forgets a decided request (after its pages are reused).

@@ -14,6 +14,7 @@ use transfer_engine::control::{
 };
 use transfer_engine::core::planner::{KvLayout, RegionKind};
 use transfer_engine::core::tracker::FailureReason;
+use transfer_engine::core::vote::Decision;
 use transfer_engine::core::{FailureCode, RequestId};
 use transfer_engine::engine::{
     DecodeConfig, DecodeEngine, EngineError, Expected, Outcome, Pool, PrefillConfig, PrefillEngine,
@@ -268,6 +269,71 @@ async fn a_removed_instance_fails_its_requests_and_is_forgotten() {
     assert_eq!(bounded(again).await, Outcome::Complete);
     assert_landed(&d, 2, &[0, 1, 2, 3], &[4, 5, 6, 7]);
     drop(a);
+    d.shutdown(BOUND).await;
+}
+
+/// The ranks' decision on `request`, waited for within the bound.
+async fn decided(rank: &PrefillEngine, request: RequestId) -> Decision {
+    let deadline = tokio::time::Instant::now() + BOUND;
+    loop {
+        if let Some(d) = rank.decision(request) {
+            return d;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "rank {} never decided {request:?}",
+            rank.pp_rank()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_given_up_before_it_was_expected_is_decided_failed_by_its_instances_ranks() {
+    let d = decode().await;
+    d.add_instance("a", 2, 1).unwrap();
+    d.add_instance("b", 1, 1).unwrap();
+    let a = instance(&d, "a", 1, 2).await;
+    let b = instance(&d, "b", 2, 1).await;
+    // Decode gives up request 31 of instance a before it asked for it: both of a's ranks (one
+    // of which a server could be waiting on for its allocation) decide it failed at once.
+    let given_up = RequestId(31);
+    d.abandon(given_up, "a").unwrap();
+    for rank in &a {
+        let decision = decided(rank, given_up).await;
+        assert!(matches!(decision, Decision::Failed { .. }), "{decision:?}");
+    }
+    // Instance b heard nothing of it; an instance the engine does not serve is an error.
+    assert_eq!(b[0].decision(given_up), None);
+    assert!(matches!(
+        d.abandon(RequestId(32), "c"),
+        Err(EngineError::Config(_))
+    ));
+    // The ranks' confirmations are taken as instance a's, not counted as strays.
+    let deadline = tokio::time::Instant::now() + BOUND;
+    while a.iter().any(|r| r.stats().unknown_aborts > 0) {
+        assert!(tokio::time::Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let s = d.stats();
+    assert_eq!((s.refused, s.abandoned, s.failed), (0, 1, 0), "{s:?}");
+    // A request that was expected is aborted instead.
+    let dst = [4, 5, 6, 7];
+    let done = d.expect_request(RequestId(33), want("a", &dst)).unwrap();
+    d.abandon(RequestId(33), "a").unwrap();
+    assert_eq!(bounded(done).await, Outcome::Failed(FailureReason::Aborted));
+    // Both instances are served as before.
+    bounded(d.released(RequestId(33))).await;
+    let (ra, rb) = (RequestId(34), RequestId(35));
+    let done_a = d.expect_request(ra, want("a", &dst)).unwrap();
+    let done_b = d.expect_request(rb, want("b", &[20, 21, 22, 23])).unwrap();
+    send_all(&a, ra, &[0, 1, 2, 3]).await;
+    send_all(&b, rb, &[8, 9, 10, 11]).await;
+    assert_eq!(bounded(done_a).await, Outcome::Complete);
+    assert_eq!(bounded(done_b).await, Outcome::Complete);
+    assert_landed(&d, 1, &[0, 1, 2, 3], &dst);
+    assert_landed(&d, 2, &[8, 9, 10, 11], &[20, 21, 22, 23]);
     d.shutdown(BOUND).await;
 }
 

@@ -310,6 +310,9 @@ pub struct DecodeStats {
     /// verify): their request ended (its pages released, or it failed) while they waited, or more
     /// were queued for it than its chunks can account for.
     pub jobs_dropped: u64,
+    /// Requests given up before they were expected ([`DecodeEngine::abandon`]), their instance's
+    /// ranks told.
+    pub abandoned: u64,
 }
 
 struct RankConn {
@@ -873,6 +876,7 @@ struct Counters {
     landing_full: AtomicU64,
     landing_chunks: AtomicU64,
     jobs_dropped: AtomicU64,
+    abandoned: AtomicU64,
     /// Jobs sent to a chunk worker and not yet over.
     jobs_queued: AtomicU64,
     /// Seconds from `expect` to the outcome, of requests that completed and that failed.
@@ -908,6 +912,7 @@ impl Default for Counters {
             landing_full: AtomicU64::default(),
             landing_chunks: AtomicU64::default(),
             jobs_dropped: AtomicU64::default(),
+            abandoned: AtomicU64::default(),
             jobs_queued: AtomicU64::default(),
             seconds_complete: crate::metrics::seconds_histogram(),
             seconds_failed: crate::metrics::seconds_histogram(),
@@ -1063,6 +1068,7 @@ impl Inner {
             landing_full: c.landing_full.load(Ordering::Relaxed),
             landing_chunks: c.landing_chunks.load(Ordering::Relaxed),
             jobs_dropped: c.jobs_dropped.load(Ordering::Relaxed),
+            abandoned: c.abandoned.load(Ordering::Relaxed),
             registered_bytes: self
                 .transport
                 .get()
@@ -1271,6 +1277,11 @@ impl crate::metrics::Source for Inner {
                 "kvx_chunk_jobs_dropped",
                 "Notifications dropped on a chunk worker: their request ended while they waited, or too many were queued for it",
                 s.jobs_dropped,
+            ),
+            (
+                "kvx_abandoned",
+                "Requests given up before they were expected, their prefill ranks told",
+                s.abandoned,
             ),
             (
                 "kvx_probes",
@@ -1936,6 +1947,58 @@ impl DecodeEngine {
             outcome
         };
         Ok(tracing::Instrument::instrument(ended, span))
+    }
+
+    /// Gives up `request` of prefill instance `instance` before it was expected (the server
+    /// dropped it while it waited for pages, say): every connected rank of the instance is told,
+    /// as for an abort, so a prefill rank that holds the request, or waits for its allocation,
+    /// decides it failed now instead of at its own deadline. Nothing of the request is held here,
+    /// so nothing waits for their confirmations (which are taken as this instance's). A request
+    /// that was expected is aborted ([`abort`](Self::abort)); one that failed already is left as it
+    /// is, its ranks told then.
+    ///
+    /// # Errors
+    /// The engine is shut down, or does not serve `instance`.
+    pub fn abandon(&self, request: RequestId, instance: &str) -> Result<(), EngineError> {
+        let mut st = self.inner.lock();
+        if st.closing {
+            return Err(EngineError::Shutdown);
+        }
+        if st.requests.contains_key(&request) {
+            drop(st);
+            self.abort(request);
+            return Ok(());
+        }
+        if st.unacked.contains_key(&request) || st.waiters.contains_key(&request) {
+            return Ok(());
+        }
+        let session = st
+            .session_named(instance)
+            .ok_or_else(|| unknown_instance(instance))?;
+        // Their AbortAcks are about this instance's request, not strays to count as refused.
+        st.owners.record(request, session);
+        let msg = Msg::Abort(control::Abort {
+            request: request.0,
+            reason: FailureCode::Aborted.raw(),
+        });
+        let told = st.sessions.get(&session).map_or(0, |s| {
+            s.ranks
+                .iter()
+                .flatten()
+                .filter(|r| !r.external && r.writer.send(msg.clone()).is_ok())
+                .count()
+        });
+        self.inner
+            .counters
+            .abandoned
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(
+            request = request.0,
+            instance,
+            told,
+            "request given up before it was expected"
+        );
+        Ok(())
     }
 
     /// Aborts `request`: it fails with `Aborted` (if it had not ended) and every prefill rank is told.

@@ -1422,6 +1422,15 @@ impl PrefillEngine {
         })
     }
 
+    /// The PP ranks' decision on `request` if they made it and this rank still keeps it, without
+    /// waiting and without registering anything: a caller still waiting for the request's
+    /// allocation learns this way that decode gave it up ([`DecodeEngine::abandon`]).
+    ///
+    /// [`DecodeEngine::abandon`]: crate::DecodeEngine::abandon
+    pub fn decision(&self, request: RequestId) -> Option<Decision> {
+        lock(&self.inner.state).decided.get(&request).copied()
+    }
+
     /// Forgets a decided request's bookkeeping (call after reusing its pages).
     pub fn release(&self, request: RequestId) {
         let mut st = lock(&self.inner.state);

@@ -11,7 +11,9 @@ Usage: ``sglang_role.py prefill|decode PLAN.json RANK OUT.json``. Host-memory po
 own ``KVArgs``, ``KVPoll``, ``DisaggregationMode`` and ``get_kv_class``; the bootstrap server is the
 one ``get_kv_class`` gives for ``kvx``, started by prefill rank 0. Each plan phase is one model shape
 on its own bootstrap port; requests run one after another. Faults a request may carry:
-``skip_last`` (PP rank 1 never sends its last chunk), ``abort_decode``, ``abort_prefill`` (rank 0
+``skip_last`` (PP rank 1 never sends its last chunk), ``abort_decode``, ``abort_decode_early``
+(decode aborts the room before it allocated pages, as SGLang does for a request in its prealloc
+queue), ``abort_prefill`` (rank 0
 aborts after its first chunk), ``kill`` (rank 1 kills itself with SIGKILL after its first chunk),
 ``early_event`` (the first send is the early send of a cached prefix under overlap scheduling:
 SGLang sets the sender's ``_early_send_wait_event``, here an object whose ``synchronize`` returns
@@ -199,10 +201,12 @@ def main():
                     b[room % AUX_ROWS] = pattern(room, rank, 1000, j, 0, b.shape[1])
                 sender = sender_cls(mgr=mgr, bootstrap_addr=bootstrap_addr, bootstrap_room=room)
                 # SGLang polls only PP rank 0 while bootstrapping; the other ranks take its answer,
-                # so a higher rank may send before its own allocation arrived.
+                # so a higher rank may send before its own allocation arrived. Decode gives the
+                # room up before it allocates pages: rank 0's answer is Failed.
+                began = time.monotonic()
                 state = wait_poll(sender, (KVPoll.WaitingForInput,)) if rank == 0 else \
-                    KVPoll.WaitingForInput
-                extra = {}
+                    KVPoll.Failed if fault == "abort_decode_early" else KVPoll.WaitingForInput
+                extra = {"bootstrap_s": time.monotonic() - began} if rank == 0 else {}
                 if state == KVPoll.WaitingForInput:
                     # finalize_bootstrap, on every rank.
                     extra["prefix"] = sender.pop_decode_prefix_len()
@@ -266,7 +270,12 @@ def main():
                 receiver.init(0)
                 state = wait_poll(receiver, (KVPoll.WaitingForInput,))
                 verified = None
-                if state == KVPoll.WaitingForInput:
+                if state == KVPoll.WaitingForInput and fault == "abort_decode_early":
+                    # SGLang's /abort_request of a request in its prealloc queue: no pages yet,
+                    # no send_metadata.
+                    receiver.abort()
+                    state = receiver.poll()
+                elif state == KVPoll.WaitingForInput:
                     pool.view[:, :, dst] = POISON
                     for b in pool.aux:
                         b[room % AUX_ROWS] = POISON

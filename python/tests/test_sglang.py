@@ -44,6 +44,7 @@ def test_sglang_backend_in_three_processes(tmp_path):
                 # Decode's radix cache holds a prefix: 4 of 13 pages, then the whole prompt.
                 {"room": 109, "tokens": 200, "prefix": 64},
                 {"room": 110, "tokens": 128, "prefix": 128},
+                {"room": 111, "tokens": 200, "fault": "abort_decode_early"},
             ]},
             {"name": "gqa", "model": "gqa", "port": ports[1], "requests": [
                 {"room": 201, "tokens": 200},
@@ -110,6 +111,13 @@ def test_sglang_backend_in_three_processes(tmp_path):
     # Decode aborted.
     assert d["mla"]["105"]["reason"] == "TransferFailed:aborted", context
     assert p0["mla"]["105"]["state"] == "failed" and p1["mla"]["105"]["state"] == "failed", context
+    # Decode gave the room up before it allocated pages: prefill's sender, waiting for the
+    # allocation, fails at once, not at SGLang's bootstrap timeout (300 s; the harness stops
+    # waiting at 60 s).
+    assert d["mla"]["111"]["reason"] == "TransferFailed:aborted", context
+    assert p0["mla"]["111"]["state"] == "failed", context
+    assert p0["mla"]["111"]["reason"].startswith("TransferFailed:"), context
+    assert p0["mla"]["111"]["bootstrap_s"] < 10, context
     # Prefill rank 0 aborted after its first chunk.
     assert d["mla"]["106"]["reason"] == "TransferFailed:peer_failed", context
     assert p1["mla"]["106"]["state"] == "failed", context

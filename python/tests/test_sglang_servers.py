@@ -457,6 +457,54 @@ def test_aborts_on_either_server_mid_transfer(servers, prompts):
     assert_clean_logs(pair)
 
 
+def test_a_request_decode_drops_before_it_has_pages_ends_on_prefill_at_once(servers, prompts):
+    """SGLang's /abort_request on decode for a request still in its prealloc queue: another
+    request holds decode's KV memory (1000 prompt tokens and room kept for 3000 more, of 4096),
+    so the new one has no pages yet and kvx was never asked for it. Decode tells the prefill
+    instance's ranks (``kvx_abandoned_total``), and the prefill server's request ends within the
+    bound instead of waiting out SGLang's bootstrap timeout (300 s) for an allocation that never
+    comes; the requests after it are right."""
+    normal, pairs = servers
+    pair = pairs["nixl"]
+    rng = random.Random("drop-before-pages")
+    d_port = pair.metrics[1]
+    # One request first, so decode's engine (and its metrics endpoint) runs.
+    warm = pair.generate([rng.randrange(1, 1000) for _ in range(20)], rng.randrange(1 << 62))
+    assert warm["decode"][0] == 200, pair.logs()
+    complete = scrape(d_port, "kvx_requests_total", 'outcome="complete"')
+    hog_rid = f"hog-{rng.randrange(1 << 30)}"
+    hog, _ = in_background(S.pair_generate, pair.prefill, pair.decode, pair.bootstrap_port,
+                           fresh_prompt(rng, 1000), 3000, rng.randrange(1 << 62), timeout=600,
+                           rid=hog_rid)
+    try:
+        # The hog's pages arrived: decode runs it, holding its memory.
+        deadline = time.monotonic() + FAULT_BOUND_S
+        while scrape(d_port, "kvx_requests_total", 'outcome="complete"') == complete:
+            assert time.monotonic() < deadline, f"the long request never reached decode\n{pair.logs()}"
+            time.sleep(0.2)
+        abandoned = scrape(d_port, "kvx_abandoned_total")
+        room = rng.randrange(1 << 62)
+        rid = f"drop-before-pages-{room}"
+        t, out = in_background(pair.generate, fresh_prompt(rng), room, rid=rid)
+        time.sleep(2)
+        status, reply = S.http("POST", f"{pair.decode.url}/abort_request", {"rid": rid})
+        assert status == 200, reply
+        t.join(FAULT_BOUND_S)
+        assert not t.is_alive(), (f"the request decode dropped before it had pages did not end "
+                                  f"on prefill\n{pair.logs()}")
+        assert scrape(d_port, "kvx_abandoned_total") == abandoned + 1, (
+            f"decode had pages for the request: it was not dropped in its prealloc queue\n"
+            f"{out['result']}\n{pair.decode.log()}")
+        assert out["result"]["prefill"][0] is not None, out["result"]
+    finally:
+        S.http("POST", f"{pair.decode.url}/abort_request", {"rid": hog_rid})
+        hog.join(FAULT_BOUND_S)
+    assert not hog.is_alive(), f"the long request did not end\n{pair.logs()}"
+    after = run_prompts(pair, prompts[:3], [rng.randrange(1 << 62) for _ in range(3)], 2)
+    check(pair, normal, prompts[:3], after, "after a request dropped before it had pages")
+    assert_clean_logs(pair)
+
+
 def test_a_stopped_prefill_keeps_decodes_pages_until_it_confirms(servers, prompts):
     """The prefill server stopped (SIGSTOP, sockets open) before a request reaches it; decode asks
     its ranks for the pages, then SGLang's /abort_request on decode. The stopped ranks cannot

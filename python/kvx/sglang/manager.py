@@ -522,7 +522,8 @@ class KvxKVManager(BaseKVManager):
             return self._allocations.get(room)
 
     def await_allocation(self, room: int, timeout: float):
-        """`room`'s allocation, waiting for it at most `timeout` seconds; None if it did not come."""
+        """`room`'s allocation, waiting for it at most `timeout` seconds; None if it did not come,
+        or if the pipeline decided the room failed meanwhile (decode gave it up: ``given_up``)."""
         deadline = time.monotonic() + timeout
         with self._lock:
             while room not in self._allocations:
@@ -530,7 +531,23 @@ class KvxKVManager(BaseKVManager):
                 if left <= 0 or self._closed.is_set():
                     return None
                 self._arrived.wait(min(left, 0.5))
+                if room not in self._allocations and self._decided_failed(room) is not None:
+                    return None
             return self._allocations[room]
+
+    def _decided_failed(self, room: int):
+        """The failed decision this rank's engine keeps on `room`, if any (it registers
+        nothing, so a scheduler may ask on every poll)."""
+        engine = self._prefill
+        outcome = engine.decision(room) if engine is not None else None
+        return None if outcome is None or outcome.complete else outcome
+
+    def given_up(self, room: int) -> Optional[BaseException]:
+        """Why `room` failed before its allocation reached this rank (decode gave it up, or a PP
+        peer failed it), or None: a sender that waits for the allocation fails with it at once
+        instead of at SGLang's bootstrap timeout."""
+        outcome = self._decided_failed(room)
+        return None if outcome is None else outcome.error()
 
     def forget(self, room: int):
         with self._lock:

@@ -71,6 +71,7 @@ class KvxKVReceiver(BaseKVReceiver):
                 self.kv_mgr._rooms[self.bootstrap_room] = self.engine
         except (kvx.KvxError, AttributeError) as e:
             self.failed = e
+            self._give_up()
 
     @property
     def conclude_state(self) -> Optional[int]:
@@ -125,8 +126,21 @@ class KvxKVReceiver(BaseKVReceiver):
             self.failed = settings.failed(
                 "timeout", f"room {self.bootstrap_room}: the prefill instance's ranks were not all "
                            "there within SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT")
+            self._give_up()
             return KVPoll.Failed
         return KVPoll.Bootstrapping
+
+    def _give_up(self) -> None:
+        """Tells the room's prefill ranks that decode gave it up before asking them for it: the
+        prefill's sender, waiting for the allocation, fails now instead of at SGLang's bootstrap
+        timeout (300 s by default)."""
+        if self.engine is None or self.bootstrap_room is None or self.abort_notified:
+            return
+        self.abort_notified = True
+        try:
+            self.engine.abandon(self.bootstrap_room, self.session)
+        except kvx.KvxError:
+            pass  # the session is gone (or the engine shut down): no rank to tell
 
     def failure_exception(self):
         raise self.failed or settings.failed("other", f"room {self.bootstrap_room}: failed")
@@ -137,6 +151,11 @@ class KvxKVReceiver(BaseKVReceiver):
         self.ensure_abort_notified()
 
     def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+        if self.pending is None:
+            # Aborted before send_metadata (SGLang's prealloc queue, say): the ranks never heard
+            # of the room, yet the prefill's sender waits for its allocation.
+            self._give_up()
+            return
         if not self.abort_notified and self.engine is not None and self.bootstrap_room is not None:
             self.abort_notified = True
             try:

@@ -166,6 +166,10 @@ class KvxKVSender(BaseKVSender):
         if self.failed is not None:
             return KVPoll.Failed
         if self.engine is None and not self._bind():
+            given_up = self.kv_mgr.given_up(self.bootstrap_room)
+            if given_up is not None:
+                self._fail(given_up)
+                return KVPoll.Failed
             if time.monotonic() - self.created > settings.bootstrap_timeout():
                 self._fail(settings.failed("timeout", f"room {self.bootstrap_room}: decode's page "
                                                       "allocation did not arrive within "
@@ -208,9 +212,9 @@ class KvxKVSender(BaseKVSender):
         if self.engine is None:
             got = self.kv_mgr.await_allocation(self.bootstrap_room, settings.bootstrap_timeout())
             if got is None:
-                self._fail(settings.failed("timeout", f"room {self.bootstrap_room}: decode's page "
-                                                      "allocation did not arrive within "
-                                                      "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"))
+                self._fail(self.kv_mgr.given_up(self.bootstrap_room) or settings.failed(
+                    "timeout", f"room {self.bootstrap_room}: decode's page allocation did not "
+                               "arrive within SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"))
                 return 0
             with self._lock:
                 self._bind()

@@ -341,6 +341,73 @@ def test_a_layout_kvx_cannot_map_fails_each_request_at_once(directory):
         prefill.close()
 
 
+def test_a_decode_the_prefill_rank_could_not_link_at_first_is_linked_when_it_can(directory,
+                                                                                  caplog):
+    """A decode engine announced while its listener turned every new connection away (silent
+    clients held all 64 of its handshake places): the prefill rank's first link fails, and the
+    rank tries again until it links, instead of never serving that decode."""
+    import logging
+    import socket
+    import types
+
+    import sglang_role as R
+    from sglang.srt.disaggregation import utils
+
+    caplog.set_level(logging.WARNING, logger="kvx.sglang.manager")
+    KVX = utils.TransferBackend("kvx")
+    shape = R.SHAPES["gqa"]
+    args = types.SimpleNamespace(pp_size=1, tp_size=1, host="127.0.0.1",
+                                 disaggregation_bootstrap_port=directory.port)
+    manager = utils.get_kv_class(KVX, utils.KVClassType.MANAGER)
+    receiver = utils.get_kv_class(KVX, utils.KVClassType.RECEIVER)
+    pool = R.Pool(shape, 0, shape["layers"], 16)
+    prefill = manager(pool.kv_args(shape["page"], 0), utils.DisaggregationMode.PREFILL, args,
+                      False)
+    pools = [R.Pool(shape, 0, shape["layers"], 16) for _ in range(2)]
+    decodes = [manager(p.kv_args(shape["page"], 0), utils.DisaggregationMode.DECODE, args, False)
+               for p in pools]
+    flood = []
+
+    def linked(n):
+        deadline = time.monotonic() + 20
+        while True:
+            engine = prefill.prefill_engine()
+            if engine is not None and len(engine.decodes) == n:
+                return engine
+            assert time.monotonic() < deadline, f"the prefill rank did not link {n} decodes"
+            time.sleep(0.05)
+
+    try:
+        addr = f"127.0.0.1:{directory.port}"
+        for d in decodes:
+            assert d.try_ensure_parallel_info(addr)
+        # The first decode starts the prefill rank's engine.
+        receiver(mgr=decodes[0], bootstrap_addr=addr, bootstrap_room=1).init(0)
+        linked(1)
+        # The second decode's engine is up (SGLang's first receiver would start it) and every
+        # handshake place of its listener is held before it announces itself.
+        host, port = decodes[1]._decode().address.rsplit(":", 1)
+        for _ in range(70):
+            flood.append(socket.create_connection((host, int(port))))
+        receiver(mgr=decodes[1], bootstrap_addr=addr, bootstrap_room=2).init(0)
+        deadline = time.monotonic() + 20
+        while "cannot serve decode" not in caplog.text:
+            assert time.monotonic() < deadline, "the prefill rank's first link did not fail"
+            time.sleep(0.05)
+        assert len(prefill.prefill_engine().decodes) == 1
+        for s in flood:
+            s.close()
+        flood.clear()
+        engine = linked(2)
+        assert decodes[1]._decode().address in [a for _, a in engine.decodes]
+    finally:
+        for s in flood:
+            s.close()
+        for d in decodes:
+            d.close()
+        prefill.close()
+
+
 def test_a_pipelined_decode_beside_a_pipeline_of_another_size_fails_at_once(directory,
                                                                             monkeypatch):
     """Decode in two PP stages, prefill in one: no prefill rank is of decode stage 1's stage, yet

@@ -37,6 +37,10 @@ logger = logging.getLogger(__name__)
 
 # How long one long poll of the directory for new decode engines waits.
 DECODE_POLL_S = 10.0
+# A decode engine a prefill rank could not link is tried again after this, doubling up to the
+# second bound.
+LINK_RETRY_S = 0.5
+LINK_RETRY_MAX_S = 10.0
 
 
 class _Pool:
@@ -441,27 +445,48 @@ class KvxKVManager(BaseKVManager):
             return False
 
     def _serve(self, d: dict):
-        """Serves the decode engine `d` announced: the rank's one PrefillEngine starts with the first
-        one (its vote mesh is the pipeline's), every later one is added to it."""
-        try:
-            with self._start_lock:
-                started = self._prefill is None
-                if started:
-                    self._prefill = self._start_prefill(d)
-                engine = self._prefill
-            instance = str(d.get("instance", ""))
-            if instance != self._instance:
-                # The rank names its pipeline once, in every handshake: a decode that calls it
-                # otherwise cannot be served by this engine.
-                logger.error("kvx: decode %s names this prefill instance %r, not %r: not served",
-                             d["decode_id"], instance, self._instance)
+        """Serves the decode engine `d` announced, trying again while it cannot be reached or
+        linked (it is still starting, its listener turns connections away, the pipeline's vote
+        mesh is not up yet): every LINK_RETRY_S, doubling to LINK_RETRY_MAX_S, for as long as
+        SGLang's bootstrap timeout from the announcement. A decode this rank can never serve (its
+        layout, the secret) is given up at once."""
+        deadline = time.monotonic() + settings.bootstrap_timeout()
+        wait = LINK_RETRY_S
+        while not self._closed.is_set():
+            try:
+                self._link(d)
                 return
-            if not started:
-                n = engine.add_decode(d["address"])
-                logger.info("kvx: prefill rank (TP %d, PP %d) serves decode %s too (link %d)",
-                            self.tp_rank, self.pp_rank, d["decode_id"], n)
-        except Exception:
-            logger.exception("kvx: cannot serve decode %s", d["decode_id"])
+            except (kvx.ConfigError, kvx.AuthError, kvx.ShutdownError):
+                logger.exception("kvx: cannot serve decode %s", d["decode_id"])
+                return
+            except Exception as e:
+                if time.monotonic() + wait > deadline:
+                    logger.exception("kvx: cannot serve decode %s: gave up", d["decode_id"])
+                    return
+                logger.warning("kvx: cannot serve decode %s yet (%s): trying again in %.1f s",
+                               d["decode_id"], e, wait)
+            self._closed.wait(wait)
+            wait = min(2 * wait, LINK_RETRY_MAX_S)
+
+    def _link(self, d: dict) -> None:
+        """Links decode `d` once: the rank's one PrefillEngine starts with the first decode (its
+        vote mesh is the pipeline's), every later one is added to it."""
+        with self._start_lock:
+            started = self._prefill is None
+            if started:
+                self._prefill = self._start_prefill(d)
+            engine = self._prefill
+        instance = str(d.get("instance", ""))
+        if instance != self._instance:
+            # The rank names its pipeline once, in every handshake: a decode that calls it
+            # otherwise cannot be served by this engine.
+            logger.error("kvx: decode %s names this prefill instance %r, not %r: not served",
+                         d["decode_id"], instance, self._instance)
+            return
+        if not started:
+            n = engine.add_decode(d["address"])
+            logger.info("kvx: prefill rank (TP %d, PP %d) serves decode %s too (link %d)",
+                        self.tp_rank, self.pp_rank, d["decode_id"], n)
 
     def _start_prefill(self, d: dict) -> "kvx.PrefillEngine":
         """The rank's PrefillEngine, started against decode `d`, with the pipeline's vote mesh."""

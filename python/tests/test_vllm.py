@@ -27,7 +27,8 @@ PROMPTS = V.prompts(8, 100)
 CORRUPT_PROMPTS = V.prompts(4, 130, seed=11)
 KILL_PROMPT = V.prompts(1, 140, seed=13)[0]
 ABORT_PROMPT = V.prompts(1, 150, seed=17)[0]
-CORRUPT, STALL = "corrupt", "stall"
+CORRUPT, STALL, LATE = "corrupt", "stall", "late"
+LATE_PROMPT = V.prompts(1, 170, seed=23)[0]
 # How long decode may take to give up on a killed prefill and answer: the kvx control
 # connection's loss is seen at once, kvx's heartbeat bounds a silent peer at 15 s.
 KILL_BOUND_S = 45
@@ -55,6 +56,7 @@ def cluster(tmp_path_factory):
     # The kvx pair's engines serve their metrics (KVX_METRICS, TP rank 0 on the port itself).
     made = {"metrics": {"prefill": metrics_p, "decode": metrics_d}}
     test_hooks = {"KVX_TEST_CORRUPT_TAG": CORRUPT, "KVX_TEST_STALL_TAG": STALL,
+                  "KVX_TEST_LATE_TAG": LATE,
                   "KVX_METRICS": f"127.0.0.1:{made['metrics']['prefill']}"}
     try:
         # The reference runs its engine in-process (one process instead of three: it only
@@ -204,6 +206,32 @@ def test_a_request_decode_aborts_while_its_kv_is_awaited_ends_on_both_sides(clus
     # Neither side is harmed: the pair answers the next requests as the single instance does.
     _, d = V.pair_generate(prefill, decode, PROMPTS[:2], MAX_TOKENS)
     assert [o["tokens"] for o in d["outputs"]] == cluster["expected"][:2]
+
+
+def test_a_release_that_reaches_the_prefill_before_its_blocks_frees_them_when_they_come(cluster):
+    """Decode refuses a request's load (its params name a prefill of PP 2, which kvx.vllm does not
+    map), recomputes it, and tells the prefill to release the blocks, while the prefill worker
+    has not taken them yet (the late hook: it takes the tagged request's blocks 5 s after vLLM
+    hands them over, as a slow step would). The release is kept, and the blocks go back to vLLM
+    as soon as they come, not when their lease ends (120 s); the pair then serves the next
+    request."""
+    prefill, decode = cluster["kvx_p"], cluster["kvx_d"]
+    p_log = Log(prefill)
+    prompt = LATE_PROMPT
+    expected = cluster["ref"].generate([prompt], MAX_TOKENS)["outputs"][0]["tokens"]
+    p = prefill.generate([prompt], 1, [{"do_remote_decode": True, "kvx_test_tag": LATE}])
+    params = {**p["outputs"][0]["kv_transfer_params"], "pp_size": 2}
+    got = decode.generate([prompt], MAX_TOKENS, [params])["outputs"][0]
+    assert got["tokens"] == expected, got
+    released = f"request {params['remote_request_id']}: decode gave it up before its blocks came"
+    deadline = time.monotonic() + 20
+    while released not in p_log.text():
+        assert time.monotonic() < deadline, p_log.text()[-4000:]
+        time.sleep(0.2)
+    assert "KVX_TEST_LATE_TAG" in p_log.text(), p_log.text()[-4000:]
+    assert "within the lease" not in p_log.text()
+    _, d = V.pair_generate(prefill, decode, PROMPTS[4:5], MAX_TOKENS)
+    assert [o["tokens"] for o in d["outputs"]] == cluster["expected"][4:5]
 
 
 def test_kv_transfer_params_that_do_not_parse_are_a_load_error_not_the_end_of_decode(cluster):

@@ -13,6 +13,7 @@ once."""
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import hashlib
 import logging
@@ -32,6 +33,10 @@ logger = logging.getLogger("vllm." + __name__)  # vLLM's handlers and level
 # How long an allocation for a request this worker has not heard of yet waits: the step metadata
 # that carries a finished request's blocks can reach the worker after decode's allocation.
 UNKNOWN_GRACE_S = 10.0
+# How many requests decode gave up before this worker held their blocks are remembered.
+RELEASED_KEPT = 4096
+# Test only (KVX_TEST_LATE_TAG): how late a tagged request's blocks are taken.
+LATE_S = 5.0
 
 
 def request_key(request_id: str) -> int:
@@ -70,11 +75,18 @@ class PrefillSide:
         self._held: dict = {}  # vLLM request id -> _Held
         self._by_rid: dict = {}  # kvx id -> vLLM request id
         self._gone: dict = {}  # kvx id -> when its blocks were handed back unsent
+        # vLLM request id -> when decode gave it up before this worker held its blocks (the
+        # RELEASE came first): its blocks go back as soon as they come. At most RELEASED_KEPT.
+        self._released_early: collections.OrderedDict = collections.OrderedDict()
         self._parked: dict = {}  # kvx id -> (IncomingRequest, give-up time)
         self._done: set = set()  # request ids for the next finished_sending
         self._closed = threading.Event()
         self._corrupt_tag = os.environ.get("KVX_TEST_CORRUPT_TAG") or None
         self._stall_tag = os.environ.get("KVX_TEST_STALL_TAG") or None
+        # Test only: a tagged request's blocks are taken LATE_S after vLLM hands them over, as
+        # if this worker's step came that much later.
+        self._late_tag = os.environ.get("KVX_TEST_LATE_TAG") or None
+        self._late: list = []  # (due, vLLM request id, its step metadata entry)
 
     # Start.
 
@@ -143,10 +155,17 @@ class PrefillSide:
         return {"engine_id": self.engine_id, "tp_size": self.tp_size}
 
     def _on_release(self, req_ids: list) -> None:
-        """Decode gave these requests up before asking for them: their blocks go back."""
+        """Decode gave these requests up before asking for them: their blocks go back, now or,
+        for a request whose blocks the step metadata has not brought yet, when they come."""
         with self._lock:
             for req_id in req_ids:
                 h = self._held.get(req_id)
+                if h is None:
+                    self._released_early[req_id] = time.monotonic()
+                    self._released_early.move_to_end(req_id)
+                    while len(self._released_early) > RELEASED_KEPT:
+                        self._released_early.popitem(last=False)
+                    continue
                 if h is not None and h.state == "offered" and not self._withdrawn(h):
                     continue
                 if h is not None and h.state in ("held", "offered"):
@@ -167,14 +186,28 @@ class PrefillSide:
         now = time.monotonic()
         ready, offers = [], []
         engine = self.engine
+        send = list(meta.send.items())
+        if self._late_tag is not None:
+            self._late += [(now + LATE_S, r, s) for r, s in send if s.get("tag") == self._late_tag]
+            send = [(r, s) for r, s in send if s.get("tag") != self._late_tag]
+            for late in [x for x in self._late if x[0] <= now]:
+                self._late.remove(late)
+                logger.warning("kvx: KVX_TEST_LATE_TAG: request %s's blocks taken now", late[1])
+                send.append(late[1:])
         with self._lock:
-            for req_id, s in meta.send.items():
+            for req_id, s in send:
                 rid = request_key(req_id)
                 h = _Held(req_id, rid, list(s["blocks"]), now + float(s["lease_s"]),
                           s.get("tag"))
                 self._held[req_id] = h
                 self._by_rid[rid] = req_id
                 self._gone.pop(rid, None)
+                if self._released_early.pop(req_id, None) is not None:
+                    logger.info("kvx: request %s: decode gave it up before its blocks came: "
+                                "blocks released", req_id)
+                    h.state = "released"
+                    self._hand_back(h)
+                    continue
                 # Decode's allocation came before these blocks did: send it now rather than
                 # when the serve thread next looks (up to its poll interval later).
                 parked = self._parked.pop(rid, None)
@@ -235,6 +268,10 @@ class PrefillSide:
             # A decode asking for a request forgotten here waits UNKNOWN_GRACE_S, then fails.
             for rid in [r for r, t in self._gone.items() if now - t > 6 * UNKNOWN_GRACE_S]:
                 del self._gone[rid]
+            # A RELEASE for blocks that never came (vLLM finished the request otherwise).
+            while self._released_early and \
+                    now - next(iter(self._released_early.values())) > 6 * UNKNOWN_GRACE_S:
+                self._released_early.popitem(last=False)
             done, self._done = self._done, set()
         return done
 

@@ -78,7 +78,8 @@ class KvxScheduler:
         self._release: list = []
         self._held: dict = {}  # request id -> time it was held (monotonic)
         self._test_hooks = bool(os.environ.get("KVX_TEST_CORRUPT_TAG")
-                                or os.environ.get("KVX_TEST_STALL_TAG"))
+                                or os.environ.get("KVX_TEST_STALL_TAG")
+                                or os.environ.get("KVX_TEST_LATE_TAG"))
 
     # Handshake metadata from the workers (after they registered their KV caches).
 

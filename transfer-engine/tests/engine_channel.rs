@@ -775,6 +775,47 @@ async fn an_allocation_larger_than_the_ranks_pool_is_refused_at_once() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_reset_before_they_are_set_up_do_not_stall_the_listener() {
+    let mut cfg = DecodeConfig::new(LAYERS, PAGE_TOKENS, layout(), 1);
+    cfg.token = Some(Secret::new(SECRET));
+    let mut b = HostBuffer::new(layout().buffer_len as usize, HostOptions::default()).unwrap();
+    b.as_mut_slice().fill(POISON);
+    let d = DecodeEngine::start(cfg, Pool::Owned(b)).await.unwrap();
+    // Clients that connect and reset at once (RST: linger 0), in bursts: those the listener
+    // accepts after the reset cannot be set up (their peer address is gone).
+    let addr = d.local_addr();
+    let until = tokio::time::Instant::now() + BOUND;
+    while d.stats().refused_connections < 8 {
+        assert!(tokio::time::Instant::now() < until, "{:?}", d.stats());
+        tokio::task::spawn_blocking(move || {
+            for _ in 0..200 {
+                let s = std::net::TcpStream::connect(addr).unwrap();
+                socket2::SockRef::from(&s)
+                    .set_linger(Some(Duration::ZERO))
+                    .unwrap();
+            }
+        })
+        .await
+        .unwrap();
+    }
+    // The listener took each as that connection's failure, not its own: a real rank's handshake
+    // right after is not held back by pauses (eight in a row paused 2.5 s).
+    let started = std::time::Instant::now();
+    let p = prefill(d.local_addr()).await;
+    bounded(d.wait_for_ranks(BOUND)).await.unwrap();
+    assert!(
+        started.elapsed() < Duration::from_millis(1500),
+        "{:?}",
+        started.elapsed()
+    );
+    let (r, src, dst) = (RequestId(12), [0, 1, 2, 3], [4, 5, 6, 7]);
+    let done = d.expect(r, PROMPT, CHUNK, dst.to_vec(), BOUND).unwrap();
+    bounded(send(&p, r, &src)).await.unwrap();
+    assert_eq!(bounded(done).await, Outcome::Complete);
+    d.shutdown(BOUND).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_over_the_handshake_bound_are_closed_and_the_engine_serves_afterwards() {
     use transfer_engine::engine::MAX_PENDING_HANDSHAKES;
     let mut cfg = DecodeConfig::new(LAYERS, PAGE_TOKENS, layout(), 1);

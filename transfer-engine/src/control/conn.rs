@@ -170,6 +170,20 @@ impl ControlError {
             }
         )
     }
+
+    /// Whether accepting failed for want of the process's or the system's resources (descriptors,
+    /// buffers, memory): every accept fails alike until some are freed, so the listener should
+    /// pause. Any other accept error is one connection's own (its peer reset it before it was
+    /// accepted or set up) and says nothing about the next.
+    pub fn is_resource_exhaustion(&self) -> bool {
+        matches!(
+            self,
+            ControlError::Accept { source, .. } if matches!(
+                source.raw_os_error(),
+                Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+            )
+        )
+    }
 }
 
 /// Connection errors worth retrying until the deadline: the peer may not be listening yet, or

@@ -131,6 +131,11 @@ impl From<EngineError> for ErrInfo {
             EngineError::Control(c) if c.is_auth_failure() => {
                 ErrInfo::new("AuthError", "auth", message)
             }
+            // A Hello refused for good (a layout, a configuration, a version that differ): trying
+            // again cannot help, unlike a connection that failed.
+            EngineError::Control(c) if c.is_permanent_refusal() => {
+                ErrInfo::new("ControlError", "refused", message)
+            }
             EngineError::Control(_) => ErrInfo::new("ControlError", "control", message),
             EngineError::Plan { .. } => ErrInfo::new("ConfigError", "plan", message),
             EngineError::Config(_) => ErrInfo::new("ConfigError", "config", message),

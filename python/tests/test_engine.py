@@ -154,6 +154,30 @@ def test_long_transfer_releases_the_interpreter(backend):
     assert longest_gap(ticks, t0, t1) < 0.5 * (t1 - t0), (longest_gap(ticks, t0, t1), t1 - t0)
 
 
+def test_a_hello_refused_for_good_is_told_apart_from_a_failed_connection(backend):
+    """A prefill rank whose pages decode cannot map (another size per token) is refused in the
+    handshake for good: its ControlError's cause is "refused", which callers that try again
+    (kvx.sglang's link to an announced decode) take as final; a decode that is not there is a
+    plain "control" failure."""
+    c = Cluster(backend, pp=1)
+    try:
+        layout = kvx.Layout(first_layer=0, num_layers=4, page_bytes=2 * c.page_bytes, num_pages=8)
+        with pytest.raises(kvx.ControlError) as e:
+            kvx.PrefillEngine(decode=c.decode.address, pp_rank=0, pp_size=1, layout=layout,
+                              total_layers=4, page_tokens=16,
+                              memory=np.zeros(layout.buffer_len, np.uint8),
+                              secret=b"kvx-test-secret", backend=backend, connect_timeout=5)
+        assert e.value.cause == "refused", (e.value.cause, e.value)
+        gone = c.decode.address
+    finally:
+        c.close()
+    with pytest.raises(kvx.ControlError) as e:
+        kvx.PrefillEngine(decode=gone, pp_rank=0, pp_size=1, layout=layout, total_layers=4,
+                          page_tokens=16, memory=np.zeros(layout.buffer_len, np.uint8),
+                          secret=b"kvx-test-secret", backend=backend, connect_timeout=1)
+    assert e.value.cause == "control", (e.value.cause, e.value)
+
+
 def test_wrong_secret_is_refused(backend):
     c = Cluster(backend, pp=1)
     try:

@@ -328,6 +328,8 @@ async fn a_request_given_up_before_it_was_expected_is_decided_failed_by_its_inst
     let (ra, rb) = (RequestId(34), RequestId(35));
     let done_a = d.expect_request(ra, want("a", &dst)).unwrap();
     let done_b = d.expect_request(rb, want("b", &[20, 21, 22, 23])).unwrap();
+    // Instance a cannot give up instance b's request.
+    assert!(matches!(d.abandon(rb, "a"), Err(EngineError::Config(_))));
     send_all(&a, ra, &[0, 1, 2, 3]).await;
     send_all(&b, rb, &[8, 9, 10, 11]).await;
     assert_eq!(bounded(done_a).await, Outcome::Complete);

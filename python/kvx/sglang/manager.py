@@ -293,6 +293,9 @@ class KvxKVManager(BaseKVManager):
             # The rank's one PrefillEngine, for every decode, started with the first one.
             self._prefill: Optional[kvx.PrefillEngine] = None
             self._instance = ""  # how the decodes name this prefill instance
+            # The rank's vote-mesh socket (PP > 1), bound and published once: a start tried again
+            # keeps the address the other PP ranks read.
+            self._mesh_socket = None
             self._start_lock = threading.Lock()
             self._allocations: dict = {}  # room -> (PrefillEngine, IncomingRequest)
             # Rooms SGLang aborted before their allocation came (the latest ones): an allocation
@@ -456,15 +459,19 @@ class KvxKVManager(BaseKVManager):
             try:
                 self._link(d)
                 return
-            except (kvx.ConfigError, kvx.AuthError, kvx.ShutdownError):
-                logger.exception("kvx: cannot serve decode %s", d["decode_id"])
+            except (kvx.ConfigError, kvx.AuthError, kvx.ShutdownError, KeyError, ValueError):
+                logger.exception("kvx: cannot serve decode %s", d.get("decode_id"))
                 return
             except Exception as e:
+                if isinstance(e, kvx.ControlError) and getattr(e, "cause", None) == "refused":
+                    # A Hello refused for good: another layout, configuration or version.
+                    logger.error("kvx: cannot serve decode %s: %s", d.get("decode_id"), e)
+                    return
                 if time.monotonic() + wait > deadline:
-                    logger.exception("kvx: cannot serve decode %s: gave up", d["decode_id"])
+                    logger.exception("kvx: cannot serve decode %s: gave up", d.get("decode_id"))
                     return
                 logger.warning("kvx: cannot serve decode %s yet (%s): trying again in %.1f s",
-                               d["decode_id"], e, wait)
+                               d.get("decode_id"), e, wait)
             self._closed.wait(wait)
             wait = min(2 * wait, LINK_RETRY_MAX_S)
 
@@ -492,11 +499,15 @@ class KvxKVManager(BaseKVManager):
         """The rank's PrefillEngine, started against decode `d`, with the pipeline's vote mesh."""
         peers, mesh_socket = [], None
         if self.pp_size > 1:
-            # Bound now and held, so the port published below stays ours until the rank starts.
-            mesh_socket = kvx.MeshSocket(f"{settings.url_host(self.local_ip)}:0")
-            self._put(f"{self.bootstrap_url}/kvx/mesh", {
-                "tp_rank": self.tp_rank, "pp_rank": self.pp_rank, "dp_rank": self.dp_rank,
-                "addr": mesh_socket.address})
+            # Bound once and held, so the port published below stays ours until the rank starts,
+            # however many times its start is tried.
+            if self._mesh_socket is None:
+                mesh_socket = kvx.MeshSocket(f"{settings.url_host(self.local_ip)}:0")
+                self._put(f"{self.bootstrap_url}/kvx/mesh", {
+                    "tp_rank": self.tp_rank, "pp_rank": self.pp_rank, "dp_rank": self.dp_rank,
+                    "addr": mesh_socket.address})
+                self._mesh_socket = mesh_socket
+            mesh_socket = self._mesh_socket
             deadline = time.monotonic() + 60
             while True:
                 mesh = self._get(f"{self.bootstrap_url}/kvx/mesh?tp_rank={self.tp_rank}"
@@ -553,18 +564,19 @@ class KvxKVManager(BaseKVManager):
         with self._lock:
             while room not in self._allocations:
                 left = deadline - time.monotonic()
-                if left <= 0 or self._closed.is_set():
+                if left <= 0 or self._closed.is_set() or self._decided_failed(room) is not None:
                     return None
                 self._arrived.wait(min(left, 0.5))
-                if room not in self._allocations and self._decided_failed(room) is not None:
-                    return None
             return self._allocations[room]
 
     def _decided_failed(self, room: int):
         """The failed decision this rank's engine keeps on `room`, if any (it registers
         nothing, so a scheduler may ask on every poll)."""
         engine = self._prefill
-        outcome = engine.decision(room) if engine is not None else None
+        try:
+            outcome = engine.decision(room) if engine is not None else None
+        except kvx.KvxError:  # the engine closed (the manager is closing)
+            return None
         return None if outcome is None or outcome.complete else outcome
 
     def given_up(self, room: int) -> Optional[BaseException]:

@@ -236,26 +236,41 @@ class KvxKVSender(BaseKVSender):
         with self._lock:
             self._bind()  # an allocation that came meanwhile
         room = self.bootstrap_room
-        engine = self.engine if self.engine is not None else self.kv_mgr.prefill_engine()
-        if engine is not None:
+        if self.engine is not None:
             try:
-                # Also for a room whose allocation has not come: decode hears, and the pipeline
-                # decides it failed (an allocation that comes later is refused while the rank
-                # keeps that decision, and dropped by the manager if it still gets here).
-                engine.fail(room, "aborted")
+                self.engine.fail(room, "aborted")
             except kvx.KvxError:
                 pass
         self._fail(settings.failed("aborted", f"room {room}: aborted on prefill"))
-        if self.engine is not None or engine is None:
-            self.clear()
-            return
-        # Unbound: an allocation the engine took before the failure may still reach the manager.
-        self.kv_mgr.forget_aborted(room, engine)
+        # Unbound, it is failed in the engine too: decode hears, the pipeline decides it failed,
+        # and an allocation the engine took before may still reach the manager, which drops it.
+        self.clear()
 
     def clear(self):
+        with self._lock:
+            self._bind()  # an allocation that came meanwhile
+        if self.engine is None:
+            # SGLang is done with a room whose allocation never reached this rank (it failed
+            # here, or on a peer rank SGLang's poll reduced over): decode is told, and an
+            # allocation that still comes is dropped and released, not kept for a sender gone.
+            self._give_up()
+            return
         self.kv_mgr.forget(self.bootstrap_room)
-        if self.engine is not None:
-            release_when_decided(self.engine, self.bootstrap_room, self.decision)
+        release_when_decided(self.engine, self.bootstrap_room, self.decision)
+
+    def _give_up(self) -> None:
+        """Fails this unbound room in the rank's engine, so decode hears and the pipeline decides
+        it (a later allocation is refused), and has the manager drop one that still arrives."""
+        room = self.bootstrap_room
+        engine = self.kv_mgr.prefill_engine()
+        if engine is None:
+            self.kv_mgr.forget(room)
+            return
+        try:
+            engine.fail(room, "aborted")
+        except kvx.KvxError:
+            pass
+        self.kv_mgr.forget_aborted(room, engine)
 
     def get_transfer_metric(self) -> KVTransferMetric:
         latency = None

@@ -171,6 +171,29 @@ impl ControlError {
         )
     }
 
+    /// Whether one side refused the other's Hello for a reason trying again cannot change (another
+    /// protocol version, role, layout, PP or TP configuration or backend, a wrong secret, a Hello
+    /// that contradicts itself), as opposed to one that may pass later (a rank or sender still
+    /// held, an instance not served yet) or a connection that failed.
+    pub fn is_permanent_refusal(&self) -> bool {
+        let reason = match self {
+            ControlError::RejectedPeer { reason, .. }
+            | ControlError::PeerRejected { reason, .. } => reason,
+            _ => return false,
+        };
+        matches!(
+            reason,
+            RejectReason::VersionMismatch { .. }
+                | RejectReason::RoleMismatch(_)
+                | RejectReason::LayoutMismatch(_)
+                | RejectReason::PpMismatch(_)
+                | RejectReason::TpMismatch(_)
+                | RejectReason::BackendMismatch { .. }
+                | RejectReason::AuthFailed
+                | RejectReason::InvalidHello(_)
+        )
+    }
+
     /// Whether accepting failed for want of the process's or the system's resources (descriptors,
     /// buffers, memory): every accept fails alike until some are freed, so the listener should
     /// pause. Any other accept error is one connection's own (its peer reset it before it was

@@ -1958,11 +1958,27 @@ impl DecodeEngine {
     /// is, its ranks told then.
     ///
     /// # Errors
-    /// The engine is shut down, or does not serve `instance`.
+    /// The engine is shut down, does not serve `instance`, or holds `request` for another
+    /// instance.
     pub fn abandon(&self, request: RequestId, instance: &str) -> Result<(), EngineError> {
         let mut st = self.inner.lock();
         if st.closing {
             return Err(EngineError::Shutdown);
+        }
+        let session = st
+            .session_named(instance)
+            .ok_or_else(|| unknown_instance(instance))?;
+        // An id held for another instance is that instance's request: not ours to end.
+        let held_by = st
+            .requests
+            .get(&request)
+            .map(|r| r.session)
+            .or_else(|| st.unacked.get(&request).map(|u| u.session));
+        if held_by.is_some_and(|s| s != session) {
+            return Err(EngineError::Config(format!(
+                "request {} belongs to another prefill instance than {instance:?}",
+                request.0
+            )));
         }
         if st.requests.contains_key(&request) {
             drop(st);
@@ -1972,11 +1988,11 @@ impl DecodeEngine {
         if st.unacked.contains_key(&request) || st.waiters.contains_key(&request) {
             return Ok(());
         }
-        let session = st
-            .session_named(instance)
-            .ok_or_else(|| unknown_instance(instance))?;
-        // Their AbortAcks are about this instance's request, not strays to count as refused.
-        st.owners.record(request, session);
+        // Their AbortAcks are about this instance's request, not strays to count as refused
+        // (an id another instance used lately keeps its owner).
+        if st.owners.get(request).is_none() {
+            st.owners.record(request, session);
+        }
         let msg = Msg::Abort(control::Abort {
             request: request.0,
             reason: FailureCode::Aborted.raw(),

@@ -2,6 +2,10 @@
 peer that proves the secret gets an answer, nothing of a message crosses in clear, and a frame
 changed on the way is refused before the handler sees it."""
 
+import socket
+import struct
+import time
+
 import pytest
 from relay import Relay
 
@@ -64,3 +68,56 @@ def test_a_flipped_handshake_byte_fails_like_a_wrong_secret(server):
     with pytest.raises(sidechannel.SideChannelError):
         sidechannel.call("127.0.0.1", relay.port, SECRET, {"op": "hello"}, timeout=5)
     assert server.calls == [] and server.refused == 1
+
+
+def test_a_client_that_paces_its_bytes_is_dropped_at_the_handshake_bound(server):
+    """A client that sends one byte a second never lets a read wait out its own bound: the server
+    ends the connection once the whole handshake took HANDSHAKE_TIMEOUT_S, and serves others."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        assert len(s.recv(64)) == 4 + sidechannel.NONCE  # the server's nonce
+        start, closed = time.monotonic(), False
+        s.settimeout(1.0)
+        for b in struct.pack(">I", 80) + b"x" * 80:  # a frame header, then its bytes
+            try:
+                s.sendall(bytes([b]))
+                if s.recv(1) == b"":
+                    closed = True
+                    break
+            except socket.timeout:
+                continue
+            except OSError:
+                closed = True
+                break
+            if time.monotonic() - start > sidechannel.HANDSHAKE_TIMEOUT_S + 3:
+                break
+        assert closed, "the server kept a client that paced its bytes"
+        assert time.monotonic() - start < sidechannel.HANDSHAKE_TIMEOUT_S + 3
+    assert sidechannel.call("127.0.0.1", server.port, SECRET, {"op": "hello"}, timeout=5)["ok"]
+
+
+def test_connections_past_the_bound_are_closed_on_arrival_and_counted(server):
+    """MAX_CONNECTIONS clients that connect and say nothing hold every place; the next ones are
+    closed at once and counted, and a real call succeeds once the silent ones are gone."""
+    silent = [socket.create_connection(("127.0.0.1", server.port), timeout=10)
+              for _ in range(sidechannel.MAX_CONNECTIONS)]
+    try:
+        deadline = time.monotonic() + 5
+        extra = []
+        while server.refused_connections < 4:
+            assert time.monotonic() < deadline, server.refused_connections
+            extra.append(socket.create_connection(("127.0.0.1", server.port), timeout=10))
+            time.sleep(0.05)
+        for s in extra:
+            s.close()
+    finally:
+        for s in silent:
+            s.close()
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            reply = sidechannel.call("127.0.0.1", server.port, SECRET, {"op": "hello"}, timeout=5)
+            break
+        except sidechannel.SideChannelError:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    assert reply["ok"] == "hello"

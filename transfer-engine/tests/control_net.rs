@@ -281,6 +281,50 @@ async fn a_missing_or_wrong_secret_fails_authentication_on_both_sides() {
     }
 }
 
+#[tokio::test]
+async fn a_vote_mesh_handshake_completes_only_with_a_vote_mesh_listener() {
+    use transfer_engine::control::channel::MESH_LABEL;
+    // (listener's label, dialer's label): a dial meant for a rank's vote mesh that reaches a
+    // decode's listener, and one meant for decode that reaches a vote mesh, fail authentication
+    // on both sides, though both hold the secret; two mesh ends complete.
+    for (listen, dial, ok) in [
+        (None, Some(MESH_LABEL), false),
+        (Some(MESH_LABEL), None, false),
+        (Some(MESH_LABEL), Some(MESH_LABEL), true),
+    ] {
+        let (mut s, mut c) = pair().await;
+        if let Some(l) = listen {
+            s.set_label(l);
+        }
+        if let Some(l) = dial {
+            c.set_label(l);
+        }
+        let (server, client, key) = (prefill_hello(0, 2), prefill_hello(1, 2), secret());
+        let (rs, rc) = bounded(async {
+            tokio::join!(
+                handshake(&mut s, &server, &key, deadline()),
+                handshake(&mut c, &client, &key, deadline())
+            )
+        })
+        .await;
+        if ok {
+            assert_eq!(rs.unwrap().pp_rank, 1);
+            assert_eq!(rc.unwrap().pp_rank, 0);
+        } else {
+            assert_eq!(
+                rejected_peer(rs),
+                RejectReason::AuthFailed,
+                "{listen:?} {dial:?}"
+            );
+            assert_eq!(
+                peer_rejected(rc),
+                RejectReason::AuthFailed,
+                "{listen:?} {dial:?}"
+            );
+        }
+    }
+}
+
 /// Reads every frame a peer sends within `for_`, without sending anything.
 async fn frames_from(raw: &mut TcpStream, for_: Duration) -> (Vec<u8>, Vec<Msg>) {
     let mut bytes = Vec::new();

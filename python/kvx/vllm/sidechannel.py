@@ -26,6 +26,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from typing import Any, Callable, Optional
 
 import kvx
@@ -34,7 +35,13 @@ from kvx._kvx import Channel, ChannelHandshake
 logger = logging.getLogger("vllm." + __name__)  # vLLM's handlers and level
 
 MAX_FRAME = 1 << 20
+# The largest frame before the peer proved the secret: a nonce and a handshake message.
+AUTH_MAX_FRAME = 1024
+# The bound on a whole handshake, however the peer paces its bytes.
 HANDSHAKE_TIMEOUT_S = 5.0
+# Connections a server serves at once; more are closed on arrival (counted), so clients that
+# connect and stall cannot take its threads and memory.
+MAX_CONNECTIONS = 64
 # The handshake's label: a handshake of this protocol never completes with another kvx protocol.
 LABEL = "vllm-side-channel/v2"
 NONCE = 32
@@ -48,9 +55,14 @@ def _send(sock: socket.socket, payload: bytes) -> None:
     sock.sendall(struct.pack(">I", len(payload)) + payload)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None) -> bytes:
     out = bytearray()
     while len(out) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SideChannelError("the side-channel handshake took too long")
+            sock.settimeout(left)
         got = sock.recv(n - len(out))
         if not got:
             raise SideChannelError("the peer closed the side channel")
@@ -58,11 +70,12 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(out)
 
 
-def _recv(sock: socket.socket) -> bytes:
-    (n,) = struct.unpack(">I", _recv_exact(sock, 4))
-    if n > MAX_FRAME:
-        raise SideChannelError(f"a side-channel frame of {n} bytes (at most {MAX_FRAME})")
-    return _recv_exact(sock, n)
+def _recv(sock: socket.socket, max_frame: int = MAX_FRAME,
+          deadline: Optional[float] = None) -> bytes:
+    (n,) = struct.unpack(">I", _recv_exact(sock, 4, deadline))
+    if n > max_frame:
+        raise SideChannelError(f"a side-channel frame of {n} bytes (at most {max_frame})")
+    return _recv_exact(sock, n, deadline)
 
 
 def _send_sealed(sock: socket.socket, channel: Channel, obj: Any) -> None:
@@ -89,6 +102,8 @@ class SideChannelServer:
         self._key = key
         self._handler = handler
         self.refused = 0  # connections that did not prove the secret
+        self.refused_connections = 0  # closed on arrival: MAX_CONNECTIONS were being served
+        self._places = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._sock = socket.create_server((host, port), reuse_port=False)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._accept, daemon=True,
@@ -105,16 +120,27 @@ class SideChannelServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
+            if not self._places.acquire(blocking=False):
+                self.refused_connections += 1
+                conn.close()
+                continue
             threading.Thread(target=self._serve, args=(conn,), daemon=True,
                              name="kvx-vllm-side-channel-conn").start()
 
     def _serve(self, conn: socket.socket) -> None:
+        try:
+            self._serve_one(conn)
+        finally:
+            self._places.release()
+
+    def _serve_one(self, conn: socket.socket) -> None:
         with conn:
             try:
+                deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
                 conn.settimeout(HANDSHAKE_TIMEOUT_S)
                 mine = os.urandom(NONCE)
                 _send(conn, mine)
-                first = _recv(conn)
+                first = _recv(conn, AUTH_MAX_FRAME, deadline)
                 theirs, msg = first[:NONCE], first[NONCE:]
                 if len(theirs) != NONCE:
                     raise SideChannelError("a handshake without the client's nonce")
@@ -157,13 +183,13 @@ def call(host: str, port: int, key: Optional[bytes], request: dict,
         # that just started, on loaded cores) may take longer than a server's bound on a silent
         # client (HANDSHAKE_TIMEOUT_S) to answer (seen: 5 s passed, a first request failed).
         with socket.create_connection((host, port), timeout=timeout) as sock:
-            theirs = _recv(sock)
+            theirs = _recv(sock, AUTH_MAX_FRAME)
             if len(theirs) != NONCE:
                 raise SideChannelError(f"the side channel at {host}:{port} sent no nonce")
             mine = os.urandom(NONCE)
             hs = ChannelHandshake(key, "dialer", LABEL, mine, theirs)
             _send(sock, mine + hs.write())
-            if not hs.read(_recv(sock)):
+            if not hs.read(_recv(sock, AUTH_MAX_FRAME)):
                 raise SideChannelError(f"the side channel at {host}:{port} did not prove the "
                                        "shared secret")
             channel = hs.finish()

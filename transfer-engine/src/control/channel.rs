@@ -20,8 +20,11 @@ use super::auth::{Challenge, Secret, Side};
 
 /// The Noise protocol of every control connection.
 const PARAMS: &str = "Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s";
-/// Domain of the prologue.
+/// Domain of the prologue: a decode engine's control connections.
 const PROLOGUE_LABEL: &[u8] = b"kvx/channel/v1";
+/// Domain of the prologue of a prefill pipeline's vote mesh: a rank's dial meant for its mesh never
+/// completes with a decode's listener, nor one meant for decode with a rank's mesh listener.
+pub const MESH_LABEL: &[u8] = b"kvx/mesh/v1";
 /// Bytes of a record's tag.
 const TAG: usize = 16;
 /// Largest ciphertext of one record (a Noise message).
@@ -198,8 +201,13 @@ impl Session {
     /// # Errors
     /// The direction ran out of nonces.
     pub fn seal(&mut self, plain: &[u8]) -> Result<Vec<u8>, ChannelError> {
-        let mut out = Vec::with_capacity(plain.len() + 2 + TAG);
-        self.sealer.seal(plain, &mut out)?;
+        // The message's length leads it, inside the first record: a message of several records
+        // that a relay cuts after a whole record does not open as a shorter one.
+        let mut framed = Vec::with_capacity(plain.len() + 8);
+        framed.extend_from_slice(&(plain.len() as u64).to_be_bytes());
+        framed.extend_from_slice(plain);
+        let mut out = Vec::with_capacity(framed.len() + 2 + TAG);
+        self.sealer.seal(&framed, &mut out)?;
         Ok(out)
     }
 
@@ -212,20 +220,34 @@ impl Session {
         self.opener.raw.extend_from_slice(sealed);
         let mut plain = Vec::with_capacity(sealed.len());
         let result = self.opener.open(&mut plain).and_then(|()| {
-            if self.opener.raw.is_empty() {
-                return Ok(());
+            if !self.opener.raw.is_empty() {
+                REFUSED_RECORDS.fetch_add(1, Ordering::Relaxed);
+                return Err(ChannelError::Cut {
+                    missing: self.opener.read_hint(),
+                });
             }
-            REFUSED_RECORDS.fetch_add(1, Ordering::Relaxed);
-            Err(ChannelError::Cut {
-                missing: self.opener.read_hint(),
-            })
+            // Whole records, but all of the message? Its sealed length says.
+            let said = plain
+                .first_chunk::<8>()
+                .map(|b| u64::from_be_bytes(*b))
+                .and_then(|n| usize::try_from(n).ok());
+            match said {
+                Some(n) if n == plain.len() - 8 => Ok(()),
+                _ => {
+                    REFUSED_RECORDS.fetch_add(1, Ordering::Relaxed);
+                    Err(ChannelError::Cut {
+                        missing: said
+                            .map_or(8, |n| n.saturating_sub(plain.len().saturating_sub(8))),
+                    })
+                }
+            }
         });
         if result.is_err() {
             // The message is lost, so no later one is the next: none opens again.
             self.opener.raw.clear();
             self.opener.next = u64::MAX;
         }
-        result.map(|()| plain)
+        result.map(|()| plain.split_off(8))
     }
 }
 
@@ -500,6 +522,21 @@ mod tests {
             Err(ChannelError::Cut { missing: 1 })
         ));
         assert!(b.open(&two).is_err());
+    }
+
+    #[test]
+    fn a_message_of_several_records_cut_after_a_whole_record_does_not_open() {
+        let (mut a, mut b) = sessions(b"side", b"side").unwrap();
+        let big: Vec<u8> = (0..150_000u32).map(|i| (i % 251) as u8).collect();
+        let sealed = a.seal(&big).unwrap();
+        // The first record whole (its 2-byte length, then a full record), the rest dropped.
+        let first = 2 + MAX_RECORD;
+        assert!(sealed.len() > first);
+        assert!(matches!(
+            b.open(&sealed[..first]),
+            Err(ChannelError::Cut { .. })
+        ));
+        assert!(b.open(&a.seal(b"next").unwrap()).is_err());
     }
 
     #[test]

@@ -480,6 +480,9 @@ pub struct Connection {
     reader: ControlReader,
     writer: ControlWriter,
     side: Side,
+    /// The Noise prologue's label of the protocol this connection speaks (the control
+    /// connection's unless set with [`set_label`](Self::set_label)).
+    label: Option<&'static [u8]>,
 }
 
 impl Connection {
@@ -575,7 +578,15 @@ impl Connection {
                 plain: Vec::new(),
             },
             side,
+            label: None,
         })
+    }
+
+    /// Makes this connection's handshake speak the protocol of `label` (see
+    /// [`channel::MESH_LABEL`](super::channel::MESH_LABEL)): both ends must set the same one, or
+    /// authentication fails. Call before the handshake.
+    pub fn set_label(&mut self, label: &'static [u8]) {
+        self.label = Some(label);
     }
 
     /// Which end of the TCP connection this side is.
@@ -950,7 +961,11 @@ async fn authenticate(
     // authenticated, so a client that merely connects never obtains a message to guess the secret
     // from offline.
     let channel = |source| ControlError::Channel { peer, source };
-    let mut noise = Handshake::new(secret, side, dialer, listener).map_err(channel)?;
+    let mut noise = match conn.label {
+        Some(label) => Handshake::labelled(label, secret, side, dialer, listener),
+        None => Handshake::new(secret, side, dialer, listener),
+    }
+    .map_err(channel)?;
     if side == Side::Dialer {
         let msg = noise.write().map_err(channel)?;
         conn.send(&Msg::Proof(Proof { msg })).await?;

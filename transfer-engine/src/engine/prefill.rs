@@ -1096,7 +1096,7 @@ impl PrefillEngine {
         }
         let deadline = tokio::time::Instant::now() + inner.cfg.connect_timeout;
         let (conn, remote) =
-            connect_taken(addr, &inner.hello, &inner.secret, deadline, "decode").await?;
+            connect_taken(addr, &inner.hello, &inner.secret, deadline, Dialed::Decode).await?;
         let (writer, rx) = mpsc::unbounded_channel();
         // The id is taken now, under the lock: concurrent calls (one per decode rank, say) each
         // get their own, and none overwrites another's link when it is inserted.
@@ -2678,24 +2678,66 @@ async fn connect_decode(
     secret: &Secret,
     deadline: tokio::time::Instant,
 ) -> Result<(Connection, Hello), EngineError> {
-    connect_taken(cfg.decode, hello, secret, deadline, "decode").await
+    connect_taken(cfg.decode, hello, secret, deadline, Dialed::Decode).await
+}
+
+/// Whom a prefill rank dials: a decode engine's control listener, or a lower PP rank's vote-mesh
+/// listener (a protocol of its own: [`control::channel::MESH_LABEL`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Dialed {
+    Decode,
+    MeshPeer,
+}
+
+impl Dialed {
+    fn role(self) -> Role {
+        match self {
+            Dialed::Decode => Role::Decode,
+            Dialed::MeshPeer => Role::Prefill,
+        }
+    }
+}
+
+impl std::fmt::Display for Dialed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Dialed::Decode => "decode",
+            Dialed::MeshPeer => "PP peer",
+        })
+    }
 }
 
 /// Connects to `addr` and runs the handshake, trying again until `deadline` while the peer says
-/// this rank is still taken (it has not seen this rank's previous connection end yet).
+/// this rank is still taken (it has not seen this rank's previous connection end yet). The peer
+/// must be of the role `what` is: a listener of the other role that the address led to (a
+/// misdirected address, a relay) is refused.
 async fn connect_taken(
     addr: SocketAddr,
     hello: &Hello,
     secret: &Secret,
     deadline: tokio::time::Instant,
-    what: &str,
+    what: Dialed,
 ) -> Result<(Connection, Hello), EngineError> {
     // The refusal an attempt cut short by the deadline stands for: what the operator must read.
     let mut refused: Option<control::ControlError> = None;
     loop {
         let attempt = async {
             let mut conn = Connection::connect(addr, deadline).await?;
-            let remote = control::handshake(&mut conn, hello, secret, deadline).await?;
+            if what == Dialed::MeshPeer {
+                conn.set_label(control::channel::MESH_LABEL);
+            }
+            let want = what.role();
+            let remote = control::handshake_with(&mut conn, hello, secret, deadline, |r| {
+                if r.role == want {
+                    Ok(())
+                } else {
+                    Err(RejectReason::RoleMismatch(format!(
+                        "dialed a {want} at this address, found a {}",
+                        r.role
+                    )))
+                }
+            })
+            .await?;
             Ok::<_, control::ControlError>((conn, remote))
         };
         match attempt.await {
@@ -2710,7 +2752,7 @@ async fn connect_taken(
             }) if tokio::time::Instant::now() + MESH_RETRY < deadline => {
                 tracing::info!(
                     rank = hello.pp_rank,
-                    peer = what,
+                    peer = %what,
                     "the peer still holds this rank's previous connection; trying again"
                 );
                 tokio::time::sleep(MESH_RETRY).await;
@@ -3006,7 +3048,7 @@ async fn connect_peer(
         .get(usize::from(rank))
         .copied()
         .ok_or_else(|| EngineError::Config(format!("no address for PP rank {rank}")))?;
-    let (c, remote) = connect_taken(addr, hello, &inner.secret, deadline, "PP peer").await?;
+    let (c, remote) = connect_taken(addr, hello, &inner.secret, deadline, Dialed::MeshPeer).await?;
     if remote.pp_rank != rank {
         return Err(EngineError::Config(format!(
             "peer at rank {rank}'s address says it is rank {}",
@@ -3035,9 +3077,16 @@ async fn mesh_accept_loop(inner: Weak<Inner>, listener: Listener, hello: Arc<Hel
         tokio::spawn(async move {
             let _place = place;
             let mut c = c;
+            c.set_label(control::channel::MESH_LABEL);
             let deadline = tokio::time::Instant::now() + i.cfg.connect_timeout;
             let me = i.cfg.pp_rank;
             let check = |r: &Hello| -> Result<(), RejectReason> {
+                if r.role != Role::Prefill {
+                    return Err(RejectReason::RoleMismatch(format!(
+                        "a vote mesh takes prefill ranks, not a {}",
+                        r.role
+                    )));
+                }
                 if r.pp_rank <= me {
                     return Err(RejectReason::PpMismatch(format!(
                         "rank {me} accepts only higher ranks, not {}",

@@ -897,6 +897,7 @@ class KvxKVManager(BaseKVManager):
 
     def close(self):
         self._closed.set()
+        self._mesh_socket = None  # its port goes with the engine that holds it
         with self._lock:
             prefills = [p for p in [getattr(self, "_prefill", None)] if p is not None]
             decode = getattr(self, "_engine", None)

@@ -43,7 +43,8 @@ HANDSHAKE_TIMEOUT_S = 5.0
 # connect and stall cannot take its threads and memory.
 MAX_CONNECTIONS = 64
 # The handshake's label: a handshake of this protocol never completes with another kvx protocol.
-LABEL = "vllm-side-channel/v2"
+# v3: each sealed message carries its length (an earlier build's peer fails the handshake).
+LABEL = "vllm-side-channel/v3"
 NONCE = 32
 
 
@@ -124,8 +125,13 @@ class SideChannelServer:
                 self.refused_connections += 1
                 conn.close()
                 continue
-            threading.Thread(target=self._serve, args=(conn,), daemon=True,
-                             name="kvx-vllm-side-channel-conn").start()
+            try:
+                threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                                 name="kvx-vllm-side-channel-conn").start()
+            except RuntimeError as e:  # no thread to be had: this one is dropped, not the server
+                self._places.release()
+                conn.close()
+                logger.warning("kvx: side-channel connection dropped: %s", e)
 
     def _serve(self, conn: socket.socket) -> None:
         try:

@@ -194,16 +194,17 @@ impl ControlError {
         )
     }
 
-    /// Whether accepting failed for want of the process's or the system's resources (descriptors,
-    /// buffers, memory): every accept fails alike until some are freed, so the listener should
-    /// pause. Any other accept error is one connection's own (its peer reset it before it was
-    /// accepted or set up) and says nothing about the next.
-    pub fn is_resource_exhaustion(&self) -> bool {
+    /// Whether accepting failed for one connection's own reason, its peer gone before the
+    /// connection could be taken or set up (reset, aborted, no longer connected): that says
+    /// nothing about the next connection, so the listener goes on at once. Any other accept error
+    /// (no descriptors, buffers or memory; a broken listener) fails every accept alike for a while,
+    /// and the listener pauses.
+    pub fn is_peer_gone(&self) -> bool {
         matches!(
             self,
             ControlError::Accept { source, .. } if matches!(
                 source.raw_os_error(),
-                Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+                Some(libc::ENOTCONN | libc::ECONNABORTED | libc::ECONNRESET | libc::EPROTO)
             )
         )
     }

@@ -583,8 +583,8 @@ const ACCEPT_PAUSE: (std::time::Duration, std::time::Duration) = (
 
 /// The next connection with a place among the handshakes in progress (its permit holds the place
 /// until dropped). Connections over the bound, and those gone before they could be set up, are
-/// closed at once (`refused` is called for each); after an accept that failed for want of
-/// resources the loop pauses, twice as long each time in a row, up to a second.
+/// closed at once (`refused` is called for each); after any other accept error (no descriptors,
+/// buffers or memory) the loop pauses, twice as long each time in a row, up to a second.
 async fn admit(
     listener: &crate::control::Listener,
     places: &Arc<tokio::sync::Semaphore>,
@@ -606,16 +606,16 @@ async fn admit(
                     }
                 }
             }
-            Err(e) if e.is_resource_exhaustion() => {
+            // One connection's own failure (reset by its peer before it was set up): the next
+            // is accepted at once, or a peer resetting connections would stall the listener.
+            Err(e) if e.is_peer_gone() => {
+                refused();
+                tracing::debug!(error = %e, "connection gone before it was set up");
+            }
+            Err(e) => {
                 tracing::warn!(error = %e, ?pause, "accept failed; pausing");
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(ACCEPT_PAUSE.1);
-            }
-            // One connection's own failure (reset by its peer before it was set up): the next
-            // is accepted at once, or a peer resetting connections would stall the listener.
-            Err(e) => {
-                refused();
-                tracing::debug!(error = %e, "connection gone before it was set up");
             }
         }
     }

@@ -43,7 +43,8 @@ HANDSHAKE_TIMEOUT_S = 5.0
 # connect and stall cannot take its threads and memory.
 MAX_CONNECTIONS = 64
 # The handshake's label: a handshake of this protocol never completes with another kvx protocol.
-# v3: each sealed message carries its length (an earlier build's peer fails the handshake).
+# v3: each sealed message carries its length; a peer of another label never completes the
+# handshake.
 LABEL = "vllm-side-channel/v3"
 NONCE = 32
 

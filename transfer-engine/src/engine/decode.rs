@@ -1974,19 +1974,24 @@ impl DecodeEngine {
             .get(&request)
             .map(|r| r.session)
             .or_else(|| st.unacked.get(&request).map(|u| u.session));
-        if held_by.is_some_and(|s| s != session) {
-            return Err(EngineError::Config(format!(
-                "request {} belongs to another prefill instance than {instance:?}",
-                request.0
-            )));
-        }
-        if st.requests.contains_key(&request) {
-            drop(st);
-            self.abort(request);
-            return Ok(());
-        }
-        if st.unacked.contains_key(&request) || st.waiters.contains_key(&request) {
-            return Ok(());
+        match held_by {
+            Some(s) if s != session => {
+                return Err(EngineError::Config(format!(
+                    "request {} belongs to another prefill instance than {instance:?}",
+                    request.0
+                )));
+            }
+            // Expected: aborted as any request. Failed already: its ranks were told then.
+            Some(_) => {
+                let live = st.requests.contains_key(&request);
+                drop(st);
+                if live {
+                    self.abort(request);
+                }
+                return Ok(());
+            }
+            None if st.waiters.contains_key(&request) => return Ok(()),
+            None => {}
         }
         // Their AbortAcks are about this instance's request, not strays to count as refused
         // (an id another instance used lately keeps its owner).

@@ -418,8 +418,10 @@ async fn rank_dies_before_voting_fails_promptly_everywhere() {
     assert_eq!((s.failed, s.failed_rank_unavailable), (2, 1), "{s:?}");
     // The tracker never saw it: it was never launched.
     assert_eq!(f.c.decode.tracker_counters().failed, 1);
-    // Its pages are free again.
-    assert!(f.c.decode.quarantined().is_empty());
+    // Its pages are free again. B's stay held: rank 2's connection ended without its Close, and
+    // for all decode knows a reset cut off a rank that still writes until it notices.
+    assert_eq!(f.c.decode.quarantined(), vec![B]);
+    assert_eq!(f.c.decode.stats().unclean_ends, 1);
 }
 
 // ---------------------------------------------------------------------------------------------------

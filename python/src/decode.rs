@@ -396,6 +396,7 @@ impl DecodeEngine {
                 ("handshake_failures", s.handshake_failures),
                 ("probes", s.probes),
                 ("abandoned", s.abandoned),
+                ("unclean_ends", s.unclean_ends),
             ],
         )
     }

@@ -325,6 +325,96 @@ async fn a_changed_byte_toward_decode_keeps_the_pages_of_a_rank_that_may_still_w
     d.shutdown(BOUND).await;
 }
 
+/// A relay in front of `target` that, once `cut` is set, resets its connection to decode (as a
+/// reset injected on the way would: linger 0, no FIN before it) and keeps its connection to prefill
+/// open, passing nothing more.
+async fn resetting_relay(target: SocketAddr) -> (SocketAddr, tokio::sync::watch::Sender<bool>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (cut, mut cut_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        let (mut prefill, _) = listener.accept().await.unwrap();
+        let mut decode = TcpStream::connect(target).await.unwrap();
+        socket2::SockRef::from(&decode)
+            .set_linger(Some(Duration::ZERO))
+            .unwrap();
+        let (mut up, mut down) = (vec![0u8; 1 << 16], vec![0u8; 1 << 16]);
+        {
+            // Borrowed halves: dropping them shuts nothing down.
+            let (mut pr, mut pw) = prefill.split();
+            let (mut dr, mut dw) = decode.split();
+            loop {
+                tokio::select! {
+                    n = pr.read(&mut up) => match n {
+                        Ok(n) if n > 0 => {
+                            if dw.write_all(&up[..n]).await.is_err() {
+                                return;
+                            }
+                        }
+                        _ => return,
+                    },
+                    n = dr.read(&mut down) => match n {
+                        Ok(n) if n > 0 => {
+                            if pw.write_all(&down[..n]).await.is_err() {
+                                return;
+                            }
+                        }
+                        _ => return,
+                    },
+                    _ = cut_rx.changed() => break,
+                }
+            }
+        }
+        drop(decode);
+        // Prefill's side stays open: what it sends goes nowhere.
+        while matches!(prefill.read(&mut up).await, Ok(n) if n > 0) {}
+    });
+    (addr, cut)
+}
+
+/// A reset toward decode cuts off a prefill rank that is alive and does not know: decode fails
+/// its request at once but keeps the pages, which the rank still writes into, until the rank
+/// must have noticed (decode's heartbeats stopped for three intervals) and its posts are over
+/// (`abort_ack_timeout`); then the pages come back and the pool is freed at shutdown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_toward_decode_keeps_the_pages_of_a_live_rank_until_it_must_have_noticed() {
+    let beat = Duration::from_millis(500);
+    let d = decode_with(Some(beat)).await;
+    let (addr, cut) = resetting_relay(d.local_addr()).await;
+    let p = prefill_with(addr, Some(beat)).await;
+    bounded(d.wait_for_ranks(BOUND)).await.unwrap();
+    let (r, src, dst) = (RequestId(41), [0, 1, 2, 3], [8, 9, 10, 11]);
+    let done = d.expect(r, PROMPT, CHUNK, dst.to_vec(), BOUND).unwrap();
+    assert_eq!(bounded(p.next_request()).await.unwrap().request, r);
+    p.send_chunk(r, 0, &src, false).await.unwrap();
+    cut.send(true).unwrap();
+    let reset_at = std::time::Instant::now();
+    let outcome = bounded(done).await;
+    assert!(matches!(outcome, Outcome::Failed(_)), "{outcome:?}");
+    assert_eq!(d.stats().unclean_ends, 1, "{:?}", d.stats());
+    // The rank has not noticed: the pages stay held, and its next chunk still lands in them.
+    assert_eq!(d.quarantined(), vec![r], "{:?}", d.stats());
+    assert!(matches!(
+        d.expect(RequestId(42), PROMPT, CHUNK, dst.to_vec(), BOUND),
+        Err(EngineError::PageHeld { .. })
+    ));
+    p.send_chunk(r, 1, &src, true).await.unwrap();
+    assert!(landed(&d, &src, &dst));
+    // Three heartbeat intervals and `abort_ack_timeout` (500 ms) after the reset, they come back.
+    bounded(d.released(r)).await;
+    let held = reset_at.elapsed();
+    assert!(held >= beat * 3 + Duration::from_millis(400), "{held:?}");
+    assert!(d.quarantined().is_empty());
+    eprintln!("pages held {held:?} after the reset (heartbeat {beat:?})");
+    // By then the rank had noticed: it posts nothing more.
+    assert!(p.send_chunk(r, 1, &src, true).await.is_err());
+    let next = d.expect(RequestId(43), PROMPT, CHUNK, dst.to_vec(), BOUND);
+    assert!(next.is_ok(), "{:?}", next.err());
+    d.abort(RequestId(43));
+    let report = d.shutdown(BOUND).await;
+    assert!(report.pool_freed, "{report:?}");
+}
+
 /// The same change of a byte while the checksum job of the request's landed chunk still waits on
 /// decode's chunk worker (held there by the test): the rank's loss is not deferred behind that
 /// job, so the failure finds the rank in its slot and keeps the pages held, before the job runs

@@ -251,6 +251,10 @@ pub struct DecodeStats {
     /// Rank connections declared lost after a silence of three heartbeat intervals: each was
     /// closed, and its requests' pages stay quarantined.
     pub silent: u64,
+    /// Rank connections that ended without the rank's Close (its process died, or a reset on the
+    /// way cut it off): the pages of its failed requests stay held until it must have noticed
+    /// (three of this side's heartbeat intervals, then `abort_ack_timeout`).
+    pub unclean_ends: u64,
     /// Connections closed on arrival because [`MAX_PENDING_HANDSHAKES`](super::MAX_PENDING_HANDSHAKES)
     /// handshakes were already in progress.
     pub refused_connections: u64,
@@ -334,6 +338,28 @@ struct RankConn {
     cut: Arc<Notify>,
     /// The layers it writes.
     layers: std::ops::Range<u32>,
+}
+
+/// A rank's connection that ended without its Close: its process died, or a reset on the way cut
+/// off a live rank, which goes on writing until it notices. It notices when this side's heartbeats
+/// stop (three intervals, its silence bound for this side) and then posts nothing more; what it
+/// had posted is over within `abort_ack_timeout`, the bound a connected rank has to confirm an
+/// abort. Until then, a failed request that was live when the connection ended keeps its pages.
+struct LostConn {
+    rank: u16,
+    peer: PeerId,
+    /// When the connection ended.
+    at: Instant,
+    /// When its writes are over; `None` without heartbeats (the rank may never notice): until the
+    /// server confirms for it ([`DecodeEngine::confirm_stopped`]).
+    until: Option<Instant>,
+}
+
+impl LostConn {
+    /// Whether a failed `request` (expected at `started`) waits for this connection at `now`.
+    fn holds(&self, started: Instant, now: Instant) -> bool {
+        started <= self.at && self.until.is_none_or(|u| u > now)
+    }
 }
 
 impl RankConn {
@@ -490,6 +516,8 @@ struct Session {
     incarnations: Incarnations,
     /// Ranks whose connection ended with their Close: their writes are over.
     closed_ranks: std::collections::HashSet<u16>,
+    /// Rank connections that ended without their Close, while their ranks may still write.
+    lost: Vec<LostConn>,
     /// Requests expected while a rank was absent, in `expect` order: their pages are held, no rank
     /// was asked for them yet.
     parked: std::collections::VecDeque<Parked>,
@@ -531,6 +559,7 @@ impl Session {
             ranks: (0..slots).map(|_| None).collect(),
             incarnations: Incarnations::new(slots),
             closed_ranks: std::collections::HashSet::new(),
+            lost: Vec::new(),
             parked: std::collections::VecDeque::new(),
             absences: std::collections::VecDeque::from([Absence {
                 from: now,
@@ -866,6 +895,7 @@ struct Counters {
     refused: AtomicU64,
     tampered: AtomicU64,
     silent: AtomicU64,
+    unclean_ends: AtomicU64,
     refused_connections: AtomicU64,
     checksum_mismatch: AtomicU64,
     abort_ack_timeouts: AtomicU64,
@@ -902,6 +932,7 @@ impl Default for Counters {
             refused: AtomicU64::default(),
             tampered: AtomicU64::default(),
             silent: AtomicU64::default(),
+            unclean_ends: AtomicU64::default(),
             refused_connections: AtomicU64::default(),
             checksum_mismatch: AtomicU64::default(),
             abort_ack_timeouts: AtomicU64::default(),
@@ -1047,6 +1078,7 @@ impl Inner {
             refused: c.refused.load(Ordering::Relaxed),
             tampered: c.tampered.load(Ordering::Relaxed),
             silent: c.silent.load(Ordering::Relaxed),
+            unclean_ends: c.unclean_ends.load(Ordering::Relaxed),
             refused_connections: c.refused_connections.load(Ordering::Relaxed),
             checksum_mismatch: c.checksum_mismatch.load(Ordering::Relaxed),
             in_flight,
@@ -1232,6 +1264,11 @@ impl crate::metrics::Source for Inner {
                 "kvx_heartbeat_losses",
                 "Rank connections lost after three missed heartbeat intervals",
                 s.silent,
+            ),
+            (
+                "kvx_unclean_ends",
+                "Rank connections that ended without the rank's Close",
+                s.unclean_ends,
             ),
             (
                 "kvx_connections_refused",
@@ -1538,8 +1575,9 @@ impl DecodeEngine {
                 st.tracker.handle_timeout(now);
                 i.drain(&mut st);
                 let acks = i.expire_unacked(&mut st, now);
+                let lost = i.expire_lost(&mut st, now);
                 let parked = i.unpark(&mut st, now);
-                [st.tracker.poll_timeout(), acks, parked]
+                [st.tracker.poll_timeout(), acks, lost, parked]
                     .into_iter()
                     .flatten()
                     .min()
@@ -2184,6 +2222,25 @@ impl DecodeEngine {
                 } else {
                     gone.push((name, r));
                 }
+            }
+        }
+        // Pages held for a rank whose connection ended without its Close come back at its bound:
+        // wait for that, within the deadline.
+        loop {
+            let held = {
+                let st = self.inner.lock();
+                !st.unacked.is_empty()
+                    && st
+                        .sessions
+                        .values()
+                        .any(|s| s.lost.iter().any(|l| l.until.is_some()))
+            };
+            if !held {
+                break;
+            }
+            match tokio::time::timeout_at(deadline, changes.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) | Err(_) => break,
             }
         }
         let out_of_band = self.inner.exported_out_of_band.load(Ordering::Acquire);
@@ -2930,6 +2987,22 @@ impl Inner {
                             _ => {}
                         }
                     }
+                    // A rank whose connection ended without its Close may still be writing into
+                    // the pages of a request it had then: the outcome does not wait for it, the
+                    // pages do (until it must have noticed).
+                    let started = st.requests.get(&request).map(|r| r.started);
+                    let lost = session
+                        .and_then(|id| st.sessions.get(&id))
+                        .map(|s| s.lost.as_slice())
+                        .unwrap_or_default();
+                    if let Some(started) = started {
+                        let now = Instant::now();
+                        for l in lost.iter().filter(|l| l.holds(started, now)) {
+                            if !external.contains(&(l.rank, Some(l.peer))) {
+                                external.push((l.rank, Some(l.peer)));
+                            }
+                        }
+                    }
                     let outcome = Outcome::Failed(reason);
                     if let (Some(session), false) =
                         (session, ranks.is_empty() && external.is_empty())
@@ -3397,6 +3470,7 @@ impl Inner {
     fn peer_lost(&self, session: SessionId, rank: u16, peer: PeerId, sender: &Sender, end: End) {
         let closed = end == End::Closed;
         let tampered = end == End::Tampered;
+        let unclean = end == End::Lost;
         // One instant for the failures and the absence they belong to: a request that failed here
         // ended inside the absence, whenever its waiter reads the clock.
         let now = Instant::now();
@@ -3423,6 +3497,16 @@ impl Inner {
             if closed {
                 s.closed_ranks.insert(rank);
             }
+            if unclean {
+                // Before the failures below: they must find it.
+                s.lost.push(LostConn {
+                    rank,
+                    peer,
+                    at: now,
+                    until: self.lost_bound().map(|b| now + b),
+                });
+                self.counters.unclean_ends.fetch_add(1, Ordering::Relaxed);
+            }
             if s.rank(rank).is_some_and(|r| r.peer == peer) {
                 s.ranks[usize::from(rank)] = None;
                 absence_begins(s, now);
@@ -3446,9 +3530,10 @@ impl Inner {
             );
         }
         self.drain(&mut st);
-        // A rank that is gone writes nothing more (its process or its connection ended); that
-        // includes one evicted earlier, whose confirmations were pending beside the outcome. A rank
-        // cut by tampering may still write: nothing of it counts as confirmed.
+        // A rank that closed writes nothing more; that includes one evicted earlier, whose
+        // confirmations were pending beside the outcome. One whose connection ended without its
+        // Close may write until it notices: the outcome no longer waits for it, the pages do. A
+        // rank cut by tampering may still write: nothing of it counts as confirmed.
         let waiting: Vec<RequestId> = st
             .unacked
             .iter()
@@ -3460,9 +3545,83 @@ impl Inner {
             .map(|(r, _)| *r)
             .collect();
         for request in waiting {
-            self.acked(&mut st, session, request, rank, Some(peer));
+            if unclean {
+                self.await_lost(&mut st, request, rank, peer);
+            } else {
+                self.acked(&mut st, session, request, rank, Some(peer));
+            }
         }
         st.forget_if_left(session);
+        drop(st);
+        if unclean {
+            self.timer.notify_one();
+        }
+    }
+
+    /// How long a rank whose connection ended without its Close may still write: until it noticed
+    /// (this side's heartbeats stopped for three intervals, as it counts them) and what it had
+    /// posted is over. `None` without heartbeats.
+    fn lost_bound(&self) -> Option<Duration> {
+        super::silence_bound(self.cfg.heartbeat).map(|b| b + self.cfg.abort_ack_timeout)
+    }
+
+    /// `request` waited for the confirmation of `rank`'s connection `peer`, which ended without
+    /// its Close: its outcome waits no longer, its pages wait for the connection's bound.
+    fn await_lost(&self, st: &mut State, request: RequestId, rank: u16, peer: PeerId) {
+        let Some(u) = st.unacked.get_mut(&request) else {
+            return;
+        };
+        if u.ranks.contains(&(rank, peer)) {
+            u.ranks.retain(|&c| c != (rank, peer));
+            u.external.push((rank, Some(peer)));
+        }
+        if u.ranks.is_empty()
+            && let Some(outcome) = u.outcome.take()
+            && let Some(w) = st.waiters.remove(&request)
+        {
+            let _ = w.send(outcome);
+        }
+    }
+
+    /// Releases the pages held for rank connections that ended without their Close once their
+    /// bound passed, and forgets those no request can wait for any more; returns the next bound.
+    fn expire_lost(&self, st: &mut State, now: Instant) -> Option<Instant> {
+        let mut over = Vec::new();
+        let mut next: Option<Instant> = None;
+        let requests = &st.requests;
+        for (&id, s) in st.sessions.iter_mut() {
+            s.lost.retain(|l| match l.until {
+                Some(u) if u <= now => {
+                    over.push((id, l.rank, l.peer));
+                    false
+                }
+                Some(u) => {
+                    next = Some(next.map_or(u, |n| n.min(u)));
+                    true
+                }
+                // No bound: kept while a live request may still fail and wait for it.
+                None => requests
+                    .values()
+                    .any(|r| r.session == id && r.started <= l.at),
+            });
+        }
+        if !over.is_empty() {
+            // `shutdown` may wait for these pages.
+            self.changed.send_modify(|n| *n += 1);
+        }
+        for (session, rank, peer) in over {
+            let held: Vec<RequestId> = st
+                .unacked
+                .iter()
+                .filter(|(_, u)| u.session == session && u.external.contains(&(rank, Some(peer))))
+                .map(|(r, _)| *r)
+                .collect();
+            for request in held {
+                self.acked(st, session, request, rank, Some(peer));
+            }
+            st.forget_if_left(session);
+        }
+        next
     }
 }
 

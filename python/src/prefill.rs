@@ -565,6 +565,9 @@ impl PrefillEngine {
                 ("landing_wait_micros", s.landing_wait_micros),
                 ("decodes", s.decodes),
                 ("refused", s.refused),
+                ("refused_connections", s.refused_connections),
+                ("auth_failures", s.auth_failures),
+                ("handshake_failures", s.handshake_failures),
             ],
         )
     }

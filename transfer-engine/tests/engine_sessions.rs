@@ -7,6 +7,8 @@
 
 mod common;
 
+use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 use transfer_engine::control::{
     self, BackendInfo, BackendKind as WireKind, Connection, Hello, LayoutInfo, Msg, RejectReason,
@@ -17,7 +19,8 @@ use transfer_engine::core::tracker::FailureReason;
 use transfer_engine::core::vote::Decision;
 use transfer_engine::core::{FailureCode, RequestId};
 use transfer_engine::engine::{
-    DecodeConfig, DecodeEngine, EngineError, Expected, Outcome, Pool, PrefillConfig, PrefillEngine,
+    DecodeConfig, DecodeEngine, EngineError, Expected, MeshSocket, Outcome, Pool, PrefillConfig,
+    PrefillEngine,
 };
 use transfer_engine::mem::{HostBuffer, HostOptions};
 
@@ -57,7 +60,17 @@ async fn decode() -> DecodeEngine {
 
 /// The PP ranks of prefill instance `name` (pattern `tag`), connected to `d`.
 async fn instance(d: &DecodeEngine, name: &str, tag: u8, pp: u16) -> Vec<PrefillEngine> {
-    let (sockets, peers) = common::mesh_sockets(pp);
+    instance_meshed(d, name, tag, pp, common::mesh_sockets(pp)).await
+}
+
+/// [`instance`] whose vote mesh listens on `sockets` (one per rank), at `peers`.
+async fn instance_meshed(
+    d: &DecodeEngine,
+    name: &str,
+    tag: u8,
+    pp: u16,
+    (sockets, peers): (Vec<Arc<MeshSocket>>, Vec<SocketAddr>),
+) -> Vec<PrefillEngine> {
     let mut starts = Vec::new();
     for rank in 0..pp {
         let (layout, buf) =
@@ -194,6 +207,44 @@ async fn one_decode_engine_serves_several_prefill_instances_with_one_registratio
     );
 }
 
+/// A rank's vote mesh listener counts the handshakes it refuses: one without the secret, and one
+/// that proves it but is no higher PP rank.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vote_mesh_counts_the_handshakes_it_refuses() {
+    use transfer_engine::control::channel::MESH_LABEL;
+    let d = decode().await;
+    d.add_instance("a", 2, 1).unwrap();
+    let (sockets, peers) = common::mesh_sockets(2);
+    let a = instance_meshed(&d, "a", 1, 2, (sockets, peers.clone())).await;
+    let dial = |secret: Secret, rank: u16| {
+        let (addr, hello) = (peers[0], raw_hello("a").with_pp(rank, 2));
+        async move {
+            let deadline = tokio::time::Instant::now() + BOUND;
+            let mut c = Connection::connect(addr, deadline).await.unwrap();
+            c.set_label(MESH_LABEL);
+            transfer_engine::control::handshake(&mut c, &hello, &secret, deadline).await
+        }
+    };
+    assert!(
+        dial(Secret::new(b"not the deployment's secret....."), 1)
+            .await
+            .is_err()
+    );
+    // Rank 0 takes only higher ranks.
+    assert!(dial(Secret::new(SECRET), 0).await.is_err());
+    let until = tokio::time::Instant::now() + BOUND;
+    while (a[0].stats().auth_failures, a[0].stats().handshake_failures) != (1, 1) {
+        assert!(tokio::time::Instant::now() < until, "{:?}", a[0].stats());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The mesh is untouched: a request goes through.
+    let r = RequestId(16);
+    let done = d.expect_request(r, want("a", &[4, 5, 6, 7])).unwrap();
+    send_all(&a, r, &[0, 1, 2, 3]).await;
+    assert_eq!(bounded(done).await, Outcome::Complete);
+    d.shutdown(BOUND).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_instances_loss_fails_only_its_own_requests() {
     let d = decode().await;
@@ -237,9 +288,9 @@ async fn one_instances_loss_fails_only_its_own_requests() {
     send_all(&a, ra2, &[0, 1, 2, 3]).await;
     assert_eq!(bounded(done).await, Outcome::Complete);
     assert_landed(&d, 3, &[0, 1, 2, 3], &dst_a2);
-    let report = d.shutdown(BOUND).await;
     // Shutdown waits within its bound for the held pages (15.5 s after the loss with the
     // default heartbeat), so this one leaks the pool.
+    let report = d.shutdown(Duration::from_millis(500)).await;
     assert!(!report.pool_freed, "{report:?}");
 }
 
@@ -387,6 +438,15 @@ async fn a_rank_of_an_unknown_instance_is_refused_at_the_handshake() {
 async fn raw_rank(d: &DecodeEngine, instance: &str) -> Connection {
     let deadline = tokio::time::Instant::now() + BOUND;
     let mut conn = Connection::connect(d.local_addr(), deadline).await.unwrap();
+    let secret = Secret::new(SECRET);
+    control::handshake(&mut conn, &raw_hello(instance), &secret, deadline)
+        .await
+        .unwrap();
+    conn
+}
+
+/// The Hello of a raw prefill rank of instance `instance`, PP rank 0 of 1.
+fn raw_hello(instance: &str) -> Hello {
     let layout = LayoutInfo {
         num_layers: LAYERS,
         first_layer: 0,
@@ -416,11 +476,48 @@ async fn raw_rank(d: &DecodeEngine, instance: &str) -> Connection {
     .with_instance(instance)
     .with_incarnation(1);
     hello.notify_key = 0x5e55_1005;
-    let secret = Secret::new(SECRET);
-    control::handshake(&mut conn, &hello, &secret, deadline)
-        .await
-        .unwrap();
-    conn
+    hello
+}
+
+/// A rank that sends kinds of message no rank sends once connected (a Hello again, an allocation,
+/// a Vote, a Landed): each is counted and dropped, and the rank stays connected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_of_a_kind_no_rank_sends_are_counted_and_dropped() {
+    let d = decode().await;
+    d.add_instance("m", 1, 1).unwrap();
+    let mut m = raw_rank(&d, "m").await;
+    m.send(&Msg::Ready).await.unwrap();
+    d.wait_for_instance("m", BOUND).await.unwrap();
+    let unexpected = [
+        Msg::Hello(raw_hello("m")),
+        Msg::TransferRequest(control::TransferRequest {
+            request: 9,
+            prompt_tokens: PROMPT,
+            chunk_tokens: CHUNK,
+            dst_pages: vec![0, 1, 2, 3],
+            prefix_tokens: 0,
+            deadline_ms: 1000,
+            landing: None,
+        }),
+        Msg::Vote(control::Vote { bytes: vec![0; 8] }),
+        Msg::Landed(control::Landed {
+            request: 9,
+            chunk: 0,
+        }),
+    ];
+    let n = unexpected.len() as u64;
+    for msg in unexpected {
+        m.send(&msg).await.unwrap();
+    }
+    let until = tokio::time::Instant::now() + BOUND;
+    while d.stats().refused != n {
+        assert!(tokio::time::Instant::now() < until, "{:?}", d.stats());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(d.stats().connected_ranks, 1, "{:?}", d.stats());
+    d.wait_for_instance("m", BOUND).await.unwrap();
+    drop(m);
+    d.shutdown(BOUND).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

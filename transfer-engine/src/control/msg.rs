@@ -38,6 +38,15 @@ pub enum TpMode {
     HeadSliced,
 }
 
+/// A heartbeat interval in whole milliseconds, rounded up (at least 1); 0 for none.
+fn heartbeat_ms(every: Option<std::time::Duration>) -> u32 {
+    every.map_or(0, |d| {
+        u32::try_from(d.as_micros().div_ceil(1000))
+            .unwrap_or(u32::MAX)
+            .max(1)
+    })
+}
+
 /// The KV cache layout one side registered, as far as the peer needs it to plan writes.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct LayoutInfo {
@@ -200,12 +209,14 @@ impl Hello {
     /// round up to whole milliseconds.
     #[must_use]
     pub fn with_heartbeat(mut self, every: Option<std::time::Duration>) -> Self {
-        self.heartbeat_ms = every.map_or(0, |d| {
-            u32::try_from(d.as_micros().div_ceil(1000))
-                .unwrap_or(u32::MAX)
-                .max(1)
-        });
+        self.heartbeat_ms = heartbeat_ms(every);
         self
+    }
+
+    /// The interval a Hello made [`with_heartbeat`](Self::with_heartbeat)`(every)` announces.
+    pub fn announced_heartbeat(every: Option<std::time::Duration>) -> Option<std::time::Duration> {
+        let ms = heartbeat_ms(every);
+        (ms > 0).then(|| std::time::Duration::from_millis(u64::from(ms)))
     }
 
     /// The interval of the sender's heartbeats, `None` if it sends none.

@@ -243,7 +243,9 @@ pub struct DecodeStats {
     pub malformed: u64,
     /// Notifications from a sender no rank is bound to.
     pub unknown_sender: u64,
-    /// Notifications the tracker refused (wrong peer, unknown request, violation...).
+    /// Notifications the tracker refused (wrong peer, unknown request, violation...), and control
+    /// messages a rank may not send: about another instance's request, an aux payload over the
+    /// bound, a kind no rank sends once connected.
     pub refused: u64,
     /// Rank connections whose channel refused a record (a changed or forged byte on the way):
     /// each was closed, and its requests' pages stay quarantined.
@@ -852,13 +854,14 @@ impl AuxStore {
 struct Unacked {
     /// The instance whose ranks are named.
     session: SessionId,
-    /// Connected ranks whose confirmation (AbortAck, or their connection ending) the outcome waits
-    /// for, each with the connection that must confirm: a later start of the rank knows nothing of
+    /// Connected ranks whose confirmation (AbortAck, or their connection ending with their Close)
+    /// the outcome waits for, each with the connection that must confirm: a later start of the rank knows nothing of
     /// the earlier one's writes and confirms nothing for it.
     ranks: Vec<(u16, PeerId)>,
     /// Ranks that cannot confirm by themselves: the pages stay quarantined until the server
-    /// confirms for them (`confirm_stopped`), or, for an evicted rank (`Some` of its connection),
-    /// until that connection ends with its writes over.
+    /// confirms for them (`confirm_stopped`), or, for a connection (`Some`: an evicted rank, one
+    /// whose connection ended without its Close or is ending), until its Close, its AbortAck, or
+    /// the bound after an end without Close ([`LostConn`]).
     external: Vec<(u16, Option<PeerId>)>,
     /// `None` once the outcome was handed out (the request is quarantined).
     outcome: Option<Outcome>,
@@ -1706,7 +1709,8 @@ impl DecodeEngine {
     /// requests fail (`Aborted`; its ranks are told), no new request may be expected from it, and
     /// its ranks are sent Close. Its state is forgotten once none of its ranks is connected and
     /// none of its failed requests still holds pages (their ranks confirm, or their connections
-    /// end). Other instances are not touched. Returns whether the instance was served.
+    /// end: with their Close, or without it and the bound after it passed). Other instances are
+    /// not touched. Returns whether the instance was served.
     pub fn remove_instance(&self, instance: &str) -> bool {
         let mut st = self.inner.lock();
         let Some(id) = st.session_named(instance) else {
@@ -2106,7 +2110,8 @@ impl DecodeEngine {
     }
 
     /// Resolves once no page of `request` is held any more: the request completed, or failed and
-    /// every rank confirmed its writes are over or is gone. At once for a request the engine does
+    /// every rank confirmed its writes are over: its AbortAck, its Close, the bound after its
+    /// connection ended without a Close, or [`confirm_stopped`](Self::confirm_stopped). At once for a request the engine does
     /// not hold.
     ///
     /// # Cancel safety
@@ -2229,11 +2234,13 @@ impl DecodeEngine {
         loop {
             let held = {
                 let st = self.inner.lock();
-                !st.unacked.is_empty()
-                    && st
-                        .sessions
-                        .values()
-                        .any(|s| s.lost.iter().any(|l| l.until.is_some()))
+                st.unacked.values().any(|u| {
+                    st.sessions.get(&u.session).is_some_and(|s| {
+                        s.lost.iter().any(|l| {
+                            l.until.is_some() && u.external.contains(&(l.rank, Some(l.peer)))
+                        })
+                    })
+                })
             };
             if !held {
                 break;
@@ -2283,7 +2290,7 @@ impl DecodeEngine {
     /// told, and requests wait for the rank as for an absent one.
     /// Its connection stays open: a stopped process may still write when it resumes, so the
     /// failed requests' pages stay quarantined until it confirms (its AbortAck) or its connection
-    /// ends, and the same start may be readmitted. A later start of the rank is admitted at once in
+    /// ends (with its Close; without, they wait the bound after the end as well), and the same start may be readmitted. A later start of the rank is admitted at once in
     /// its place: the evicted start's connection is then cut, and its failed requests' pages stay
     /// quarantined for good (nothing of it can confirm any more). `rank` is the PP rank; where
     /// several prefill TP ranks write into this decode TP rank, the start tells which of them.
@@ -2984,7 +2991,10 @@ impl Inner {
                             Some(r) if r.writer.send(msg.clone()).is_ok() => {
                                 ranks.push((rank as u16, r.peer))
                             }
-                            _ => {}
+                            // Its connection is ending (its writer is gone) and not yet handled:
+                            // its end decides, as for a rank asked (`peer_lost`).
+                            Some(r) => external.push((rank as u16, Some(r.peer))),
+                            None => {}
                         }
                     }
                     // A rank whose connection ended without its Close may still be writing into
@@ -3337,8 +3347,9 @@ impl Inner {
         Some(h.finish())
     }
 
-    /// `rank`'s writes for `request` are over: connection `from` of it acknowledged the Abort or is
-    /// gone, or (`None`) the server confirmed for the rank.
+    /// `rank`'s writes for `request` are over: connection `from` of it acknowledged the Abort,
+    /// closed, or ended without its Close and the bound after that passed, or (`None`) the server
+    /// confirmed for the rank.
     fn acked(
         &self,
         st: &mut State,
@@ -3472,9 +3483,11 @@ impl Inner {
         let tampered = end == End::Tampered;
         let unclean = end == End::Lost;
         // One instant for the failures and the absence they belong to: a request that failed here
-        // ended inside the absence, whenever its waiter reads the clock.
-        let now = Instant::now();
+        // ended inside the absence, whenever its waiter reads the clock. Read under the lock: a
+        // request expected before it (`expect` reads its clock before locking) was launched while
+        // the connection held the slot, and is held for it.
         let mut st = self.lock();
+        let now = Instant::now();
         let mut name = String::new();
         if tampered {
             // Failed as for a lost rank, but counted like an evicted one while its requests fail:
@@ -3503,7 +3516,7 @@ impl Inner {
                     rank,
                     peer,
                     at: now,
-                    until: self.lost_bound().map(|b| now + b),
+                    until: self.lost_bound().and_then(|b| now.checked_add(b)),
                 });
                 self.counters.unclean_ends.fetch_add(1, Ordering::Relaxed);
             }
@@ -3562,7 +3575,11 @@ impl Inner {
     /// (this side's heartbeats stopped for three intervals, as it counts them) and what it had
     /// posted is over. `None` without heartbeats.
     fn lost_bound(&self) -> Option<Duration> {
-        super::silence_bound(self.cfg.heartbeat).map(|b| b + self.cfg.abort_ack_timeout)
+        // The interval as this side's Hello announced it (the rank counts that one).
+        let announced = control::Hello::announced_heartbeat(self.cfg.heartbeat)?;
+        announced
+            .checked_mul(super::SILENT_INTERVALS)?
+            .checked_add(self.cfg.abort_ack_timeout)
     }
 
     /// `request` waited for the confirmation of `rank`'s connection `peer`, which ended without
@@ -4149,7 +4166,12 @@ async fn read_loop(
             Msg::Ready => i.on_ready(session, rank, peer),
             Msg::NotReady => i.on_not_ready(session, rank, peer),
             Msg::Close => return End::Closed,
-            _ => {}
+            Msg::Heartbeat => {}
+            other => {
+                // A kind no rank sends once connected: counted and dropped.
+                i.counters.refused.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(rank, kind = ?other.kind(), "unexpected message from a prefill rank dropped");
+            }
         }
     }
 }

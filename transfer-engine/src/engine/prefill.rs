@@ -261,11 +261,17 @@ pub struct PrefillStats {
     pub landing_wait_micros: u64,
     /// Decode engines connected now.
     pub decodes: u64,
-    /// Control messages from a decode engine about a request another decode engine owns, dropped.
+    /// Control messages dropped: from a decode engine about a request another decode engine owns,
+    /// and of a kind no decode engine or PP peer sends once connected.
     pub refused: u64,
     /// Vote mesh connections closed on arrival because
     /// [`MAX_PENDING_HANDSHAKES`](super::MAX_PENDING_HANDSHAKES) handshakes were in progress.
     pub refused_connections: u64,
+    /// Vote mesh connections refused because the peer did not prove the shared secret (or refused
+    /// our proof).
+    pub auth_failures: u64,
+    /// Other failed vote mesh handshakes (not a higher PP rank, a stale start, timeouts...).
+    pub handshake_failures: u64,
     /// Microseconds registering the pool took at start (for a pool the transport allocates, its
     /// allocation and population too).
     pub register_micros: u64,
@@ -505,6 +511,8 @@ struct Counters {
     landing_wait_micros: AtomicU64,
     refused: AtomicU64,
     refused_connections: AtomicU64,
+    auth_failures: AtomicU64,
+    handshake_failures: AtomicU64,
     /// Bytes and writes of completed chunks by decode (control address), for the metrics: one
     /// entry per decode this rank ever wrote into.
     by_peer: Mutex<std::collections::BTreeMap<SocketAddr, Written>>,
@@ -574,6 +582,8 @@ impl Inner {
             decodes,
             refused: c.refused.load(Ordering::Relaxed),
             refused_connections: c.refused_connections.load(Ordering::Relaxed),
+            auth_failures: c.auth_failures.load(Ordering::Relaxed),
+            handshake_failures: c.handshake_failures.load(Ordering::Relaxed),
             register_micros: self.register_micros,
             decisions_held,
             unknown_aborts,
@@ -675,7 +685,7 @@ impl crate::metrics::Source for Inner {
         );
         out.add(
             "kvx_messages_refused",
-            "Control messages about a request another decode owns",
+            "Control messages dropped: about a request another decode owns, or of a kind no peer sends once connected",
             base(),
             Counter(s.refused),
         );
@@ -684,6 +694,18 @@ impl crate::metrics::Source for Inner {
             "Connections closed on arrival: too many handshakes in progress",
             base(),
             Counter(s.refused_connections),
+        );
+        out.add(
+            "kvx_auth_failures",
+            "Handshakes that failed authentication",
+            base(),
+            Counter(s.auth_failures),
+        );
+        out.add(
+            "kvx_handshake_failures",
+            "Handshakes that failed otherwise",
+            base(),
+            Counter(s.handshake_failures),
         );
         let gauge = |n: u64| Gauge(i64::try_from(n).unwrap_or(i64::MAX));
         out.add(
@@ -2631,7 +2653,12 @@ async fn decode_read_loop(
             }
             Msg::Landed(l) => i.on_landed(&link, RequestId(l.request), l.chunk),
             Msg::Close => break,
-            _ => {}
+            Msg::Heartbeat => {}
+            other => {
+                // A kind no decode sends once connected: counted and dropped.
+                i.counters.refused.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(decode = %link.addr, kind = ?other.kind(), "unexpected message from decode dropped");
+            }
         }
     }
     // This decode closed or is gone: nothing more is posted to it, every request of it not yet
@@ -3097,7 +3124,15 @@ async fn mesh_accept_loop(inner: Weak<Inner>, listener: Listener, hello: Arc<Hel
             };
             match control::handshake_with(&mut c, &hello, &i.secret, deadline, check).await {
                 Ok(remote) => attach_peer(&i, &hello, remote.pp_rank, (c, remote.incarnation)),
-                Err(e) => tracing::warn!(error = %e, "PP peer handshake failed"),
+                Err(e) => {
+                    let counter = if e.is_auth_failure() {
+                        &i.counters.auth_failures
+                    } else {
+                        &i.counters.handshake_failures
+                    };
+                    counter.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(error = %e, "PP peer handshake failed");
+                }
             }
         });
     }
@@ -3167,7 +3202,14 @@ fn attach_peer(
                     None => return,
                 },
                 Ok(Some(Msg::Close)) | Ok(None) | Err(_) => break,
-                Ok(Some(_)) => {}
+                Ok(Some(Msg::Heartbeat)) => {}
+                Ok(Some(other)) => {
+                    // A kind no PP peer sends once connected: counted and dropped.
+                    if let Some(i) = weak.upgrade() {
+                        i.counters.refused.fetch_add(1, Ordering::Relaxed);
+                    }
+                    tracing::debug!(rank, kind = ?other.kind(), "unexpected message from a PP peer dropped");
+                }
             }
         }
         let Some(i) = weak.upgrade() else { return };

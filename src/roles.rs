@@ -100,7 +100,7 @@ pub enum Find {
     /// rank's vote mesh address.
     Fixed(Vec<SocketAddr>, Vec<SocketAddr>),
     /// Through etcd (the rank registers itself there too).
-    Etcd(EtcdConfig),
+    Etcd(Box<EtcdConfig>),
 }
 
 /// What the decode role tells its prefill roles in its Hello ([`DecodeConfig::app`], JSON): the

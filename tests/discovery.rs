@@ -8,8 +8,9 @@
 use kvbench::etcd_server::EtcdServer;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
+use transfer_engine::control::Secret;
 use transfer_engine::discovery::{
-    Directory, DirectoryEvent, EngineRecord, EtcdConfig, RecordRole, Registration,
+    Directory, DirectoryEvent, EngineRecord, EtcdConfig, RecordRole, Registration, sealed_value,
 };
 
 /// Bound on every wait for etcd to show a change.
@@ -36,6 +37,7 @@ fn record(role: RecordRole, pp_rank: u16, port: u16, incarnation: u64) -> Engine
 fn cfg(server: &EtcdServer, cluster: &str, ttl: u64) -> EtcdConfig {
     let mut c = EtcdConfig::new(server.url(), cluster);
     c.lease_ttl = Duration::from_secs(ttl);
+    c.secret = Secret::new(b"discovery-test secret, 32 bytes.");
     c
 }
 
@@ -116,7 +118,7 @@ async fn a_dropped_registration_is_deleted_and_an_unrenewed_one_expires() {
     let key = r.key(&c.prefix().unwrap()).unwrap();
     let opts = etcd_client::PutOptions::new().with_lease(lease);
     client
-        .put(key, serde_json::to_vec(&r).unwrap(), Some(opts))
+        .put(key, sealed_value(&c, &r, lease).unwrap(), Some(opts))
         .await
         .unwrap();
     let put_at = Instant::now();
@@ -181,6 +183,102 @@ async fn a_deleted_record_is_put_back_by_its_registration() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert_eq!(reg.state().reregistered, 1);
+}
+
+/// Records someone wrote into etcd without the deployment's secret (plain, sealed with another
+/// secret, or a real record moved to another key or put under another lease) are ignored and
+/// counted, by a directory that follows and by one that lists afresh.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_not_sealed_with_the_secret_for_their_key_and_lease_are_ignored() {
+    let server = EtcdServer::start().unwrap();
+    let c = cfg(&server, "sealed", 5);
+    let dir = Directory::open(&c).await.unwrap();
+    let real = record(RecordRole::Decode, 0, 5000, 1);
+    let reg = Registration::register(&c, real.clone()).await.unwrap();
+    let mut client = etcd_client::Client::connect([server.url()], None)
+        .await
+        .unwrap();
+    let prefix = c.prefix().unwrap();
+    let lease = client.lease_grant(30, None).await.unwrap().id();
+    let opts = || Some(etcd_client::PutOptions::new().with_lease(lease));
+    let mut other = c.clone();
+    other.secret = Secret::new(b"someone else's secret..........");
+    let forged = [
+        // The record as JSON, unsealed.
+        (record(RecordRole::Prefill, 0, 6000, 1), None),
+        // Sealed with another secret.
+        (record(RecordRole::Prefill, 1, 6001, 1), Some(&other)),
+    ];
+    for (r, with) in &forged {
+        let key = r.key(&prefix).unwrap();
+        let value = match with {
+            None => serde_json::to_vec(r).unwrap(),
+            Some(o) => sealed_value(o, r, lease).unwrap(),
+        };
+        client.put(key, value, opts()).await.unwrap();
+    }
+    // The real decode record, moved to a prefill key.
+    let held = client.get(real.key(&prefix).unwrap(), None).await.unwrap();
+    let value = held.kvs()[0].value().to_vec();
+    let moved = record(RecordRole::Prefill, 2, 5000, 1)
+        .key(&prefix)
+        .unwrap();
+    client.put(moved, value.clone(), opts()).await.unwrap();
+    // And put again at its own key under another lease.
+    let replayed = record(RecordRole::Prefill, 3, 5000, 1)
+        .key(&prefix)
+        .unwrap();
+    client.put(replayed.clone(), value, opts()).await.unwrap();
+    let t = Instant::now();
+    while dir.refused_records() < 4 {
+        assert!(t.elapsed() < BOUND, "{}", dir.refused_records());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(dir.records(), vec![real.clone()]);
+    let fresh = Directory::open(&c).await.unwrap();
+    assert_eq!(fresh.records(), vec![real.clone()]);
+    assert_eq!(fresh.refused_records(), 4);
+    // A directory of another secret takes only what was sealed with that secret.
+    let outsider = Directory::open(&other).await.unwrap();
+    assert!(outsider.records().len() == 1 && outsider.records()[0].address.port() == 6001);
+    assert!(!reg.state().superseded);
+}
+
+/// A record with a later incarnation that someone without the secret puts at a live engine's key
+/// does not supersede it: its registration puts its own record back, and directories never take
+/// the forged one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_later_start_does_not_supersede_an_engine() {
+    let server = EtcdServer::start().unwrap();
+    let c = cfg(&server, "forged", 3);
+    let dir = Directory::open(&c).await.unwrap();
+    let reg = Registration::register(&c, record(RecordRole::Prefill, 1, 7000, 5))
+        .await
+        .unwrap();
+    let mut client = etcd_client::Client::connect([server.url()], None)
+        .await
+        .unwrap();
+    let forged = record(RecordRole::Prefill, 1, 7999, 99);
+    let key = forged.key(&c.prefix().unwrap()).unwrap();
+    let mut other = c.clone();
+    other.secret = Secret::new(b"not the deployment's secret.....");
+    let value = sealed_value(&other, &forged, 0).unwrap();
+    client.put(key.clone(), value, None).await.unwrap();
+    let t = Instant::now();
+    while reg.state().reregistered == 0 {
+        assert!(t.elapsed() < BOUND, "{:?}", reg.state());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(!reg.state().superseded, "{:?}", reg.state());
+    assert!(dir.refused_records() >= 1);
+    let rs = Directory::open(&c).await.unwrap().records();
+    assert_eq!(
+        rs.iter()
+            .map(|r| (r.incarnation, r.address.port()))
+            .collect::<Vec<_>>(),
+        vec![(5, 7000)]
+    );
+    assert_eq!(dir.records(), rs);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -14,6 +14,7 @@ use kvbench::roles;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
+use transfer_engine::control::Secret;
 use transfer_engine::core::planner::RegionKind;
 use transfer_engine::discovery::EtcdConfig;
 use transfer_engine::transport::{BackendKind, ProgressScheduling};
@@ -428,8 +429,9 @@ impl Opts {
         }
     }
 
-    /// The etcd settings of the multi-process roles, if `--etcd` was given.
-    fn discovery(&self) -> Result<Option<EtcdConfig>, String> {
+    /// The etcd settings of the multi-process roles, if `--etcd` was given; their records are
+    /// authenticated with the roles' shared secret `token`.
+    fn discovery(&self, token: Option<&[u8]>) -> Result<Option<EtcdConfig>, String> {
         let Some(urls) = &self.etcd else {
             return Ok(None);
         };
@@ -445,6 +447,7 @@ impl Opts {
         let mut cfg = EtcdConfig::new(String::new(), self.cluster.clone());
         cfg.endpoints = urls.split(',').map(str::to_string).collect();
         cfg.lease_ttl = Duration::from_secs_f64(self.lease_ttl);
+        cfg.secret = token.map_or_else(Secret::none, Secret::new);
         cfg.prefix().map_err(|e| e.to_string())?;
         if let Some(name) = &self.etcd_user {
             let password = std::env::var("KVX_ETCD_PASSWORD")
@@ -890,7 +893,7 @@ fn main() -> ExitCode {
             tp_rank,
         }) => rt
             .block_on(async {
-                let place = match (listen, cli.opts.discovery()?) {
+                let place = match (listen, cli.opts.discovery(token.as_deref())?) {
                     (Some(l), etcd) => roles::Place::Fixed(l, etcd),
                     (None, Some(etcd)) => roles::Place::Etcd(etcd),
                     (None, None) => return Err("decode needs --listen or --etcd".to_string()),
@@ -939,9 +942,9 @@ fn main() -> ExitCode {
             let mut w = w.clone();
             w.pp = pp_size.unwrap_or(w.pp);
             rt.block_on(async {
-                let find = match (connect.is_empty(), cli.opts.discovery()?) {
+                let find = match (connect.is_empty(), cli.opts.discovery(token.as_deref())?) {
                     (false, None) => roles::Find::Fixed(connect, peers),
-                    (_, Some(etcd)) => roles::Find::Etcd(etcd),
+                    (_, Some(etcd)) => roles::Find::Etcd(Box::new(etcd)),
                     (true, None) => return Err("prefill needs --connect or --etcd".to_string()),
                 };
                 // The workload is decode's; flags given here must agree with it.

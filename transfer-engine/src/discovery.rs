@@ -19,6 +19,7 @@
 //!
 //! The one etcd client is the maintained `etcd-client` crate (gRPC through tonic).
 
+use crate::control::Secret;
 use crate::engine::{
     DecodeEngine, EngineError, MeshSocket, PrefillConfig, PrefillEngine, TpConfig,
 };
@@ -29,7 +30,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 /// Where the cluster's records live.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct EtcdConfig {
     /// etcd endpoints, as `http://host:port` (or `https://` with [`tls`](Self::tls)).
     pub endpoints: Vec<String>,
@@ -53,6 +54,11 @@ pub struct EtcdConfig {
     /// unreachable or stopped: the directory says so ([`Directory::is_live`]), connects again and
     /// lists afresh.
     pub watch_liveness: Duration,
+    /// The deployment's shared secret (the engines' `token`): every record carries a MAC keyed
+    /// from it over its key, its lease and its content, and a directory takes only records whose
+    /// MAC checks, so whoever can write etcd without the secret can delete records but neither
+    /// make one up nor change one. [`Secret::none`] (the default) is everyone's.
+    pub secret: Secret,
 }
 
 /// etcd credentials. `Debug` never shows the password.
@@ -95,6 +101,7 @@ impl EtcdConfig {
             user: None,
             tls: None,
             watch_liveness: Duration::from_secs(5),
+            secret: Secret::none(),
         }
     }
 
@@ -376,15 +383,16 @@ impl Registration {
     /// etcd unreachable, a bad cluster name, or [`DiscoveryError::Superseded`].
     pub async fn register(cfg: &EtcdConfig, record: EngineRecord) -> Result<Self, DiscoveryError> {
         let key = record.key(&cfg.prefix()?)?;
-        let value = serde_json::to_vec(&record).map_err(|e| DiscoveryError::BadRecord {
+        let json = serde_json::to_string(&record).map_err(|e| DiscoveryError::BadRecord {
             key: key.clone(),
             reason: e.to_string(),
         })?;
         let mut client = cfg.connect_at_start().await?;
         let mine = Owned {
             key,
-            value,
+            json,
             incarnation: record.incarnation,
+            secret: cfg.secret.clone(),
         };
         let lease = client.lease_grant(cfg.ttl_secs(), None).await?.id();
         if let Err(e) = mine.put(&mut client, lease).await {
@@ -429,11 +437,18 @@ impl Drop for Registration {
 /// A registration's key and record, and the incarnation that owns the key while it holds it.
 struct Owned {
     key: String,
-    value: Vec<u8>,
+    /// The record, as JSON.
+    json: String,
     incarnation: u64,
+    secret: Secret,
 }
 
 impl Owned {
+    /// What the key holds while this record holds it under `lease`.
+    fn value(&self, lease: i64) -> Vec<u8> {
+        seal(&self.secret, &self.key, lease, &self.json)
+    }
+
     /// Puts the record under `lease`, in a transaction that succeeds only if the key still holds
     /// what was read just before (nothing, or a record of an incarnation no larger than ours);
     /// read and try again when something else wrote in between. `Ok(false)`: the key already
@@ -444,13 +459,16 @@ impl Owned {
         lease: i64,
     ) -> Result<bool, DiscoveryError> {
         use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
+        let value = self.value(lease);
         loop {
             let got = client.get(self.key.as_str(), None).await?;
             let guard = match got.kvs().first() {
                 None => Compare::version(self.key.as_str(), CompareOp::Equal, 0),
                 Some(kv) => {
-                    // A record we cannot read is not a later start: ours replaces it.
-                    let theirs = parse(&self.key, kv.value()).map_or(0, |r| r.incarnation);
+                    // A record we cannot read, or whose MAC does not check (not written with
+                    // the secret), is not a later start: ours replaces it.
+                    let theirs = parse(&self.secret, &self.key, kv.lease(), kv.value())
+                        .map_or(0, |r| r.incarnation);
                     if theirs > self.incarnation {
                         return Err(DiscoveryError::Superseded {
                             key: self.key.clone(),
@@ -458,7 +476,7 @@ impl Owned {
                             ours: self.incarnation,
                         });
                     }
-                    if kv.value() == self.value.as_slice() && kv.lease() == lease {
+                    if kv.value() == value.as_slice() && kv.lease() == lease {
                         return Ok(false);
                     }
                     Compare::mod_revision(self.key.as_str(), CompareOp::Equal, kv.mod_revision())
@@ -466,7 +484,7 @@ impl Owned {
             };
             let put = TxnOp::put(
                 self.key.as_str(),
-                self.value.clone(),
+                value.clone(),
                 Some(PutOptions::new().with_lease(lease)),
             );
             if client
@@ -613,6 +631,8 @@ pub struct Directory {
     events: tokio::sync::broadcast::Sender<DirectoryEvent>,
     /// Whether the watch follows etcd now (see [`EtcdConfig::watch_liveness`]).
     live: Arc<std::sync::atomic::AtomicBool>,
+    /// Records ignored: unreadable, or their MAC did not check.
+    refused: Arc<std::sync::atomic::AtomicU64>,
     _task: Arc<AbortOnDrop>,
 }
 
@@ -636,7 +656,8 @@ impl Directory {
         let records: Arc<Mutex<HashMap<String, EngineRecord>>> = Arc::default();
         let (ctx, crx) = watch::channel(0u64);
         let (events, _) = tokio::sync::broadcast::channel(1024);
-        let rev = list(&mut client, &prefix, &records, &events).await?;
+        let refused = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let rev = list(cfg, &mut client, &records, &events, &refused).await?;
         let live = Arc::new(std::sync::atomic::AtomicBool::new(true));
         let task = tokio::spawn(follow(
             cfg.clone(),
@@ -648,6 +669,7 @@ impl Directory {
                 changed: ctx,
                 events: events.clone(),
                 live: live.clone(),
+                refused: refused.clone(),
             },
         ));
         Ok(Directory {
@@ -655,8 +677,15 @@ impl Directory {
             changed: crx,
             events,
             live,
+            refused,
             _task: Arc::new(AbortOnDrop(task)),
         })
+    }
+
+    /// Records the directory ignored since it opened: unreadable, or not sealed with the
+    /// deployment's secret for their key and lease ([`EtcdConfig::secret`]).
+    pub fn refused_records(&self) -> u64 {
+        self.refused.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether the directory follows etcd now: false from the moment its watch went silent past
@@ -768,22 +797,85 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-fn parse(key: &str, value: &[u8]) -> Result<EngineRecord, DiscoveryError> {
-    serde_json::from_slice(value).map_err(|e| DiscoveryError::BadRecord {
-        key: key.to_string(),
+/// An etcd value: a record's JSON and the MAC that authenticates it.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Sealed {
+    record: String,
+    mac: String,
+}
+
+/// The MAC of record `json` under `key` and `lease`, keyed from `secret`: a record moved to
+/// another key, or put under another lease, does not check.
+fn record_mac(secret: &Secret, key: &str, lease: i64, json: &str) -> blake3::Hash {
+    let mut h = blake3::Hasher::new_keyed(&secret.record_key());
+    h.update(&(key.len() as u64).to_le_bytes());
+    h.update(key.as_bytes());
+    h.update(&lease.to_le_bytes());
+    h.update(json.as_bytes());
+    h.finalize()
+}
+
+/// The value that holds record `json` under `key` and `lease`.
+fn seal(secret: &Secret, key: &str, lease: i64, json: &str) -> Vec<u8> {
+    let sealed = Sealed {
+        record: json.to_owned(),
+        mac: record_mac(secret, key, lease, json).to_hex().to_string(),
+    };
+    // Two strings: their encoding cannot fail.
+    serde_json::to_vec(&sealed).unwrap_or_default()
+}
+
+/// The value a registration of `record` under `cfg` puts under `lease` (for tests and tools that
+/// write etcd themselves).
+///
+/// # Errors
+/// A bad cluster or instance name.
+pub fn sealed_value(
+    cfg: &EtcdConfig,
+    record: &EngineRecord,
+    lease: i64,
+) -> Result<Vec<u8>, DiscoveryError> {
+    let key = record.key(&cfg.prefix()?)?;
+    let json = serde_json::to_string(record).map_err(|e| DiscoveryError::BadRecord {
+        key: key.clone(),
         reason: e.to_string(),
-    })
+    })?;
+    Ok(seal(&cfg.secret, &key, lease, &json))
+}
+
+/// The record `value` holds under `key` and `lease`, if its MAC checks.
+fn parse(
+    secret: &Secret,
+    key: &str,
+    lease: i64,
+    value: &[u8],
+) -> Result<EngineRecord, DiscoveryError> {
+    let bad = |reason: String| DiscoveryError::BadRecord {
+        key: key.to_string(),
+        reason,
+    };
+    let sealed: Sealed = serde_json::from_slice(value).map_err(|e| bad(e.to_string()))?;
+    let mac = blake3::Hash::from_hex(&sealed.mac).map_err(|e| bad(e.to_string()))?;
+    // `blake3::Hash` compares in constant time.
+    if mac != record_mac(secret, key, lease, &sealed.record) {
+        return Err(bad(
+            "its MAC does not check: not written with the deployment's secret, or moved".into(),
+        ));
+    }
+    serde_json::from_str(&sealed.record).map_err(|e| bad(e.to_string()))
 }
 
 /// Replaces the records with the prefix's listing; returns its revision. Records that vanished
 /// while the directory was not following are dropped without a `Deleted` event: only a watched
 /// deletion says that an engine's lease ended.
 async fn list(
+    cfg: &EtcdConfig,
     client: &mut etcd_client::Client,
-    prefix: &str,
     records: &Mutex<HashMap<String, EngineRecord>>,
     events: &tokio::sync::broadcast::Sender<DirectoryEvent>,
+    refused: &std::sync::atomic::AtomicU64,
 ) -> Result<i64, DiscoveryError> {
+    let prefix = cfg.prefix()?;
     let resp = client
         .get(prefix, Some(etcd_client::GetOptions::new().with_prefix()))
         .await?;
@@ -793,11 +885,14 @@ async fn list(
     let mut fresh = HashMap::new();
     for kv in resp.kvs() {
         let key = String::from_utf8_lossy(kv.key()).into_owned();
-        match parse(&key, kv.value()) {
+        match parse(&cfg.secret, &key, kv.lease(), kv.value()) {
             Ok(r) => {
                 fresh.insert(key, r);
             }
-            Err(e) => tracing::warn!(error = %e, "ignoring a record"),
+            Err(e) => {
+                refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                tracing::warn!(error = %e, "ignoring a record");
+            }
         }
     }
     let mut map = lock(records);
@@ -816,6 +911,7 @@ struct Follow {
     changed: watch::Sender<u64>,
     events: tokio::sync::broadcast::Sender<DirectoryEvent>,
     live: Arc<std::sync::atomic::AtomicBool>,
+    refused: Arc<std::sync::atomic::AtomicU64>,
 }
 
 async fn follow(
@@ -872,17 +968,26 @@ async fn follow(
                     let key = String::from_utf8_lossy(kv.key()).into_owned();
                     rev = rev.max(kv.mod_revision());
                     match ev.event_type() {
-                        etcd_client::EventType::Put => match parse(&key, kv.value()) {
-                            Ok(r) => {
-                                lock(&f.records).insert(key, r.clone());
-                                let _ = f.events.send(DirectoryEvent::Put(r));
+                        etcd_client::EventType::Put => {
+                            match parse(&cfg.secret, &key, kv.lease(), kv.value()) {
+                                Ok(r) => {
+                                    lock(&f.records).insert(key, r.clone());
+                                    let _ = f.events.send(DirectoryEvent::Put(r));
+                                }
+                                // The key's last authentic record stays: the registration that
+                                // owns the key puts it back at its next renewal.
+                                Err(e) => {
+                                    f.refused.fetch_add(1, Ordering::Relaxed);
+                                    tracing::warn!(error = %e, "ignoring a record");
+                                }
                             }
-                            Err(e) => tracing::warn!(error = %e, "ignoring a record"),
-                        },
+                        }
                         etcd_client::EventType::Delete => {
-                            let old = lock(&f.records)
-                                .remove(&key)
-                                .or_else(|| ev.prev_kv().and_then(|p| parse(&key, p.value()).ok()));
+                            let old = lock(&f.records).remove(&key).or_else(|| {
+                                ev.prev_kv().and_then(|p| {
+                                    parse(&cfg.secret, &key, p.lease(), p.value()).ok()
+                                })
+                            });
                             if let Some(r) = old {
                                 let _ = f.events.send(DirectoryEvent::Deleted(r));
                             }
@@ -902,7 +1007,7 @@ async fn follow(
             let Ok(mut c) = cfg.connect().await else {
                 continue;
             };
-            if let Ok(r) = list(&mut c, &prefix, &f.records, &f.events).await {
+            if let Ok(r) = list(&cfg, &mut c, &f.records, &f.events, &f.refused).await {
                 rev = r;
                 client = c;
                 f.live.store(true, Ordering::Release);

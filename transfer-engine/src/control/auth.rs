@@ -28,6 +28,8 @@ const KEY_CONTEXT: &str = "kvx control plane 2026-12 mutual authentication key v
 const CHANNEL_KEY_LABEL: &[u8] = b"kvx/channel/psk/v1";
 /// Domain of the sealed boxes' keys ([`super::channel::seal_box`]), before the protocol's label.
 const BOX_KEY_LABEL: &[u8] = b"kvx/box/v1/";
+/// Domain of the key that authenticates discovery records (`crate::discovery`).
+const RECORD_KEY_LABEL: &[u8] = b"kvx/etcd-record/v1";
 
 /// The shared secret of a deployment. It never leaves the process: only proofs computed from it
 /// do. Its `Debug` never shows it.
@@ -60,6 +62,12 @@ impl Secret {
     /// The channel's pre-shared key (Noise's `psk`), derived from the secret's key.
     pub(crate) fn channel_key(&self) -> [u8; 32] {
         *blake3::keyed_hash(&self.key, CHANNEL_KEY_LABEL).as_bytes()
+    }
+
+    /// The key that authenticates the engines' discovery records, derived from the secret's key.
+    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
+    pub(crate) fn record_key(&self) -> [u8; 32] {
+        *blake3::keyed_hash(&self.key, RECORD_KEY_LABEL).as_bytes()
     }
 
     /// The key of the sealed boxes of the protocol named `label`, derived from the secret's key.

@@ -158,15 +158,18 @@ fn one_decode_and_four_prefill_ranks_find_each_other_through_etcd() {
     prefills_exit_cleanly(&mut kids, &[]);
     // The engines revoked their records as they ended.
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let left = rt.block_on(async {
+    let (left, refused) = rt.block_on(async {
         let mut c = transfer_engine::discovery::EtcdConfig::new(server.url(), "find");
         c.lease_ttl = Duration::from_secs(5);
-        transfer_engine::discovery::Directory::open(&c)
+        // The roles' secret: their records are sealed with it.
+        c.secret = transfer_engine::control::Secret::new(kids.token.as_bytes());
+        let dir = transfer_engine::discovery::Directory::open(&c)
             .await
-            .unwrap()
-            .records()
+            .unwrap();
+        (dir.records(), dir.refused_records())
     });
     assert!(left.is_empty(), "records left behind: {left:?}");
+    assert_eq!(refused, 0, "records that did not check");
 }
 
 #[test]

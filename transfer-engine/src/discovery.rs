@@ -54,10 +54,13 @@ pub struct EtcdConfig {
     /// unreachable or stopped: the directory says so ([`Directory::is_live`]), connects again and
     /// lists afresh.
     pub watch_liveness: Duration,
-    /// The deployment's shared secret (the engines' `token`): every record carries a MAC keyed
-    /// from it over its key, its lease and its content, and a directory takes only records whose
-    /// MAC checks, so whoever can write etcd without the secret can delete records but neither
-    /// make one up nor change one. [`Secret::none`] (the default) is everyone's.
+    /// The deployment's shared secret: give it the engines' `token`. Every record carries a MAC
+    /// keyed from it over its key, its lease and its content, and a directory takes only records
+    /// whose MAC checks, so whoever can write etcd without the secret cannot make a record up or
+    /// change one (but can delete one, or put back a record whose lease ended under a lease
+    /// granted with the same id). [`Secret::none`] (the default) is everyone's: anyone can seal
+    /// with it. Engines under other secrets (or builds before the MAC) do not see each other's
+    /// records, and each takes the other's record at its key for no start and overwrites it.
     pub secret: Secret,
 }
 
@@ -682,8 +685,9 @@ impl Directory {
         })
     }
 
-    /// Records the directory ignored since it opened: unreadable, or not sealed with the
-    /// deployment's secret for their key and lease ([`EtcdConfig::secret`]).
+    /// Records the directory ignored since it opened, unreadable or not sealed with the
+    /// deployment's secret for their key and lease ([`EtcdConfig::secret`]); each listing
+    /// (after the watch broke) counts again those it finds.
     pub fn refused_records(&self) -> u64 {
         self.refused.load(std::sync::atomic::Ordering::Relaxed)
     }
@@ -974,11 +978,15 @@ async fn follow(
                                     lock(&f.records).insert(key, r.clone());
                                     let _ = f.events.send(DirectoryEvent::Put(r));
                                 }
-                                // The key's last authentic record stays: the registration that
-                                // owns the key puts it back at its next renewal.
+                                // The key no longer holds its record, nor its lease: as deleted
+                                // (as a listing would find it), until the registration that
+                                // owns the key puts the record back at its next renewal.
                                 Err(e) => {
                                     f.refused.fetch_add(1, Ordering::Relaxed);
                                     tracing::warn!(error = %e, "ignoring a record");
+                                    if let Some(r) = lock(&f.records).remove(&key) {
+                                        let _ = f.events.send(DirectoryEvent::Deleted(r));
+                                    }
                                 }
                             }
                         }

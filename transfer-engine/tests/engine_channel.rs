@@ -786,6 +786,58 @@ async fn messages_of_a_kind_no_decode_sends_are_counted_and_dropped() {
     d.shutdown(BOUND).await;
 }
 
+/// A prefill rank that dials decode's address and finds a listener of another role there, which
+/// holds the secret, speaks decode's protocol and passes the Hello's checks (the other PP rank of
+/// the rank's pipeline, as a relay or a wrong record could present it): the rank refuses it for
+/// its role, and does not start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_rank_refuses_a_listener_that_is_not_a_decode() {
+    let d = decode().await;
+    let secret = Secret::new(SECRET);
+    let mut hello = probe_decode(d.local_addr(), Some(&secret), BOUND)
+        .await
+        .unwrap();
+    hello.role = control::Role::Prefill;
+    (hello.pp_rank, hello.pp_size) = (1, 2);
+    (hello.layout.first_layer, hello.layout.layers) = (1, 1);
+    let listener = Listener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr();
+    let server = tokio::spawn(async move {
+        let mut conn = listener.accept().await.unwrap();
+        let deadline = tokio::time::Instant::now() + BOUND;
+        control::handshake(&mut conn, &hello, &secret, deadline).await
+    });
+    // PP rank 0 of 2: it dials decode before it forms its vote mesh.
+    let layout = KvLayout::packed(0, 1, RegionKind::Fused, PAGE_BYTES, PAGES);
+    let mut cfg = PrefillConfig::new(addr, 0, 2, LAYERS, PAGE_TOKENS, layout.clone());
+    let (sockets, peers) = common::mesh_sockets(2);
+    cfg.peers = peers;
+    cfg.mesh_socket = sockets.first().cloned();
+    cfg.token = Some(Secret::new(SECRET));
+    cfg.connect_timeout = Duration::from_secs(5);
+    let buf = HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).unwrap();
+    let err = match PrefillEngine::start(cfg, Pool::Owned(buf)).await {
+        Ok(_) => panic!("a rank started against a listener that is no decode"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains("dialed a decode at this address, found a prefill"),
+        "{err}"
+    );
+    let theirs = bounded(server).await.unwrap();
+    assert!(
+        matches!(
+            theirs,
+            Err(control::ControlError::PeerRejected {
+                reason: control::RejectReason::RoleMismatch(_),
+                ..
+            })
+        ),
+        "{theirs:?}"
+    );
+    d.shutdown(BOUND).await;
+}
+
 /// Waits (bounded) until `f` holds of the prefill rank's stats, and returns them.
 async fn until_prefill(
     p: &PrefillEngine,

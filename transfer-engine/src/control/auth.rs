@@ -24,6 +24,9 @@ use super::msg::Role;
 
 /// Domain of the key derivation, so the secret's use here never collides with another use of it.
 const KEY_CONTEXT: &str = "kvx control plane 2026-12 mutual authentication key v1";
+/// Salt of the secret's stretching (one per protocol, not per deployment: the secret is the only
+/// input the deployment chooses).
+const STRETCH_SALT: &[u8] = b"kvx control plane secret, argon2id, v1";
 /// Domain of the channel's pre-shared key, derived from the secret's key.
 const CHANNEL_KEY_LABEL: &[u8] = b"kvx/channel/psk/v1";
 /// Domain of the sealed boxes' keys ([`super::channel::seal_box`]), before the protocol's label.
@@ -40,10 +43,12 @@ pub struct Secret {
 }
 
 impl Secret {
-    /// The secret from its bytes (any length; a key is derived from them).
+    /// The secret from its bytes (any length; a key is derived from them, with Argon2id at its
+    /// default cost, 19 MiB and two passes, so that each guess at a weak secret tried against a
+    /// recorded handshake costs that much; the same bytes are stretched once per process).
     pub fn new(bytes: &[u8]) -> Self {
         Secret {
-            key: blake3::derive_key(KEY_CONTEXT, bytes),
+            key: stretched(&blake3::derive_key(KEY_CONTEXT, bytes)),
             empty: bytes.is_empty(),
         }
     }
@@ -76,6 +81,39 @@ impl Secret {
         input.extend_from_slice(label);
         *blake3::keyed_hash(&self.key, &input).as_bytes()
     }
+}
+
+/// `fast` (the secret's bytes, hashed) stretched with Argon2id; each distinct input once per
+/// process.
+fn stretched(fast: &[u8; 32]) -> [u8; 32] {
+    static DONE: std::sync::Mutex<Vec<([u8; 32], [u8; 32])>> = std::sync::Mutex::new(Vec::new());
+    let mut done = DONE
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some((_, key)) = done.iter().find(|(f, _)| f == fast) {
+        return *key;
+    }
+    let mut key = [0u8; 32];
+    let argon = argon2::Argon2::new(
+        argon2::Algorithm::Argon2id,
+        argon2::Version::V0x13,
+        argon2::Params::default(),
+    );
+    // A 32-byte input and output and this salt are within Argon2's bounds: it cannot fail. Were it
+    // to, the unstretched key is still the secret's.
+    let key = match argon.hash_password_into(fast, STRETCH_SALT, &mut key) {
+        Ok(()) => key,
+        Err(e) => {
+            tracing::error!(error = %e, "stretching the secret failed: its key is not stretched");
+            *fast
+        }
+    };
+    // A process holds a handful of secrets (a wrong one in a test, say): bounded all the same.
+    if done.len() >= 64 {
+        done.remove(0);
+    }
+    done.push((*fast, key));
+    key
 }
 
 impl std::fmt::Debug for Secret {
@@ -143,4 +181,28 @@ impl Challenge {
 pub struct Proof {
     /// The Noise message (an ephemeral public key and a tag).
     pub msg: Vec<u8>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The key is BLAKE3's derivation stretched with Argon2id at its default cost (a change would
+    /// also part engines of different builds), and the same bytes give the same key again.
+    #[test]
+    fn the_secrets_key_is_stretched_with_argon2id() {
+        let fast = blake3::derive_key(KEY_CONTEXT, b"a weak secret");
+        let mut want = [0u8; 32];
+        argon2::Argon2::new(
+            argon2::Algorithm::Argon2id,
+            argon2::Version::V0x13,
+            argon2::Params::new(19 * 1024, 2, 1, Some(32)).unwrap_or_default(),
+        )
+        .hash_password_into(&fast, STRETCH_SALT, &mut want)
+        .unwrap_or_default();
+        assert_ne!(want, [0u8; 32]);
+        assert_eq!(Secret::new(b"a weak secret").key, want);
+        assert_eq!(Secret::new(b"a weak secret").key, want);
+        assert_ne!(Secret::new(b"another weak secret").key, want);
+    }
 }

@@ -172,6 +172,24 @@ pub(crate) fn seal_box<'py>(
     Ok(PyBytes::new(py, &sealed))
 }
 
+/// The key of a MAC of the protocol named `label`, derived from the secret (`None`: the
+/// deployment has none), stretched as the engines' keys are: for an integration's own MACs
+/// (`kvx.sglang`'s directory requests), so a guess at the secret costs what it costs elsewhere.
+#[pyfunction]
+pub(crate) fn mac_key<'py>(
+    py: Python<'py>,
+    secret: Option<&[u8]>,
+    label: &str,
+) -> Bound<'py, PyBytes> {
+    // The first stretch of a secret takes tens of milliseconds: other Python threads run.
+    let key = py.detach(|| {
+        secret
+            .map_or_else(Secret::none, Secret::new)
+            .mac_key(label.as_bytes())
+    });
+    PyBytes::new(py, &key)
+}
+
 /// The plaintext of a `seal_box` box; `kvx.ProtocolError` when it does not open (another secret,
 /// label or `aad`, or a changed byte).
 #[pyfunction]

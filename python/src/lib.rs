@@ -349,6 +349,7 @@ fn _kvx(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<channel::Channel>()?;
     m.add_function(wrap_pyfunction!(channel::seal_box, m)?)?;
     m.add_function(wrap_pyfunction!(channel::open_box, m)?)?;
+    m.add_function(wrap_pyfunction!(channel::mac_key, m)?)?;
     m.add_function(wrap_pyfunction!(tp_sources, m)?)?;
     m.add_function(wrap_pyfunction!(tp_targets, m)?)?;
     m.add_class::<decode::DecodeEngine>()?;

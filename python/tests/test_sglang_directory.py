@@ -107,6 +107,25 @@ def test_an_address_that_is_no_directory_is_an_oserror_for_every_caller():
     listener.close()
 
 
+def test_a_requests_mac_is_keyed_from_the_stretched_secret_not_the_secret():
+    """The header's MAC is seen on the network: keyed with the secret itself, each guess at a short
+    secret would cost one HMAC. It is keyed with the key kvx derives from the secret (stretched with
+    Argon2id, as the engines' keys are)."""
+    import hashlib
+    import hmac
+
+    from kvx._kvx import mac_key
+    from kvx.sglang.directory import MAC_LABEL, sign
+
+    body = json.dumps(RANK).encode()
+    stamp, mac = sign(SECRET, "PUT", "/kvx/prefill", body)["X-Kvx-Auth"].split(":")
+    msg = b"\n".join([stamp.encode(), b"PUT", b"/kvx/prefill", body])
+    assert mac != hmac.new(SECRET, msg, hashlib.sha256).hexdigest()
+    key = mac_key(SECRET, MAC_LABEL)
+    assert len(key) == 32 and key != mac_key(b"another secret", MAC_LABEL)
+    assert mac == hmac.new(key, msg, hashlib.sha256).hexdigest()
+
+
 def test_the_directory_serves_only_callers_that_prove_the_secret(directory):
     from kvx.sglang.directory import http, sign
 

@@ -4,7 +4,8 @@ Each prefill rank publishes its DP group, its PP/TP rank in it and its layer ran
 publishes the control address of its ``kvx.DecodeEngine`` for the DP group it takes rooms from;
 each prefill rank publishes the address its PP vote mesh listens on (one mesh per pipeline, that is
 per DP group and TP rank, for every decode). Those are addresses, so every ``/kvx/``
-request, read or write, proves the deployment's shared secret: an HMAC-SHA256 over a timestamp,
+request, read or write, proves the deployment's shared secret: an HMAC-SHA256 (keyed with a key kvx
+derives from the secret, ``kvx._kvx.mac_key``, stretched as the engines' keys are) over a timestamp,
 the method, the path and the body (header ``X-Kvx-Auth: <unix seconds>:<hex>``), checked in
 constant time and refused (401) when wrong, missing or more than ``MAX_SKEW_S`` old. And no body
 crosses in clear: a request's body and every ``/kvx/`` reply are sealed boxes
@@ -27,6 +28,7 @@ restarted on the same address from one that stayed up, and announces itself agai
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -43,7 +45,7 @@ from urllib.parse import parse_qs, urlparse
 from sglang.srt.disaggregation.base.conn import BaseKVBootstrapServer
 
 from kvx import ProtocolError
-from kvx._kvx import open_box, seal_box
+from kvx._kvx import mac_key, open_box, seal_box
 
 from .settings import secret
 
@@ -59,9 +61,19 @@ ROOM_TTL_S = 120.0
 MAX_ROOMS = 1 << 16
 
 
+# The label of the requests' MAC key, derived from the secret in kvx (stretched as the engines' keys
+# are, so that a guess at the secret checked against a header seen on the network costs as much).
+MAC_LABEL = "kvx/sglang-directory/v1"
+
+
+@functools.lru_cache(maxsize=8)
+def _mac_key(secret: bytes) -> bytes:
+    return mac_key(secret, MAC_LABEL)
+
+
 def _mac(key: bytes, stamp: str, method: str, path: str, body: bytes) -> str:
     msg = b"\n".join([stamp.encode(), method.encode(), path.encode(), body])
-    return hmac.new(key, msg, hashlib.sha256).hexdigest()
+    return hmac.new(_mac_key(key), msg, hashlib.sha256).hexdigest()
 
 
 def sign(key: Optional[bytes], method: str, path: str, body: bytes) -> dict:

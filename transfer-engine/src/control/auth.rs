@@ -33,6 +33,8 @@ const CHANNEL_KEY_LABEL: &[u8] = b"kvx/channel/psk/v1";
 const BOX_KEY_LABEL: &[u8] = b"kvx/box/v1/";
 /// Domain of the key that authenticates discovery records (`crate::discovery`).
 const RECORD_KEY_LABEL: &[u8] = b"kvx/etcd-record/v1";
+/// Domain of the MAC keys handed to the integrations ([`Secret::mac_key`]), before their label.
+const MAC_KEY_LABEL: &[u8] = b"kvx/mac/v1/";
 
 /// The shared secret of a deployment. It never leaves the process: only proofs computed from it
 /// do. Its `Debug` never shows it.
@@ -45,10 +47,16 @@ pub struct Secret {
 impl Secret {
     /// The secret from its bytes (any length; a key is derived from them, with Argon2id at its
     /// default cost, 19 MiB and two passes, so that each guess at a weak secret tried against a
-    /// recorded handshake costs that much; the same bytes are stretched once per process).
+    /// recorded handshake costs that much; the same bytes are stretched once per process). The
+    /// empty secret, which everyone holds, is not stretched.
     pub fn new(bytes: &[u8]) -> Self {
+        let fast = blake3::derive_key(KEY_CONTEXT, bytes);
         Secret {
-            key: stretched(&blake3::derive_key(KEY_CONTEXT, bytes)),
+            key: if bytes.is_empty() {
+                fast
+            } else {
+                stretched(&fast)
+            },
             empty: bytes.is_empty(),
         }
     }
@@ -69,6 +77,15 @@ impl Secret {
         *blake3::keyed_hash(&self.key, CHANNEL_KEY_LABEL).as_bytes()
     }
 
+    /// A key for a MAC of the protocol named `label` (an integration's own messages, such as
+    /// `kvx.sglang`'s directory requests), derived from the secret's key: a guess at the secret
+    /// checked against such a MAC costs the secret's stretching.
+    pub fn mac_key(&self, label: &[u8]) -> [u8; 32] {
+        let mut input = MAC_KEY_LABEL.to_vec();
+        input.extend_from_slice(label);
+        *blake3::keyed_hash(&self.key, &input).as_bytes()
+    }
+
     /// The key that authenticates the engines' discovery records, derived from the secret's key.
     #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
     pub(crate) fn record_key(&self) -> [u8; 32] {
@@ -87,12 +104,14 @@ impl Secret {
 /// process.
 fn stretched(fast: &[u8; 32]) -> [u8; 32] {
     static DONE: std::sync::Mutex<Vec<([u8; 32], [u8; 32])>> = std::sync::Mutex::new(Vec::new());
-    let mut done = DONE
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    if let Some((_, key)) = done.iter().find(|(f, _)| f == fast) {
+    let done = || {
+        DONE.lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    };
+    if let Some((_, key)) = done().iter().find(|(f, _)| f == fast) {
         return *key;
     }
+    // Stretched without the lock: another thread's look-up of a stretched secret does not wait.
     let mut key = [0u8; 32];
     let argon = argon2::Argon2::new(
         argon2::Algorithm::Argon2id,
@@ -109,10 +128,13 @@ fn stretched(fast: &[u8; 32]) -> [u8; 32] {
         }
     };
     // A process holds a handful of secrets (a wrong one in a test, say): bounded all the same.
-    if done.len() >= 64 {
-        done.remove(0);
+    let mut done = done();
+    if !done.iter().any(|(f, _)| f == fast) {
+        if done.len() >= 64 {
+            done.remove(0);
+        }
+        done.push((*fast, key));
     }
-    done.push((*fast, key));
     key
 }
 

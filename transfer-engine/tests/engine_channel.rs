@@ -991,6 +991,60 @@ async fn connections_reset_before_they_are_set_up_do_not_stall_the_listener() {
     d.shutdown(BOUND).await;
 }
 
+/// Silent clients from one address hold every handshake place for longer than the test; a real
+/// rank from another address still gets one (the oldest silent client's) and is served at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_connections_from_one_address_do_not_keep_a_rank_from_another_out() {
+    use transfer_engine::engine::MAX_PENDING_HANDSHAKES;
+    let mut cfg = DecodeConfig::new(LAYERS, PAGE_TOKENS, layout(), 1);
+    cfg.token = Some(Secret::new(SECRET));
+    cfg.handshake_timeout = Duration::from_secs(120);
+    let mut b = HostBuffer::new(layout().buffer_len as usize, HostOptions::default()).unwrap();
+    b.as_mut_slice().fill(POISON);
+    let d = DecodeEngine::start(cfg, Pool::Owned(b)).await.unwrap();
+    // From 127.0.0.2 (loopback answers all of 127/8); the rank connects from 127.0.0.1.
+    let from: SocketAddr = "127.0.0.2:0".parse().unwrap();
+    let mut silent = Vec::new();
+    for _ in 0..MAX_PENDING_HANDSHAKES {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind(from).unwrap();
+        silent.push(bounded(socket.connect(d.local_addr())).await.unwrap());
+    }
+    // Each has its place once decode's first handshake message reaches it.
+    for s in &mut silent {
+        let mut buf = [0u8; 4096];
+        assert!(bounded(s.read(&mut buf)).await.unwrap() > 0);
+    }
+    assert_eq!(d.stats().refused_connections, 0, "{:?}", d.stats());
+    let started = std::time::Instant::now();
+    let p = bounded(prefill_start(
+        d.local_addr(),
+        Some(Duration::from_secs(5)),
+        None,
+    ))
+    .await
+    .unwrap();
+    bounded(d.wait_for_ranks(BOUND)).await.unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    let (r, src, dst) = (RequestId(13), [0, 1, 2, 3], [4, 5, 6, 7]);
+    let done = d.expect(r, PROMPT, CHUNK, dst.to_vec(), BOUND).unwrap();
+    bounded(send(&p, r, &src)).await.unwrap();
+    assert_eq!(bounded(done).await, Outcome::Complete);
+    assert!(landed(&d, &src, &dst));
+    // The oldest silent client gave way, and only it.
+    assert_eq!(d.stats().refused_connections, 1, "{:?}", d.stats());
+    let mut buf = [0u8; 4096];
+    assert!(matches!(
+        bounded(silent[0].read(&mut buf)).await,
+        Ok(0) | Err(_)
+    ));
+    d.shutdown(BOUND).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_over_the_handshake_bound_are_closed_and_the_engine_serves_afterwards() {
     use transfer_engine::engine::MAX_PENDING_HANDSHAKES;
@@ -1011,7 +1065,8 @@ async fn connections_over_the_handshake_bound_are_closed_and_the_engine_serves_a
         assert!(tokio::time::Instant::now() < until, "{:?}", d.stats());
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    // Every one ends: those over the bound at once, the others at their handshake's deadline.
+    // Every one ends: the oldest as newer ones took their places, the others at their handshake's
+    // deadline.
     for s in &mut silent {
         let mut buf = [0u8; 4096];
         loop {

@@ -257,8 +257,9 @@ pub struct DecodeStats {
     /// way cut it off): the pages of its failed requests stay held until it must have noticed
     /// (three of this side's heartbeat intervals, then `abort_ack_timeout`).
     pub unclean_ends: u64,
-    /// Connections closed on arrival because [`MAX_PENDING_HANDSHAKES`](super::MAX_PENDING_HANDSHAKES)
-    /// handshakes were already in progress.
+    /// Connections closed before their handshake ended because a newer one took their place
+    /// ([`MAX_PENDING_HANDSHAKES`](super::MAX_PENDING_HANDSHAKES) were in progress: the oldest of
+    /// the busiest source address gives way), or gone before they could be set up.
     pub refused_connections: u64,
     /// Chunks whose checksum did not match the pool's bytes.
     pub checksum_mismatch: u64,
@@ -1275,7 +1276,7 @@ impl crate::metrics::Source for Inner {
             ),
             (
                 "kvx_connections_refused",
-                "Connections closed on arrival: too many handshakes in progress",
+                "Connections closed before their handshake ended: a newer one took their place, or gone before they could be set up",
                 s.refused_connections,
             ),
             (
@@ -3784,9 +3785,9 @@ fn release_pages(st: &mut State, request: RequestId, pages: &[u32]) {
 }
 
 async fn accept_loop(inner: Weak<Inner>, listener: Listener) {
-    let places = Arc::new(tokio::sync::Semaphore::new(super::MAX_PENDING_HANDSHAKES));
+    let places = super::admission::Places::new();
     loop {
-        let (conn, place) = super::admit(&listener, &places, || {
+        let (conn, place) = super::admission::admit(&listener, &places, || {
             if let Some(i) = inner.upgrade() {
                 i.counters
                     .refused_connections
@@ -3826,11 +3827,7 @@ fn local_hello(inner: &Inner) -> Result<Hello, EngineError> {
     })
 }
 
-async fn serve_rank(
-    inner: Weak<Inner>,
-    mut conn: Connection,
-    place: tokio::sync::OwnedSemaphorePermit,
-) {
+async fn serve_rank(inner: Weak<Inner>, mut conn: Connection, mut place: super::admission::Place) {
     let (hello, deadline) = {
         let Some(i) = inner.upgrade() else { return };
         match local_hello(&i) {
@@ -3930,16 +3927,21 @@ async fn serve_rank(
         Some(i) => i.secret.clone(),
         None => return,
     };
-    let result =
-        control::handshake_serving_probes(&mut conn, &hello, &secret, deadline, taken).await;
+    let result = tokio::select! {
+        r = control::handshake_serving_probes(&mut conn, &hello, &secret, deadline, taken) => Some(r),
+        // A newer connection took its place (counted in `refused_connections`).
+        () = place.evicted() => None,
+    };
     // The handshake is over: its place goes to the next connection.
     drop(place);
     let Some(i) = inner.upgrade() else { return };
-    if let (Err(_), Some((session, _, _, _, claim))) = (&result, &bound)
+    if !matches!(result, Some(Ok(_)))
+        && let Some((session, _, _, _, claim)) = &bound
         && let Some(s) = i.lock().sessions.get_mut(session)
     {
         s.claims.retain(|c| c.id != *claim);
     }
+    let Some(result) = result else { return };
     let (remote, (session, slot, planner, sender, claim)) = match (result, bound) {
         (Ok(r), Some(b)) => (r, b),
         (Ok(_), None) => return,

@@ -6,11 +6,13 @@
 //! handshakes, page allocations, aborts and votes. Decisions are made by the sans-IO core
 //! ([`crate::core`]); this module only feeds it and carries out what it says.
 
+mod admission;
 mod decode;
 mod landing;
 mod pools;
 mod prefill;
 
+pub use admission::MAX_PENDING_HANDSHAKES;
 pub use decode::{
     Absence, ChunkJobHook, DEFAULT_LANDING_BYTES, DEFAULT_LANDING_SLOTS, DecodeConfig,
     DecodeEngine, DecodeStage, DecodeStats, Expected, ShutdownReport,
@@ -565,58 +567,6 @@ async fn run_timer<T>(
         tokio::select! {
             _ = sleep => {}
             _ = wake.notified() => {}
-        }
-    }
-}
-
-/// Control connections one listener lets run their handshake at once; more are closed as they
-/// arrive (counted), so peers that connect and say nothing cannot exhaust the process's
-/// descriptors or tasks. Each handshake is bounded by its deadline, which frees its place.
-pub const MAX_PENDING_HANDSHAKES: usize = 64;
-
-/// The first and the longest pause after an accept error (a full descriptor table fails every
-/// accept at once: without a pause the loop would spin).
-const ACCEPT_PAUSE: (std::time::Duration, std::time::Duration) = (
-    std::time::Duration::from_millis(10),
-    std::time::Duration::from_secs(1),
-);
-
-/// The next connection with a place among the handshakes in progress (its permit holds the place
-/// until dropped). Connections over the bound, and those gone before they could be set up, are
-/// closed at once (`refused` is called for each); after any other accept error (no descriptors,
-/// buffers or memory) the loop pauses, twice as long each time in a row, up to a second.
-async fn admit(
-    listener: &crate::control::Listener,
-    places: &Arc<tokio::sync::Semaphore>,
-    mut refused: impl FnMut(),
-) -> (
-    crate::control::Connection,
-    tokio::sync::OwnedSemaphorePermit,
-) {
-    let mut pause = ACCEPT_PAUSE.0;
-    loop {
-        match listener.accept().await {
-            Ok(conn) => {
-                pause = ACCEPT_PAUSE.0;
-                match places.clone().try_acquire_owned() {
-                    Ok(place) => return (conn, place),
-                    Err(_) => {
-                        refused();
-                        tracing::debug!(peer = %conn.peer_addr(), "too many handshakes in progress: connection closed");
-                    }
-                }
-            }
-            // One connection's own failure (reset by its peer before it was set up): the next
-            // is accepted at once, or a peer resetting connections would stall the listener.
-            Err(e) if e.is_peer_gone() => {
-                refused();
-                tracing::debug!(error = %e, "connection gone before it was set up");
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, ?pause, "accept failed; pausing");
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(ACCEPT_PAUSE.1);
-            }
         }
     }
 }

@@ -264,8 +264,9 @@ pub struct PrefillStats {
     /// Control messages dropped: from a decode engine about a request another decode engine owns,
     /// and of a kind no decode engine or PP peer sends once connected.
     pub refused: u64,
-    /// Vote mesh connections closed on arrival because
-    /// [`MAX_PENDING_HANDSHAKES`](super::MAX_PENDING_HANDSHAKES) handshakes were in progress.
+    /// Vote mesh connections closed before their handshake ended because a newer one took their
+    /// place ([`MAX_PENDING_HANDSHAKES`](super::MAX_PENDING_HANDSHAKES) were in progress: the
+    /// oldest of the busiest source address gives way), or gone before they could be set up.
     pub refused_connections: u64,
     /// Vote mesh connections refused because the peer did not prove the shared secret (or refused
     /// our proof).
@@ -691,7 +692,7 @@ impl crate::metrics::Source for Inner {
         );
         out.add(
             "kvx_connections_refused",
-            "Connections closed on arrival: too many handshakes in progress",
+            "Connections closed before their handshake ended: a newer one took their place, or gone before they could be set up",
             base(),
             Counter(s.refused_connections),
         );
@@ -3088,9 +3089,9 @@ async fn connect_peer(
 /// Accepts higher ranks for as long as the engine lives: the first start of each, then every new
 /// incarnation of one whose connection ended.
 async fn mesh_accept_loop(inner: Weak<Inner>, listener: Listener, hello: Arc<Hello>) {
-    let places = Arc::new(tokio::sync::Semaphore::new(super::MAX_PENDING_HANDSHAKES));
+    let places = super::admission::Places::new();
     loop {
-        let (c, place) = super::admit(&listener, &places, || {
+        let (c, place) = super::admission::admit(&listener, &places, || {
             if let Some(i) = inner.upgrade() {
                 i.counters
                     .refused_connections
@@ -3102,7 +3103,7 @@ async fn mesh_accept_loop(inner: Weak<Inner>, listener: Listener, hello: Arc<Hel
         let hello = hello.clone();
         // Each handshake on its own task: a slow or silent client holds up nobody.
         tokio::spawn(async move {
-            let _place = place;
+            let mut place = place;
             let mut c = c;
             c.set_label(control::channel::MESH_LABEL);
             let deadline = tokio::time::Instant::now() + i.cfg.connect_timeout;
@@ -3122,7 +3123,12 @@ async fn mesh_accept_loop(inner: Weak<Inner>, listener: Listener, hello: Arc<Hel
                 }
                 i.mesh_admissible(r.pp_rank, r.incarnation)
             };
-            match control::handshake_with(&mut c, &hello, &i.secret, deadline, check).await {
+            let shook = tokio::select! {
+                r = control::handshake_with(&mut c, &hello, &i.secret, deadline, check) => r,
+                // A newer connection took its place (counted in `refused_connections`).
+                () = place.evicted() => return,
+            };
+            match shook {
                 Ok(remote) => attach_peer(&i, &hello, remote.pp_rank, (c, remote.incarnation)),
                 Err(e) => {
                     let counter = if e.is_auth_failure() {

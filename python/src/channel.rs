@@ -205,3 +205,37 @@ pub(crate) fn open_box<'py>(
         .map_err(|e| protocol(e.to_string()))?;
     Ok(PyBytes::new(py, &plain))
 }
+
+/// The handshake places of a Python listener (a side channel), under the engines' rule
+/// (`transfer_engine::engine::Admission`): at most `cap` at once, and once every place is taken a
+/// new connection takes the place of the oldest of the source address holding the most, so
+/// clients that connect and say nothing from one address cannot keep peers from another out.
+#[pyclass(module = "kvx._kvx", frozen)]
+pub(crate) struct HandshakePlaces {
+    rule: Mutex<transfer_engine::engine::Admission>,
+}
+
+#[pymethods]
+impl HandshakePlaces {
+    #[new]
+    fn new(cap: usize) -> Self {
+        Self {
+            rule: Mutex::new(transfer_engine::engine::Admission::new(cap)),
+        }
+    }
+
+    /// A place for a connection from `ip` (an IPv4 or IPv6 address): `(place, taken)`, `taken`
+    /// the place it took (the caller closes that connection) or `None`. `kvx.ConfigError` for an
+    /// address that does not parse.
+    fn admit(&self, ip: &str) -> PyResult<(u64, Option<u64>)> {
+        let ip: std::net::IpAddr = ip
+            .parse()
+            .map_err(|e| errors::config(format!("address {ip:?}: {e}")))?;
+        Ok(lock(&self.rule).admit(ip))
+    }
+
+    /// Gives `place` back (nothing for one already taken by a newer connection).
+    fn release(&self, place: u64) {
+        lock(&self.rule).release(place);
+    }
+}

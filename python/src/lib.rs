@@ -347,6 +347,7 @@ fn _kvx(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Layout>()?;
     m.add_class::<channel::ChannelHandshake>()?;
     m.add_class::<channel::Channel>()?;
+    m.add_class::<channel::HandshakePlaces>()?;
     m.add_function(wrap_pyfunction!(channel::seal_box, m)?)?;
     m.add_function(wrap_pyfunction!(channel::open_box, m)?)?;
     m.add_function(wrap_pyfunction!(channel::mac_key, m)?)?;

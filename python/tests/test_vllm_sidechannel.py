@@ -95,29 +95,59 @@ def test_a_client_that_paces_its_bytes_is_dropped_at_the_handshake_bound(server)
     assert sidechannel.call("127.0.0.1", server.port, SECRET, {"op": "hello"}, timeout=5)["ok"]
 
 
-def test_connections_past_the_bound_are_closed_on_arrival_and_counted(server):
-    """MAX_CONNECTIONS clients that connect and say nothing hold every place; the next ones are
-    closed at once and counted, and a real call succeeds once the silent ones are gone."""
-    silent = [socket.create_connection(("127.0.0.1", server.port), timeout=10)
-              for _ in range(sidechannel.MAX_CONNECTIONS)]
+def _silent(port, n, source="127.0.0.1"):
+    """n clients from `source` that connect and say nothing, each once the server sent it its
+    nonce (its handshake holds a place)."""
+    out = []
+    for _ in range(n):
+        s = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(source, 0))
+        (size,) = struct.unpack(">I", s.recv(4, socket.MSG_WAITALL))
+        assert len(s.recv(size, socket.MSG_WAITALL)) == size
+        out.append(s)
+    return out
+
+
+def _closed(s):
+    """Whether the server closed `s` (within 5 s)."""
+    s.settimeout(5)
     try:
-        deadline = time.monotonic() + 5
-        extra = []
-        while server.refused_connections < 4:
-            assert time.monotonic() < deadline, server.refused_connections
-            extra.append(socket.create_connection(("127.0.0.1", server.port), timeout=10))
-            time.sleep(0.05)
+        return s.recv(1) == b""
+    except TimeoutError:
+        return False
+    except OSError:  # reset
+        return True
+
+
+def test_connections_past_the_bound_take_the_oldest_places_and_are_counted(server):
+    """MAX_CONNECTIONS clients that connect and say nothing hold every place; each next one takes
+    the place of the oldest, which is closed and counted, and a real call is served meanwhile."""
+    silent = _silent(server.port, sidechannel.MAX_CONNECTIONS)
+    try:
+        extra = _silent(server.port, 4)
+        assert server.refused_connections == 4
+        assert all(_closed(s) for s in silent[:4])
+        reply = sidechannel.call("127.0.0.1", server.port, SECRET, {"op": "hello"}, timeout=5)
+        assert reply["ok"] == "hello"
+        assert server.refused_connections == 5
+        assert _closed(silent[4])
         for s in extra:
             s.close()
     finally:
         for s in silent:
             s.close()
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            reply = sidechannel.call("127.0.0.1", server.port, SECRET, {"op": "hello"}, timeout=5)
-            break
-        except sidechannel.SideChannelError:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-    assert reply["ok"] == "hello"
+
+
+def test_silent_connections_from_one_address_do_not_keep_a_peer_from_another_out(server):
+    """Every place held by silent clients from 127.0.0.2: a call from 127.0.0.1 takes the oldest
+    one's place at once and is served."""
+    silent = _silent(server.port, sidechannel.MAX_CONNECTIONS, source="127.0.0.2")
+    try:
+        started = time.monotonic()
+        reply = sidechannel.call("127.0.0.1", server.port, SECRET, {"op": "hello"}, timeout=5)
+        assert reply["ok"] == "hello"
+        assert time.monotonic() - started < 2
+        assert server.refused_connections == 1
+        assert _closed(silent[0])
+    finally:
+        for s in silent:
+            s.close()

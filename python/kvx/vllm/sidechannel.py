@@ -30,7 +30,7 @@ import time
 from typing import Any, Callable, Optional
 
 import kvx
-from kvx._kvx import Channel, ChannelHandshake
+from kvx._kvx import Channel, ChannelHandshake, HandshakePlaces
 
 logger = logging.getLogger("vllm." + __name__)  # vLLM's handlers and level
 
@@ -39,8 +39,10 @@ MAX_FRAME = 1 << 20
 AUTH_MAX_FRAME = 1024
 # The bound on a whole handshake, however the peer paces its bytes.
 HANDSHAKE_TIMEOUT_S = 5.0
-# Connections a server serves at once; more are closed on arrival (counted), so clients that
-# connect and stall cannot take its threads and memory.
+# Connections a server runs the handshake of at once, so clients that connect and stall cannot
+# take its threads and memory; once every place is taken, a new connection takes the place of the
+# oldest handshake of the address holding the most (closed and counted), the engines' own rule
+# (kvx._kvx.HandshakePlaces). A peer that proved the secret gives its place back.
 MAX_CONNECTIONS = 64
 # The handshake's label: a handshake of this protocol never completes with another kvx protocol.
 # v3: each sealed message carries its length; a peer of another label never completes the
@@ -104,8 +106,11 @@ class SideChannelServer:
         self._key = key
         self._handler = handler
         self.refused = 0  # connections that did not prove the secret
-        self.refused_connections = 0  # closed on arrival: MAX_CONNECTIONS were being served
-        self._places = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        # Handshakes closed because a newer connection took their place.
+        self.refused_connections = 0
+        self._places = HandshakePlaces(MAX_CONNECTIONS)
+        self._lock = threading.Lock()
+        self._pending: dict[int, socket.socket] = {}  # place -> its connection, in handshake
         self._sock = socket.create_server((host, port), reuse_port=False)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._accept, daemon=True,
@@ -119,28 +124,41 @@ class SideChannelServer:
     def _accept(self) -> None:
         while not self._closed.is_set():
             try:
-                conn, _ = self._sock.accept()
+                conn, peer = self._sock.accept()
             except OSError:
                 return
-            if not self._places.acquire(blocking=False):
+            with self._lock:
+                place, taken = self._places.admit(peer[0])
+                old = self._pending.pop(taken, None) if taken is not None else None
+                self._pending[place] = conn
+            if taken is not None:
                 self.refused_connections += 1
-                conn.close()
-                continue
+                if old is not None:
+                    # Its thread's next read fails and it ends.
+                    try:
+                        old.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
             try:
-                threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                threading.Thread(target=self._serve, args=(conn, place), daemon=True,
                                  name="kvx-vllm-side-channel-conn").start()
             except RuntimeError as e:  # no thread to be had: this one is dropped, not the server
-                self._places.release()
+                self._give_back(place)
                 conn.close()
                 logger.warning("kvx: side-channel connection dropped: %s", e)
 
-    def _serve(self, conn: socket.socket) -> None:
-        try:
-            self._serve_one(conn)
-        finally:
-            self._places.release()
+    def _give_back(self, place: int) -> None:
+        with self._lock:
+            self._places.release(place)
+            self._pending.pop(place, None)
 
-    def _serve_one(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, place: int) -> None:
+        try:
+            self._serve_one(conn, place)
+        finally:
+            self._give_back(place)
+
+    def _serve_one(self, conn: socket.socket, place: int) -> None:
         with conn:
             try:
                 deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
@@ -158,6 +176,8 @@ class SideChannelServer:
                     return
                 _send(conn, hs.write())
                 channel = hs.finish()
+                # A peer that holds the secret: its place goes to the next handshake.
+                self._give_back(place)
                 # The handler may start a prefill engine, which connects to decode: no short bound.
                 conn.settimeout(120.0)
                 request = _recv_sealed(conn, channel)

@@ -9,8 +9,9 @@
 //! than a real peer finishes its handshake. An IPv6 address counts by its /64 prefix (one host can
 //! have a whole /64); IPv4 addresses, and IPv6 addresses that map one, count whole.
 //!
-//! [`Admission`] is the rule, without I/O; [`Places`] shares it between a listener's accept loop
-//! and its handshake tasks, each of which holds a [`Place`] and gives up its handshake when told
+//! [`Admission`] is the rule, without I/O (Python's side channels take it too, through the
+//! package's `HandshakePlaces`); [`Places`] shares it between a listener's accept loop and its
+//! handshake tasks, each of which holds a [`Place`] and gives up its handshake when told
 //! ([`Place::evicted`]).
 
 use std::collections::{BTreeMap, HashMap};
@@ -59,7 +60,7 @@ impl Source {
 /// The places of one listener's handshakes, by the order they were taken. Sans-IO: the caller
 /// closes the connection an [`admit`](Self::admit) gives up.
 #[derive(Debug)]
-pub(crate) struct Admission {
+pub struct Admission {
     cap: usize,
     next: u64,
     held: BTreeMap<u64, Source>,
@@ -67,7 +68,8 @@ pub(crate) struct Admission {
 
 impl Admission {
     /// At most `cap` places (at least one).
-    pub(crate) fn new(cap: usize) -> Self {
+    #[must_use]
+    pub fn new(cap: usize) -> Self {
         Self {
             cap: cap.max(1),
             next: 0,
@@ -75,10 +77,15 @@ impl Admission {
         }
     }
 
-    /// A place for a new connection from `source`, and the place it takes where every place was
-    /// held: the oldest of the source that holds the most places, the new one counted (of sources
-    /// holding as many, the one whose oldest place is oldest).
-    pub(crate) fn admit(&mut self, source: Source) -> (u64, Option<u64>) {
+    /// A place for a new connection from `ip`, and the place it takes where every place was held:
+    /// the oldest of the source address that holds the most places, the new one counted (of
+    /// sources holding as many, the one whose oldest place is oldest). Places are numbered from 0
+    /// in the order they are taken.
+    pub fn admit(&mut self, ip: IpAddr) -> (u64, Option<u64>) {
+        self.admit_from(Source::of(ip))
+    }
+
+    pub(crate) fn admit_from(&mut self, source: Source) -> (u64, Option<u64>) {
         let evicted = if self.held.len() < self.cap {
             None
         } else {
@@ -106,7 +113,7 @@ impl Admission {
     }
 
     /// Gives a place back (a no-op for one already given up).
-    pub(crate) fn release(&mut self, seq: u64) {
+    pub fn release(&mut self, seq: u64) {
         self.held.remove(&seq);
     }
 
@@ -150,7 +157,7 @@ impl Places {
     fn take(self: &Arc<Self>, ip: IpAddr) -> (Place, bool) {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let mut st = self.lock();
-        let (seq, evicted) = st.rule.admit(Source::of(ip));
+        let (seq, evicted) = st.rule.admit(ip);
         if let Some(tell) = evicted.and_then(|old| st.evict.remove(&old)) {
             // Its task may have ended already; then there is no one to tell.
             let _ = tell.send(());
@@ -259,11 +266,11 @@ mod tests {
     fn a_newcomer_from_another_address_takes_the_place_of_the_busiest_addresss_oldest() {
         let (flood, real) = (Source::V4(1), Source::V4(2));
         let mut a = Admission::new(4);
-        let seqs: Vec<u64> = (0..4).map(|_| a.admit(flood).0).collect();
-        let (_, gone) = a.admit(real);
+        let seqs: Vec<u64> = (0..4).map(|_| a.admit_from(flood).0).collect();
+        let (_, gone) = a.admit_from(real);
         assert_eq!(gone, Some(seqs[0]));
         // The flood's next one takes its own oldest, not the real peer's.
-        let (_, gone) = a.admit(flood);
+        let (_, gone) = a.admit_from(flood);
         assert_eq!(gone, Some(seqs[1]));
         assert_eq!(a.held().filter(|&(_, s)| s == real).count(), 1);
     }
@@ -282,7 +289,7 @@ mod tests {
                 let held: Vec<(u64, Source)> = a.held().collect();
                 if arrive || held.is_empty() {
                     let source = Source::V4(src);
-                    let (seq, gone) = a.admit(source);
+                    let (seq, gone) = a.admit_from(source);
                     prop_assert!(held.iter().all(|&(s, _)| s < seq));
                     match gone {
                         None => prop_assert!(held.len() < cap),

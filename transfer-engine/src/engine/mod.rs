@@ -12,7 +12,7 @@ mod landing;
 mod pools;
 mod prefill;
 
-pub use admission::MAX_PENDING_HANDSHAKES;
+pub use admission::{Admission, MAX_PENDING_HANDSHAKES};
 pub use decode::{
     Absence, ChunkJobHook, DEFAULT_LANDING_BYTES, DEFAULT_LANDING_SLOTS, DecodeConfig,
     DecodeEngine, DecodeStage, DecodeStats, Expected, ShutdownReport,

@@ -1,13 +1,16 @@
-//! Who a listener lets run a handshake: at most [`MAX_PENDING_HANDSHAKES`] at once, and once every
-//! place is taken a new connection takes the place of the oldest handshake of the source address
-//! that holds the most places.
+//! Who a listener lets run a handshake: at most [`MAX_PENDING_HANDSHAKES`] unauthenticated ones at
+//! once, and once every place is taken a new connection takes the place of the oldest handshake of
+//! the source address that holds the most places. A peer that proved the secret gives its place
+//! back ([`Vouch`]): it is never given up for a newer connection.
 //!
-//! So connections that arrive and say nothing cannot keep real peers out from one address: a peer
-//! from another address always gets a place (the silent ones are the oldest of the address that
-//! holds the most), and one from the same address gets the place of that address's oldest. Holding
-//! every place against newcomers takes as many addresses as places, or opening connections faster
-//! than a real peer finishes its handshake. An IPv6 address counts by its /64 prefix (one host can
-//! have a whole /64); IPv4 addresses, and IPv6 addresses that map one, count whole.
+//! So connections that arrive and say nothing from one address cannot keep real peers out: a peer
+//! from another address gets a place (the silent ones are the oldest of the address that holds the
+//! most), and one from the same address gets the place of that address's oldest. This mitigates
+//! rather than closes: one address still holds up to half the places against another; 64
+//! addresses (64 IPv6 /64 prefixes, which one IPv6 allocation holds many of) keep every place; and
+//! opening connections faster than a real peer authenticates gives away the real peer's place from
+//! its own address. An IPv6 address counts by its /64 prefix (one host can have a whole /64); IPv4
+//! addresses, and IPv6 addresses that map one, count whole.
 //!
 //! [`Admission`] is the rule, without I/O (Python's side channels take it too, through the
 //! package's `HandshakePlaces`); [`Places`] shares it between a listener's accept loop and its
@@ -18,10 +21,11 @@ use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 
-/// Control connections one listener lets run their handshake at once. Each handshake is bounded by
-/// its deadline, which frees its place, and a newer connection takes the place of an older one
-/// once every place is taken (see the module's documentation), so peers that connect and say
-/// nothing can exhaust neither the process's descriptors and tasks nor the places.
+/// Unauthenticated control connections one listener lets run their handshake at once. Each
+/// handshake is bounded by its deadline, which frees its place, and a newer connection takes the
+/// place of an older one once every place is taken (see the module's documentation), so peers that
+/// connect and say nothing cannot exhaust the process's descriptors and tasks, and from fewer
+/// addresses than places cannot hold every place.
 pub const MAX_PENDING_HANDSHAKES: usize = 64;
 
 /// The first and the longest pause after an accept error (a full descriptor table fails every
@@ -182,6 +186,14 @@ pub(crate) struct Place {
 }
 
 impl Place {
+    /// What marks this place's peer as authenticated, for the handshake's checks to call.
+    pub(crate) fn vouch(&self) -> Vouch {
+        Vouch {
+            places: self.places.clone(),
+            seq: self.seq,
+        }
+    }
+
     /// Resolves once a newer connection took this place: the handshake should end at once.
     ///
     /// # Cancel safety
@@ -192,6 +204,21 @@ impl Place {
             let _ = rx.await;
             self.evicted = None;
         }
+    }
+}
+
+/// Marks a handshake's peer as authenticated: [`Vouch::authenticated`].
+#[derive(Debug)]
+pub(crate) struct Vouch {
+    places: Arc<Places>,
+    seq: u64,
+}
+
+impl Vouch {
+    /// The peer proved the secret: its place goes to the next connection, and no newer one takes
+    /// its handshake (it ends at its deadline, as any).
+    pub(crate) fn authenticated(&self) {
+        self.places.lock().rule.release(self.seq);
     }
 }
 
@@ -275,6 +302,30 @@ mod tests {
         assert_eq!(a.held().filter(|&(_, s)| s == real).count(), 1);
     }
 
+    #[test]
+    fn an_authenticated_peers_handshake_is_never_given_up() {
+        let places = Places::new();
+        let ip = IpAddr::V4(Ipv4Addr::LOCALHOST);
+        let (mut first, _) = places.take(ip);
+        first.vouch().authenticated();
+        // Every place taken and taken again, from the same address: the vouched one stays.
+        let mut rest: Vec<Place> = Vec::new();
+        for _ in 0..3 * MAX_PENDING_HANDSHAKES {
+            rest.push(places.take(ip).0);
+        }
+        let told = |p: &mut Place| {
+            p.evicted.as_mut().is_none_or(|rx| {
+                !matches!(
+                    rx.try_recv(),
+                    Err(tokio::sync::oneshot::error::TryRecvError::Empty)
+                )
+            })
+        };
+        assert!(!told(&mut first));
+        let given_up = rest.iter_mut().map(told).filter(|&t| t).count();
+        assert_eq!(given_up, 2 * MAX_PENDING_HANDSHAKES);
+    }
+
     proptest! {
         /// Whatever the order of arrivals and departures: never more places than the cap, and a
         /// place is given up only while every place is held, only by the source that holds the
@@ -303,8 +354,15 @@ mod tests {
                             let Some(of) = of else {
                                 return Err(TestCaseError::fail("gave up a place not held"));
                             };
+                            // Of the sources holding the most, the one whose oldest place is oldest.
+                            let oldest_of = |s: Source| {
+                                held.iter().filter(|&&(_, x)| x == s).map(|&(q, _)| q).min()
+                            };
                             for &(_, s) in &held {
                                 prop_assert!(count(of) >= count(s));
+                                if count(s) == count(of) {
+                                    prop_assert!(oldest_of(of) <= oldest_of(s));
+                                }
                             }
                             let oldest = held.iter().filter(|&&(_, x)| x == of).map(|&(q, _)| q).min();
                             prop_assert_eq!(oldest, Some(g));

@@ -3369,13 +3369,9 @@ impl Inner {
         let confirms = |r: u16, p: Option<PeerId>| r == rank && from.is_none_or(|f| p == Some(f));
         u.ranks.retain(|&(r, p)| !confirms(r, Some(p)));
         u.external.retain(|&(r, p)| !confirms(r, p));
-        if u.ranks.is_empty()
-            && let Some(outcome) = u.outcome.take()
-            && let Some(w) = st.waiters.remove(&request)
-        {
-            let _ = w.send(outcome);
-        }
-        if u.ranks.is_empty() && u.external.is_empty() {
+        let settled = u.ranks.is_empty() && u.external.is_empty();
+        hand_out_once_confirmed(st, request);
+        if settled {
             self.settle(st, request);
             st.forget_if_left(session);
         }
@@ -3593,12 +3589,7 @@ impl Inner {
             u.ranks.retain(|&c| c != (rank, peer));
             u.external.push((rank, Some(peer)));
         }
-        if u.ranks.is_empty()
-            && let Some(outcome) = u.outcome.take()
-            && let Some(w) = st.waiters.remove(&request)
-        {
-            let _ = w.send(outcome);
-        }
+        hand_out_once_confirmed(st, request);
     }
 
     /// Releases the pages held for rank connections that ended without their Close once their
@@ -3784,6 +3775,18 @@ fn release_pages(st: &mut State, request: RequestId, pages: &[u32]) {
     }
 }
 
+/// Once every connected rank of `request` confirmed that its writes are over, its held outcome
+/// goes out (its pages may stay held for ranks without a connection to confirm on).
+fn hand_out_once_confirmed(st: &mut State, request: RequestId) {
+    if let Some(u) = st.unacked.get_mut(&request)
+        && u.ranks.is_empty()
+        && let Some(outcome) = u.outcome.take()
+        && let Some(w) = st.waiters.remove(&request)
+    {
+        let _ = w.send(outcome);
+    }
+}
+
 async fn accept_loop(inner: Weak<Inner>, listener: Listener) {
     let places = super::admission::Places::new();
     loop {
@@ -3839,7 +3842,10 @@ async fn serve_rank(inner: Weak<Inner>, mut conn: Connection, mut place: super::
         }
     };
     let mut bound = None;
+    let vouch = place.vouch();
     let taken = |remote: &Hello| -> Result<(), RejectReason> {
+        // Called once the peer proved the secret.
+        vouch.authenticated();
         let Some(i) = inner.upgrade() else {
             return Err(RejectReason::Refused("shutting down".into()));
         };
@@ -3951,12 +3957,8 @@ async fn serve_rank(inner: Weak<Inner>, mut conn: Connection, mut place: super::
             return;
         }
         (Err(e), _) => {
-            let counter = if e.is_auth_failure() {
-                &i.counters.auth_failures
-            } else {
-                &i.counters.handshake_failures
-            };
-            counter.fetch_add(1, Ordering::Relaxed);
+            let c = &i.counters;
+            super::count_handshake_failure(&e, &c.auth_failures, &c.handshake_failures);
             tracing::warn!(error = %e, "prefill handshake failed");
             return;
         }

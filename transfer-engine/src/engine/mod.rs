@@ -571,6 +571,17 @@ async fn run_timer<T>(
     }
 }
 
+/// Counts a handshake a listener's peer failed: in `auth` where it did not prove the secret, in
+/// `other` otherwise.
+fn count_handshake_failure(
+    e: &ControlError,
+    auth: &std::sync::atomic::AtomicU64,
+    other: &std::sync::atomic::AtomicU64,
+) {
+    let counter = if e.is_auth_failure() { auth } else { other };
+    counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// The default heartbeat interval of every control connection (`heartbeat` in both configs).
 pub const DEFAULT_HEARTBEAT: std::time::Duration = std::time::Duration::from_secs(5);
 

@@ -3108,7 +3108,10 @@ async fn mesh_accept_loop(inner: Weak<Inner>, listener: Listener, hello: Arc<Hel
             c.set_label(control::channel::MESH_LABEL);
             let deadline = tokio::time::Instant::now() + i.cfg.connect_timeout;
             let me = i.cfg.pp_rank;
+            let vouch = place.vouch();
             let check = |r: &Hello| -> Result<(), RejectReason> {
+                // Called once the peer proved the secret.
+                vouch.authenticated();
                 if r.role != Role::Prefill {
                     return Err(RejectReason::RoleMismatch(format!(
                         "a vote mesh takes prefill ranks, not a {}",
@@ -3131,12 +3134,8 @@ async fn mesh_accept_loop(inner: Weak<Inner>, listener: Listener, hello: Arc<Hel
             match shook {
                 Ok(remote) => attach_peer(&i, &hello, remote.pp_rank, (c, remote.incarnation)),
                 Err(e) => {
-                    let counter = if e.is_auth_failure() {
-                        &i.counters.auth_failures
-                    } else {
-                        &i.counters.handshake_failures
-                    };
-                    counter.fetch_add(1, Ordering::Relaxed);
+                    let c = &i.counters;
+                    super::count_handshake_failure(&e, &c.auth_failures, &c.handshake_failures);
                     tracing::warn!(error = %e, "PP peer handshake failed");
                 }
             }

@@ -236,18 +236,20 @@ def test_a_release_that_reaches_the_prefill_before_its_blocks_frees_them_when_th
 
 def test_kv_transfer_params_that_do_not_parse_are_a_load_error_not_the_end_of_decode(cluster):
     """A client's kv_transfer_params that name kvx but do not parse (a TP size that is not a
-    number) fail that request's load: vLLM recomputes it and answers the single instance's tokens,
-    and decode serves the next request of the pair. (Parsed inside vLLM's scheduler, the error
-    once ended decode's engine core.)"""
+    number, or an infinite one, as JSON's 1e400 reads) fail that request's load: vLLM recomputes
+    it and answers the single instance's tokens, and decode serves the next request of the pair.
+    (Parsed inside vLLM's scheduler, each error once ended decode's engine core.)"""
     prefill, decode = cluster["kvx_p"], cluster["kvx_d"]
     d_log = Log(decode)
-    bad = {"do_remote_prefill": True, "transfer_mode": "kvx_push", "remote_engine_id": "x",
-           "remote_request_id": "y", "kvx_side_channels": ["127.0.0.1:1"], "tp_size": "two"}
     prompt = V.prompts(1, 160, seed=19)[0]
     expected = cluster["ref"].generate([prompt], MAX_TOKENS)["outputs"][0]["tokens"]
-    got = decode.generate([prompt], MAX_TOKENS, [bad])["outputs"][0]
-    assert got["tokens"] == expected, got
-    assert "do not parse" in d_log.text(), d_log.text()[-4000:]
+    for tp_size in ("two", float("inf")):
+        bad = {"do_remote_prefill": True, "transfer_mode": "kvx_push", "remote_engine_id": "x",
+               "remote_request_id": "y", "kvx_side_channels": ["127.0.0.1:1"],
+               "tp_size": tp_size}
+        got = decode.generate([prompt], MAX_TOKENS, [bad])["outputs"][0]
+        assert got["tokens"] == expected, (tp_size, got)
+    assert d_log.text().count("do not parse") >= 2, d_log.text()[-4000:]
     _, d = V.pair_generate(prefill, decode, PROMPTS[3:4], MAX_TOKENS)
     assert [o["tokens"] for o in d["outputs"]] == cluster["expected"][3:4]
 

@@ -49,6 +49,12 @@ class KvxMetadata(KVConnectorMetadata):
     release: list = field(default_factory=list)
 
 
+# What a client's kv_transfer_params that do not parse raise here (a number that is infinite, as
+# JSON's 1e400 reads, raises OverflowError in int()): a refusal, never an exception in vLLM's
+# scheduler, which would end the engine.
+UNPARSABLE = (TypeError, ValueError, OverflowError, AttributeError, KeyError)
+
+
 def remote_of(params: dict) -> dict:
     """What a decode worker needs of a prefill request's params."""
     return {"engine_id": str(params["remote_engine_id"]),
@@ -104,7 +110,7 @@ class KvxScheduler:
         recomputes it), never an exception in vLLM's scheduler, which would end the engine."""
         try:
             return self._refusal_of(params)
-        except (TypeError, ValueError, OverflowError, AttributeError, KeyError) as e:
+        except UNPARSABLE as e:
             return f"kv_transfer_params that do not parse: {type(e).__name__}: {e}"
 
     def _refusal_of(self, params: dict) -> Optional[str]:
@@ -138,7 +144,7 @@ class KvxScheduler:
         moved tokens must start a block on both sides."""
         try:
             theirs = int(params.get("kvx_block_size", 0) or 0) or self.block_size
-        except (TypeError, ValueError, OverflowError) as e:
+        except UNPARSABLE as e:
             return f"kvx_block_size that does not parse: {type(e).__name__}: {e}"
         if theirs <= 0:
             return f"a prefill block size of {theirs} tokens"
@@ -158,7 +164,7 @@ class KvxScheduler:
             refused = refused or self._prefix_refusal(params, prefix)
             try:
                 remote = remote_of(params)
-            except (KeyError, TypeError, ValueError):
+            except UNPARSABLE:
                 remote = None  # refused: nothing to tell a prefill
             self._recv[request.request_id] = {"dst": dst, "prefix_tokens": prefix,
                                               "tokens": int(num_external_tokens),
@@ -174,7 +180,7 @@ class KvxScheduler:
     def _queue_release(self, params: dict) -> None:
         try:
             remote = remote_of(params)
-        except (KeyError, TypeError, ValueError):
+        except UNPARSABLE:
             return
         self._release.append({"side_channels": remote["side_channels"],
                               "requests": [remote["request_id"]]})

@@ -232,6 +232,38 @@ async fn send(p: &PrefillEngine, r: RequestId, src: &[u32]) -> Result<(), Engine
     Ok(())
 }
 
+/// A chunk goes once, and the prompt's last chunk goes with LAST: a second post of a chunk (it
+/// could write into a landing range a later chunk holds by then) and the last chunk without LAST
+/// (this rank would vote complete while decode never sees the request end) are refused, and the
+/// request still completes with every byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunk_posted_twice_or_the_last_without_last_is_refused() {
+    let d = decode().await;
+    let p = prefill(d.local_addr()).await;
+    bounded(d.wait_for_ranks(BOUND)).await.unwrap();
+    let (r, src, dst) = (RequestId(21), [0, 1, 2, 3], [4, 5, 6, 7]);
+    let done = d.expect(r, PROMPT, CHUNK, dst.to_vec(), BOUND).unwrap();
+    let last = PROMPT.div_ceil(CHUNK) - 1;
+    assert!(last >= 1);
+    bounded(p.send_chunk(r, 0, &src, false)).await.unwrap();
+    let again = bounded(p.send_chunk(r, 0, &src, false)).await;
+    assert!(
+        matches!(&again, Err(EngineError::Config(m)) if m.contains("posted on this rank already")),
+        "{again:?}"
+    );
+    let unmarked = bounded(p.send_chunk(r, last, &src, false)).await;
+    assert!(
+        matches!(&unmarked, Err(EngineError::Config(m)) if m.contains("goes with LAST")),
+        "{unmarked:?}"
+    );
+    for c in 1..=last {
+        bounded(p.send_chunk(r, c, &src, c == last)).await.unwrap();
+    }
+    assert_eq!(bounded(done).await, Outcome::Complete);
+    assert!(landed(&d, &src, &dst));
+    d.shutdown(BOUND).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_byte_relay_sees_no_plaintext_and_the_run_still_works() {
     let d = decode().await;

@@ -339,6 +339,9 @@ struct Leg {
     posted: u32,
     /// Its decode aborted the request while chunks were posted: acknowledge once they are over.
     ack_pending: bool,
+    /// Chunks posted, over or not: a chunk goes once (again, it could write into a landing range
+    /// a later chunk holds by then).
+    sent: ChunkSet,
     /// Chunks whose writes and notification completed.
     done: ChunkSet,
     /// Chunks decode said it copied out of their landing range (`Landed`): where the grant's
@@ -2045,6 +2048,7 @@ impl Inner {
                     landing: req.landing,
                     posted: 0,
                     ack_pending: false,
+                    sent: ChunkSet::new(chunks),
                     done: ChunkSet::new(chunks),
                     landed: ChunkSet::new(chunks),
                 };
@@ -2359,16 +2363,21 @@ async fn send_chunk_of(
     {
         inner.wait_for_ranges(request, chunk).await;
     }
-    let status = if last {
-        let count = geometry.num_chunks() as u32;
-        if chunk.checked_add(1) != Some(count) {
+    let count = geometry.num_chunks() as u32;
+    let status = match (last, chunk.checked_add(1) == Some(count)) {
+        (true, true) => ChunkStatus::Last { count },
+        (false, false) => ChunkStatus::More,
+        (true, false) => {
             return Err(EngineError::Config(format!(
                 "LAST chunk {chunk} but the prompt has {count} chunks"
             )));
         }
-        ChunkStatus::Last { count }
-    } else {
-        ChunkStatus::More
+        // Without LAST decode would never see the request complete, while this rank voted so.
+        (false, true) => {
+            return Err(EngineError::Config(format!(
+                "chunk {chunk} is the last of the prompt's {count}: it goes with LAST"
+            )));
+        }
     };
     let mut posts = Vec::with_capacity(legs.len());
     for (link, dst_pages, landing) in &legs {
@@ -2396,9 +2405,21 @@ async fn send_chunk_of(
             .all(|(l, _, _)| st.links.get(&l.id).is_some_and(|l| !l.closed));
         match st.requests.get_mut(&request) {
             Some(r) if r.failed.is_none() && !r.voted && open => {
+                let again = legs.iter().any(|(l, _, _)| {
+                    r.legs
+                        .iter()
+                        .any(|x| x.link.id == l.id && x.sent.contains(chunk))
+                });
+                if again {
+                    return Err(EngineError::Config(format!(
+                        "chunk {chunk} of request {} was posted on this rank already",
+                        request.0
+                    )));
+                }
                 for (link, _, _) in &legs {
                     if let Some(leg) = r.leg_mut(link.id) {
                         leg.posted += 1;
+                        leg.sent.insert(chunk);
                     }
                 }
             }

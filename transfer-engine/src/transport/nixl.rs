@@ -552,6 +552,9 @@ struct Worker {
     regions: HashMap<u64, Region>,
     peers: HashMap<u64, Peer>,
     active: Vec<Op>,
+    /// Chunks whose request NIXL would not release: it may still move their bytes, so they stay
+    /// posted for good (their `Done` never runs, their regions and peer stay in use).
+    stuck: Vec<Op>,
     next_id: u64,
     /// Optional arguments naming the backend, for registrations.
     args: OptArgs,
@@ -595,6 +598,7 @@ impl Worker {
             regions: HashMap::new(),
             peers: HashMap::new(),
             active: Vec::new(),
+            stuck: Vec::new(),
             next_id: 1,
             args,
             notifs: NotifMap(map),
@@ -1311,19 +1315,25 @@ impl Worker {
             } else {
                 // An unreleased handle cannot be destroyed: it is leaked, which is safe.
                 tracing::warn!(
-                    "{} (request leaked)",
+                    "{} (request leaked; its chunk stays posted)",
                     status_error("nixl_capi_release_xfer_req", st)
                 );
                 released = false;
             }
             op.req = ptr::null_mut();
         }
-        let mut staged = std::mem::take(&mut op.staged);
-        if released {
-            // The agent reads no staged row of it any more.
-            self.unstage(&mut staged);
+        if !released {
+            // The library may still move this chunk's bytes: reporting it over would let the
+            // engine acknowledge an abort (decode reuses the pages) or decide the request (the
+            // caller reuses its source pages), and a deferred deregistration unregister the pool.
+            // So it stays posted, with its staging ranges, for the rest of the process.
+            self.shared.counters.leaked.fetch_add(1, Ordering::Relaxed);
+            self.stuck.push(op);
+            return;
         }
-        // Otherwise its staging ranges stay taken for good: the leaked request may still read them.
+        let mut staged = std::mem::take(&mut op.staged);
+        // The agent reads no staged row of it any more.
+        self.unstage(&mut staged);
         // The failure that marks the peer failed keeps the library's status; later ones to a peer
         // already failed say so.
         if let Err(e) = &res
@@ -1398,7 +1408,7 @@ impl Worker {
             self.poll_transfers();
             self.poll_notifications();
         }
-        if !self.active.is_empty() {
+        if !self.active.is_empty() || !self.stuck.is_empty() {
             // The agent may still be moving bytes for these requests, from our registrations to the
             // peers' memory: releasing the requests, unregistering the memory or destroying the agent
             // under them is not safe. Leak it all instead.

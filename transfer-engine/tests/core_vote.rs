@@ -232,6 +232,43 @@ fn deadline_never_replaces_the_local_vote() {
     );
 }
 
+/// A request only a peer voted on is reported once at its deadline, for the driver to vote on;
+/// one this rank voted on, or one decided meanwhile, is not.
+#[test]
+fn a_request_only_peers_voted_on_is_reported_at_its_deadline() {
+    let t0 = Instant::now();
+    let mut bs = boards(3, Some(Duration::from_secs(1)));
+    let (only_peer, both) = (RequestId(1), RequestId(2));
+    bs[1]
+        .handle_local_vote(t0, only_peer, Vote::Completed)
+        .unwrap();
+    bs[1].handle_local_vote(t0, both, Vote::Completed).unwrap();
+    bs[0].handle_local_vote(t0, both, Vote::Completed).unwrap();
+    pump(&mut bs, t0);
+    assert_eq!(bs[0].poll_expired_unvoted(), None, "before the deadline");
+    bs[0].handle_timeout(t0 + Duration::from_secs(2));
+    assert_eq!(bs[0].poll_expired_unvoted(), Some(only_peer));
+    assert_eq!(
+        bs[0].poll_expired_unvoted(),
+        None,
+        "once, and not the voted one"
+    );
+    // The driver's vote decides it and the board forgets it.
+    bs[0]
+        .handle_local_vote(
+            t0 + Duration::from_secs(2),
+            only_peer,
+            Vote::Failed(FailureCode::Timeout),
+        )
+        .unwrap();
+    assert!(!bs[0].is_undecided(only_peer));
+    assert!(
+        decisions(&mut bs[0])
+            .iter()
+            .any(|&(r, d)| r == only_peer && matches!(d, Decision::Failed { .. }))
+    );
+}
+
 #[test]
 fn close_is_ordered_after_votes_and_shutdown_reports() {
     let t0 = Instant::now();

@@ -69,7 +69,19 @@ async fn instance_meshed(
     name: &str,
     tag: u8,
     pp: u16,
+    mesh: (Vec<Arc<MeshSocket>>, Vec<SocketAddr>),
+) -> Vec<PrefillEngine> {
+    instance_configured(d, name, tag, pp, mesh, |_| {}).await
+}
+
+/// [`instance_meshed`] with each rank's configuration changed by `tweak` before it starts.
+async fn instance_configured(
+    d: &DecodeEngine,
+    name: &str,
+    tag: u8,
+    pp: u16,
     (sockets, peers): (Vec<Arc<MeshSocket>>, Vec<SocketAddr>),
+    tweak: impl Fn(&mut PrefillConfig),
 ) -> Vec<PrefillEngine> {
     let mut starts = Vec::new();
     for rank in 0..pp {
@@ -95,6 +107,7 @@ async fn instance_meshed(
         cfg.mesh_socket = sockets.get(usize::from(rank)).cloned();
         cfg.token = Some(Secret::new(SECRET));
         cfg.connect_timeout = Duration::from_secs(5);
+        tweak(&mut cfg);
         starts.push(tokio::spawn(PrefillEngine::start(cfg, Pool::Owned(buf))));
     }
     let mut ranks = Vec::new();
@@ -347,6 +360,33 @@ async fn decided(rank: &PrefillEngine, request: RequestId) -> Decision {
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// A request this rank never got that a PP peer voted on (its caller failed an id nobody held) is
+/// decided here too once the vote deadline passed: the board does not keep the peer's vote for
+/// good, where a later request of the same id would find it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_only_a_peer_voted_on_is_decided_here_at_the_vote_deadline() {
+    let d = decode().await;
+    d.add_instance("lone", 2, 1).unwrap();
+    let ranks = instance_configured(&d, "lone", 6, 2, common::mesh_sockets(2), |c| {
+        c.vote.vote_timeout = Some(Duration::from_millis(300));
+    })
+    .await;
+    let r = RequestId(4242);
+    ranks[1].fail(r, FailureCode::Aborted);
+    assert!(matches!(
+        decided(&ranks[1], r).await,
+        Decision::Failed { .. }
+    ));
+    assert!(matches!(
+        decided(&ranks[0], r).await,
+        Decision::Failed { .. }
+    ));
+    for rank in &ranks {
+        assert_eq!(rank.stats().undecided, 0, "{:?}", rank.stats());
+    }
+    d.shutdown(BOUND).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

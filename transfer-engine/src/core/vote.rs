@@ -412,6 +412,9 @@ pub struct VoteBoard {
     decided_order: VecDeque<RequestId>,
     transmit: VecDeque<(u16, VoteMessage)>,
     decisions: VecDeque<(RequestId, Decision)>,
+    /// Requests a peer's vote created whose deadline passed with no local vote
+    /// ([`poll_expired_unvoted`](VoteBoard::poll_expired_unvoted)).
+    expired_unvoted: VecDeque<RequestId>,
     peers: Vec<PeerState>,
     closed: bool,
     shutdown_at: Option<Instant>,
@@ -457,6 +460,7 @@ impl VoteBoard {
             decided_order: VecDeque::new(),
             transmit: VecDeque::new(),
             decisions: VecDeque::new(),
+            expired_unvoted: VecDeque::new(),
             peers,
             closed: false,
             shutdown_at: None,
@@ -725,6 +729,9 @@ impl VoteBoard {
                     p.terminal += 1;
                 }
             }
+            if p.by_peer {
+                self.expired_unvoted.push_back(id);
+            }
             self.try_decide(id);
         }
         if let Some(at) = self.shutdown_at
@@ -762,6 +769,20 @@ impl VoteBoard {
     #[must_use]
     pub fn poll_transmit(&mut self) -> Option<(u16, VoteMessage)> {
         self.transmit.pop_front()
+    }
+
+    /// The next request a peer's vote created whose deadline passed while this rank had not voted:
+    /// the board cannot decide it without the local vote, so the driver votes (failed, where it
+    /// does not hold the request: it never will now) or it stays undecided for good. Each such
+    /// deadline once, and only while the request is still undecided and unvoted here.
+    #[must_use]
+    pub fn poll_expired_unvoted(&mut self) -> Option<RequestId> {
+        while let Some(id) = self.expired_unvoted.pop_front() {
+            if self.undecided.get(&id).is_some_and(|p| p.by_peer) {
+                return Some(id);
+            }
+        }
+        None
     }
 
     /// The next decision, each request exactly once. Release the request's pages after this.

@@ -1047,6 +1047,7 @@ impl PrefillEngine {
             |i: &Inner| {
                 let mut st = lock(&i.state);
                 st.board.handle_timeout(Instant::now());
+                i.vote_for_unheld(&mut st);
                 i.flush_board(&mut st);
                 st.board.poll_timeout()
             },
@@ -1901,6 +1902,30 @@ impl Inner {
         }
         drop(st);
         self.timer.notify_one();
+    }
+
+    /// Requests peers voted on that this rank never got, past their vote deadline: its part of
+    /// each fails (it will not get them now), so the pipeline decides them and the board does not
+    /// keep them for good (a later request of the same id would find a peer's stale vote). A
+    /// request held here in any form votes as usual instead.
+    fn vote_for_unheld(&self, st: &mut State) {
+        while let Some(request) = st.board.poll_expired_unvoted() {
+            if st.requests.contains_key(&request)
+                || st.offers.contains_key(&request)
+                || st.arrivals.contains_key(&request)
+            {
+                continue;
+            }
+            let vote = Vote::Failed(FailureCode::Timeout);
+            if let Err(e) = st.board.handle_local_vote(Instant::now(), request, vote) {
+                tracing::debug!(request = request.0, error = %e, "local vote refused");
+            } else {
+                tracing::info!(
+                    request = request.0,
+                    "a request only PP peers voted on failed here at its vote deadline"
+                );
+            }
+        }
     }
 
     /// Sends what the board queued and hands out its decisions.

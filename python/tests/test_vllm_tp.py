@@ -191,15 +191,18 @@ def test_a_prefix_hit_across_block_sizes(cluster):
 
 
 def test_a_request_decode_refuses_is_released_by_prefill_at_once(cluster):
-    """Decode refuses params it cannot serve (here a prefill with PP 2): the request's blocks are
-    reported as load errors, vLLM recomputes it (the normal tokens), and decode tells prefill to
-    release the blocks it holds for it, long before their lease ends."""
+    """Decode refuses params it cannot serve (here a prefill with PP 2): it counts none of the
+    request's tokens as loadable, vLLM computes it (the normal tokens; no load is tried, none
+    fails), and decode tells prefill to release the blocks it holds for it, long before their
+    lease ends."""
     p_log, d_log = Log(cluster["kvx_p1"]), Log(cluster["kvx_d1"])
     p = cluster["kvx_p1"].generate(PROMPTS[:2], 1, [{"do_remote_decode": True}] * 2)
     params = [dict(o["kv_transfer_params"], pp_size=2) for o in p["outputs"]]
     d = cluster["kvx_d1"].generate(PROMPTS[:2], MAX_TOKENS, params)
     assert [o["tokens"] for o in d["outputs"]] == cluster["expected"][:2]
     assert "a prefill instance with PP > 1" in d_log.text()
+    assert "KV load failed" not in d_log.text(), d_log.text()[-4000:]
+    assert "Recovered from KV load failure" not in d_log.text(), d_log.text()[-4000:]
     want = {f"kvx: request {q['remote_request_id']}: decode gave it up: blocks released"
             for q in params}
     deadline = time.monotonic() + LEASE_S / 2

@@ -83,6 +83,9 @@ class KvxScheduler:
         self._recv: dict = {}
         self._release: list = []
         self._held: dict = {}  # request id -> time it was held (monotonic)
+        # request id -> why its KV cannot be loaded, from get_num_new_matched_tokens until its
+        # allocation (or its end, if it never gets one).
+        self._refused: dict = {}
         self._test_hooks = bool(os.environ.get("KVX_TEST_CORRUPT_TAG")
                                 or os.environ.get("KVX_TEST_STALL_TAG")
                                 or os.environ.get("KVX_TEST_LATE_TAG"))
@@ -101,6 +104,14 @@ class KvxScheduler:
         if params and params.get("do_remote_prefill"):
             count = len(request.prompt_token_ids or ()) - num_computed_tokens
             if count > 0:
+                # Tokens that cannot be loaded are not counted (vLLM's contract): vLLM computes
+                # the request here, whatever kv_load_failure_policy says of loads that fail.
+                refused = self._refusal(params) or self._prefix_refusal(params,
+                                                                        num_computed_tokens)
+                if refused:
+                    self._refused[request.request_id] = refused
+                    return 0, False
+                self._refused.pop(request.request_id, None)
                 return count, True
         return 0, False
 
@@ -172,9 +183,14 @@ class KvxScheduler:
             if refused:
                 logger.error("kvx: request %s: %s; its blocks are reported as load errors",
                              request.request_id, refused)
-        elif not refused:
-            # A full local prefix hit: nothing to load, prefill may drop its blocks now.
-            self._queue_release(params)
+        else:
+            refused = self._refused.pop(request.request_id, None) or refused
+            if refused:
+                logger.error("kvx: request %s: %s; computed here", request.request_id, refused)
+            # Nothing to load (a full local prefix hit, or params this decode refuses): a kvx
+            # prefill may drop its blocks now.
+            if params.get("transfer_mode") == TRANSFER_MODE:
+                self._queue_release(params)
         params["do_remote_prefill"] = False
 
     def _queue_release(self, params: dict) -> None:
@@ -191,6 +207,7 @@ class KvxScheduler:
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
+        self._refused.pop(request.request_id, None)
         if not params:
             return False, None
         if params.get("do_remote_prefill"):

@@ -378,8 +378,12 @@ class PrefillSide:
     def _decided(self, engine, h: _Held, decision) -> None:
         """kvx decided: no write of this request can still run; vLLM may reuse its blocks."""
         with self._lock:
-            if self._held.get(h.req_id) is not h:
-                return  # handed back unsent already (its offer was taken back)
+            handed_back = self._held.get(h.req_id) is not h
+        if handed_back:
+            # Handed back unsent already (its offer was taken back): the engine still keeps the
+            # decision until told to forget it.
+            self._release_quietly(engine, h.rid)
+            return
         try:
             outcome = decision.wait(0)
             if not outcome.complete:

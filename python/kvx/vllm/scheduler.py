@@ -113,6 +113,7 @@ class KvxScheduler:
                     return 0, False
                 self._refused.pop(request.request_id, None)
                 return count, True
+            self._refused.pop(request.request_id, None)
         return 0, False
 
     def _refusal(self, params: dict) -> Optional[str]:
@@ -211,8 +212,9 @@ class KvxScheduler:
         if not params:
             return False, None
         if params.get("do_remote_prefill"):
-            # Decode never allocated for it (aborted before): prefill may drop the blocks now.
-            if self._refusal(params) is None:
+            # Decode never allocated for it (aborted before, or refused): a kvx prefill may drop
+            # the blocks now.
+            if params.get("transfer_mode") == TRANSFER_MODE:
                 self._queue_release(params)
             params["do_remote_prefill"] = False
             return False, None

@@ -174,10 +174,11 @@ class SideChannelServer:
                     self.refused += 1
                     logger.warning("kvx: a side-channel peer did not prove the shared secret")
                     return
+                # A peer that holds the secret: its place goes to the next handshake, and no
+                # newer connection takes it from now on.
+                self._give_back(place)
                 _send(conn, hs.write())
                 channel = hs.finish()
-                # A peer that holds the secret: its place goes to the next handshake.
-                self._give_back(place)
                 # The handler may start a prefill engine, which connects to decode: no short bound.
                 conn.settimeout(120.0)
                 request = _recv_sealed(conn, channel)

@@ -1,7 +1,8 @@
 //! Who a listener lets run a handshake: at most [`MAX_PENDING_HANDSHAKES`] unauthenticated ones at
 //! once, and once every place is taken a new connection takes the place of the oldest handshake of
 //! the source address that holds the most places. A peer that proved the secret gives its place
-//! back ([`Vouch`]): it is never given up for a newer connection.
+//! back once its Hello is checked ([`Vouch`]): from then on no newer connection takes its
+//! handshake (one chosen just before, while the peer sent its Hello, can still end it).
 //!
 //! So connections that arrive and say nothing from one address cannot keep real peers out: a peer
 //! from another address gets a place (the silent ones are the oldest of the address that holds the

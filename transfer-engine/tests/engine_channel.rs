@@ -224,6 +224,21 @@ async fn bounded<T>(f: impl std::future::Future<Output = T>) -> T {
         .expect("did not finish within the bound")
 }
 
+/// Starts a rank that decode must have within `within`, and serves one request through it, every
+/// byte landed.
+async fn served_within(d: &DecodeEngine, within: Duration, r: RequestId) -> PrefillEngine {
+    let started = std::time::Instant::now();
+    let p = bounded(prefill(d.local_addr())).await;
+    bounded(d.wait_for_ranks(BOUND)).await.unwrap();
+    assert!(started.elapsed() < within, "{:?}", started.elapsed());
+    let (src, dst) = ([0, 1, 2, 3], [4, 5, 6, 7]);
+    let done = d.expect(r, PROMPT, CHUNK, dst.to_vec(), BOUND).unwrap();
+    bounded(send(&p, r, &src)).await.unwrap();
+    assert_eq!(bounded(done).await, Outcome::Complete);
+    assert!(landed(d, &src, &dst));
+    p
+}
+
 async fn send(p: &PrefillEngine, r: RequestId, src: &[u32]) -> Result<(), EngineError> {
     let last = PROMPT.div_ceil(CHUNK) - 1;
     for c in 0..=last {
@@ -1008,18 +1023,7 @@ async fn connections_reset_before_they_are_set_up_do_not_stall_the_listener() {
     }
     // The listener took each as that connection's failure, not its own: a real rank's handshake
     // right after is not held back by pauses (eight in a row paused 2.5 s).
-    let started = std::time::Instant::now();
-    let p = prefill(d.local_addr()).await;
-    bounded(d.wait_for_ranks(BOUND)).await.unwrap();
-    assert!(
-        started.elapsed() < Duration::from_millis(1500),
-        "{:?}",
-        started.elapsed()
-    );
-    let (r, src, dst) = (RequestId(12), [0, 1, 2, 3], [4, 5, 6, 7]);
-    let done = d.expect(r, PROMPT, CHUNK, dst.to_vec(), BOUND).unwrap();
-    bounded(send(&p, r, &src)).await.unwrap();
-    assert_eq!(bounded(done).await, Outcome::Complete);
+    let _p = served_within(&d, Duration::from_millis(1500), RequestId(12)).await;
     d.shutdown(BOUND).await;
 }
 
@@ -1052,25 +1056,7 @@ async fn silent_connections_from_one_address_do_not_keep_a_rank_from_another_out
         assert!(bounded(s.read(&mut buf)).await.unwrap() > 0);
     }
     assert_eq!(d.stats().refused_connections, 0, "{:?}", d.stats());
-    let started = std::time::Instant::now();
-    let p = bounded(prefill_start(
-        d.local_addr(),
-        Some(Duration::from_secs(5)),
-        None,
-    ))
-    .await
-    .unwrap();
-    bounded(d.wait_for_ranks(BOUND)).await.unwrap();
-    assert!(
-        started.elapsed() < Duration::from_secs(5),
-        "{:?}",
-        started.elapsed()
-    );
-    let (r, src, dst) = (RequestId(13), [0, 1, 2, 3], [4, 5, 6, 7]);
-    let done = d.expect(r, PROMPT, CHUNK, dst.to_vec(), BOUND).unwrap();
-    bounded(send(&p, r, &src)).await.unwrap();
-    assert_eq!(bounded(done).await, Outcome::Complete);
-    assert!(landed(&d, &src, &dst));
+    let _p = served_within(&d, Duration::from_secs(5), RequestId(13)).await;
     // 127.0.0.2's oldest gave way, and only it: the oldest of all, from 127.0.0.1, is still open.
     assert_eq!(d.stats().refused_connections, 1, "{:?}", d.stats());
     let mut buf = [0u8; 4096];
@@ -1123,12 +1109,6 @@ async fn connections_over_the_handshake_bound_are_closed_and_the_engine_serves_a
         d.stats()
     );
     // A real rank is served once they are gone.
-    let p = prefill(d.local_addr()).await;
-    bounded(d.wait_for_ranks(BOUND)).await.unwrap();
-    let (r, src, dst) = (RequestId(11), [0, 1, 2, 3], [4, 5, 6, 7]);
-    let done = d.expect(r, PROMPT, CHUNK, dst.to_vec(), BOUND).unwrap();
-    bounded(send(&p, r, &src)).await.unwrap();
-    assert_eq!(bounded(done).await, Outcome::Complete);
-    assert!(landed(&d, &src, &dst));
+    let _p = served_within(&d, BOUND, RequestId(11)).await;
     d.shutdown(BOUND).await;
 }

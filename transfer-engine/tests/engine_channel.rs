@@ -885,6 +885,58 @@ async fn a_prefill_rank_refuses_a_listener_that_is_not_a_decode() {
     d.shutdown(BOUND).await;
 }
 
+/// A decode whose undecided allocations name `PAGES_PER_DECODE_POOL` times its pool's pages gets
+/// the next one refused, with a typed reason and a count, while another decode the rank serves
+/// goes on; once one of its requests is decided, its next allocation is taken again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_decodes_undecided_allocations_are_bounded_by_its_pool_and_others_go_on() {
+    use transfer_engine::engine::PAGES_PER_DECODE_POOL;
+    let d = decode().await;
+    let (mut conn, p) = rogue_decode(&d, PAGES).await;
+    // Every allocation names the same four pages, as a decode that reuses them before this rank
+    // decided would.
+    let pages = vec![0, 1, 2, 3];
+    let cap = u64::from(PAGES) * PAGES_PER_DECODE_POOL / pages.len() as u64;
+    for id in 1..=cap {
+        conn.send(&allocation(id, PROMPT, CHUNK, pages.clone()))
+            .await
+            .unwrap();
+        assert_eq!(bounded(p.next_request()).await.unwrap().request.0, id);
+    }
+    conn.send(&allocation(cap + 1, PROMPT, CHUNK, pages.clone()))
+        .await
+        .unwrap();
+    match next_answer(&mut conn).await {
+        Msg::TransferReject(r) => {
+            assert_eq!(r.request, cap + 1, "{r:?}");
+            assert!(r.reason.to_string().contains("times its pool"), "{r:?}");
+        }
+        m => panic!("{m:?}"),
+    }
+    assert_eq!(p.stats().rejected_requests, 1, "{:?}", p.stats());
+    // Another decode is served by the same rank meanwhile, every byte landed.
+    let d2 = decode().await;
+    bounded(p.add_decode(d2.local_addr())).await.unwrap();
+    bounded(d2.wait_for_ranks(BOUND)).await.unwrap();
+    let (r, src, dst) = (RequestId(500), [0, 1, 2, 3], [4, 5, 6, 7]);
+    let done = d2.expect(r, PROMPT, CHUNK, dst.to_vec(), BOUND).unwrap();
+    assert_eq!(bounded(p.next_request()).await.unwrap().request, r);
+    bounded(send(&p, r, &src)).await.unwrap();
+    assert_eq!(bounded(done).await, Outcome::Complete);
+    assert!(landed(&d2, &src, &dst));
+    // One of the first decode's requests is decided: its share is free again.
+    p.fail(RequestId(1), transfer_engine::core::FailureCode::Aborted);
+    bounded(p.decided(RequestId(1))).await;
+    conn.send(&allocation(cap + 2, PROMPT, CHUNK, pages))
+        .await
+        .unwrap();
+    assert_eq!(bounded(p.next_request()).await.unwrap().request.0, cap + 2);
+    assert_eq!(p.stats().rejected_requests, 1, "{:?}", p.stats());
+    drop((conn, p));
+    d.shutdown(BOUND).await;
+    d2.shutdown(BOUND).await;
+}
+
 /// Waits (bounded) until `f` holds of the prefill rank's stats, and returns them.
 async fn until_prefill(
     p: &PrefillEngine,

@@ -18,8 +18,9 @@ pub use decode::{
     DecodeEngine, DecodeStage, DecodeStats, Expected, ShutdownReport,
 };
 pub use prefill::{
-    ExternalDecode, IncomingRequest, LinkId, MAX_FOREIGN_DECISIONS, MAX_OFFERS, MAX_UNKNOWN_ABORTS,
-    MeshSocket, NotifyFormat, PrefillConfig, PrefillEngine, PrefillStats,
+    ExternalDecode, IncomingRequest, LinkId, MAX_FOREIGN_DECISIONS, MAX_OFFERS,
+    MAX_REQUESTS_PER_DECODE, MAX_UNKNOWN_ABORTS, MeshSocket, NotifyFormat, PAGES_PER_DECODE_POOL,
+    PrefillConfig, PrefillEngine, PrefillStats,
 };
 
 use crate::control::{self, ControlError};

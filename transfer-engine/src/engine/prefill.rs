@@ -241,7 +241,8 @@ pub struct PrefillStats {
     /// Requests this rank holds: allocated by a decode and not yet released
     /// ([`PrefillEngine::release`]), decided or not.
     pub requests: u64,
-    /// Transfer requests rejected (bad pages, duplicates).
+    /// Transfer requests rejected (bad pages, duplicates, past a decode's cap:
+    /// [`MAX_REQUESTS_PER_DECODE`], [`PAGES_PER_DECODE_POOL`]).
     pub rejected_requests: u64,
     /// Bytes registered by the transport.
     pub registered_bytes: u64,
@@ -327,6 +328,43 @@ struct LinkState {
     closed: bool,
     /// Our Close goes once `posted` is 0 (then the link is forgotten).
     close_pending: bool,
+    /// This decode's allocations (legs) of requests not decided yet, and the destination pages
+    /// they name (a leg of none counts one): bounded by [`MAX_REQUESTS_PER_DECODE`] and
+    /// [`PAGES_PER_DECODE_POOL`] times decode's pool.
+    live: u32,
+    live_pages: u64,
+}
+
+impl LinkState {
+    fn new(link: Arc<Link>) -> Self {
+        LinkState {
+            link,
+            posted: 0,
+            closed: false,
+            close_pending: false,
+            live: 0,
+            live_pages: 0,
+        }
+    }
+
+    /// Why one more live allocation of `pages` destination pages is refused, if it is.
+    fn over_cap(&self, pages: usize) -> Option<String> {
+        let units = (pages as u64).max(1);
+        let cap = u64::from(self.link.planner.dst().num_pages) * PAGES_PER_DECODE_POOL;
+        if self.live as usize >= MAX_REQUESTS_PER_DECODE {
+            Some(format!(
+                "this decode has {MAX_REQUESTS_PER_DECODE} undecided requests here already"
+            ))
+        } else if self.live_pages.saturating_add(units) > cap {
+            Some(format!(
+                "this decode's undecided requests here name {} pages; with {units} more they would \
+                 pass {cap}, {PAGES_PER_DECODE_POOL} times its pool",
+                self.live_pages
+            ))
+        } else {
+            None
+        }
+    }
 }
 
 /// What one decode TP rank asked of a request: its pages, and this rank's chunks into them.
@@ -379,6 +417,9 @@ struct ReqState {
     expected: usize,
     failed: Option<FailureCode>,
     voted: bool,
+    /// Its legs count against their decodes' caps ([`LinkState::live`]): from each allocation
+    /// to the request's decision (or its release, if that comes first).
+    counted: bool,
     /// The request's span on this rank, from its first allocation to its decision (taken and
     /// closed then, with the decision recorded); its chunks' spans are its children.
     span: Option<tracing::Span>,
@@ -401,6 +442,22 @@ impl ReqState {
     /// Chunks posted and not yet over, on every leg.
     fn posted(&self) -> u32 {
         self.legs.iter().map(|l| l.posted).sum()
+    }
+
+    /// Takes the request's legs off their decodes' caps, once: it was decided or released, and
+    /// nothing more is posted to its pages.
+    fn uncount(&mut self, links: &mut std::collections::BTreeMap<LinkId, LinkState>) {
+        if !std::mem::take(&mut self.counted) {
+            return;
+        }
+        for leg in &self.legs {
+            if let Some(l) = links.get_mut(&leg.link.id) {
+                l.live = l.live.saturating_sub(1);
+                l.live_pages = l
+                    .live_pages
+                    .saturating_sub((leg.dst_pages.len() as u64).max(1));
+            }
+        }
     }
 
     /// Every chunk of every leg is over.
@@ -683,7 +740,7 @@ impl crate::metrics::Source for Inner {
         );
         out.add(
             "kvx_requests_rejected",
-            "Transfer requests rejected (bad pages, duplicates)",
+            "Transfer requests rejected (bad pages, duplicates, past a decode's cap)",
             base(),
             Counter(s.rejected_requests),
         );
@@ -971,15 +1028,7 @@ impl PrefillEngine {
         let (itx, irx) = mpsc::unbounded_channel();
         let link = Arc::new(link);
         let mut links = std::collections::BTreeMap::new();
-        links.insert(
-            link.id,
-            LinkState {
-                link: link.clone(),
-                posted: 0,
-                closed: false,
-                close_pending: false,
-            },
-        );
+        links.insert(link.id, LinkState::new(link.clone()));
         let inner = Arc::new(Inner {
             state: Mutex::new(State {
                 requests: HashMap::new(),
@@ -1146,15 +1195,7 @@ impl PrefillEngine {
             let mut st = lock(&inner.state);
             match (st.closed, st.incoming.clone()) {
                 (false, Some(incoming)) => {
-                    st.links.insert(
-                        id,
-                        LinkState {
-                            link: link.clone(),
-                            posted: 0,
-                            closed: false,
-                            close_pending: false,
-                        },
-                    );
+                    st.links.insert(id, LinkState::new(link.clone()));
                     incoming
                 }
                 _ => {
@@ -1462,7 +1503,9 @@ impl PrefillEngine {
     pub fn release(&self, request: RequestId) {
         let mut st = lock(&self.inner.state);
         st.decided.remove(&request);
-        st.requests.remove(&request);
+        if let Some(mut r) = st.requests.remove(&request) {
+            r.uncount(&mut st.links);
+        }
         st.drop_offer(request);
     }
 
@@ -1954,6 +1997,12 @@ impl Inner {
                 };
             }
             st.unknown_aborts.remove(&request);
+            let State {
+                requests, links, ..
+            } = &mut *st;
+            if let Some(r) = requests.get_mut(&request) {
+                r.uncount(links);
+            }
             // A request the caller never got (some allocation never came, or it failed first)
             // posted nothing; nobody will release it, so it goes now, its decision kept as that of
             // a request this rank does not hold.
@@ -2056,6 +2105,10 @@ impl Inner {
         // Decided here already (a decode aborted it before this allocation came, or it was over
         // and not released): it is never served again.
         let settled = st.decided.contains_key(&request) || st.unknown_aborts.contains_key(&request);
+        let over = st
+            .links
+            .get(&link.id)
+            .and_then(|l| l.over_cap(req.dst_pages.len()));
         let reason = match (geometry, check) {
             (Ok(_), Some(Ok(()))) if open && settled => {
                 control::TransferRejectReason::Invalid(format!(
@@ -2063,10 +2116,14 @@ impl Inner {
                     req.request
                 ))
             }
+            (Ok(_), Some(Ok(()))) if open && over.is_some() => {
+                control::TransferRejectReason::Invalid(over.unwrap_or_default())
+            }
             (Ok(g), Some(Ok(()))) if open => {
                 // Chunk ids are `u32` on the wire; the count is at most the prompt's tokens, which
                 // fill pages the pool holds (checked just above).
                 let chunks = u32::try_from(g.num_chunks()).unwrap_or(u32::MAX);
+                let units = (req.dst_pages.len() as u64).max(1);
                 let leg = Leg {
                     link: link.clone(),
                     dst_pages: Arc::new(req.dst_pages),
@@ -2088,6 +2145,7 @@ impl Inner {
                             expected: link.fan_out.max(1),
                             failed: None,
                             voted: false,
+                            counted: true,
                             span: Some(tracing::info_span!(
                                 parent: None,
                                 "kvx.request",
@@ -2109,6 +2167,13 @@ impl Inner {
                     Some(_) => None,
                 };
                 if let Some((ready, failed)) = accepted {
+                    let counted = st.requests.get(&request).is_some_and(|r| r.counted);
+                    if let Some(l) = st.links.get_mut(&link.id)
+                        && counted
+                    {
+                        l.live = l.live.saturating_add(1);
+                        l.live_pages = l.live_pages.saturating_add(units);
+                    }
                     if ready
                         && failed.is_none()
                         && let Some(r) = st.requests.get_mut(&request)
@@ -3031,6 +3096,14 @@ fn link_to(
 
 /// Offers ([`PrefillEngine::offer`]) that may wait for their allocations at once.
 pub const MAX_OFFERS: usize = 1 << 16;
+
+/// Undecided requests one decode may have on this rank at once (see [`LinkState::live`]).
+pub const MAX_REQUESTS_PER_DECODE: usize = 1 << 16;
+
+/// Destination pages one decode's undecided requests here may name together, as a multiple of
+/// its pool. A decode that works hands out each page to one request at a time, but it may reuse
+/// a request's pages once its own side is done, before this rank decided it.
+pub const PAGES_PER_DECODE_POOL: u64 = 4;
 
 /// Chunks an offered request posts before letting the runtime's other tasks run.
 const OFFER_CHUNKS_PER_TURN: u32 = 16;

@@ -937,6 +937,35 @@ async fn one_decodes_undecided_allocations_are_bounded_by_its_pool_and_others_go
     d2.shutdown(BOUND).await;
 }
 
+/// An allocation its decode aborts before the caller read it from `next_request` is forgotten
+/// with its decision (nobody would release it) and passed over there; one the caller read stays
+/// held until the caller releases it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_allocation_decided_before_the_caller_read_it_is_forgotten_and_passed_over() {
+    let d = decode().await;
+    let (mut conn, p) = rogue_decode(&d, PAGES).await;
+    for id in [1, 2] {
+        conn.send(&allocation(id, PROMPT, CHUNK, vec![0, 1, 2, 3]))
+            .await
+            .unwrap();
+    }
+    until_prefill(&p, "both allocations held", |s| s.requests == 2).await;
+    abort_all(&mut conn, 1..=1).await;
+    let s = until_prefill(&p, "the abort decided", |s| s.decided_failed == 1).await;
+    assert_eq!(s.requests, 1, "{s:?}");
+    assert_eq!(
+        bounded(p.next_request()).await.unwrap().request,
+        RequestId(2)
+    );
+    abort_all(&mut conn, 2..=2).await;
+    let s = until_prefill(&p, "the second abort decided", |s| s.decided_failed == 2).await;
+    assert_eq!(s.requests, 1, "{s:?}");
+    p.release(RequestId(2));
+    assert_eq!(p.stats().requests, 0, "{:?}", p.stats());
+    drop((conn, p));
+    d.shutdown(BOUND).await;
+}
+
 /// Waits (bounded) until `f` holds of the prefill rank's stats, and returns them.
 async fn until_prefill(
     p: &PrefillEngine,

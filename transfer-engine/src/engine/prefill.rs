@@ -28,7 +28,7 @@ use crate::mem::MemKind;
 use crate::transport::{PeerId, Post, Sink, Transport, TransportError, WriteOp};
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 use tokio::sync::{Notify, mpsc, oneshot};
@@ -285,6 +285,9 @@ pub struct PrefillStats {
     /// not decided yet; at most [`MAX_UNKNOWN_ABORTS`] for each decode, beyond which such an
     /// abort is answered, counted in `refused` and casts no vote.
     pub unknown_aborts: u64,
+    /// Ready allocations not queued for [`PrefillEngine::next_request`] because [`MAX_UNREAD`]
+    /// waited there unread: their requests are never handed to the caller, and go once decided.
+    pub unread_dropped: u64,
 }
 
 /// One decode engine this rank writes into: its transport peer, what this rank writes there, the
@@ -409,8 +412,9 @@ struct ReqState {
     prefix_tokens: u32,
     /// The engine took it from an offer and posts it ([`PrefillEngine::offer`]).
     offered: bool,
-    /// Every allocation came while it had not failed: it went to the caller (`next_request`) or
-    /// to its offer. One that never did is forgotten once decided: nobody would release it.
+    /// The caller has it: `next_request` returned it, or the caller posted a chunk of it or
+    /// offered it. One it never had is forgotten once decided: nobody would release it (and its
+    /// unread entry in `next_request`'s queue is passed over).
     handed: bool,
     legs: Vec<Leg>,
     /// Legs the request has once every allocation came.
@@ -574,6 +578,7 @@ struct Counters {
     refused_connections: AtomicU64,
     auth_failures: AtomicU64,
     handshake_failures: AtomicU64,
+    unread_dropped: AtomicU64,
     /// Bytes and writes of completed chunks by decode (control address), for the metrics: one
     /// entry per decode this rank ever wrote into.
     by_peer: Mutex<std::collections::BTreeMap<SocketAddr, Written>>,
@@ -605,6 +610,8 @@ struct Inner {
     linking: Mutex<HashMap<SocketAddr, Arc<tokio::sync::Mutex<()>>>>,
     /// The runtime the engine started on: offered requests are posted on tasks of it.
     runtime: tokio::runtime::Handle,
+    /// Allocations queued for `next_request` and not read yet (at most [`MAX_UNREAD`]).
+    unread: AtomicUsize,
     /// Woken when decode says it copied a chunk out of a landing range (`Landed`) and when a
     /// request fails: chunks waiting for their range look again.
     landed: Notify,
@@ -648,6 +655,7 @@ impl Inner {
             register_micros: self.register_micros,
             decisions_held,
             unknown_aborts,
+            unread_dropped: c.unread_dropped.load(Ordering::Relaxed),
         }
     }
 }
@@ -792,6 +800,12 @@ impl crate::metrics::Source for Inner {
             "Failed votes cast for requests this rank never held, not yet decided",
             base(),
             gauge(s.unknown_aborts),
+        );
+        out.add(
+            "kvx_allocations_unread_dropped",
+            "Ready allocations not queued for next_request: as many waited unread already",
+            base(),
+            Counter(s.unread_dropped),
         );
         out.add(
             "kvx_registered_bytes",
@@ -1065,6 +1079,7 @@ impl PrefillEngine {
             linking: Mutex::new(HashMap::new()),
             runtime: tokio::runtime::Handle::current(),
             landed: Notify::new(),
+            unread: AtomicUsize::new(0),
         });
         if let Some(addr) = inner.cfg.metrics {
             let source: std::sync::Weak<dyn crate::metrics::Source> = Arc::downgrade(&inner) as _;
@@ -1125,12 +1140,24 @@ impl PrefillEngine {
 
     /// The next page allocation a decode engine sent (accepted ones only); `None` once the engine
     /// closed (its last decode closed its connection, without [`PrefillConfig::keep_open`]). A
-    /// server whose scheduler already knows its requests need not call it.
+    /// server whose scheduler already knows its requests need not call it: at most
+    /// [`MAX_UNREAD`] wait unread ([`PrefillStats::unread_dropped`]). One whose request was
+    /// decided and forgotten before it was read (a request the caller never had) is passed over.
     ///
     /// # Cancel safety
     /// Cancel-safe: an allocation not yet returned stays queued.
     pub async fn next_request(&self) -> Option<IncomingRequest> {
-        self.incoming.lock().await.recv().await
+        let mut incoming = self.incoming.lock().await;
+        loop {
+            let next = incoming.recv().await?;
+            self.inner.unread.fetch_sub(1, Ordering::Relaxed);
+            // One decided and forgotten while it waited here (a decode aborted it, say) is passed
+            // over: nothing of it is left to send or release.
+            if let Some(r) = lock(&self.inner.state).requests.get_mut(&next.request) {
+                r.handed = true;
+                return Some(next);
+            }
+        }
     }
 
     /// Connects to one more decode engine (another decode instance, or another decode TP rank)
@@ -1717,11 +1744,13 @@ impl Inner {
         loop {
             let rx = {
                 let mut st = lock(&self.state);
-                if let Some(r) = st.requests.get(&request) {
+                if let Some(r) = st.requests.get_mut(&request) {
                     if let Some(code) = r.failed {
                         return Err(EngineError::RequestFailed { request, code });
                     }
                     if r.ready() {
+                        // The caller knows it (it posts it): it releases it.
+                        r.handed = true;
                         let legs = r
                             .legs
                             .iter()
@@ -2009,7 +2038,7 @@ impl Inner {
             if st
                 .requests
                 .get(&request)
-                .is_some_and(|r| !r.handed && r.posted() == 0)
+                .is_some_and(|r| !r.handed && !r.offered && r.posted() == 0)
             {
                 st.requests.remove(&request);
             }
@@ -2173,12 +2202,6 @@ impl Inner {
                     {
                         l.live = l.live.saturating_add(1);
                         l.live_pages = l.live_pages.saturating_add(units);
-                    }
-                    if ready
-                        && failed.is_none()
-                        && let Some(r) = st.requests.get_mut(&request)
-                    {
-                        r.handed = true;
                     }
                     for w in st.arrivals.remove(&request).unwrap_or_default() {
                         let _ = w.send(());
@@ -2398,6 +2421,26 @@ impl Inner {
     }
 
     /// Keeps a task spawned after start, to be stopped with the engine.
+    /// Queues a ready allocation for `next_request`, unless [`MAX_UNREAD`] wait there already
+    /// (a caller that never reads): it is dropped then, counted, and, never handed to the caller,
+    /// forgotten once decided (decode's deadline fails it).
+    fn queue_unread(
+        &self,
+        incoming: &mpsc::UnboundedSender<IncomingRequest>,
+        next: IncomingRequest,
+    ) {
+        if self.unread.fetch_add(1, Ordering::Relaxed) >= MAX_UNREAD {
+            self.unread.fetch_sub(1, Ordering::Relaxed);
+            self.counters.unread_dropped.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                request = next.request.0,
+                "{MAX_UNREAD} allocations wait unread: this one is not queued"
+            );
+        } else if incoming.send(next).is_err() {
+            self.unread.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
     fn keep_task(&self, task: tokio::task::JoinHandle<()>) {
         if let Ok(mut tasks) = self.mesh_tasks.0.lock() {
             tasks.retain(|t| !t.is_finished());
@@ -2754,9 +2797,7 @@ async fn decode_read_loop(
                     let offered = lock(&i.state).take_offer(next.request);
                     match offered {
                         Some(src) => i.start_offered(next.request, src),
-                        None => {
-                            let _ = incoming.send(next);
-                        }
+                        None => i.queue_unread(&incoming, next),
                     }
                 }
             }
@@ -3104,6 +3145,10 @@ pub const MAX_REQUESTS_PER_DECODE: usize = 1 << 16;
 /// its pool. A decode that works hands out each page to one request at a time, but it may reuse
 /// a request's pages once its own side is done, before this rank decided it.
 pub const PAGES_PER_DECODE_POOL: u64 = 4;
+
+/// Allocations that may wait for [`PrefillEngine::next_request`] at once; later ones are
+/// dropped, counted ([`PrefillStats::unread_dropped`]).
+pub const MAX_UNREAD: usize = 1 << 16;
 
 /// Chunks an offered request posts before letting the runtime's other tasks run.
 const OFFER_CHUNKS_PER_TURN: u32 = 16;

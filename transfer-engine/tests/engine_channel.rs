@@ -937,31 +937,33 @@ async fn one_decodes_undecided_allocations_are_bounded_by_its_pool_and_others_go
     d2.shutdown(BOUND).await;
 }
 
-/// An allocation its decode aborts before the caller read it from `next_request` is forgotten
-/// with its decision (nobody would release it) and passed over there; one the caller read stays
-/// held until the caller releases it.
+/// A decode that keeps sending (its heartbeats) but reads nothing, while the rank has more for it
+/// than the socket's buffers hold (aux payloads of its request): the rank cuts the connection within
+/// three of decode's heartbeat intervals and counts it, and what it queues for that decode is
+/// refused from then on instead of piling up without end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_allocation_decided_before_the_caller_read_it_is_forgotten_and_passed_over() {
-    let d = decode().await;
+async fn a_decode_that_reads_nothing_is_cut_and_counted() {
+    let d = decode_with(Some(Duration::from_millis(500))).await;
     let (mut conn, p) = rogue_decode(&d, PAGES).await;
-    for id in [1, 2] {
-        conn.send(&allocation(id, PROMPT, CHUNK, vec![0, 1, 2, 3]))
-            .await
-            .unwrap();
+    let r = RequestId(61);
+    conn.send(&allocation(r.0, PROMPT, CHUNK, vec![0, 1, 2, 3]))
+        .await
+        .unwrap();
+    assert_eq!(bounded(p.next_request()).await.unwrap().request, r);
+    // 16 MiB for it: more than loopback's socket buffers take.
+    for _ in 0..256 {
+        p.send_aux(r, vec![0xA5; 64 << 10]).unwrap();
     }
-    until_prefill(&p, "both allocations held", |s| s.requests == 2).await;
-    abort_all(&mut conn, 1..=1).await;
-    let s = until_prefill(&p, "the abort decided", |s| s.decided_failed == 1).await;
-    assert_eq!(s.requests, 1, "{s:?}");
-    assert_eq!(
-        bounded(p.next_request()).await.unwrap().request,
-        RequestId(2)
-    );
-    abort_all(&mut conn, 2..=2).await;
-    let s = until_prefill(&p, "the second abort decided", |s| s.decided_failed == 2).await;
-    assert_eq!(s.requests, 1, "{s:?}");
-    p.release(RequestId(2));
-    assert_eq!(p.stats().requests, 0, "{:?}", p.stats());
+    let until = tokio::time::Instant::now() + BOUND;
+    while p.stats().stalled_connections == 0 {
+        assert!(tokio::time::Instant::now() < until, "{:?}", p.stats());
+        // Never silent.
+        let _ = conn.send(&Msg::Heartbeat).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let s = until_prefill(&p, "the decode gone", |s| s.decodes == 0).await;
+    assert_eq!(s.stalled_connections, 1, "{s:?}");
+    assert!(p.send_aux(r, vec![0xA5; 64 << 10]).is_err());
     drop((conn, p));
     d.shutdown(BOUND).await;
 }

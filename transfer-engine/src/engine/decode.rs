@@ -253,6 +253,10 @@ pub struct DecodeStats {
     /// Rank connections declared lost after a silence of three heartbeat intervals: each was
     /// closed, and its requests' pages stay quarantined.
     pub silent: u64,
+    /// Rank connections cut because the rank took nothing this side sent for three heartbeat
+    /// intervals (its socket's buffers full): each was closed, and its requests' pages stay
+    /// quarantined, as for a silent rank.
+    pub stalled: u64,
     /// Rank connections that ended without the rank's Close (its process died, or a reset on the
     /// way cut it off): the pages of its failed requests stay held until it must have noticed
     /// (three of this side's heartbeat intervals, then `abort_ack_timeout`).
@@ -899,6 +903,7 @@ struct Counters {
     refused: AtomicU64,
     tampered: AtomicU64,
     silent: AtomicU64,
+    stalled: AtomicU64,
     unclean_ends: AtomicU64,
     refused_connections: AtomicU64,
     checksum_mismatch: AtomicU64,
@@ -936,6 +941,7 @@ impl Default for Counters {
             refused: AtomicU64::default(),
             tampered: AtomicU64::default(),
             silent: AtomicU64::default(),
+            stalled: AtomicU64::default(),
             unclean_ends: AtomicU64::default(),
             refused_connections: AtomicU64::default(),
             checksum_mismatch: AtomicU64::default(),
@@ -1082,6 +1088,7 @@ impl Inner {
             refused: c.refused.load(Ordering::Relaxed),
             tampered: c.tampered.load(Ordering::Relaxed),
             silent: c.silent.load(Ordering::Relaxed),
+            stalled: c.stalled.load(Ordering::Relaxed),
             unclean_ends: c.unclean_ends.load(Ordering::Relaxed),
             refused_connections: c.refused_connections.load(Ordering::Relaxed),
             checksum_mismatch: c.checksum_mismatch.load(Ordering::Relaxed),
@@ -1268,6 +1275,11 @@ impl crate::metrics::Source for Inner {
                 "kvx_heartbeat_losses",
                 "Rank connections lost after three missed heartbeat intervals",
                 s.silent,
+            ),
+            (
+                "kvx_connections_stalled",
+                "Rank connections cut because the rank took nothing sent to it for three heartbeat intervals",
+                s.stalled,
             ),
             (
                 "kvx_unclean_ends",
@@ -4047,10 +4059,25 @@ async fn serve_rank(inner: Weak<Inner>, mut conn: Connection, mut place: super::
     tracing::info!(rank, instance = %remote.instance, peer = peer.0, "prefill rank connected");
     let heartbeat = i.cfg.heartbeat;
     drop(i);
-    let write_task = tokio::spawn(super::write_loop(writer, rx, heartbeat));
     // Three of the rank's own intervals, as its Hello announced them.
     let silence = super::silence_bound(remote.heartbeat());
-    let end = read_loop(&inner, reader, session, rank, peer, silence, cut).await;
+    let stalled = Arc::new(Notify::new());
+    let write_task = tokio::spawn(super::write_loop(
+        writer,
+        rx,
+        heartbeat,
+        silence.map(|b| (b, stalled.clone())),
+    ));
+    let end = read_loop(
+        &inner,
+        reader,
+        session,
+        rank,
+        peer,
+        silence,
+        Cuts { cut, stalled },
+    )
+    .await;
     write_task.abort();
     if let Some(i) = inner.upgrade() {
         i.peer_lost(session, rank, peer, &sender, end);
@@ -4071,6 +4098,14 @@ enum End {
     Tampered,
 }
 
+/// What ends a rank's connection from this side besides what it sends.
+struct Cuts {
+    /// A later start of the rank took its slot.
+    cut: Arc<Notify>,
+    /// The rank took nothing this side sent within the silence bound.
+    stalled: Arc<Notify>,
+}
+
 /// Handles a rank's messages until its connection ends, and says how it ended.
 async fn read_loop(
     inner: &Weak<Inner>,
@@ -4079,12 +4114,20 @@ async fn read_loop(
     rank: u16,
     peer: PeerId,
     silence: Option<Duration>,
-    cut: Arc<Notify>,
+    cuts: Cuts,
 ) -> End {
     loop {
         let got = tokio::select! {
             got = reader.recv_within(silence) => got,
-            () = cut.notified() => return End::Tampered,
+            () = cuts.cut.notified() => return End::Tampered,
+            () = cuts.stalled.notified() => {
+                // Alive, perhaps, and writing: its pages stay held, as a silent rank's do.
+                tracing::error!(rank, "prefill rank reads nothing: lost, its pages stay held");
+                if let Some(i) = inner.upgrade() {
+                    i.counters.stalled.fetch_add(1, Ordering::Relaxed);
+                }
+                return End::Tampered;
+            }
         };
         let msg = match got {
             Ok(Some(m)) => m,

@@ -19,8 +19,8 @@ pub use decode::{
 };
 pub use prefill::{
     ExternalDecode, IncomingRequest, LinkId, MAX_FOREIGN_DECISIONS, MAX_OFFERS,
-    MAX_REQUESTS_PER_DECODE, MAX_UNKNOWN_ABORTS, MeshSocket, NotifyFormat, PAGES_PER_DECODE_POOL,
-    PrefillConfig, PrefillEngine, PrefillStats,
+    MAX_REQUESTS_PER_DECODE, MAX_UNKNOWN_ABORTS, MAX_UNREAD, MeshSocket, NotifyFormat,
+    PAGES_PER_DECODE_POOL, PrefillConfig, PrefillEngine, PrefillStats,
 };
 
 use crate::control::{self, ControlError};
@@ -595,11 +595,15 @@ fn silence_bound(heartbeat: Option<std::time::Duration>) -> Option<std::time::Du
 }
 
 /// Sends what the engine queues for one control connection, and a heartbeat every `heartbeat`
-/// (when given); ends after a `Close`, when the queue closes, or when a send fails.
+/// (when given); ends after a `Close`, when the queue closes, or when a send fails. With `stall`,
+/// a send the peer does not take within its bound (it reads nothing while the socket's buffers are
+/// full) ends it too and wakes the `Notify`: the connection's read loop cuts the connection, so a
+/// peer that stops reading cannot make the queue grow without end.
 async fn write_loop(
     mut writer: crate::control::ControlWriter,
     mut rx: tokio::sync::mpsc::UnboundedReceiver<crate::control::Msg>,
     heartbeat: Option<std::time::Duration>,
+    stall: Option<(std::time::Duration, std::sync::Arc<tokio::sync::Notify>)>,
 ) {
     use crate::control::Msg;
     let mut tick = heartbeat.map(|h| {
@@ -617,7 +621,21 @@ async fn write_loop(
         };
         let Some(msg) = msg else { return };
         let last = matches!(msg, Msg::Close);
-        if writer.send(&msg).await.is_err() || last {
+        let sent = match &stall {
+            Some((bound, cut)) => match tokio::time::timeout(*bound, writer.send(&msg)).await {
+                Ok(sent) => sent,
+                Err(_) => {
+                    tracing::warn!(
+                        ?bound,
+                        "the peer took nothing this side sent within the bound: connection cut"
+                    );
+                    cut.notify_one();
+                    return;
+                }
+            },
+            None => writer.send(&msg).await,
+        };
+        if sent.is_err() || last {
             return;
         }
     }

@@ -288,6 +288,9 @@ pub struct PrefillStats {
     /// Ready allocations not queued for [`PrefillEngine::next_request`] because [`MAX_UNREAD`]
     /// waited there unread: their requests are never handed to the caller, and go once decided.
     pub unread_dropped: u64,
+    /// Decode and vote mesh connections cut because the peer took nothing this rank sent for
+    /// three heartbeat intervals (its socket's buffers full): it was lost, as a silent peer is.
+    pub stalled_connections: u64,
 }
 
 /// One decode engine this rank writes into: its transport peer, what this rank writes there, the
@@ -412,9 +415,9 @@ struct ReqState {
     prefix_tokens: u32,
     /// The engine took it from an offer and posts it ([`PrefillEngine::offer`]).
     offered: bool,
-    /// The caller has it: `next_request` returned it, or the caller posted a chunk of it or
-    /// offered it. One it never had is forgotten once decided: nobody would release it (and its
-    /// unread entry in `next_request`'s queue is passed over).
+    /// The caller has it: every allocation came while it had not failed and it was queued for
+    /// `next_request` (not dropped there, past [`MAX_UNREAD`]), or the caller posted a chunk of it.
+    /// One it never had is forgotten once decided, unless offered: nobody would release it.
     handed: bool,
     legs: Vec<Leg>,
     /// Legs the request has once every allocation came.
@@ -579,6 +582,7 @@ struct Counters {
     auth_failures: AtomicU64,
     handshake_failures: AtomicU64,
     unread_dropped: AtomicU64,
+    stalled_connections: AtomicU64,
     /// Bytes and writes of completed chunks by decode (control address), for the metrics: one
     /// entry per decode this rank ever wrote into.
     by_peer: Mutex<std::collections::BTreeMap<SocketAddr, Written>>,
@@ -656,6 +660,7 @@ impl Inner {
             decisions_held,
             unknown_aborts,
             unread_dropped: c.unread_dropped.load(Ordering::Relaxed),
+            stalled_connections: c.stalled_connections.load(Ordering::Relaxed),
         }
     }
 }
@@ -806,6 +811,12 @@ impl crate::metrics::Source for Inner {
             "Ready allocations not queued for next_request: as many waited unread already",
             base(),
             Counter(s.unread_dropped),
+        );
+        out.add(
+            "kvx_connections_stalled",
+            "Connections cut because the peer took nothing sent to it for three heartbeat intervals",
+            base(),
+            Counter(s.stalled_connections),
         );
         out.add(
             "kvx_registered_bytes",
@@ -1091,16 +1102,19 @@ impl PrefillEngine {
         let mut tasks = Vec::new();
         if let Some((conn, rx)) = conn {
             let (reader, writer) = conn.into_split();
+            let cut = Arc::new(Notify::new());
             tasks.push(tokio::spawn(super::write_loop(
                 writer,
                 rx,
                 inner.cfg.heartbeat,
+                link.silence.map(|b| (b, cut.clone())),
             )));
             tasks.push(tokio::spawn(decode_read_loop(
                 Arc::downgrade(&inner),
                 link.clone(),
                 reader,
                 itx,
+                cut,
             )));
         } else {
             drop(itx);
@@ -1141,23 +1155,14 @@ impl PrefillEngine {
     /// The next page allocation a decode engine sent (accepted ones only); `None` once the engine
     /// closed (its last decode closed its connection, without [`PrefillConfig::keep_open`]). A
     /// server whose scheduler already knows its requests need not call it: at most
-    /// [`MAX_UNREAD`] wait unread ([`PrefillStats::unread_dropped`]). One whose request was
-    /// decided and forgotten before it was read (a request the caller never had) is passed over.
+    /// [`MAX_UNREAD`] wait unread ([`PrefillStats::unread_dropped`]).
     ///
     /// # Cancel safety
     /// Cancel-safe: an allocation not yet returned stays queued.
     pub async fn next_request(&self) -> Option<IncomingRequest> {
-        let mut incoming = self.incoming.lock().await;
-        loop {
-            let next = incoming.recv().await?;
-            self.inner.unread.fetch_sub(1, Ordering::Relaxed);
-            // One decided and forgotten while it waited here (a decode aborted it, say) is passed
-            // over: nothing of it is left to send or release.
-            if let Some(r) = lock(&self.inner.state).requests.get_mut(&next.request) {
-                r.handed = true;
-                return Some(next);
-            }
-        }
+        let next = self.incoming.lock().await.recv().await?;
+        self.inner.unread.fetch_sub(1, Ordering::Relaxed);
+        Some(next)
     }
 
     /// Connects to one more decode engine (another decode instance, or another decode TP rank)
@@ -1233,12 +1238,20 @@ impl PrefillEngine {
             }
         };
         let (reader, w) = conn.into_split();
-        inner.keep_task(tokio::spawn(super::write_loop(w, rx, inner.cfg.heartbeat)));
+        let cut = Arc::new(Notify::new());
+        let stall = link.silence.map(|b| (b, cut.clone()));
+        inner.keep_task(tokio::spawn(super::write_loop(
+            w,
+            rx,
+            inner.cfg.heartbeat,
+            stall,
+        )));
         inner.keep_task(tokio::spawn(decode_read_loop(
             Arc::downgrade(inner),
             link.clone(),
             reader,
             incoming,
+            cut,
         )));
         // Decode may ask this rank for requests once the vote mesh is whole; if a link of it is
         // down now, the Ready goes when it formed again.
@@ -2203,6 +2216,12 @@ impl Inner {
                         l.live = l.live.saturating_add(1);
                         l.live_pages = l.live_pages.saturating_add(units);
                     }
+                    if ready
+                        && failed.is_none()
+                        && let Some(r) = st.requests.get_mut(&request)
+                    {
+                        r.handed = true;
+                    }
                     for w in st.arrivals.remove(&request).unwrap_or_default() {
                         let _ = w.send(());
                     }
@@ -2420,27 +2439,36 @@ impl Inner {
         self.keep_task(task);
     }
 
-    /// Keeps a task spawned after start, to be stopped with the engine.
     /// Queues a ready allocation for `next_request`, unless [`MAX_UNREAD`] wait there already
-    /// (a caller that never reads): it is dropped then, counted, and, never handed to the caller,
-    /// forgotten once decided (decode's deadline fails it).
+    /// (a caller that never reads it): it is dropped then, counted, and, as a request the caller
+    /// never got, forgotten once decided unless the caller posts or offers it (it knows it).
     fn queue_unread(
         &self,
         incoming: &mpsc::UnboundedSender<IncomingRequest>,
         next: IncomingRequest,
     ) {
-        if self.unread.fetch_add(1, Ordering::Relaxed) >= MAX_UNREAD {
-            self.unread.fetch_sub(1, Ordering::Relaxed);
-            self.counters.unread_dropped.fetch_add(1, Ordering::Relaxed);
+        if self.unread.fetch_add(1, Ordering::Relaxed) < MAX_UNREAD {
+            if incoming.send(next).is_err() {
+                self.unread.fetch_sub(1, Ordering::Relaxed);
+            }
+            return;
+        }
+        self.unread.fetch_sub(1, Ordering::Relaxed);
+        if let Some(r) = lock(&self.state).requests.get_mut(&next.request) {
+            r.handed = false;
+        }
+        let dropped = self.counters.unread_dropped.fetch_add(1, Ordering::Relaxed) + 1;
+        // A server that never reads would have one line per request: the count says the rest.
+        if dropped.is_power_of_two() {
             tracing::warn!(
                 request = next.request.0,
-                "{MAX_UNREAD} allocations wait unread: this one is not queued"
+                dropped,
+                "{MAX_UNREAD} allocations wait unread for next_request: later ones are not queued"
             );
-        } else if incoming.send(next).is_err() {
-            self.unread.fetch_sub(1, Ordering::Relaxed);
         }
     }
 
+    /// Keeps a task spawned after start, to be stopped with the engine.
     fn keep_task(&self, task: tokio::task::JoinHandle<()>) {
         if let Ok(mut tasks) = self.mesh_tasks.0.lock() {
             tasks.retain(|t| !t.is_finished());
@@ -2771,10 +2799,22 @@ async fn decode_read_loop(
     link: Arc<Link>,
     mut reader: control::ControlReader,
     incoming: mpsc::UnboundedSender<IncomingRequest>,
+    cut: Arc<Notify>,
 ) {
     let silence = link.silence;
     loop {
-        let msg = match reader.recv_within(silence).await {
+        let got = tokio::select! {
+            got = reader.recv_within(silence) => got,
+            () = cut.notified() => {
+                // It reads nothing this rank sends: lost, as a silent one is.
+                if let Some(i) = inner.upgrade() {
+                    i.counters.stalled_connections.fetch_add(1, Ordering::Relaxed);
+                }
+                tracing::warn!(decode = %link.addr, "decode connection cut: it reads nothing");
+                break;
+            }
+        };
+        let msg = match got {
             Ok(Some(m)) => m,
             Ok(None) => break,
             Err(e) => {
@@ -3340,14 +3380,30 @@ fn attach_peer(
         inner.flush_board(&mut st);
     }
     inner.mesh_changed.send_modify(|n| *n += 1);
-    let write = tokio::spawn(super::write_loop(writer, rx, inner.cfg.heartbeat));
     // Three of the peer's own intervals, as its Hello announced them.
     let silence = super::silence_bound(hello.heartbeat());
+    let cut = Arc::new(Notify::new());
+    let write = tokio::spawn(super::write_loop(
+        writer,
+        rx,
+        inner.cfg.heartbeat,
+        silence.map(|b| (b, cut.clone())),
+    ));
     let weak = Arc::downgrade(inner);
     let hello = hello.clone();
     let read = tokio::spawn(async move {
         loop {
-            match reader.recv_within(silence).await {
+            let got = tokio::select! {
+                got = reader.recv_within(silence) => got,
+                () = cut.notified() => {
+                    if let Some(i) = weak.upgrade() {
+                        i.counters.stalled_connections.fetch_add(1, Ordering::Relaxed);
+                    }
+                    tracing::warn!(rank, "PP peer connection cut: it reads nothing");
+                    break;
+                }
+            };
+            match got {
                 Ok(Some(Msg::Vote(v))) => match weak.upgrade() {
                     Some(i) => i.on_peer_message(rank, &v.bytes),
                     None => return,

@@ -15,6 +15,7 @@
 //! ([`super::landing`]), which copies and hashes without the lock and then hands each notification to
 //! the tracker in the order it came.
 
+use super::aux::AuxStore;
 use super::landing::{Gate, Workers, landing_pieces};
 use super::{
     EngineError, Outcome, Pool, TpConfig, layout_from_info, layout_info, to_wire_kind, wire_regions,
@@ -247,6 +248,9 @@ pub struct DecodeStats {
     /// messages a rank may not send: about another instance's request, an aux payload over the
     /// bound, a kind no rank sends once connected.
     pub refused: u64,
+    /// Aux payloads dropped before the server took them, to keep the store within 4096 payloads
+    /// and 32 MiB: the oldest of the prefill instance that holds the most.
+    pub aux_dropped: u64,
     /// Rank connections whose channel refused a record (a changed or forged byte on the way):
     /// each was closed, and its requests' pages stay quarantined.
     pub tampered: u64,
@@ -817,45 +821,6 @@ struct Parked {
     wait_until: Instant,
 }
 
-/// Ranks' per-request payloads ([`Msg::Aux`]), bounded: at most [`AuxStore::MAX_ENTRIES`] and
-/// [`AuxStore::MAX_BYTES`] together, the oldest dropped first (a payload nobody takes must not pile
-/// up).
-#[derive(Debug, Default)]
-struct AuxStore {
-    at: HashMap<(RequestId, u16), Vec<u8>>,
-    order: std::collections::VecDeque<(RequestId, u16)>,
-    bytes: usize,
-}
-
-impl AuxStore {
-    const MAX_ENTRIES: usize = 4096;
-    const MAX_BYTES: usize = 32 << 20;
-
-    fn put(&mut self, key: (RequestId, u16), data: Vec<u8>) {
-        self.bytes += data.len();
-        if let Some(old) = self.at.insert(key, data) {
-            self.bytes -= old.len();
-        } else {
-            self.order.push_back(key);
-        }
-        while self.at.len() > Self::MAX_ENTRIES || self.bytes > Self::MAX_BYTES {
-            let Some(k) = self.order.pop_front() else {
-                break;
-            };
-            if let Some(d) = self.at.remove(&k) {
-                self.bytes -= d.len();
-            }
-        }
-    }
-
-    fn take(&mut self, key: (RequestId, u16)) -> Option<Vec<u8>> {
-        let d = self.at.remove(&key)?;
-        self.bytes -= d.len();
-        // Its order entry goes stale and is skipped when it reaches the front.
-        Some(d)
-    }
-}
-
 struct Unacked {
     /// The instance whose ranks are named.
     session: SessionId,
@@ -904,6 +869,7 @@ struct Counters {
     tampered: AtomicU64,
     silent: AtomicU64,
     stalled: AtomicU64,
+    aux_dropped: AtomicU64,
     unclean_ends: AtomicU64,
     refused_connections: AtomicU64,
     checksum_mismatch: AtomicU64,
@@ -942,6 +908,7 @@ impl Default for Counters {
             tampered: AtomicU64::default(),
             silent: AtomicU64::default(),
             stalled: AtomicU64::default(),
+            aux_dropped: AtomicU64::default(),
             unclean_ends: AtomicU64::default(),
             refused_connections: AtomicU64::default(),
             checksum_mismatch: AtomicU64::default(),
@@ -1089,6 +1056,7 @@ impl Inner {
             tampered: c.tampered.load(Ordering::Relaxed),
             silent: c.silent.load(Ordering::Relaxed),
             stalled: c.stalled.load(Ordering::Relaxed),
+            aux_dropped: c.aux_dropped.load(Ordering::Relaxed),
             unclean_ends: c.unclean_ends.load(Ordering::Relaxed),
             refused_connections: c.refused_connections.load(Ordering::Relaxed),
             checksum_mismatch: c.checksum_mismatch.load(Ordering::Relaxed),
@@ -1265,6 +1233,11 @@ impl crate::metrics::Source for Inner {
                 "kvx_notifications_refused",
                 "Notifications the tracker refused",
                 s.refused,
+            ),
+            (
+                "kvx_aux_dropped",
+                "Aux payloads dropped before the server took them (the store was full)",
+                s.aux_dropped,
             ),
             (
                 "kvx_channel_refused",
@@ -2407,7 +2380,8 @@ impl DecodeEngine {
 
     /// The payload PP rank `rank` sent beside its pages of `request` (its `send_aux`), taken once.
     /// A rank sends it before its last chunk, over the control connection, so it can arrive a moment
-    /// after the request completed. The most recent 4096 payloads (32 MiB) are kept.
+    /// after the request completed. At most 4096 payloads (32 MiB) are kept: past that the oldest
+    /// of the prefill instance that holds the most go ([`DecodeStats::aux_dropped`]).
     pub fn aux(&self, request: RequestId, rank: u16) -> Option<Vec<u8>> {
         self.inner.lock().aux.take((request, rank))
     }
@@ -4199,7 +4173,13 @@ async fn read_loop(
                 i.acked(&mut st, session, RequestId(a.request), rank, Some(peer));
             }
             Msg::Aux(a) if a.data.len() <= control::MAX_AUX_LEN => {
-                i.lock().aux.put((RequestId(a.request), rank), a.data);
+                let dropped = i
+                    .lock()
+                    .aux
+                    .put(session, (RequestId(a.request), rank), a.data);
+                i.counters
+                    .aux_dropped
+                    .fetch_add(dropped as u64, Ordering::Relaxed);
             }
             Msg::Aux(a) => {
                 tracing::warn!(

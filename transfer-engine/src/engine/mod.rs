@@ -7,6 +7,7 @@
 //! ([`crate::core`]); this module only feeds it and carries out what it says.
 
 mod admission;
+mod aux;
 mod decode;
 mod landing;
 mod pools;

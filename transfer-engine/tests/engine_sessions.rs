@@ -389,6 +389,30 @@ async fn a_request_only_a_peer_voted_on_is_decided_here_at_the_vote_deadline() {
     d.shutdown(BOUND).await;
 }
 
+/// PP ranks configured with different heartbeat intervals (rank 0 sends none, rank 1 every
+/// 200 ms): each reads the other with the bound the other announced, so after an idle second and a
+/// half (well past three of rank 1's intervals) the mesh is whole and a request lands through both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pp_ranks_with_different_heartbeat_intervals_keep_their_mesh() {
+    let d = decode().await;
+    d.add_instance("beats", 2, 1).unwrap();
+    let ranks = instance_configured(&d, "beats", 8, 2, common::mesh_sockets(2), |c| {
+        c.heartbeat = (c.pp_rank == 1).then_some(Duration::from_millis(200));
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let (r, src, dst) = (RequestId(808), [1, 2, 3, 4], [9, 10, 11, 12]);
+    let done = d.expect_request(r, want("beats", &dst)).unwrap();
+    bounded(send_all(&ranks, r, &src)).await;
+    assert_eq!(bounded(done).await, Outcome::Complete);
+    assert_landed(&d, 8, &src, &dst);
+    for rank in &ranks {
+        let s = rank.stats();
+        assert_eq!((s.peer_losses, s.handshake_failures), (0, 0), "{s:?}");
+    }
+    d.shutdown(BOUND).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_given_up_before_it_was_expected_is_decided_failed_by_its_instances_ranks() {
     let d = decode().await;

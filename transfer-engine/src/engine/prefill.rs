@@ -286,11 +286,15 @@ pub struct PrefillStats {
     /// abort is answered, counted in `refused` and casts no vote.
     pub unknown_aborts: u64,
     /// Ready allocations not queued for [`PrefillEngine::next_request`] because [`MAX_UNREAD`]
-    /// waited there unread: their requests are never handed to the caller, and go once decided.
+    /// waited there unread: their requests go once decided, unless the caller posts or offers
+    /// them.
     pub unread_dropped: u64,
     /// Decode and vote mesh connections cut because the peer took nothing this rank sent for
     /// three heartbeat intervals (its socket's buffers full): it was lost, as a silent peer is.
     pub stalled_connections: u64,
+    /// Vote mesh connections to PP peers that ended (the peer closed, was lost, or went silent):
+    /// its missing votes fail their requests, and a lower peer is connected to again.
+    pub peer_losses: u64,
 }
 
 /// One decode engine this rank writes into: its transport peer, what this rank writes there, the
@@ -583,6 +587,7 @@ struct Counters {
     handshake_failures: AtomicU64,
     unread_dropped: AtomicU64,
     stalled_connections: AtomicU64,
+    peer_losses: AtomicU64,
     /// Bytes and writes of completed chunks by decode (control address), for the metrics: one
     /// entry per decode this rank ever wrote into.
     by_peer: Mutex<std::collections::BTreeMap<SocketAddr, Written>>,
@@ -661,6 +666,7 @@ impl Inner {
             unknown_aborts,
             unread_dropped: c.unread_dropped.load(Ordering::Relaxed),
             stalled_connections: c.stalled_connections.load(Ordering::Relaxed),
+            peer_losses: c.peer_losses.load(Ordering::Relaxed),
         }
     }
 }
@@ -817,6 +823,12 @@ impl crate::metrics::Source for Inner {
             "Connections cut because the peer took nothing sent to it for three heartbeat intervals",
             base(),
             Counter(s.stalled_connections),
+        );
+        out.add(
+            "kvx_pp_peer_losses",
+            "Vote mesh connections to PP peers that ended",
+            base(),
+            Counter(s.peer_losses),
         );
         out.add(
             "kvx_registered_bytes",
@@ -1308,7 +1320,7 @@ impl PrefillEngine {
             .get(&LinkId(0))
             .map(|l| l.link.clone())
             .ok_or(EngineError::Shutdown)?;
-        let ready = self
+        let offered = self
             .inner
             .accept_request(
                 &link,
@@ -1321,15 +1333,13 @@ impl PrefillEngine {
                     deadline_ms: 0,
                     landing: None,
                 },
+                None,
             )
             .map_err(|reason| {
                 EngineError::Config(format!("request {} refused: {reason}", request.0))
             })?;
-        if ready {
-            let offered = lock(&self.inner.state).take_offer(request);
-            if let Some(src) = offered {
-                self.inner.start_offered(request, src);
-            }
+        if let Some(src) = offered {
+            self.inner.start_offered(request, src);
         }
         Ok(())
     }
@@ -2076,12 +2086,17 @@ impl Inner {
         }
     }
 
-    /// Records a decode's allocation; true when it was the request's last one (the request is
-    /// ready to be served).
-    fn on_transfer_request(&self, link: &Arc<Link>, req: control::TransferRequest) -> bool {
+    /// Records a decode's allocation, refusing it to decode if it must; the offered pages to post
+    /// where it made an offered request ready.
+    fn on_transfer_request(
+        &self,
+        link: &Arc<Link>,
+        req: control::TransferRequest,
+        incoming: &mpsc::UnboundedSender<IncomingRequest>,
+    ) -> Option<Vec<u32>> {
         let request = req.request;
-        match self.accept_request(link, req) {
-            Ok(ready) => ready,
+        match self.accept_request(link, req, Some(incoming)) {
+            Ok(offered) => offered,
             Err(reason) => {
                 let _ = link
                     .writer
@@ -2089,7 +2104,7 @@ impl Inner {
                         request,
                         reason,
                     }));
-                false
+                None
             }
         }
     }
@@ -2097,14 +2112,24 @@ impl Inner {
     /// Validates and records a page allocation, waking `send_chunk`s waiting for it. Another
     /// decode rank's allocation of a request already known joins it as one more leg where both
     /// name the same decode instance, this rank writes into several of its ranks, and the request
-    /// still waits for one of them; any other repeat is refused. Returns whether the request is
-    /// now ready (every allocation came).
+    /// still waits for one of them; any other repeat is refused. A request this makes ready
+    /// (every allocation came) is queued on `incoming` for the caller (`None`: the caller gave the
+    /// allocation itself), or, where its pages were offered, returned with them for the engine
+    /// to post.
     fn accept_request(
         &self,
         link: &Arc<Link>,
         req: control::TransferRequest,
-    ) -> Result<bool, control::TransferRejectReason> {
+        incoming: Option<&mpsc::UnboundedSender<IncomingRequest>>,
+    ) -> Result<Option<Vec<u32>>, control::TransferRejectReason> {
         let request = RequestId(req.request);
+        let next = IncomingRequest {
+            request,
+            decode: link.id,
+            prompt_tokens: req.prompt_tokens,
+            chunk_tokens: req.chunk_tokens,
+            prefix_tokens: req.prefix_tokens,
+        };
         // Decode's pages: its page list is in them, and the chunks send them (see the planner).
         let geometry = ChunkGeometry::after_prefix(
             u64::from(req.prompt_tokens),
@@ -2216,11 +2241,18 @@ impl Inner {
                         l.live = l.live.saturating_add(1);
                         l.live_pages = l.live_pages.saturating_add(units);
                     }
-                    if ready
-                        && failed.is_none()
-                        && let Some(r) = st.requests.get_mut(&request)
-                    {
-                        r.handed = true;
+                    // Ready: posted from its offer by the engine, or queued for the caller, under
+                    // this lock (nothing decides it, or sees it ready, in between).
+                    let mut offered = None;
+                    if ready && failed.is_none() {
+                        offered = st.take_offer(request);
+                        // A caller that gave the allocation itself (`add_request`) has it.
+                        if offered.is_none()
+                            && incoming.is_none_or(|q| self.queue_unread(q, next))
+                            && let Some(r) = st.requests.get_mut(&request)
+                        {
+                            r.handed = true;
+                        }
                     }
                     for w in st.arrivals.remove(&request).unwrap_or_default() {
                         let _ = w.send(());
@@ -2230,7 +2262,7 @@ impl Inner {
                         // It failed before this decode rank's allocation came: tell it at once.
                         self.tell_failed(request, code, std::slice::from_ref(link));
                     }
-                    return Ok(ready && failed.is_none());
+                    return Ok(offered);
                 }
                 control::TransferRejectReason::DuplicateRequest {
                     request: req.request,
@@ -2439,24 +2471,22 @@ impl Inner {
         self.keep_task(task);
     }
 
-    /// Queues a ready allocation for `next_request`, unless [`MAX_UNREAD`] wait there already
-    /// (a caller that never reads it): it is dropped then, counted, and, as a request the caller
-    /// never got, forgotten once decided unless the caller posts or offers it (it knows it).
+    /// Queues a ready allocation for `next_request` (the caller then has it), unless
+    /// [`MAX_UNREAD`] wait there already (a caller that never reads it): dropped then, counted;
+    /// false unless queued.
     fn queue_unread(
         &self,
         incoming: &mpsc::UnboundedSender<IncomingRequest>,
         next: IncomingRequest,
-    ) {
+    ) -> bool {
         if self.unread.fetch_add(1, Ordering::Relaxed) < MAX_UNREAD {
-            if incoming.send(next).is_err() {
-                self.unread.fetch_sub(1, Ordering::Relaxed);
+            if incoming.send(next).is_ok() {
+                return true;
             }
-            return;
+            self.unread.fetch_sub(1, Ordering::Relaxed);
+            return false;
         }
         self.unread.fetch_sub(1, Ordering::Relaxed);
-        if let Some(r) = lock(&self.state).requests.get_mut(&next.request) {
-            r.handed = false;
-        }
         let dropped = self.counters.unread_dropped.fetch_add(1, Ordering::Relaxed) + 1;
         // A server that never reads would have one line per request: the count says the rest.
         if dropped.is_power_of_two() {
@@ -2466,6 +2496,7 @@ impl Inner {
                 "{MAX_UNREAD} allocations wait unread for next_request: later ones are not queued"
             );
         }
+        false
     }
 
     /// Keeps a task spawned after start, to be stopped with the engine.
@@ -2477,6 +2508,7 @@ impl Inner {
     }
 
     fn on_peer_lost(&self, rank: u16) {
+        self.counters.peer_losses.fetch_add(1, Ordering::Relaxed);
         let mut st = lock(&self.state);
         if let Some(w) = st.peer_writers.get_mut(usize::from(rank)) {
             *w = None;
@@ -2825,20 +2857,10 @@ async fn decode_read_loop(
         let Some(i) = inner.upgrade() else { return };
         match msg {
             Msg::TransferRequest(r) => {
-                let next = IncomingRequest {
-                    request: RequestId(r.request),
-                    decode: link.id,
-                    prompt_tokens: r.prompt_tokens,
-                    chunk_tokens: r.chunk_tokens,
-                    prefix_tokens: r.prefix_tokens,
-                };
-                if i.on_transfer_request(&link, r) {
+                let request = RequestId(r.request);
+                if let Some(src) = i.on_transfer_request(&link, r, &incoming) {
                     // Its pages were offered: the engine posts it, not the caller.
-                    let offered = lock(&i.state).take_offer(next.request);
-                    match offered {
-                        Some(src) => i.start_offered(next.request, src),
-                        None => i.queue_unread(&incoming, next),
-                    }
+                    i.start_offered(request, src);
                 }
             }
             Msg::Abort(a) => {
@@ -3275,7 +3297,7 @@ async fn connect_peer(
     hello: &Hello,
     rank: u16,
     deadline: tokio::time::Instant,
-) -> Result<(Connection, u64), EngineError> {
+) -> Result<(Connection, Hello), EngineError> {
     let addr = lock_peers(inner)
         .get(usize::from(rank))
         .copied()
@@ -3287,7 +3309,7 @@ async fn connect_peer(
             remote.pp_rank
         )));
     }
-    Ok((c, remote.incarnation))
+    Ok((c, remote))
 }
 
 /// Accepts higher ranks for as long as the engine lives: the first start of each, then every new
@@ -3336,7 +3358,7 @@ async fn mesh_accept_loop(inner: Weak<Inner>, listener: Listener, hello: Arc<Hel
                 () = place.evicted() => return,
             };
             match shook {
-                Ok(remote) => attach_peer(&i, &hello, remote.pp_rank, (c, remote.incarnation)),
+                Ok(remote) => attach_peer(&i, &hello, remote.pp_rank, (c, remote)),
                 Err(e) => {
                     let c = &i.counters;
                     super::count_handshake_failure(&e, &c.auth_failures, &c.handshake_failures);
@@ -3353,8 +3375,9 @@ fn attach_peer(
     inner: &Arc<Inner>,
     hello: &Arc<Hello>,
     rank: u16,
-    (c, incarnation): (Connection, u64),
+    (c, remote): (Connection, Hello),
 ) {
+    let incarnation = remote.incarnation;
     let (mut reader, writer) = c.into_split();
     let (tx, rx) = mpsc::unbounded_channel();
     {
@@ -3381,7 +3404,7 @@ fn attach_peer(
     }
     inner.mesh_changed.send_modify(|n| *n += 1);
     // Three of the peer's own intervals, as its Hello announced them.
-    let silence = super::silence_bound(hello.heartbeat());
+    let silence = super::silence_bound(remote.heartbeat());
     let cut = Arc::new(Notify::new());
     let write = tokio::spawn(super::write_loop(
         writer,
@@ -3461,7 +3484,7 @@ async fn reconnect_peer(inner: Weak<Inner>, hello: Arc<Hello>, rank: u16) {
         let deadline = tokio::time::Instant::now() + MESH_ATTEMPT.min(i.cfg.connect_timeout);
         match connect_peer(&i, &hello, rank, deadline).await {
             Ok(c) => {
-                if i.mesh_admissible(rank, c.1).is_ok() {
+                if i.mesh_admissible(rank, c.1.incarnation).is_ok() {
                     attach_peer(&i, &hello, rank, c);
                     return;
                 }

@@ -390,17 +390,17 @@ async fn a_request_only_a_peer_voted_on_is_decided_here_at_the_vote_deadline() {
 }
 
 /// PP ranks configured with different heartbeat intervals (rank 0 sends none, rank 1 every
-/// 200 ms): each reads the other with the bound the other announced, so after an idle second and a
-/// half (well past three of rank 1's intervals) the mesh is whole and a request lands through both.
+/// 500 ms): each reads the other with the bound the other announced, so after an idle 3.2 s (more
+/// than twice three of rank 1's intervals) the mesh is whole and a request lands through both.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pp_ranks_with_different_heartbeat_intervals_keep_their_mesh() {
     let d = decode().await;
     d.add_instance("beats", 2, 1).unwrap();
     let ranks = instance_configured(&d, "beats", 8, 2, common::mesh_sockets(2), |c| {
-        c.heartbeat = (c.pp_rank == 1).then_some(Duration::from_millis(200));
+        c.heartbeat = (c.pp_rank == 1).then_some(Duration::from_millis(500));
     })
     .await;
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    tokio::time::sleep(Duration::from_millis(3200)).await;
     let (r, src, dst) = (RequestId(808), [1, 2, 3, 4], [9, 10, 11, 12]);
     let done = d.expect_request(r, want("beats", &dst)).unwrap();
     bounded(send_all(&ranks, r, &src)).await;
@@ -500,13 +500,67 @@ async fn a_rank_of_an_unknown_instance_is_refused_at_the_handshake() {
 
 /// A raw, authenticated prefill rank of instance `instance` (no transport behind it).
 async fn raw_rank(d: &DecodeEngine, instance: &str) -> Connection {
+    raw_rank_saying(d, &raw_hello(instance)).await
+}
+
+/// A raw, authenticated prefill rank that says `hello`.
+async fn raw_rank_saying(d: &DecodeEngine, hello: &Hello) -> Connection {
     let deadline = tokio::time::Instant::now() + BOUND;
     let mut conn = Connection::connect(d.local_addr(), deadline).await.unwrap();
     let secret = Secret::new(SECRET);
-    control::handshake(&mut conn, &raw_hello(instance), &secret, deadline)
+    control::handshake(&mut conn, hello, &secret, deadline)
         .await
         .unwrap();
     conn
+}
+
+/// A rank that keeps sending (its heartbeats) but reads nothing, while decode has more for it than
+/// the socket's buffers hold (an allocation naming three million pages, a 12 MiB message): decode
+/// cuts the rank within three of the rank's heartbeat intervals, counts it, fails the request and
+/// keeps its pages quarantined (the rank may still be writing), as for a silent rank.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_that_reads_nothing_is_cut_and_its_pages_stay_held() {
+    const PAGES: u32 = 3 << 20;
+    // A byte per token and layer: 192 MiB of pool for the pages.
+    let layout = KvLayout::packed(0, LAYERS, RegionKind::Fused, u64::from(PAGE_TOKENS), PAGES);
+    let mut cfg = DecodeConfig::new(LAYERS, PAGE_TOKENS, layout.clone(), 0);
+    cfg.token = Some(Secret::new(SECRET));
+    cfg.abort_ack_timeout = Duration::from_millis(500);
+    let b = HostBuffer::new(layout.buffer_len as usize, HostOptions::default()).unwrap();
+    let d = DecodeEngine::start(cfg, Pool::Owned(b)).await.unwrap();
+    d.add_instance("deaf", 1, 1).unwrap();
+    let mut hello = raw_hello("deaf").with_heartbeat(Some(Duration::from_millis(500)));
+    hello.layout.bytes_per_token_per_layer = 1;
+    hello.layout.pages = PAGES;
+    let mut rank = raw_rank_saying(&d, &hello).await;
+    rank.send(&Msg::Ready).await.unwrap();
+    bounded(d.wait_for_instance("deaf", BOUND)).await.unwrap();
+    let r = RequestId(77);
+    let done = d
+        .expect_request(
+            r,
+            Expected {
+                instance: "deaf".into(),
+                prefix_tokens: 0,
+                prompt_tokens: PAGES * PAGE_TOKENS,
+                chunk_tokens: 1 << 22,
+                dst_pages: (0..PAGES).collect(),
+                timeout: LONG,
+            },
+        )
+        .unwrap();
+    let until = tokio::time::Instant::now() + BOUND;
+    while d.stats().stalled == 0 {
+        assert!(tokio::time::Instant::now() < until, "{:?}", d.stats());
+        // Never silent.
+        let _ = rank.send(&Msg::Heartbeat).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(matches!(bounded(done).await, Outcome::Failed(_)));
+    assert_eq!(d.quarantined(), vec![r], "{:?}", d.stats());
+    assert_eq!(d.stats().silent, 0, "{:?}", d.stats());
+    drop(rank);
+    d.shutdown(BOUND).await;
 }
 
 /// The Hello of a raw prefill rank of instance `instance`, PP rank 0 of 1.

@@ -292,8 +292,9 @@ pub struct PrefillStats {
     /// Decode and vote mesh connections cut because the peer took nothing this rank sent for
     /// three heartbeat intervals (its socket's buffers full): it was lost, as a silent peer is.
     pub stalled_connections: u64,
-    /// Vote mesh connections to PP peers that ended (the peer closed, was lost, or went silent):
-    /// its missing votes fail their requests, and a lower peer is connected to again.
+    /// Vote mesh connections to PP peers that ended (the peer closed, was lost, or went silent;
+    /// an orderly end of the pipeline counts its peers' closes too): its missing votes fail their
+    /// requests, and while this rank serves, a lower peer is connected to again.
     pub peer_losses: u64,
 }
 

@@ -55,13 +55,14 @@ impl DecodeEngine {
     /// serves any number of them, with one registration of the pool. A request expected while a rank is away (dead, restarting) waits
     /// up to `rank_wait` seconds (at most its own timeout) for it, then fails with
     /// `TransferFailed(reason="rank_unavailable")`. Every rank connection carries a heartbeat each
-    /// way every `heartbeat` seconds; a rank silent for three of them is lost (`None`: no
-    /// heartbeats). `tp_rank`/`tp_size` are this decode rank's TP place; `tp_mode` says how prefill
-    /// TP ranks map onto it (`"identical"`, `"replicated"` for MLA, `"head_sliced"` with the model's
-    /// `kv_heads` and a `layout` with head geometry), and `add_instance`'s `tp_size` each prefill
-    /// instance's TP size. `decode_instance` names the decode server this rank belongs to, alike
-    /// on all its TP ranks: a prefill rank that writes into several of them (prefill TP smaller
-    /// than decode's) then serves their allocations of one request as one, from its one engine.
+    /// way every `heartbeat` seconds (decode's; each rank announces its own), and a rank silent for
+    /// three of the intervals it announced is lost (`None`: no heartbeats). `tp_rank`/`tp_size` are
+    /// this decode rank's TP place; `tp_mode` says how prefill TP ranks map onto it (`"identical"`,
+    /// `"replicated"` for MLA, `"head_sliced"` with the model's `kv_heads` and a `layout` with head
+    /// geometry), and `add_instance`'s `tp_size` each prefill instance's TP size.
+    /// `decode_instance` names the decode server this rank belongs to, alike on all its TP ranks: a
+    /// prefill rank that writes into several of them (prefill TP smaller than decode's) then serves
+    /// their allocations of one request as one, from its one engine.
     /// `pp_stage=(rank, size)` is this decode's own PP stage where decode is pipelined too: its
     /// `layout` then holds that stage's layers only, it takes them from prefill PP rank `rank` of
     /// pipelines of `size` ranks, and its outcomes speak for its layers only. `progress_fifo`

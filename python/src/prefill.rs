@@ -134,10 +134,10 @@ impl PrefillEngine {
     /// engine added it (`DecodeEngine.add_instance`); `""` is its default instance. More decode
     /// engines are served with `add_decode`; `keep_open` keeps the rank serving once every decode
     /// closed (otherwise it closes with its last one). Every control connection carries a
-    /// heartbeat each way every `heartbeat` seconds; a peer silent for three of them is lost
-    /// (`None`: no heartbeats). `tp_rank`/`tp_size` are this rank's TP place and `tp_mode` how it
-    /// maps onto decode's TP ranks (as `DecodeEngine`'s); each decode engine it links to must be
-    /// one this rank writes into.
+    /// heartbeat each way every `heartbeat` seconds (this rank's; each peer announces its own), and
+    /// a peer silent for three of the intervals it announced is lost (`None`: no heartbeats).
+    /// `tp_rank`/`tp_size` are this rank's TP place and `tp_mode` how it maps onto decode's TP ranks
+    /// (as `DecodeEngine`'s); each decode engine it links to must be one this rank writes into.
     #[new]
     #[pyo3(signature = (
         *, decode, pp_rank, pp_size, layout, total_layers, page_tokens, memory, peers = Vec::new(),

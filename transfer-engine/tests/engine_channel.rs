@@ -938,9 +938,10 @@ async fn one_decodes_undecided_allocations_are_bounded_by_its_pool_and_others_go
 }
 
 /// A decode that keeps sending (its heartbeats) but reads nothing, while the rank has more for it
-/// than the socket's buffers hold (aux payloads of its request): the rank cuts the connection within
-/// three of decode's heartbeat intervals and counts it, and what it queues for that decode is
-/// refused from then on instead of piling up without end.
+/// than the socket's buffers hold (aux payloads of its request): the rank cuts the connection (a
+/// message not taken within three of decode's heartbeat intervals; the test waits up to its bound)
+/// and counts it, and what it queues for that decode is refused from then on instead of piling up
+/// without end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decode_that_reads_nothing_is_cut_and_counted() {
     let d = decode_with(Some(Duration::from_millis(500))).await;

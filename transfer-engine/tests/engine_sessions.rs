@@ -516,8 +516,9 @@ async fn raw_rank_saying(d: &DecodeEngine, hello: &Hello) -> Connection {
 
 /// A rank that keeps sending (its heartbeats) but reads nothing, while decode has more for it than
 /// the socket's buffers hold (an allocation naming three million pages, a 12 MiB message): decode
-/// cuts the rank within three of the rank's heartbeat intervals, counts it, fails the request and
-/// keeps its pages quarantined (the rank may still be writing), as for a silent rank.
+/// cuts the rank (the message not taken within three of the rank's announced intervals; the test
+/// waits up to its bound), counts it, fails the request and keeps its pages quarantined (the rank
+/// may still be writing), as for a silent rank.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rank_that_reads_nothing_is_cut_and_its_pages_stay_held() {
     const PAGES: u32 = 3 << 20;

@@ -98,10 +98,11 @@ pub struct DecodeConfig {
     /// rejoined yet) waits for it, at most its own timeout; then it fails with
     /// [`FailureReason::RankUnavailable`].
     pub rank_wait: Duration,
-    /// Interval of the heartbeats sent to every prefill rank; a rank that sends nothing for
-    /// [`SILENT_INTERVALS`](super::SILENT_INTERVALS) of them is declared lost (its slot freed, its
-    /// requests failed, their pages held: it may still be writing). `None`: no heartbeats, and a
-    /// silent rank is noticed only by TCP keepalive.
+    /// Interval of the heartbeats sent to every prefill rank, announced in decode's Hello. A rank
+    /// that sends nothing for [`SILENT_INTERVALS`](super::SILENT_INTERVALS) of the intervals *it*
+    /// announced is declared lost (its slot freed, its requests failed, their pages held: it may
+    /// still be writing); one that announces none is noticed only by TCP keepalive. `None`: no
+    /// heartbeats from here.
     pub heartbeat: Option<Duration>,
     /// Serve Prometheus metrics of this engine on this address (`GET /metrics`); engines of one
     /// process naming the same address share one endpoint (see [`crate::metrics`]). `None` (the
@@ -257,9 +258,9 @@ pub struct DecodeStats {
     /// Rank connections declared lost after a silence of three heartbeat intervals: each was
     /// closed, and its requests' pages stay quarantined.
     pub silent: u64,
-    /// Rank connections cut because the rank took nothing this side sent for three heartbeat
-    /// intervals (its socket's buffers full): each was closed, and its requests' pages stay
-    /// quarantined, as for a silent rank.
+    /// Rank connections cut because a message this side sent was not taken within three of the
+    /// rank's heartbeat intervals (the bound is per message: a rank that reads nothing, or too
+    /// slowly): each was closed, and its requests' pages stay quarantined, as for a silent rank.
     pub stalled: u64,
     /// Rank connections that ended without the rank's Close (its process died, or a reset on the
     /// way cut it off): the pages of its failed requests stay held until it must have noticed
@@ -1251,7 +1252,7 @@ impl crate::metrics::Source for Inner {
             ),
             (
                 "kvx_connections_stalled",
-                "Rank connections cut because the rank took nothing sent to it for three heartbeat intervals",
+                "Rank connections cut because a message was not taken within three of the rank's heartbeat intervals",
                 s.stalled,
             ),
             (
@@ -4068,7 +4069,8 @@ enum End {
     /// The channel refused a record (a changed or forged byte on the way), or the rank sent
     /// nothing for three heartbeat intervals: its process may be alive and still writing, so its
     /// requests' pages are not handed back (quarantined until [`DecodeEngine::confirm_stopped`]).
-    /// Also a connection cut because a later start took the slot of its evicted one.
+    /// Also a connection cut because a later start took the slot of its evicted one, or because
+    /// a message to the rank was not taken within that bound ([`DecodeStats::stalled`]).
     Tampered,
 }
 
@@ -4076,7 +4078,7 @@ enum End {
 struct Cuts {
     /// A later start of the rank took its slot.
     cut: Arc<Notify>,
-    /// The rank took nothing this side sent within the silence bound.
+    /// A message this side sent was not taken within the silence bound.
     stalled: Arc<Notify>,
 }
 

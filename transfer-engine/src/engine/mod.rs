@@ -597,9 +597,9 @@ fn silence_bound(heartbeat: Option<std::time::Duration>) -> Option<std::time::Du
 
 /// Sends what the engine queues for one control connection, and a heartbeat every `heartbeat`
 /// (when given); ends after a `Close`, when the queue closes, or when a send fails. With `stall`,
-/// a send the peer does not take within its bound (it reads nothing while the socket's buffers are
-/// full) ends it too and wakes the `Notify`: the connection's read loop cuts the connection, so a
-/// peer that stops reading cannot make the queue grow without end.
+/// a send the peer does not take within its bound (it reads nothing, or too slowly, while the
+/// socket's buffers are full) ends it too and wakes the `Notify`: the connection's read loop cuts
+/// the connection, so a peer that stops reading cannot make the queue grow without end.
 async fn write_loop(
     mut writer: crate::control::ControlWriter,
     mut rx: tokio::sync::mpsc::UnboundedReceiver<crate::control::Msg>,

@@ -90,8 +90,10 @@ pub struct PrefillConfig {
     /// host gets a larger one, even after the host's clock stepped back.
     pub incarnation: u64,
     /// Interval of the heartbeats sent on every control connection (to each decode, to each PP
-    /// peer); a peer that sends nothing for [`SILENT_INTERVALS`](super::SILENT_INTERVALS) of them is
-    /// declared lost. `None`: no heartbeats (TCP keepalive still runs).
+    /// peer), announced in this rank's Hello: a peer declares this rank lost when it sends nothing
+    /// for [`SILENT_INTERVALS`](super::SILENT_INTERVALS) of them, as this rank does a peer by the
+    /// interval the peer announced (one that announces none, never). `None`: no heartbeats (TCP
+    /// keepalive still runs).
     pub heartbeat: Option<Duration>,
     /// Serve Prometheus metrics of this engine on this address (`GET /metrics`); engines of one
     /// process naming the same address share one endpoint (see [`crate::metrics`]). `None` (the
@@ -289,8 +291,9 @@ pub struct PrefillStats {
     /// waited there unread: their requests go once decided, unless the caller posts or offers
     /// them.
     pub unread_dropped: u64,
-    /// Decode and vote mesh connections cut because the peer took nothing this rank sent for
-    /// three heartbeat intervals (its socket's buffers full): it was lost, as a silent peer is.
+    /// Decode and vote mesh connections cut because a message this side sent was not taken within
+    /// three of the peer's heartbeat intervals (the bound is per message: a peer that reads
+    /// nothing, or too slowly): it was lost, as a silent peer is.
     pub stalled_connections: u64,
     /// Vote mesh connections to PP peers that ended (the peer closed, was lost, or went silent;
     /// an orderly end of the pipeline counts its peers' closes too): its missing votes fail their
@@ -316,7 +319,8 @@ struct Link {
     dst_whole: u64,
     writer: mpsc::UnboundedSender<Msg>,
     /// How long decode may stay silent before the link is lost: three of the heartbeat intervals
-    /// its Hello announced (our own for a decode outside our control plane).
+    /// its Hello announced (our own for a decode outside our control plane). Also how long one
+    /// message to it may wait to be taken before the link is cut.
     silence: Option<Duration>,
     /// The decode instance (server) this decode TP rank belongs to, as its Hello names it; empty
     /// when it names none. Allocations of one request from decode ranks of one named instance
@@ -421,7 +425,8 @@ struct ReqState {
     /// The engine took it from an offer and posts it ([`PrefillEngine::offer`]).
     offered: bool,
     /// The caller has it: every allocation came while it had not failed and it was queued for
-    /// `next_request` (not dropped there, past [`MAX_UNREAD`]), or the caller posted a chunk of it.
+    /// `next_request` (not dropped there, past [`MAX_UNREAD`]), the caller gave the allocation
+    /// itself (`add_request`), or it posted a chunk of it.
     /// One it never had is forgotten once decided, unless offered: nobody would release it.
     handed: bool,
     legs: Vec<Leg>,
@@ -821,7 +826,7 @@ impl crate::metrics::Source for Inner {
         );
         out.add(
             "kvx_connections_stalled",
-            "Connections cut because the peer took nothing sent to it for three heartbeat intervals",
+            "Connections cut because a message was not taken within three of the peer's heartbeat intervals",
             base(),
             Counter(s.stalled_connections),
         );

@@ -239,6 +239,17 @@ async fn served_within(d: &DecodeEngine, within: Duration, r: RequestId) -> Pref
     p
 }
 
+/// Serves request `r` from `p`'s pages 0..4 into `d`'s pages 4..8, taking its allocation from
+/// `next_request`: it completes and every byte landed.
+async fn serve_one(d: &DecodeEngine, p: &PrefillEngine, r: RequestId) {
+    let (src, dst) = ([0, 1, 2, 3], [4, 5, 6, 7]);
+    let done = d.expect(r, PROMPT, CHUNK, dst.to_vec(), BOUND).unwrap();
+    assert_eq!(bounded(p.next_request()).await.unwrap().request, r);
+    bounded(send(p, r, &src)).await.unwrap();
+    assert_eq!(bounded(done).await, Outcome::Complete);
+    assert!(landed(d, &src, &dst));
+}
+
 async fn send(p: &PrefillEngine, r: RequestId, src: &[u32]) -> Result<(), EngineError> {
     let last = PROMPT.div_ceil(CHUNK) - 1;
     for c in 0..=last {
@@ -618,12 +629,7 @@ async fn a_later_start_takes_the_slot_of_an_evicted_one_whose_connection_is_cut(
     }
     assert_eq!(d.stats().connected_ranks, 1, "{:?}", d.stats());
     assert_eq!(d.stats().rejoins, 1, "{:?}", d.stats());
-    let (r, src, dst) = (RequestId(30), [0, 1, 2, 3], [4, 5, 6, 7]);
-    let done = d.expect(r, PROMPT, CHUNK, dst.to_vec(), BOUND).unwrap();
-    assert_eq!(bounded(p2.next_request()).await.unwrap().request, r);
-    bounded(send(&p2, r, &src)).await.unwrap();
-    assert_eq!(bounded(done).await, Outcome::Complete);
-    assert!(landed(&d, &src, &dst));
+    serve_one(&d, &p2, RequestId(30)).await;
     eprintln!("a later start took the evicted start's slot {admitted_after:?} after it asked");
     drop((p, p2));
     d.shutdown(BOUND).await;
@@ -918,12 +924,7 @@ async fn one_decodes_undecided_allocations_are_bounded_by_its_pool_and_others_go
     let d2 = decode().await;
     bounded(p.add_decode(d2.local_addr())).await.unwrap();
     bounded(d2.wait_for_ranks(BOUND)).await.unwrap();
-    let (r, src, dst) = (RequestId(500), [0, 1, 2, 3], [4, 5, 6, 7]);
-    let done = d2.expect(r, PROMPT, CHUNK, dst.to_vec(), BOUND).unwrap();
-    assert_eq!(bounded(p.next_request()).await.unwrap().request, r);
-    bounded(send(&p, r, &src)).await.unwrap();
-    assert_eq!(bounded(done).await, Outcome::Complete);
-    assert!(landed(&d2, &src, &dst));
+    serve_one(&d2, &p, RequestId(500)).await;
     // One of the first decode's requests is decided: its share is free again.
     p.fail(RequestId(1), transfer_engine::core::FailureCode::Aborted);
     bounded(p.decided(RequestId(1))).await;

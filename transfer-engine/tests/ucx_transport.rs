@@ -614,11 +614,15 @@ fn a_pool_ucx_allocates_takes_writes_and_is_freed_with_its_registration() {
     assert_eq!(rx.stats().registered_bytes, 0);
 }
 
-/// The nice value of this process's thread named `comm`, from `/proc/self/task/*/stat`.
+/// The nice value of this process's thread named `comm`, from `/proc/self/task/*/stat`. A thread
+/// that ends while the list is read (other tests of this binary run beside this one) is skipped.
 fn thread_nice(comm: &str) -> Option<i64> {
     for task in std::fs::read_dir("/proc/self/task").ok()? {
-        let dir = task.ok()?.path();
-        let name = std::fs::read_to_string(dir.join("comm")).ok()?;
+        let Ok(task) = task else { continue };
+        let dir = task.path();
+        let Ok(name) = std::fs::read_to_string(dir.join("comm")) else {
+            continue;
+        };
         if name.trim_end() != comm {
             continue;
         }

@@ -945,6 +945,22 @@ async fn one_decodes_undecided_allocations_are_bounded_by_its_pool_and_others_go
 /// without end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decode_that_reads_nothing_is_cut_and_counted() {
+    // 16 MiB: more than loopback's socket buffers take.
+    a_decode_that_does_not_keep_up_is_cut(0, 64 << 10, 256).await;
+}
+
+/// As above, for a decode that reads 100 messages of 4 KiB every 100 ms, about 4 MB/s, while the
+/// rank queues 64 MiB for it: each send is taken within a few reads, but what waits behind it grows
+/// older, and the rank cuts the connection once a message has waited past the bound (draining it
+/// all at that pace would take longer than the test's bound).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_that_reads_more_slowly_than_the_rank_sends_is_cut_and_counted() {
+    a_decode_that_does_not_keep_up_is_cut(100, 4 << 10, 16 << 10).await;
+}
+
+/// A decode (heartbeats at 500 ms) that reads `reads` messages every 100 ms while the rank queues
+/// `count` aux payloads of `len` bytes for it: cut, counted, and refused after.
+async fn a_decode_that_does_not_keep_up_is_cut(reads: usize, len: usize, count: usize) {
     let d = decode_with(Some(Duration::from_millis(500))).await;
     let (mut conn, p) = rogue_decode(&d, PAGES).await;
     let r = RequestId(61);
@@ -952,20 +968,22 @@ async fn a_decode_that_reads_nothing_is_cut_and_counted() {
         .await
         .unwrap();
     assert_eq!(bounded(p.next_request()).await.unwrap().request, r);
-    // 16 MiB for it: more than loopback's socket buffers take.
-    for _ in 0..256 {
-        p.send_aux(r, vec![0xA5; 64 << 10]).unwrap();
+    for _ in 0..count {
+        p.send_aux(r, vec![0xA5; len]).unwrap();
     }
     let until = tokio::time::Instant::now() + BOUND;
     while p.stats().stalled_connections == 0 {
         assert!(tokio::time::Instant::now() < until, "{:?}", p.stats());
         // Never silent.
         let _ = conn.send(&Msg::Heartbeat).await;
+        for _ in 0..reads {
+            let _ = tokio::time::timeout(Duration::from_millis(1), conn.recv()).await;
+        }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let s = until_prefill(&p, "the decode gone", |s| s.decodes == 0).await;
     assert_eq!(s.stalled_connections, 1, "{s:?}");
-    assert!(p.send_aux(r, vec![0xA5; 64 << 10]).is_err());
+    assert!(p.send_aux(r, vec![0xA5; len]).is_err());
     drop((conn, p));
     d.shutdown(BOUND).await;
 }

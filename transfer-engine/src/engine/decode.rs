@@ -18,7 +18,8 @@
 use super::aux::AuxStore;
 use super::landing::{Gate, Workers, landing_pieces};
 use super::{
-    EngineError, Outcome, Pool, TpConfig, layout_from_info, layout_info, to_wire_kind, wire_regions,
+    EngineError, Outbox, Outcome, Pool, TpConfig, layout_from_info, layout_info, to_wire_kind,
+    wire_regions,
 };
 use crate::control::{
     self, BackendInfo, Connection, Hello, Listener, Msg, RejectReason, Role, TransferRequest,
@@ -39,7 +40,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
-use tokio::sync::{Notify, mpsc, oneshot, watch};
+use tokio::sync::{Notify, oneshot, watch};
 
 /// Settings of a [`DecodeEngine`].
 #[derive(Debug, Clone)]
@@ -258,9 +259,10 @@ pub struct DecodeStats {
     /// Rank connections declared lost after a silence of three heartbeat intervals: each was
     /// closed, and its requests' pages stay quarantined.
     pub silent: u64,
-    /// Rank connections cut because a message this side sent was not taken within three of the
-    /// rank's heartbeat intervals (the bound is per message: a rank that reads nothing, or too
-    /// slowly): each was closed, and its requests' pages stay quarantined, as for a silent rank.
+    /// Rank connections cut because a message this side queued was not taken within three of the
+    /// rank's heartbeat intervals of its being queued (a rank that reads nothing, or more slowly
+    /// than this side queues): each was closed, and its requests' pages stay quarantined, as for a
+    /// silent rank.
     pub stalled: u64,
     /// Rank connections that ended without the rank's Close (its process died, or a reset on the
     /// way cut it off): the pages of its failed requests stay held until it must have noticed
@@ -333,7 +335,7 @@ pub struct DecodeStats {
 
 struct RankConn {
     peer: PeerId,
-    writer: mpsc::UnboundedSender<Msg>,
+    writer: Outbox,
     planner: Planner,
     /// Bound with `bind_external_rank`: no control connection, so it never confirms by itself.
     external: bool,
@@ -1252,7 +1254,7 @@ impl crate::metrics::Source for Inner {
             ),
             (
                 "kvx_connections_stalled",
-                "Rank connections cut because a message was not taken within three of the rank's heartbeat intervals",
+                "Rank connections cut because a message was not taken within three of the rank's heartbeat intervals of its being queued",
                 s.stalled,
             ),
             (
@@ -2492,7 +2494,7 @@ impl DecodeEngine {
         st.next_peer += 1;
         st.senders.insert(sender, (id, rank, peer));
         // Nobody reads this channel: an external rank learns its pages out of band.
-        let (tx, _rx) = mpsc::unbounded_channel();
+        let (tx, _rx) = Outbox::new();
         let now = Instant::now();
         if let Some(s) = st.sessions.get_mut(&id) {
             s.ranks[usize::from(rank)] = Some(RankConn {
@@ -3953,7 +3955,7 @@ async fn serve_rank(inner: Weak<Inner>, mut conn: Connection, mut place: super::
     // The rank's slot: its PP rank where every decode TP rank has one source per PP rank.
     let rank = slot;
     let (reader, writer) = conn.into_split();
-    let (tx, rx) = mpsc::unbounded_channel();
+    let (tx, rx) = Outbox::new();
     let cut = Arc::new(Notify::new());
     let peer = {
         let mut st = i.lock();
@@ -4098,7 +4100,7 @@ async fn read_loop(
             () = cuts.cut.notified() => return End::Tampered,
             () = cuts.stalled.notified() => {
                 // Alive, perhaps, and writing: its pages stay held, as a silent rank's do.
-                tracing::error!(rank, "prefill rank reads nothing: lost, its pages stay held");
+                tracing::error!(rank, "prefill rank does not read what decode sends: lost, its pages stay held");
                 if let Some(i) = inner.upgrade() {
                     i.counters.stalled.fetch_add(1, Ordering::Relaxed);
                 }

@@ -595,14 +595,43 @@ fn silence_bound(heartbeat: Option<std::time::Duration>) -> Option<std::time::Du
     heartbeat.map(|h| h * SILENT_INTERVALS)
 }
 
+/// What the engine queues for one control connection: each message with the time it was queued,
+/// which the connection's [`write_loop`] bounds.
+#[derive(Clone, Debug)]
+pub(crate) struct Outbox(tokio::sync::mpsc::UnboundedSender<(tokio::time::Instant, control::Msg)>);
+
+/// The writer's end of an [`Outbox`].
+pub(crate) type OutboxReader =
+    tokio::sync::mpsc::UnboundedReceiver<(tokio::time::Instant, control::Msg)>;
+
+impl Outbox {
+    /// A queue for one connection, and its writer's end.
+    pub(crate) fn new() -> (Self, OutboxReader) {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        (Self(tx), rx)
+    }
+
+    /// Queues `msg`, unless the connection's writer is gone.
+    pub(crate) fn send(&self, msg: control::Msg) -> Result<(), WriterGone> {
+        self.0
+            .send((tokio::time::Instant::now(), msg))
+            .map_err(|_| WriterGone)
+    }
+}
+
+/// An [`Outbox`]'s connection ended: what was queued is dropped.
+#[derive(Debug)]
+pub(crate) struct WriterGone;
+
 /// Sends what the engine queues for one control connection, and a heartbeat every `heartbeat`
 /// (when given); ends after a `Close`, when the queue closes, or when a send fails. With `stall`,
-/// a send the peer does not take within its bound (it reads nothing, or too slowly, while the
-/// socket's buffers are full) ends it too and wakes the `Notify`: the connection's read loop cuts
-/// the connection, so a peer that stops reading cannot make the queue grow without end.
+/// a message the peer has not taken within the bound of its being queued (the peer reads nothing,
+/// or reads more slowly than this side queues, so what waits for it grows) ends it too and wakes
+/// the `Notify`: the connection's read loop cuts the connection, so a peer that does not keep up
+/// cannot make the queue grow without end.
 async fn write_loop(
     mut writer: crate::control::ControlWriter,
-    mut rx: tokio::sync::mpsc::UnboundedReceiver<crate::control::Msg>,
+    mut rx: OutboxReader,
     heartbeat: Option<std::time::Duration>,
     stall: Option<(std::time::Duration, std::sync::Arc<tokio::sync::Notify>)>,
 ) {
@@ -613,27 +642,38 @@ async fn write_loop(
         t
     });
     loop {
-        let msg = match tick.as_mut() {
+        let next = match tick.as_mut() {
             Some(t) => tokio::select! {
                 m = rx.recv() => m,
-                _ = t.tick() => Some(Msg::Heartbeat),
+                _ = t.tick() => Some((tokio::time::Instant::now(), Msg::Heartbeat)),
             },
             None => rx.recv().await,
         };
-        let Some(msg) = msg else { return };
+        let Some((queued, msg)) = next else { return };
         let last = matches!(msg, Msg::Close);
         let sent = match &stall {
-            Some((bound, cut)) => match tokio::time::timeout(*bound, writer.send(&msg)).await {
-                Ok(sent) => sent,
-                Err(_) => {
-                    tracing::warn!(
-                        ?bound,
-                        "the peer took nothing this side sent within the bound: connection cut"
-                    );
-                    cut.notify_one();
-                    return;
+            Some((bound, cut)) => {
+                let due = queued + *bound;
+                // Checked before the send too: a peer that reads a little at a time takes each
+                // message once it is sent, but what is queued behind it only grows older.
+                let sent = if tokio::time::Instant::now() > due {
+                    None
+                } else {
+                    tokio::time::timeout_at(due, writer.send(&msg)).await.ok()
+                };
+                match sent {
+                    Some(sent) => sent,
+                    None => {
+                        tracing::warn!(
+                            ?bound,
+                            "the peer did not take a message within the bound of its being \
+                             queued: connection cut"
+                        );
+                        cut.notify_one();
+                        return;
+                    }
                 }
-            },
+            }
             None => writer.send(&msg).await,
         };
         if sent.is_err() || last {

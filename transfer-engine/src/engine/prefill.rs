@@ -12,8 +12,8 @@
 //! scheduler. A request's source pages stay owned until [`PrefillEngine::decided`] resolves.
 
 use super::{
-    BackendConfig, EngineError, Pool, TpConfig, layout_from_info, layout_info, remote_regions,
-    to_wire_kind,
+    BackendConfig, EngineError, Outbox, Pool, TpConfig, layout_from_info, layout_info,
+    remote_regions, to_wire_kind,
 };
 use crate::control::{
     self, BackendInfo, Connection, Hello, Listener, Msg, RejectReason, Role, Secret,
@@ -291,9 +291,9 @@ pub struct PrefillStats {
     /// waited there unread: their requests go once decided, unless the caller posts or offers
     /// them.
     pub unread_dropped: u64,
-    /// Decode and vote mesh connections cut because a message this side sent was not taken within
-    /// three of the peer's heartbeat intervals (the bound is per message: a peer that reads
-    /// nothing, or too slowly): it was lost, as a silent peer is.
+    /// Decode and vote mesh connections cut because a message this side queued was not taken within
+    /// three of the peer's heartbeat intervals of its being queued (a peer that reads nothing, or
+    /// more slowly than this side queues): it was lost, as a silent peer is.
     pub stalled_connections: u64,
     /// Vote mesh connections to PP peers that ended (the peer closed, was lost, or went silent;
     /// an orderly end of the pipeline counts its peers' closes too): its missing votes fail their
@@ -317,7 +317,7 @@ struct Link {
     dst_seg: u64,
     /// Bytes of decode's layout: `dst_seg` covers it when decode's pool is one registration.
     dst_whole: u64,
-    writer: mpsc::UnboundedSender<Msg>,
+    writer: Outbox,
     /// How long decode may stay silent before the link is lost: three of the heartbeat intervals
     /// its Hello announced (our own for a decode outside our control plane). Also how long one
     /// message to it may wait to be taken before the link is cut.
@@ -493,7 +493,7 @@ struct State {
     board: VoteBoard,
     decided: HashMap<RequestId, Decision>,
     decided_waiters: HashMap<RequestId, Vec<oneshot::Sender<Decision>>>,
-    peer_writers: Vec<Option<mpsc::UnboundedSender<Msg>>>,
+    peer_writers: Vec<Option<Outbox>>,
     /// The incarnation admitted last for each PP peer.
     mesh_incarnations: Incarnations,
     /// PP peers that said (with `Ready` on the mesh) that they attached their connection to us:
@@ -826,7 +826,7 @@ impl crate::metrics::Source for Inner {
         );
         out.add(
             "kvx_connections_stalled",
-            "Connections cut because a message was not taken within three of the peer's heartbeat intervals",
+            "Connections cut because a message was not taken within three of the peer's heartbeat intervals of its being queued",
             base(),
             Counter(s.stalled_connections),
         );
@@ -1043,7 +1043,7 @@ impl PrefillEngine {
                     handshake_micros = crate::transport::micros_since(t1),
                     "decode connected"
                 );
-                let (writer, rx) = mpsc::unbounded_channel();
+                let (writer, rx) = Outbox::new();
                 let link = plan_link(
                     &cfg,
                     &transport,
@@ -1223,7 +1223,7 @@ impl PrefillEngine {
         let deadline = tokio::time::Instant::now() + inner.cfg.connect_timeout;
         let (conn, remote) =
             connect_taken(addr, &inner.hello, &inner.secret, deadline, Dialed::Decode).await?;
-        let (writer, rx) = mpsc::unbounded_channel();
+        let (writer, rx) = Outbox::new();
         // The id is taken now, under the lock: concurrent calls (one per decode rank, say) each
         // get their own, and none overwrites another's link when it is inserted.
         let id = {
@@ -2844,11 +2844,11 @@ async fn decode_read_loop(
         let got = tokio::select! {
             got = reader.recv_within(silence) => got,
             () = cut.notified() => {
-                // It reads nothing this rank sends: lost, as a silent one is.
+                // It does not keep up with what this rank sends: lost, as a silent one is.
                 if let Some(i) = inner.upgrade() {
                     i.counters.stalled_connections.fetch_add(1, Ordering::Relaxed);
                 }
-                tracing::warn!(decode = %link.addr, "decode connection cut: it reads nothing");
+                tracing::warn!(decode = %link.addr, "decode connection cut: it does not read what this rank sends");
                 break;
             }
         };
@@ -3035,7 +3035,7 @@ fn plan_link(
     id: LinkId,
     addr: SocketAddr,
     remote: &Hello,
-    writer: mpsc::UnboundedSender<Msg>,
+    writer: Outbox,
 ) -> Result<Link, EngineError> {
     let dst = layout_from_info(&remote.layout)?;
     let regions = remote_regions(&remote.backend);
@@ -3076,7 +3076,7 @@ fn external_link(
     notify_key: u64,
     x: ExternalDecode,
 ) -> Result<Link, EngineError> {
-    let (writer, _unread) = mpsc::unbounded_channel();
+    let (writer, _unread) = Outbox::new();
     link_to(
         cfg,
         transport,
@@ -3125,7 +3125,7 @@ fn link_to(
     transport: &Arc<dyn Transport>,
     notify_key: u64,
     t: Target<'_>,
-    writer: mpsc::UnboundedSender<Msg>,
+    writer: Outbox,
 ) -> Result<Link, EngineError> {
     let (decode_rank, decode_size) = t.tp;
     let sources = cfg.tp.source_at(cfg.tp.size, decode_size, decode_rank)?;
@@ -3385,7 +3385,7 @@ fn attach_peer(
 ) {
     let incarnation = remote.incarnation;
     let (mut reader, writer) = c.into_split();
-    let (tx, rx) = mpsc::unbounded_channel();
+    let (tx, rx) = Outbox::new();
     {
         let mut st = lock(&inner.state);
         let busy = st.peer_writers[usize::from(rank)].is_some();
@@ -3428,7 +3428,7 @@ fn attach_peer(
                     if let Some(i) = weak.upgrade() {
                         i.counters.stalled_connections.fetch_add(1, Ordering::Relaxed);
                     }
-                    tracing::warn!(rank, "PP peer connection cut: it reads nothing");
+                    tracing::warn!(rank, "PP peer connection cut: it does not read what this rank sends");
                     break;
                 }
             };

@@ -686,7 +686,8 @@ async fn a_rank_cannot_fail_confirm_or_feed_another_instances_request() {
     d.shutdown(BOUND).await;
 }
 
-/// Whether any rank hands out an allocation through `next_request` within a moment.
+/// Whether any rank hands out an allocation through `next_request` within a moment (for a check
+/// that none does; [`each_hands_out`] waits for one that is due).
 async fn handed_out(ranks: &[PrefillEngine]) -> Vec<RequestId> {
     let mut out = Vec::new();
     for r in ranks {
@@ -695,6 +696,15 @@ async fn handed_out(ranks: &[PrefillEngine]) -> Vec<RequestId> {
         {
             out.push(inc.request);
         }
+    }
+    out
+}
+
+/// The allocation each rank hands out through `next_request` next (each waited for, bounded).
+async fn each_hands_out(ranks: &[PrefillEngine]) -> Vec<RequestId> {
+    let mut out = Vec::new();
+    for r in ranks {
+        out.push(bounded(r.next_request()).await.unwrap().request);
     }
     out
 }
@@ -708,7 +718,7 @@ async fn asked_handed_out_and_failed(
     dst: &[u32],
 ) {
     let done = d.expect_request(request, want("a", dst)).unwrap();
-    assert_eq!(handed_out(a).await, vec![request; a.len()]);
+    assert_eq!(each_hands_out(a).await, vec![request; a.len()]);
     assert_poisoned(d, dst);
     for r in a {
         r.fail(request, FailureCode::Aborted);
@@ -764,7 +774,7 @@ async fn offered_requests_are_posted_by_the_ranks_themselves() {
     let r3 = RequestId(42);
     let dst3 = [12, 13, 14, 15];
     let done = d.expect_request(r3, want("a", &dst3)).unwrap();
-    assert_eq!(handed_out(&a).await, vec![r3, r3]);
+    assert_eq!(each_hands_out(&a).await, vec![r3, r3]);
     for r in &a {
         r.offer(r3, src.to_vec()).unwrap();
     }

@@ -1311,10 +1311,12 @@ pub async fn run_prefill(
         eprintln!("kvbench prefill {rank}: leaving etcd: {e}");
     }
     if let Some(dir) = stamps {
-        // The CPU file first: decode reads it once the stamps file is there.
+        // The CPU file first: decode reads it once the stamps file is there. The threads are read
+        // before the process: what they use between the two readings counts on the process's side
+        // only, so their sum stays within it.
+        let threads1 = crate::bench::thread_cpu();
         let cpu = crate::bench::cpu_time().saturating_sub(cpu0);
-        let [progress, runtime, other] =
-            crate::bench::thread_cpu_since(&threads0, &crate::bench::thread_cpu());
+        let [progress, runtime, other] = crate::bench::thread_cpu_since(&threads0, &threads1);
         let copy = engine.transport_stats().copy_nanos.saturating_sub(copy0);
         let regions = engine.transport_stats().regions;
         let writes = engine.stats().writes;

@@ -28,6 +28,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import types
 
@@ -53,12 +54,15 @@ EARLY_EVENT_S = 0.5
 
 class HeldEvent:
     """What the sender is given of SGLang's CUDA event: ``synchronize()`` returns once the forward
-    that writes the early-sent pages is over (here after EARLY_EVENT_S)."""
+    that writes the early-sent pages is over: here once the role has looked at what was posted
+    meanwhile (``over``), and EARLY_EVENT_S later."""
 
     def __init__(self):
         self.fired = None
+        self.over = threading.Event()
 
     def synchronize(self):
+        self.over.wait(60)
         time.sleep(EARLY_EVENT_S)
         self.fired = time.monotonic()
 
@@ -227,12 +231,15 @@ def main():
                         if c0 == 0 and fault == "early_event":
                             # Posted before the forward that writes them was over: none may be.
                             extra["posted_before_event"] = len(sender.posted)
+                            event.over.set()
                         sender.poll()  # the scheduler polls between chunks
                         if c0 == 0 and fault == "abort_prefill" and rank == 0:
                             sender.abort()
                             break
                         if c0 == 0 and fault == "abort_decode":
-                            time.sleep(0.5)  # decode aborts meanwhile
+                            # Decode aborts meanwhile: the rest is sent only once it did (a fixed
+                            # wait here let a slow decode's abort come after the last chunk).
+                            wait_poll(sender, TERMINAL, 30)
                         if c0 == 0 and fault == "kill" and rank == 1:
                             time.sleep(0.2)
                             os.kill(os.getpid(), signal.SIGKILL)

@@ -1088,7 +1088,8 @@ async fn a_wait_for_a_landing_range_ends_when_decode_times_the_request_out() {
             PROMPT,
             PAGE_TOKENS,
             DST.to_vec(),
-            Duration::from_millis(800),
+            // Longer than the rank takes to post chunk 0 on a loaded machine.
+            Duration::from_secs(3),
         )
         .unwrap();
     let send = |c: u32| {

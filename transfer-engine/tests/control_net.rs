@@ -795,14 +795,27 @@ async fn recv_is_cancel_safe() {
     );
 }
 
+/// A loopback port free now, drawn below the kernel's range for ephemeral ports: a port the kernel
+/// handed out and took back may be handed out again at once (to another test's connection, or to
+/// the connecting socket itself), one below the range only to a test that binds it.
+fn unused_port() -> u16 {
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    for _ in 0..1000 {
+        let port = rand::random_range(10_000..low.max(10_001));
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port below {low}");
+}
+
 #[tokio::test]
 async fn connect_retries_until_the_listener_appears() {
-    // Reserve a free port, then free it so the first attempts are refused.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    // A port nobody listens on, so the first attempts are refused.
+    let port = unused_port();
     let addr: SocketAddr = ([127, 0, 0, 1], port).into();
     let server = tokio::spawn(async move {
         // The delay is the scenario (a peer that starts late), not a wait for a result.
@@ -828,11 +841,7 @@ async fn connect_retries_until_the_listener_appears() {
 
 #[tokio::test]
 async fn connect_times_out_when_nobody_listens() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = unused_port();
     let start = Instant::now();
     let r = bounded(Connection::connect(
         format!("127.0.0.1:{port}"),

@@ -455,12 +455,13 @@ async fn an_external_ranks_pages_stay_quarantined_until_the_server_confirms() {
     d.confirm_stopped(0, r);
     bounded(released).await;
     assert!(d.quarantined().is_empty());
-    let _ok = d
+    let pending = d
         .expect(RequestId(9), PROMPT, CHUNK, DST.to_vec(), LONG)
         .unwrap();
     // Shutdown: the external rank can never confirm, so the pool is not freed; and nothing binds
     // once shutdown began.
     let late = d.clone();
+    let before = leaked_pools();
     let report = bounded(d.shutdown(Duration::from_millis(300))).await;
     assert_eq!(report.unconfirmed, vec![(String::new(), 0)], "{report:?}");
     assert!(!report.pool_freed);
@@ -468,6 +469,10 @@ async fn an_external_ranks_pages_stay_quarantined_until_the_server_confirms() {
         late.bind_external_rank(0, Sender::Key(78), &layout()),
         Err(EngineError::Shutdown)
     ));
+    // Nothing here handed the pool out, but the external rank writes into it by what its server
+    // learned: with the last handle the pool is leaked, not freed.
+    drop((late, pending));
+    wait_until("the pool leaked", || leaked_pools() == before + 1).await;
 }
 
 /// A configuration printed with `{:?}` (into a log, a panic message) never shows its secret, in any

@@ -2490,6 +2490,11 @@ impl DecodeEngine {
                 )));
             }
         }
+        // It writes into the pool by what its server learned out of band: from now on the pool is
+        // leaked rather than freed (at drop too) unless every rank confirmed its writes are over.
+        if let Some(pool) = self.inner.pool.get() {
+            pool.mark_exported();
+        }
         let peer = PeerId(st.next_peer);
         st.next_peer += 1;
         st.senders.insert(sender, (id, rank, peer));

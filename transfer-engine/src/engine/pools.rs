@@ -122,6 +122,15 @@ impl Pools {
         self.regs.iter().map(|r| r.remote().clone()).collect()
     }
 
+    /// Marks every segment exported, as [`remotes`](Self::remotes) does, for peers that learn the
+    /// pool another way (an external rank, told by its server): from now on it is leaked rather
+    /// than freed unless the engine shows that no write can still land.
+    pub(crate) fn mark_exported(&self) {
+        for r in &self.regs {
+            let _ = r.remote();
+        }
+    }
+
     /// The first segment, for callers that can hand out only one.
     pub(crate) fn single(&self) -> Option<&Registration> {
         match self.regs.as_slice() {

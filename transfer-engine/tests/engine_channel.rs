@@ -20,7 +20,7 @@ use transfer_engine::core::RequestId;
 use transfer_engine::core::planner::{KvLayout, RegionKind};
 use transfer_engine::engine::{
     ChunkJobHook, DecodeConfig, DecodeEngine, EngineError, Outcome, Pool, PrefillConfig,
-    PrefillEngine, probe_decode,
+    PrefillEngine, PrefillLimits, probe_decode,
 };
 use transfer_engine::mem::{HostBuffer, HostOptions};
 
@@ -167,8 +167,27 @@ async fn prefill_of(
     incarnation: Option<u64>,
     pages: u32,
 ) -> Result<PrefillEngine, EngineError> {
+    prefill_limited(
+        decode,
+        heartbeat,
+        incarnation,
+        pages,
+        PrefillLimits::default(),
+    )
+    .await
+}
+
+/// [`prefill_of`] under `limits`.
+async fn prefill_limited(
+    decode: SocketAddr,
+    heartbeat: Option<Duration>,
+    incarnation: Option<u64>,
+    pages: u32,
+    limits: PrefillLimits,
+) -> Result<PrefillEngine, EngineError> {
     let layout = KvLayout::packed(0, LAYERS, RegionKind::Fused, PAGE_BYTES, pages);
     let mut cfg = PrefillConfig::new(decode, 0, 1, LAYERS, PAGE_TOKENS, layout.clone());
+    cfg.limits = limits;
     cfg.heartbeat = heartbeat;
     if let Some(n) = incarnation {
         cfg.incarnation = n;
@@ -692,8 +711,23 @@ async fn an_evicted_start_behind_a_queued_chunk_keeps_its_pages_when_a_later_sta
 /// `pages` pages connects to it, and it answers with the Hello of the real decode `d` (so the
 /// prefill's transport reaches real UCX).
 async fn rogue_decode(d: &DecodeEngine, pages: u32) -> (Connection, PrefillEngine) {
+    rogue_decode_limited(d, pages, PrefillLimits::default()).await
+}
+
+/// [`rogue_decode`] with the rank under `limits`.
+async fn rogue_decode_limited(
+    d: &DecodeEngine,
+    pages: u32,
+    limits: PrefillLimits,
+) -> (Connection, PrefillEngine) {
     let (mut conns, mut ranks) = rogue_decode_of(d, |addr| {
-        vec![prefill_of(addr, Some(Duration::from_secs(5)), None, pages)]
+        vec![prefill_limited(
+            addr,
+            Some(Duration::from_secs(5)),
+            None,
+            pages,
+            limits,
+        )]
     })
     .await;
     (conns.remove(0), ranks.remove(0))
@@ -899,25 +933,47 @@ async fn a_prefill_rank_refuses_a_listener_that_is_not_a_decode() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_decodes_undecided_allocations_are_bounded_by_its_pool_and_others_go_on() {
     use transfer_engine::engine::PAGES_PER_DECODE_POOL;
-    let d = decode().await;
-    let (mut conn, p) = rogue_decode(&d, PAGES).await;
     // Every allocation names the same four pages, as a decode that reuses them before this rank
     // decided would.
-    let pages = vec![0, 1, 2, 3];
-    let cap = u64::from(PAGES) * PAGES_PER_DECODE_POOL / pages.len() as u64;
+    let cap = u64::from(PAGES) * PAGES_PER_DECODE_POOL / 4;
+    one_decode_is_capped(
+        PrefillLimits::default(),
+        &[0, 1, 2, 3],
+        cap,
+        "times its pool",
+    )
+    .await;
+}
+
+/// As above, for the cap on one decode's undecided requests (3 here), well within the page cap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_decodes_undecided_requests_are_bounded_in_number_and_others_go_on() {
+    let limits = PrefillLimits {
+        requests_per_decode: 3,
+        ..PrefillLimits::default()
+    };
+    one_decode_is_capped(limits, &[0, 1, 2, 3], 3, "undecided requests here already").await;
+}
+
+/// A decode sends `cap` allocations of `pages`, each handed out; the next is refused with a
+/// reason that says `why`, and counted, while another decode is served by the same rank; once one
+/// of the first decode's requests is decided, its next allocation is taken.
+async fn one_decode_is_capped(limits: PrefillLimits, pages: &[u32], cap: u64, why: &str) {
+    let d = decode().await;
+    let (mut conn, p) = rogue_decode_limited(&d, PAGES, limits).await;
     for id in 1..=cap {
-        conn.send(&allocation(id, PROMPT, CHUNK, pages.clone()))
+        conn.send(&allocation(id, PROMPT, CHUNK, pages.to_vec()))
             .await
             .unwrap();
         assert_eq!(bounded(p.next_request()).await.unwrap().request.0, id);
     }
-    conn.send(&allocation(cap + 1, PROMPT, CHUNK, pages.clone()))
+    conn.send(&allocation(cap + 1, PROMPT, CHUNK, pages.to_vec()))
         .await
         .unwrap();
     match next_answer(&mut conn).await {
         Msg::TransferReject(r) => {
             assert_eq!(r.request, cap + 1, "{r:?}");
-            assert!(r.reason.to_string().contains("times its pool"), "{r:?}");
+            assert!(r.reason.to_string().contains(why), "{r:?}");
         }
         m => panic!("{m:?}"),
     }
@@ -930,7 +986,7 @@ async fn one_decodes_undecided_allocations_are_bounded_by_its_pool_and_others_go
     // One of the first decode's requests is decided: its share is free again.
     p.fail(RequestId(1), transfer_engine::core::FailureCode::Aborted);
     bounded(p.decided(RequestId(1))).await;
-    conn.send(&allocation(cap + 2, PROMPT, CHUNK, pages))
+    conn.send(&allocation(cap + 2, PROMPT, CHUNK, pages.to_vec()))
         .await
         .unwrap();
     assert_eq!(bounded(p.next_request()).await.unwrap().request.0, cap + 2);
@@ -938,6 +994,69 @@ async fn one_decodes_undecided_allocations_are_bounded_by_its_pool_and_others_go
     drop((conn, p));
     d.shutdown(BOUND).await;
     d2.shutdown(BOUND).await;
+}
+
+/// A caller that does not read `next_request`: past `PrefillLimits::unread` (2 here) waiting
+/// there, a ready allocation is not queued but counted, and its request is forgotten once decided
+/// (nobody would release it); once the caller reads, allocations are queued again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allocations_past_the_unread_bound_are_counted_and_forgotten_once_decided() {
+    let d = decode().await;
+    let limits = PrefillLimits {
+        unread: 2,
+        ..PrefillLimits::default()
+    };
+    let (mut conn, p) = rogue_decode_limited(&d, PAGES, limits).await;
+    for id in 1..=3 {
+        conn.send(&allocation(id, PROMPT, CHUNK, vec![0, 1, 2, 3]))
+            .await
+            .unwrap();
+    }
+    let s = until_prefill(&p, "the third allocation dropped", |s| {
+        s.unread_dropped == 1
+    })
+    .await;
+    assert_eq!(s.requests, 3, "{s:?}");
+    // Decode aborts the third: decided, and forgotten, since the caller never had it.
+    abort_all(&mut conn, 3..=3).await;
+    until_prefill(&p, "the third forgotten", |s| s.requests == 2).await;
+    assert_eq!(bounded(p.next_request()).await.unwrap().request.0, 1);
+    assert_eq!(bounded(p.next_request()).await.unwrap().request.0, 2);
+    // Read: the next is queued.
+    conn.send(&allocation(4, PROMPT, CHUNK, vec![0, 1, 2, 3]))
+        .await
+        .unwrap();
+    assert_eq!(bounded(p.next_request()).await.unwrap().request.0, 4);
+    assert_eq!(p.stats().unread_dropped, 1, "{:?}", p.stats());
+    drop((conn, p));
+    d.shutdown(BOUND).await;
+}
+
+/// A rank refuses limits of 0 at start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_limit_of_zero_is_refused_at_start() {
+    let d = decode().await;
+    for limits in [
+        PrefillLimits {
+            requests_per_decode: 0,
+            ..PrefillLimits::default()
+        },
+        PrefillLimits {
+            pages_per_decode_pool: 0,
+            ..PrefillLimits::default()
+        },
+        PrefillLimits {
+            unread: 0,
+            ..PrefillLimits::default()
+        },
+    ] {
+        let e = prefill_limited(d.local_addr(), None, None, PAGES, limits).await;
+        assert!(
+            matches!(e, Err(EngineError::Config(_))),
+            "{limits:?}: {e:?}"
+        );
+    }
+    d.shutdown(BOUND).await;
 }
 
 /// A decode that keeps sending (its heartbeats) but reads nothing, while the rank has more for it

@@ -21,7 +21,7 @@ pub use decode::{
 pub use prefill::{
     ExternalDecode, IncomingRequest, LinkId, MAX_FOREIGN_DECISIONS, MAX_OFFERS,
     MAX_REQUESTS_PER_DECODE, MAX_UNKNOWN_ABORTS, MAX_UNREAD, MeshSocket, NotifyFormat,
-    PAGES_PER_DECODE_POOL, PrefillConfig, PrefillEngine, PrefillStats,
+    PAGES_PER_DECODE_POOL, PrefillConfig, PrefillEngine, PrefillLimits, PrefillStats,
 };
 
 use crate::control::{self, ControlError};

@@ -99,6 +99,34 @@ pub struct PrefillConfig {
     /// process naming the same address share one endpoint (see [`crate::metrics`]). `None` (the
     /// default): no endpoint.
     pub metrics: Option<SocketAddr>,
+    /// What one decode may make this rank hold, and how many allocations may wait unread for
+    /// [`PrefillEngine::next_request`] ([`PrefillLimits::default`]: the library's constants).
+    pub limits: PrefillLimits,
+}
+
+/// Bounds on what peers and a caller that does not read make a prefill rank hold. Past them an
+/// allocation is refused ([`PrefillStats::rejected_requests`]) or not queued
+/// ([`PrefillStats::unread_dropped`]); each must be at least 1.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefillLimits {
+    /// Undecided requests one decode may have on this rank at once.
+    pub requests_per_decode: usize,
+    /// Destination pages one decode's undecided requests here may name together, as a multiple
+    /// of its pool.
+    pub pages_per_decode_pool: u64,
+    /// Ready allocations that may wait for [`PrefillEngine::next_request`] at once.
+    pub unread: usize,
+}
+
+impl Default for PrefillLimits {
+    /// [`MAX_REQUESTS_PER_DECODE`], [`PAGES_PER_DECODE_POOL`] and [`MAX_UNREAD`].
+    fn default() -> Self {
+        PrefillLimits {
+            requests_per_decode: MAX_REQUESTS_PER_DECODE,
+            pages_per_decode_pool: PAGES_PER_DECODE_POOL,
+            unread: MAX_UNREAD,
+        }
+    }
 }
 
 /// A listening socket for a rank's vote mesh, bound before the rank starts: bind it with port 0,
@@ -200,6 +228,7 @@ impl PrefillConfig {
             incarnation: super::fresh_incarnation(),
             heartbeat: Some(super::DEFAULT_HEARTBEAT),
             metrics: None,
+            limits: PrefillLimits::default(),
         }
     }
 }
@@ -243,8 +272,8 @@ pub struct PrefillStats {
     /// Requests this rank holds: allocated by a decode and not yet released
     /// ([`PrefillEngine::release`]), decided or not.
     pub requests: u64,
-    /// Transfer requests rejected (bad pages, duplicates, past a decode's cap:
-    /// [`MAX_REQUESTS_PER_DECODE`], [`PAGES_PER_DECODE_POOL`]).
+    /// Transfer requests rejected (bad pages, duplicates, past a decode's caps in
+    /// [`PrefillConfig::limits`]).
     pub rejected_requests: u64,
     /// Bytes registered by the transport.
     pub registered_bytes: u64,
@@ -287,7 +316,7 @@ pub struct PrefillStats {
     /// not decided yet; at most [`MAX_UNKNOWN_ABORTS`] for each decode, beyond which such an
     /// abort is answered, counted in `refused` and casts no vote.
     pub unknown_aborts: u64,
-    /// Ready allocations not queued for [`PrefillEngine::next_request`] because [`MAX_UNREAD`]
+    /// Ready allocations not queued for [`PrefillEngine::next_request`] because [`PrefillLimits::unread`]
     /// waited there unread: their requests go once decided, unless the caller posts or offers
     /// them.
     pub unread_dropped: u64,
@@ -344,8 +373,8 @@ struct LinkState {
     /// Our Close goes once `posted` is 0 (then the link is forgotten).
     close_pending: bool,
     /// This decode's allocations (legs) of requests not decided yet, and the destination pages
-    /// they name (a leg of none counts one): bounded by [`MAX_REQUESTS_PER_DECODE`] and
-    /// [`PAGES_PER_DECODE_POOL`] times decode's pool.
+    /// they name (a leg of none counts one): bounded by [`PrefillLimits::requests_per_decode`] and
+    /// [`PrefillLimits::pages_per_decode_pool`] times decode's pool.
     live: u32,
     live_pages: u64,
 }
@@ -363,17 +392,19 @@ impl LinkState {
     }
 
     /// Why one more live allocation of `pages` destination pages is refused, if it is.
-    fn over_cap(&self, pages: usize) -> Option<String> {
+    fn over_cap(&self, pages: usize, limits: &PrefillLimits) -> Option<String> {
         let units = (pages as u64).max(1);
-        let cap = u64::from(self.link.planner.dst().num_pages) * PAGES_PER_DECODE_POOL;
-        if self.live as usize >= MAX_REQUESTS_PER_DECODE {
+        let times = limits.pages_per_decode_pool;
+        let cap = u64::from(self.link.planner.dst().num_pages).saturating_mul(times);
+        if self.live as usize >= limits.requests_per_decode {
             Some(format!(
-                "this decode has {MAX_REQUESTS_PER_DECODE} undecided requests here already"
+                "this decode has {} undecided requests here already",
+                self.live
             ))
         } else if self.live_pages.saturating_add(units) > cap {
             Some(format!(
                 "this decode's undecided requests here name {} pages; with {units} more they would \
-                 pass {cap}, {PAGES_PER_DECODE_POOL} times its pool",
+                 pass {cap}, {times} times its pool",
                 self.live_pages
             ))
         } else {
@@ -425,7 +456,7 @@ struct ReqState {
     /// The engine took it from an offer and posts it ([`PrefillEngine::offer`]).
     offered: bool,
     /// The caller has it: every allocation came while it had not failed and it was queued for
-    /// `next_request` (not dropped there, past [`MAX_UNREAD`]), the caller gave the allocation
+    /// `next_request` (not dropped there, past [`PrefillLimits::unread`]), the caller gave the allocation
     /// itself (`add_request`), or it posted a chunk of it.
     /// One it never had is forgotten once decided, unless offered: nobody would release it.
     handed: bool,
@@ -625,7 +656,7 @@ struct Inner {
     linking: Mutex<HashMap<SocketAddr, Arc<tokio::sync::Mutex<()>>>>,
     /// The runtime the engine started on: offered requests are posted on tasks of it.
     runtime: tokio::runtime::Handle,
-    /// Allocations queued for `next_request` and not read yet (at most [`MAX_UNREAD`]).
+    /// Allocations queued for `next_request` and not read yet (at most [`PrefillLimits::unread`]).
     unread: AtomicUsize,
     /// Woken when decode says it copied a chunk out of a landing range (`Landed`) and when a
     /// request fails: chunks waiting for their range look again.
@@ -952,6 +983,12 @@ impl PrefillEngine {
         external: Option<ExternalDecode>,
     ) -> Result<Self, EngineError> {
         cfg.tp.validate(&cfg.layout)?;
+        let l = cfg.limits;
+        if l.requests_per_decode == 0 || l.pages_per_decode_pool == 0 || l.unread == 0 {
+            return Err(EngineError::Config(format!(
+                "every prefill limit must be at least 1: {l:?}"
+            )));
+        }
         if cfg.pp_rank >= cfg.pp_size {
             return Err(EngineError::Config(format!(
                 "pp_rank {} not below pp_size {}",
@@ -1173,7 +1210,7 @@ impl PrefillEngine {
     /// The next page allocation a decode engine sent (accepted ones only); `None` once the engine
     /// closed (its last decode closed its connection, without [`PrefillConfig::keep_open`]). A
     /// server whose scheduler already knows its requests need not call it: at most
-    /// [`MAX_UNREAD`] wait unread ([`PrefillStats::unread_dropped`]).
+    /// [`PrefillLimits::unread`] wait unread ([`PrefillStats::unread_dropped`]).
     ///
     /// # Cancel safety
     /// Cancel-safe: an allocation not yet returned stays queued.
@@ -2181,7 +2218,7 @@ impl Inner {
         let over = st
             .links
             .get(&link.id)
-            .and_then(|l| l.over_cap(req.dst_pages.len()));
+            .and_then(|l| l.over_cap(req.dst_pages.len(), &self.cfg.limits));
         let reason = match (geometry, check) {
             (Ok(_), Some(Ok(()))) if open && settled => {
                 control::TransferRejectReason::Invalid(format!(
@@ -2478,14 +2515,15 @@ impl Inner {
     }
 
     /// Queues a ready allocation for `next_request` (the caller then has it), unless
-    /// [`MAX_UNREAD`] wait there already (a caller that never reads it): dropped then, counted;
+    /// [`PrefillLimits::unread`] wait there already (a caller that never reads it): dropped then, counted;
     /// false unless queued.
     fn queue_unread(
         &self,
         incoming: &mpsc::UnboundedSender<IncomingRequest>,
         next: IncomingRequest,
     ) -> bool {
-        if self.unread.fetch_add(1, Ordering::Relaxed) < MAX_UNREAD {
+        let cap = self.cfg.limits.unread;
+        if self.unread.fetch_add(1, Ordering::Relaxed) < cap {
             if incoming.send(next).is_ok() {
                 return true;
             }
@@ -2499,7 +2537,7 @@ impl Inner {
             tracing::warn!(
                 request = next.request.0,
                 dropped,
-                "{MAX_UNREAD} allocations wait unread for next_request: later ones are not queued"
+                "{cap} allocations wait unread for next_request: later ones are not queued"
             );
         }
         false
@@ -3206,16 +3244,17 @@ fn link_to(
 /// Offers ([`PrefillEngine::offer`]) that may wait for their allocations at once.
 pub const MAX_OFFERS: usize = 1 << 16;
 
-/// Undecided requests one decode may have on this rank at once (see [`LinkState::live`]).
+/// Undecided requests one decode may have on this rank at once, by default
+/// ([`PrefillLimits::requests_per_decode`]).
 pub const MAX_REQUESTS_PER_DECODE: usize = 1 << 16;
 
 /// Destination pages one decode's undecided requests here may name together, as a multiple of
-/// its pool. A decode that works hands out each page to one request at a time, but it may reuse
+/// its pool, by default ([`PrefillLimits::pages_per_decode_pool`]). A decode that works hands out each page to one request at a time, but it may reuse
 /// a request's pages once its own side is done, before this rank decided it.
 pub const PAGES_PER_DECODE_POOL: u64 = 4;
 
-/// Allocations that may wait for [`PrefillEngine::next_request`] at once; later ones are
-/// dropped, counted ([`PrefillStats::unread_dropped`]).
+/// Allocations that may wait for [`PrefillEngine::next_request`] at once, by default
+/// ([`PrefillLimits::unread`]); later ones are dropped, counted ([`PrefillStats::unread_dropped`]).
 pub const MAX_UNREAD: usize = 1 << 16;
 
 /// Chunks an offered request posts before letting the runtime's other tasks run.

@@ -102,8 +102,10 @@ pub struct DecodeConfig {
     /// Interval of the heartbeats sent to every prefill rank, announced in decode's Hello. A rank
     /// that sends nothing for [`SILENT_INTERVALS`](super::SILENT_INTERVALS) of the intervals *it*
     /// announced is declared lost (its slot freed, its requests failed, their pages held: it may
-    /// still be writing); one that announces none is noticed only by TCP keepalive. `None`: no
-    /// heartbeats from here.
+    /// still be writing); one that announces none is noticed only by TCP keepalive. The interval
+    /// announced also bounds, the same way, how long a rank may leave decode's messages untaken
+    /// (see [`DecodeStats::stalled`]). `None`: no heartbeats from here, and no such bound on this
+    /// side's reading.
     pub heartbeat: Option<Duration>,
     /// Serve Prometheus metrics of this engine on this address (`GET /metrics`); engines of one
     /// process naming the same address share one endpoint (see [`crate::metrics`]). `None` (the
@@ -4077,7 +4079,8 @@ enum End {
     /// nothing for three heartbeat intervals: its process may be alive and still writing, so its
     /// requests' pages are not handed back (quarantined until [`DecodeEngine::confirm_stopped`]).
     /// Also a connection cut because a later start took the slot of its evicted one, or because
-    /// a message to the rank was not taken within that bound ([`DecodeStats::stalled`]).
+    /// a message to the rank was not taken within that bound of its being queued
+    /// ([`DecodeStats::stalled`]).
     Tampered,
 }
 
@@ -4085,7 +4088,7 @@ enum End {
 struct Cuts {
     /// A later start of the rank took its slot.
     cut: Arc<Notify>,
-    /// A message this side sent was not taken within the silence bound.
+    /// A message this side queued was not taken within the rank's silence bound of its queueing.
     stalled: Arc<Notify>,
 }
 

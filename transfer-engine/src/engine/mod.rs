@@ -653,17 +653,16 @@ async fn write_loop(
         let last = matches!(msg, Msg::Close);
         let sent = match &stall {
             Some((bound, cut)) => {
+                // The send is tried even past the bound, and goes if the socket takes it: a delay
+                // on this side (a busy runtime, this side's own burst) is no fault of the peer.
+                // What the socket does not take by then (the peer reads nothing, or more slowly
+                // than this side queues) ends the connection. Unconstrained: a send paused only
+                // for the runtime's task budget is no sign of a full socket.
                 let due = queued + *bound;
-                // Checked before the send too: a peer that reads a little at a time takes each
-                // message once it is sent, but what is queued behind it only grows older.
-                let sent = if tokio::time::Instant::now() > due {
-                    None
-                } else {
-                    tokio::time::timeout_at(due, writer.send(&msg)).await.ok()
-                };
-                match sent {
-                    Some(sent) => sent,
-                    None => {
+                let send = tokio::task::unconstrained(writer.send(&msg));
+                match tokio::time::timeout_at(due, send).await {
+                    Ok(sent) => sent,
+                    Err(_) => {
                         tracing::warn!(
                             ?bound,
                             "the peer did not take a message within the bound of its being \

@@ -92,8 +92,10 @@ pub struct PrefillConfig {
     /// Interval of the heartbeats sent on every control connection (to each decode, to each PP
     /// peer), announced in this rank's Hello: a peer declares this rank lost when it sends nothing
     /// for [`SILENT_INTERVALS`](super::SILENT_INTERVALS) of them, as this rank does a peer by the
-    /// interval the peer announced (one that announces none, never). `None`: no heartbeats (TCP
-    /// keepalive still runs).
+    /// interval the peer announced (one that announces none, never). The interval announced also
+    /// bounds, the same way, how long a peer may leave this rank's messages untaken (see
+    /// [`PrefillStats::stalled_connections`]). `None`: no heartbeats (TCP keepalive still runs),
+    /// and no such bound on this rank's reading.
     pub heartbeat: Option<Duration>,
     /// Serve Prometheus metrics of this engine on this address (`GET /metrics`); engines of one
     /// process naming the same address share one endpoint (see [`crate::metrics`]). `None` (the

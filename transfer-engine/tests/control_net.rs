@@ -799,17 +799,33 @@ async fn recv_is_cancel_safe() {
 /// handed out and took back may be handed out again at once (to another test's connection, or to
 /// the connecting socket itself), one below the range only to a test that binds it.
 fn unused_port() -> u16 {
-    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+    let range: Vec<u16> = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
         .ok()
-        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
-        .unwrap_or(32768);
+        .map(|s| {
+            s.split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    let (low, high) = match range[..] {
+        [low, high] => (low, high),
+        _ => (32768, 60999),
+    };
+    // Below the range where it leaves room, else above it.
+    let ports = if low > 11_000 {
+        10_000..low
+    } else if high < 64_000 {
+        high + 1..u16::MAX
+    } else {
+        panic!("the ephemeral range {low}..={high} leaves no port outside it to draw");
+    };
     for _ in 0..1000 {
-        let port = rand::random_range(10_000..low.max(10_001));
+        let port = rand::random_range(ports.clone());
         if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
             return port;
         }
     }
-    panic!("no free port below {low}");
+    panic!("no free port in {ports:?}");
 }
 
 #[tokio::test]

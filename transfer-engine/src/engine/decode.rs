@@ -2492,8 +2492,9 @@ impl DecodeEngine {
                 )));
             }
         }
-        // It writes into the pool by what its server learned out of band: from now on the pool is
-        // leaked rather than freed (at drop too) unless every rank confirmed its writes are over.
+        // It writes into the pool by what its server learned out of band, and can never confirm
+        // at shutdown that its writes are over: from now on the pool is leaked rather than freed,
+        // at shutdown and at drop.
         if let Some(pool) = self.inner.pool.get() {
             pool.mark_exported();
         }

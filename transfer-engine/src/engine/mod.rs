@@ -643,7 +643,10 @@ async fn write_loop(
     });
     loop {
         let next = match tick.as_mut() {
+            // What is queued goes first (any message tells the peer this side is alive): a
+            // heartbeat stamped now must not put off the bound of older messages behind it.
             Some(t) => tokio::select! {
+                biased;
                 m = rx.recv() => m,
                 _ = t.tick() => Some((tokio::time::Instant::now(), Msg::Heartbeat)),
             },

@@ -111,7 +111,7 @@ pub struct PrefillConfig {
 /// ([`PrefillStats::unread_dropped`]); each must be at least 1.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PrefillLimits {
-    /// Undecided requests one decode may have on this rank at once.
+    /// Undecided requests one decode may have on this rank at once (at most `u32::MAX`).
     pub requests_per_decode: usize,
     /// Destination pages one decode's undecided requests here may name together, as a multiple
     /// of its pool.
@@ -989,6 +989,13 @@ impl PrefillEngine {
         if l.requests_per_decode == 0 || l.pages_per_decode_pool == 0 || l.unread == 0 {
             return Err(EngineError::Config(format!(
                 "every prefill limit must be at least 1: {l:?}"
+            )));
+        }
+        if u32::try_from(l.requests_per_decode).is_err() {
+            return Err(EngineError::Config(format!(
+                "requests_per_decode {} is over {}",
+                l.requests_per_decode,
+                u32::MAX
             )));
         }
         if cfg.pp_rank >= cfg.pp_size {

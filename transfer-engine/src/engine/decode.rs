@@ -103,9 +103,10 @@ pub struct DecodeConfig {
     /// that sends nothing for [`SILENT_INTERVALS`](super::SILENT_INTERVALS) of the intervals *it*
     /// announced is declared lost (its slot freed, its requests failed, their pages held: it may
     /// still be writing); one that announces none is noticed only by TCP keepalive. The interval
-    /// announced also bounds, the same way, how long a rank may leave decode's messages untaken
-    /// (see [`DecodeStats::stalled`]). `None`: no heartbeats from here, and no such bound on this
-    /// side's reading.
+    /// announced also bounds, the same way, how long a rank may leave decode's messages untaken,
+    /// at most [`MAX_STALL`](super::MAX_STALL) (see [`DecodeStats::stalled`]). `None`: no
+    /// heartbeats from here, and `MAX_STALL` for how long this side may leave a rank's messages
+    /// untaken.
     pub heartbeat: Option<Duration>,
     /// Serve Prometheus metrics of this engine on this address (`GET /metrics`); engines of one
     /// process naming the same address share one endpoint (see [`crate::metrics`]). `None` (the
@@ -262,9 +263,9 @@ pub struct DecodeStats {
     /// closed, and its requests' pages stay quarantined.
     pub silent: u64,
     /// Rank connections cut because a message this side queued was not taken within three of the
-    /// rank's heartbeat intervals of its being queued (a rank that reads nothing, or more slowly
-    /// than this side queues): each was closed, and its requests' pages stay quarantined, as for a
-    /// silent rank.
+    /// rank's heartbeat intervals of its being queued, at most [`MAX_STALL`](super::MAX_STALL) (a
+    /// rank that reads nothing, or more slowly than this side queues): each was closed, and its
+    /// requests' pages stay quarantined, as for a silent rank.
     pub stalled: u64,
     /// Rank connections that ended without the rank's Close (its process died, or a reset on the
     /// way cut it off): the pages of its failed requests stay held until it must have noticed
@@ -1256,7 +1257,7 @@ impl crate::metrics::Source for Inner {
             ),
             (
                 "kvx_connections_stalled",
-                "Rank connections cut because a message was not taken within three of the rank's heartbeat intervals of its being queued",
+                "Rank connections cut because a message was not taken within three of the rank's heartbeat intervals (at most 60 s) of its being queued",
                 s.stalled,
             ),
             (
@@ -4051,7 +4052,7 @@ async fn serve_rank(inner: Weak<Inner>, mut conn: Connection, mut place: super::
         writer,
         rx,
         heartbeat,
-        silence.map(|b| (b, stalled.clone())),
+        (super::stall_bound(silence), stalled.clone()),
     ));
     let end = read_loop(
         &inner,

@@ -595,6 +595,17 @@ fn silence_bound(heartbeat: Option<std::time::Duration>) -> Option<std::time::Du
     heartbeat.map(|h| h * SILENT_INTERVALS)
 }
 
+/// The longest a peer may leave a message this side queued for it untaken, whatever interval it
+/// announced, none included: a peer cannot make what waits for it grow without end by announcing a
+/// long interval, or none.
+pub const MAX_STALL: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// How long a message queued for a peer whose silence bound is `silence` may wait for the peer to
+/// take it: that bound, at most [`MAX_STALL`] (`MAX_STALL` for a peer with none).
+fn stall_bound(silence: Option<std::time::Duration>) -> std::time::Duration {
+    silence.map_or(MAX_STALL, |b| b.min(MAX_STALL))
+}
+
 /// What the engine queues for one control connection: each message with the time it was queued,
 /// which the connection's [`write_loop`] bounds.
 #[derive(Clone, Debug)]
@@ -624,8 +635,8 @@ impl Outbox {
 pub(crate) struct WriterGone;
 
 /// Sends what the engine queues for one control connection, and a heartbeat every `heartbeat`
-/// (when given); ends after a `Close`, when the queue closes, or when a send fails. With `stall`,
-/// a message the peer has not taken within the bound of its being queued (the peer reads nothing,
+/// (when given); ends after a `Close`, when the queue closes, or when a send fails. A message the
+/// peer has not taken within `bound` ([`stall_bound`]) of its being queued (the peer reads nothing,
 /// or reads more slowly than this side queues, so what waits for it grows) ends it too and wakes
 /// the `Notify`: the connection's read loop cuts the connection, so a peer that does not keep up
 /// cannot make the queue grow without end.
@@ -633,7 +644,7 @@ async fn write_loop(
     mut writer: crate::control::ControlWriter,
     mut rx: OutboxReader,
     heartbeat: Option<std::time::Duration>,
-    stall: Option<(std::time::Duration, std::sync::Arc<tokio::sync::Notify>)>,
+    (bound, cut): (std::time::Duration, std::sync::Arc<tokio::sync::Notify>),
 ) {
     use crate::control::Msg;
     let mut tick = heartbeat.map(|h| {
@@ -654,29 +665,21 @@ async fn write_loop(
         };
         let Some((queued, msg)) = next else { return };
         let last = matches!(msg, Msg::Close);
-        let sent = match &stall {
-            Some((bound, cut)) => {
-                // The send is tried even past the bound, and goes if the socket takes it: a delay
-                // on this side (a busy runtime, this side's own burst) is no fault of the peer.
-                // What the socket does not take by then (the peer reads nothing, or more slowly
-                // than this side queues) ends the connection. Unconstrained: a send paused only
-                // for the runtime's task budget is no sign of a full socket.
-                let due = queued + *bound;
-                let send = tokio::task::unconstrained(writer.send(&msg));
-                match tokio::time::timeout_at(due, send).await {
-                    Ok(sent) => sent,
-                    Err(_) => {
-                        tracing::warn!(
-                            ?bound,
-                            "the peer did not take a message within the bound of its being \
-                             queued: connection cut"
-                        );
-                        cut.notify_one();
-                        return;
-                    }
-                }
-            }
-            None => writer.send(&msg).await,
+        // The send is tried even past the bound, and goes if the socket takes it: a delay on this
+        // side (a busy runtime, this side's own burst) is no fault of the peer. What the socket
+        // does not take by then (the peer reads nothing, or more slowly than this side queues)
+        // ends the connection. Unconstrained: a send paused only for the runtime's task budget is
+        // no sign of a full socket.
+        let due = queued + bound;
+        let send = tokio::task::unconstrained(writer.send(&msg));
+        let Ok(sent) = tokio::time::timeout_at(due, send).await else {
+            tracing::warn!(
+                ?bound,
+                "the peer did not take a message within the bound of its being queued: \
+                 connection cut"
+            );
+            cut.notify_one();
+            return;
         };
         if sent.is_err() || last {
             return;
@@ -804,6 +807,27 @@ impl From<crate::core::membership::Refusal> for crate::control::RejectReason {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::next_incarnation;
+
+    /// A message waits for the peer at most three of the interval it announced, and never more
+    /// than `MAX_STALL`, however long the interval it announced (a Hello carries up to u32::MAX
+    /// ms), or if it announced none.
+    #[test]
+    fn the_stall_bound_is_the_peers_silence_bound_at_most_max_stall() {
+        use super::{DEFAULT_HEARTBEAT, MAX_STALL, silence_bound, stall_bound};
+        use std::time::Duration;
+        let ms = Duration::from_millis;
+        assert_eq!(stall_bound(silence_bound(Some(ms(500)))), ms(1500));
+        assert_eq!(
+            stall_bound(silence_bound(Some(DEFAULT_HEARTBEAT))),
+            Duration::from_secs(15)
+        );
+        assert_eq!(stall_bound(silence_bound(Some(ms(20_000)))), MAX_STALL);
+        assert_eq!(
+            stall_bound(silence_bound(Some(ms(u64::from(u32::MAX))))),
+            MAX_STALL
+        );
+        assert_eq!(stall_bound(silence_bound(None)), MAX_STALL);
+    }
 
     #[test]
     fn incarnations_on_one_host_never_go_backwards_even_when_its_clock_does() {

@@ -93,9 +93,10 @@ pub struct PrefillConfig {
     /// peer), announced in this rank's Hello: a peer declares this rank lost when it sends nothing
     /// for [`SILENT_INTERVALS`](super::SILENT_INTERVALS) of them, as this rank does a peer by the
     /// interval the peer announced (one that announces none, never). The interval announced also
-    /// bounds, the same way, how long a peer may leave this rank's messages untaken (see
-    /// [`PrefillStats::stalled_connections`]). `None`: no heartbeats (TCP keepalive still runs),
-    /// and no such bound on this rank's reading.
+    /// bounds, the same way, how long a peer may leave this rank's messages untaken, at most
+    /// [`MAX_STALL`](super::MAX_STALL) (see [`PrefillStats::stalled_connections`]). `None`: no
+    /// heartbeats (TCP keepalive still runs), and `MAX_STALL` for how long this rank may leave a
+    /// peer's messages untaken.
     pub heartbeat: Option<Duration>,
     /// Serve Prometheus metrics of this engine on this address (`GET /metrics`); engines of one
     /// process naming the same address share one endpoint (see [`crate::metrics`]). `None` (the
@@ -323,8 +324,9 @@ pub struct PrefillStats {
     /// them.
     pub unread_dropped: u64,
     /// Decode and vote mesh connections cut because a message this side queued was not taken within
-    /// three of the peer's heartbeat intervals of its being queued (a peer that reads nothing, or
-    /// more slowly than this side queues): it was lost, as a silent peer is.
+    /// three of the peer's heartbeat intervals of its being queued, at most
+    /// [`MAX_STALL`](super::MAX_STALL) (a peer that reads nothing, or more slowly than this side
+    /// queues): it was lost, as a silent peer is.
     pub stalled_connections: u64,
     /// Vote mesh connections to PP peers that ended (the peer closed, was lost, or went silent;
     /// an orderly end of the pipeline counts its peers' closes too): its missing votes fail their
@@ -859,7 +861,7 @@ impl crate::metrics::Source for Inner {
         );
         out.add(
             "kvx_connections_stalled",
-            "Connections cut because a message was not taken within three of the peer's heartbeat intervals of its being queued",
+            "Connections cut because a message was not taken within three of the peer's heartbeat intervals (at most 60 s) of its being queued",
             base(),
             Counter(s.stalled_connections),
         );
@@ -1171,7 +1173,7 @@ impl PrefillEngine {
                 writer,
                 rx,
                 inner.cfg.heartbeat,
-                link.silence.map(|b| (b, cut.clone())),
+                (super::stall_bound(link.silence), cut.clone()),
             )));
             tasks.push(tokio::spawn(decode_read_loop(
                 Arc::downgrade(&inner),
@@ -1303,7 +1305,7 @@ impl PrefillEngine {
         };
         let (reader, w) = conn.into_split();
         let cut = Arc::new(Notify::new());
-        let stall = link.silence.map(|b| (b, cut.clone()));
+        let stall = (super::stall_bound(link.silence), cut.clone());
         inner.keep_task(tokio::spawn(super::write_loop(
             w,
             rx,
@@ -3464,7 +3466,7 @@ fn attach_peer(
         writer,
         rx,
         inner.cfg.heartbeat,
-        silence.map(|b| (b, cut.clone())),
+        (super::stall_bound(silence), cut.clone()),
     ));
     let weak = Arc::downgrade(inner);
     let hello = hello.clone();

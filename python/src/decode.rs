@@ -56,7 +56,9 @@ impl DecodeEngine {
     /// up to `rank_wait` seconds (at most its own timeout) for it, then fails with
     /// `TransferFailed(reason="rank_unavailable")`. Every rank connection carries a heartbeat each
     /// way every `heartbeat` seconds (decode's; each rank announces its own), and a rank silent for
-    /// three of the intervals it announced is lost (`None`: no heartbeats). `tp_rank`/`tp_size` are
+    /// three of the intervals it announced is lost (`None`: no heartbeats; 0 is refused); a rank
+    /// that leaves decode's messages untaken as long (at most 60 s, and 60 s for one without
+    /// heartbeats) is cut, its pages held as a silent rank's. `tp_rank`/`tp_size` are
     /// this decode rank's TP place; `tp_mode` says how prefill TP ranks map onto it (`"identical"`,
     /// `"replicated"` for MLA, `"head_sliced"` with the model's `kv_heads` and a `layout` with head
     /// geometry), and `add_instance`'s `tp_size` each prefill instance's TP size.

@@ -135,7 +135,9 @@ impl PrefillEngine {
     /// engines are served with `add_decode`; `keep_open` keeps the rank serving once every decode
     /// closed (otherwise it closes with its last one). Every control connection carries a
     /// heartbeat each way every `heartbeat` seconds (this rank's; each peer announces its own), and
-    /// a peer silent for three of the intervals it announced is lost (`None`: no heartbeats).
+    /// a peer silent for three of the intervals it announced is lost (`None`: no heartbeats; 0 is
+    /// refused). A peer that leaves this rank's messages untaken as long (at most 60 s, and 60 s
+    /// for one without heartbeats) is cut.
     /// `tp_rank`/`tp_size` are this rank's TP place and `tp_mode` how it maps onto decode's TP ranks
     /// (as `DecodeEngine`'s); each decode engine it links to must be one this rank writes into.
     #[new]

@@ -1032,6 +1032,26 @@ async fn allocations_past_the_unread_bound_are_counted_and_forgotten_once_decide
     d.shutdown(BOUND).await;
 }
 
+/// Both sides refuse a heartbeat interval of 0 (a writer's interval timer cannot run at 0;
+/// `None` sends none) or longer than a Hello can announce, at start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeats_of_zero_or_past_what_a_hello_carries_are_refused_at_start() {
+    let d = decode().await;
+    for beat in [
+        Duration::ZERO,
+        Duration::from_millis(u64::from(u32::MAX) + 1),
+    ] {
+        let e = prefill_start(d.local_addr(), Some(beat), None).await;
+        assert!(matches!(e, Err(EngineError::Config(_))), "{beat:?}: {e:?}");
+        let mut cfg = DecodeConfig::new(LAYERS, PAGE_TOKENS, layout(), 1);
+        cfg.heartbeat = Some(beat);
+        let b = HostBuffer::new(layout().buffer_len as usize, HostOptions::default()).unwrap();
+        let e = DecodeEngine::start(cfg, Pool::Owned(b)).await;
+        assert!(matches!(e, Err(EngineError::Config(_))), "{beat:?}: {e:?}");
+    }
+    d.shutdown(BOUND).await;
+}
+
 /// A rank refuses limits of 0, and a request cap its counters cannot hold, at start.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_limits_out_of_range_are_refused_at_start() {

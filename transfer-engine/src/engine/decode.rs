@@ -102,7 +102,8 @@ pub struct DecodeConfig {
     /// Interval of the heartbeats sent to every prefill rank, announced in decode's Hello. A rank
     /// that sends nothing for [`SILENT_INTERVALS`](super::SILENT_INTERVALS) of the intervals *it*
     /// announced is declared lost (its slot freed, its requests failed, their pages held: it may
-    /// still be writing); one that announces none is noticed only by TCP keepalive. The interval
+    /// still be writing); one that announces none is noticed only by TCP keepalive (or cut if it
+    /// stops reading, below). Above 0 and at most `u32::MAX` ms (refused at start). The interval
     /// announced also bounds, the same way, how long a rank may leave decode's messages untaken,
     /// at most [`MAX_STALL`](super::MAX_STALL) (see [`DecodeStats::stalled`]). `None`: no
     /// heartbeats from here, and `MAX_STALL` for how long this side may leave a rank's messages
@@ -263,9 +264,10 @@ pub struct DecodeStats {
     /// closed, and its requests' pages stay quarantined.
     pub silent: u64,
     /// Rank connections cut because a message this side queued was not taken within three of the
-    /// rank's heartbeat intervals of its being queued, at most [`MAX_STALL`](super::MAX_STALL) (a
-    /// rank that reads nothing, or more slowly than this side queues): each was closed, and its
-    /// requests' pages stay quarantined, as for a silent rank.
+    /// rank's heartbeat intervals of its being queued, at most [`MAX_STALL`](super::MAX_STALL)
+    /// (`MAX_STALL` for a rank without heartbeats; a rank that reads nothing, or more slowly than
+    /// this side queues): each was closed, and its requests' pages stay quarantined, as for a
+    /// silent rank.
     pub stalled: u64,
     /// Rank connections that ended without the rank's Close (its process died, or a reset on the
     /// way cut it off): the pages of its failed requests stay held until it must have noticed
@@ -1257,7 +1259,7 @@ impl crate::metrics::Source for Inner {
             ),
             (
                 "kvx_connections_stalled",
-                "Rank connections cut because a message was not taken within three of the rank's heartbeat intervals (at most 60 s) of its being queued",
+                "Rank connections cut because a message was not taken within three of the rank's heartbeat intervals (at most 60 s; 60 s for a rank without heartbeats) of its being queued",
                 s.stalled,
             ),
             (
@@ -1398,6 +1400,7 @@ impl DecodeEngine {
             )));
         }
         cfg.tp.validate(&cfg.layout)?;
+        super::check_heartbeat(cfg.heartbeat)?;
         if cfg.app.len() > crate::control::MAX_APP_INFO {
             return Err(EngineError::Config(format!(
                 "the application's part of the Hello is {} bytes, more than {}",
@@ -4081,8 +4084,8 @@ enum End {
     /// nothing for three heartbeat intervals: its process may be alive and still writing, so its
     /// requests' pages are not handed back (quarantined until [`DecodeEngine::confirm_stopped`]).
     /// Also a connection cut because a later start took the slot of its evicted one, or because
-    /// a message to the rank was not taken within that bound of its being queued
-    /// ([`DecodeStats::stalled`]).
+    /// a message to the rank was not taken within its [`stall_bound`](super::stall_bound) of its
+    /// being queued ([`DecodeStats::stalled`]).
     Tampered,
 }
 
@@ -4090,7 +4093,8 @@ enum End {
 struct Cuts {
     /// A later start of the rank took its slot.
     cut: Arc<Notify>,
-    /// A message this side queued was not taken within the rank's silence bound of its queueing.
+    /// A message this side queued was not taken within the rank's
+    /// [`stall_bound`](super::stall_bound) of its queueing.
     stalled: Arc<Notify>,
 }
 

@@ -590,9 +590,29 @@ pub const DEFAULT_HEARTBEAT: std::time::Duration = std::time::Duration::from_sec
 /// Heartbeat intervals of silence after which a peer is declared lost.
 pub const SILENT_INTERVALS: u32 = 3;
 
-/// How long a peer may stay silent with heartbeats every `heartbeat`.
+/// How long a peer may stay silent with heartbeats every `heartbeat` (saturating).
 fn silence_bound(heartbeat: Option<std::time::Duration>) -> Option<std::time::Duration> {
-    heartbeat.map(|h| h * SILENT_INTERVALS)
+    heartbeat.map(|h| {
+        h.checked_mul(SILENT_INTERVALS)
+            .unwrap_or(std::time::Duration::MAX)
+    })
+}
+
+/// Refuses a heartbeat interval of zero (`None` is how a side sends none) or longer than a Hello
+/// can announce (`u32::MAX` ms, about 49 days).
+fn check_heartbeat(heartbeat: Option<std::time::Duration>) -> Result<(), EngineError> {
+    match heartbeat {
+        Some(h) if h.is_zero() => Err(EngineError::Config(
+            "a heartbeat interval must be above 0 (None sends no heartbeats)".into(),
+        )),
+        Some(h) if h > std::time::Duration::from_millis(u64::from(u32::MAX)) => {
+            Err(EngineError::Config(format!(
+                "a heartbeat interval of {h:?} is longer than a Hello can announce ({} ms)",
+                u32::MAX
+            )))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// The longest a peer may leave a message this side queued for it untaken, whatever interval it
@@ -821,7 +841,10 @@ mod tests {
             stall_bound(silence_bound(Some(DEFAULT_HEARTBEAT))),
             Duration::from_secs(15)
         );
+        assert_eq!(stall_bound(silence_bound(Some(ms(19_999)))), ms(59_997));
         assert_eq!(stall_bound(silence_bound(Some(ms(20_000)))), MAX_STALL);
+        assert_eq!(stall_bound(silence_bound(Some(ms(20_001)))), MAX_STALL);
+        assert_eq!(silence_bound(Some(Duration::MAX)), Some(Duration::MAX));
         assert_eq!(
             stall_bound(silence_bound(Some(ms(u64::from(u32::MAX))))),
             MAX_STALL

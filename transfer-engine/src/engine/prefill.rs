@@ -325,8 +325,8 @@ pub struct PrefillStats {
     pub unread_dropped: u64,
     /// Decode and vote mesh connections cut because a message this side queued was not taken within
     /// three of the peer's heartbeat intervals of its being queued, at most
-    /// [`MAX_STALL`](super::MAX_STALL) (a peer that reads nothing, or more slowly than this side
-    /// queues): it was lost, as a silent peer is.
+    /// [`MAX_STALL`](super::MAX_STALL) (`MAX_STALL` for a peer without heartbeats; a peer that
+    /// reads nothing, or more slowly than this side queues): it was lost, as a silent peer is.
     pub stalled_connections: u64,
     /// Vote mesh connections to PP peers that ended (the peer closed, was lost, or went silent;
     /// an orderly end of the pipeline counts its peers' closes too): its missing votes fail their
@@ -352,8 +352,9 @@ struct Link {
     dst_whole: u64,
     writer: Outbox,
     /// How long decode may stay silent before the link is lost: three of the heartbeat intervals
-    /// its Hello announced (our own for a decode outside our control plane). Also how long one
-    /// message to it may wait to be taken before the link is cut.
+    /// its Hello announced (our own for a decode outside our control plane). Its
+    /// [`stall_bound`](super::stall_bound) is how long a message to it may wait to be taken before
+    /// the link is cut.
     silence: Option<Duration>,
     /// The decode instance (server) this decode TP rank belongs to, as its Hello names it; empty
     /// when it names none. Allocations of one request from decode ranks of one named instance
@@ -861,7 +862,7 @@ impl crate::metrics::Source for Inner {
         );
         out.add(
             "kvx_connections_stalled",
-            "Connections cut because a message was not taken within three of the peer's heartbeat intervals (at most 60 s) of its being queued",
+            "Connections cut because a message was not taken within three of the peer's heartbeat intervals (at most 60 s; 60 s for a peer without heartbeats) of its being queued",
             base(),
             Counter(s.stalled_connections),
         );
@@ -987,6 +988,7 @@ impl PrefillEngine {
         external: Option<ExternalDecode>,
     ) -> Result<Self, EngineError> {
         cfg.tp.validate(&cfg.layout)?;
+        super::check_heartbeat(cfg.heartbeat)?;
         let l = cfg.limits;
         if l.requests_per_decode == 0 || l.pages_per_decode_pool == 0 || l.unread == 0 {
             return Err(EngineError::Config(format!(
